@@ -1,0 +1,134 @@
+"""The seam between the scheduler and everything topology-specific (the paper's standardized interface).
+
+The scheduler never learns what a container, a GPU or an API is. It sees, per manager:
+
+* ``resources`` — resource names and their capacity;
+* ``fit()`` — a scratch copy of the free capacity on which a scheduling pass places candidates at their minimum
+  units one by one (topology-aware ``accommodate``) and learns which *pool* (node, GPU group, ...) holds each
+  placed action's resources; the pass's elastic DP then runs per (resource, pool);
+* ``dp_operator(resource, pool)`` — the DPArrange operator for that pool's topology;
+* ``allocate`` / ``release`` — turn "k units of R in pool p" into a concrete placement and back;
+* ``execute`` — run an action on its allocation and return its result.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tangram.action import Action, Kind
+from tangram.dparrange import BasicOperator, DPOperator
+
+
+@dataclass(slots=True)
+class Allocation:
+    """Concrete resources granted to one action. ``placement`` is shown to clients; ``handle`` is private."""
+
+    action_id: str
+    units: dict[str, int]
+    pools: dict[str, str]
+    placement: dict[str, Any] = field(default_factory=dict)
+    handle: Any = None
+    released: bool = False
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What ``execute`` returns. ``hold=True`` keeps the allocation after completion (a lease) until released."""
+
+    result: Any
+    hold: bool = False
+
+
+@dataclass(slots=True)
+class PoolStatus:
+    """One row of ``GET /v1/resources``."""
+
+    resource: str
+    pool: str
+    capacity: int
+    in_use: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Fit(abc.ABC):
+    """A tentative placement of candidates at minimum units, private to one scheduling pass."""
+
+    @abc.abstractmethod
+    def try_add(self, action: Action, units: Mapping[str, int]) -> bool:
+        """Place ``units`` (this manager's resources only) for ``action`` if the real topology allows it now.
+
+        Must leave the fit unchanged when it returns False.
+        """
+
+    @abc.abstractmethod
+    def remove(self, action: Action) -> None:
+        """Undo a successful ``try_add`` (used when another manager refuses the same action)."""
+
+    @abc.abstractmethod
+    def pool_of(self, action: Action, resource: str) -> str:
+        """The pool in which ``try_add`` placed ``resource`` for ``action``."""
+
+    @abc.abstractmethod
+    def free_before(self, resource: str, pool: str) -> int:
+        """Free units of ``resource`` in ``pool`` before any candidate of this pass was placed."""
+
+    def pools(self, resource: str) -> Sequence[str]:
+        """Every pool that holds ``resource`` (one pool, ``default``, unless the topology has several)."""
+        return ("default",)
+
+
+class ResourceManager(abc.ABC):
+    """Owns some resource types: their capacity, topology, allocation and the execution of some action kinds."""
+
+    name: str = "manager"
+    #: action kinds this manager executes (at most one manager per kind)
+    kinds: frozenset[Kind] = frozenset()
+
+    @property
+    @abc.abstractmethod
+    def resources(self) -> Mapping[str, int]:
+        """Resource name -> total capacity in units (over all pools)."""
+
+    @abc.abstractmethod
+    def largest_pool(self, resource: str) -> int:
+        """The most units of ``resource`` one action could ever get; larger minimum demands are rejected."""
+
+    @abc.abstractmethod
+    def fit(self) -> Fit:
+        """A fresh scratch copy of current free capacity."""
+
+    def dp_operator(self, resource: str, pool: str) -> DPOperator:
+        """The DPArrange operator for a pool; plain counted units by default (``prev(j, k) = j - k``)."""
+        return BasicOperator()
+
+    @abc.abstractmethod
+    def allocate(self, action: Action, units: Mapping[str, int], pools: Mapping[str, str]) -> Allocation:
+        """Grant ``units`` in ``pools`` (this manager's resources only). The scheduler only asks for what fits."""
+
+    @abc.abstractmethod
+    def release(self, allocation: Allocation) -> None:
+        """Return an allocation's units. Idempotent."""
+
+    async def execute(self, action: Action, allocation: Allocation) -> Outcome:
+        """Run ``action`` on ``allocation``. Raise ``ActionFailed`` for expected failures."""
+        raise NotImplementedError(f"{self.name} executes no actions")
+
+    def validate(self, action: Action) -> None:
+        """Reject at submit what this manager could never run (raise ``BadRequest`` naming the field)."""
+
+    @abc.abstractmethod
+    def status(self) -> list[PoolStatus]:
+        """Capacity and use per resource and pool."""
+
+    def next_change_in(self) -> float | None:
+        """Seconds until capacity frees up by itself (quota windows, lease TTLs); None if never."""
+        return None
+
+    async def start(self) -> None:
+        """Open connections, start background work."""
+
+    async def close(self) -> None:
+        """Stop background work and free what ``start`` opened."""

@@ -1,0 +1,95 @@
+"""Interchangeable units split into pools (nodes): the topology every richer manager starts from.
+
+Used directly by the simulator and the scheduling benchmark, and as the allocation core the CPU manager builds
+on. A pool is chosen per action and resource at fit time (the one with the most free units, leaving room to
+scale); an action's units of one resource never span pools.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from managers.base import Allocation, Fit, PoolStatus, ResourceManager
+from tangram.action import Action
+from tangram.errors import Unprocessable
+
+
+class CountedFit(Fit):
+    def __init__(self, free: dict[str, dict[str, int]]) -> None:
+        self._before = free
+        self._free = {resource: dict(pools) for resource, pools in free.items()}
+        self._placed: dict[str, dict[str, tuple[str, int]]] = {}
+
+    def try_add(self, action: Action, units: Mapping[str, int]) -> bool:
+        chosen: dict[str, tuple[str, int]] = {}
+        for resource, n in units.items():
+            pools = self._free[resource]
+            pool = max(pools, key=pools.__getitem__)
+            if pools[pool] < n:
+                return False
+            chosen[resource] = (pool, n)
+        for resource, (pool, n) in chosen.items():
+            self._free[resource][pool] -= n
+        self._placed[action.id] = chosen
+        return True
+
+    def remove(self, action: Action) -> None:
+        for resource, (pool, n) in self._placed.pop(action.id).items():
+            self._free[resource][pool] += n
+
+    def pool_of(self, action: Action, resource: str) -> str:
+        return self._placed[action.id][resource][0]
+
+    def free_before(self, resource: str, pool: str) -> int:
+        return self._before[resource][pool]
+
+    def pools(self, resource: str) -> Sequence[str]:
+        return tuple(self._before[resource])
+
+
+class CountedUnitsManager(ResourceManager):
+    """Resources given as ``{resource: {pool: capacity}}``; executes nothing by itself."""
+
+    name = "counted"
+
+    def __init__(self, capacity: Mapping[str, Mapping[str, int]]) -> None:
+        self.capacity = {resource: dict(pools) for resource, pools in capacity.items()}
+        self.in_use = {resource: {pool: 0 for pool in pools} for resource, pools in capacity.items()}
+
+    @property
+    def resources(self) -> Mapping[str, int]:
+        return {resource: sum(pools.values()) for resource, pools in self.capacity.items()}
+
+    def largest_pool(self, resource: str) -> int:
+        return max(self.capacity[resource].values())
+
+    def validate(self, action: Action) -> None:
+        for resource, demand in action.demands.items():
+            if resource in self.capacity and demand.min > self.largest_pool(resource):
+                raise Unprocessable(f"demand.{resource}",
+                                    f"minimum {demand.min} exceeds the largest pool ({self.largest_pool(resource)})")
+
+    def fit(self) -> CountedFit:
+        free = {resource: {pool: cap - self.in_use[resource][pool] for pool, cap in pools.items()}
+                for resource, pools in self.capacity.items()}
+        return CountedFit(free)
+
+    def allocate(self, action: Action, units: Mapping[str, int], pools: Mapping[str, str]) -> Allocation:
+        for resource, n in units.items():
+            pool = pools[resource]
+            if self.in_use[resource][pool] + n > self.capacity[resource][pool]:
+                raise RuntimeError(f"over-allocation of {resource} in {pool}: scheduler and manager disagree")
+        for resource, n in units.items():
+            self.in_use[resource][pools[resource]] += n
+        return Allocation(action.id, dict(units), dict(pools), placement={r: {"pool": p} for r, p in pools.items()})
+
+    def release(self, allocation: Allocation) -> None:
+        if allocation.released:
+            return
+        allocation.released = True
+        for resource, n in allocation.units.items():
+            self.in_use[resource][allocation.pools[resource]] -= n
+
+    def status(self) -> list[PoolStatus]:
+        return [PoolStatus(resource, pool, cap, self.in_use[resource][pool])
+                for resource, pools in self.capacity.items() for pool, cap in pools.items()]

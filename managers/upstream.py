@@ -1,0 +1,236 @@
+"""The HTTP proxy behind ``api`` actions: one fixed upstream per resource, bounded retries, capped bodies.
+
+An action never names a host: its ``spec`` gives a method, a path under the resource's ``base_url``, a query,
+headers and a body, and is validated at submit so a bad one is a 400 naming the field, not a failed action.
+Retries (429 / 5xx / connection errors / per-attempt timeouts) call ``before_retry`` first, which the Basic
+manager uses to take another quota unit, so a retry is still a counted call against the upstream's rate limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import re
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from email.utils import parsedate_to_datetime
+from typing import Any
+from urllib.parse import unquote
+
+import aiohttp
+from yarl import URL
+
+from tangram.errors import ActionFailed, BadRequest, ConfigError
+
+METHODS = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE", "HEAD"})
+SPEC_FIELDS = frozenset({"method", "path", "query", "headers", "body", "body_text"})
+#: never forwarded: connection-level headers, and those the client library must compute for the real upstream
+DROPPED_HEADERS = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
+                             "te", "trailer", "transfer-encoding", "upgrade", "host", "content-length"})
+#: response headers worth showing the client (the rest describe the upstream's connection, not the answer)
+RESULT_HEADERS = frozenset({"content-type", "content-language", "etag", "last-modified", "cache-control",
+                            "location", "retry-after"})
+MAX_RETRY_AFTER_S = 60.0
+MAX_PATH_CHARS = 2048
+HEADER_NAME = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
+READ_CHUNK = 64 * 1024
+
+
+@dataclass(frozen=True)
+class UpstreamConfig:
+    base_url: str                  # e.g. "http://127.0.0.1:8081"; actions can never name another host
+    timeout_s: float = 30.0        # per attempt
+    max_retries: int = 3           # on 429 / 5xx / connection errors
+    backoff_s: float = 0.1         # base of exponential backoff with jitter; Retry-After honoured when <= 60 s
+    max_body_bytes: int = 1 << 20  # response body cap; larger -> ActionFailed("upstream_body_too_large")
+
+
+def check_config(config: UpstreamConfig, key: str) -> None:
+    """Raise ``ConfigError`` for the first bad field; ``key`` is where the upstream sits in the config."""
+    try:
+        base = URL(config.base_url)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key}.base_url", "must be an http(s) URL") from None
+    if base.scheme not in ("http", "https") or not base.host:
+        raise ConfigError(f"{key}.base_url", "must be an absolute http:// or https:// URL with a host")
+    if base.query_string or base.fragment or base.user:
+        raise ConfigError(f"{key}.base_url", "must not carry credentials, a query or a fragment")
+    if not (_number(config.timeout_s) and config.timeout_s > 0):
+        raise ConfigError(f"{key}.timeout_s", "must be a positive number of seconds")
+    if not (_integer(config.max_retries) and config.max_retries >= 0):
+        raise ConfigError(f"{key}.max_retries", "must be an integer >= 0")
+    if not (_number(config.backoff_s) and config.backoff_s >= 0):
+        raise ConfigError(f"{key}.backoff_s", "must be a number of seconds >= 0")
+    if not (_integer(config.max_body_bytes) and config.max_body_bytes > 0):
+        raise ConfigError(f"{key}.max_body_bytes", "must be a positive integer")
+
+
+def validate_spec(spec: Mapping[str, Any]) -> None:
+    """Reject an ``api`` spec the proxy would refuse or that could reach anything but the configured upstream."""
+    unknown = sorted(set(spec) - SPEC_FIELDS)
+    if unknown:
+        raise BadRequest(f"spec.{unknown[0]}", f"unknown field; allowed: {sorted(SPEC_FIELDS)}")
+    method = spec.get("method", "GET")
+    if method not in METHODS:
+        raise BadRequest("spec.method", f"must be one of {sorted(METHODS)}, got {method!r}")
+    _check_path(spec.get("path"))
+    query = spec.get("query", {})
+    if not isinstance(query, dict):
+        raise BadRequest("spec.query", "must be an object of names to strings or numbers")
+    for name, value in query.items():
+        if isinstance(value, bool) or not (isinstance(value, str) or _number(value)):
+            raise BadRequest(f"spec.query.{name}", "must be a string or a finite number")
+    headers = spec.get("headers", {})
+    if not isinstance(headers, dict):
+        raise BadRequest("spec.headers", "must be an object of header names to strings")
+    for name, value in headers.items():
+        if not HEADER_NAME.match(name):
+            raise BadRequest(f"spec.headers.{name}", "is not a valid header name")
+        if not isinstance(value, str) or any(c in value for c in "\r\n\0"):
+            raise BadRequest(f"spec.headers.{name}", "must be a string without CR, LF or NUL")
+    if "body_text" in spec:
+        if "body" in spec:
+            raise BadRequest("spec.body_text", "give either spec.body (JSON) or spec.body_text, not both")
+        if not isinstance(spec["body_text"], str):
+            raise BadRequest("spec.body_text", "must be a string")
+
+
+def _check_path(path: Any) -> None:
+    if not isinstance(path, str) or not path:
+        raise BadRequest("spec.path", "is required: a path under the resource's upstream, starting with '/'")
+    if len(path) > MAX_PATH_CHARS:
+        raise BadRequest("spec.path", f"must be at most {MAX_PATH_CHARS} characters")
+    if not path.startswith("/") or path.startswith("//") or "://" in path:
+        raise BadRequest("spec.path", "must be a path starting with a single '/', never a URL")
+    if any(c in path for c in "?#\\") or any(ord(c) < 0x21 or ord(c) == 0x7F for c in path):
+        raise BadRequest("spec.path", "must not contain '?', '#', '\\', spaces or control characters "
+                                      "(put parameters in spec.query)")
+    if any(unquote(segment) in (".", "..") for segment in path.split("/")):
+        raise BadRequest("spec.path", "must not contain '.' or '..' segments")
+
+
+class Upstream:
+    """Sends validated specs to one upstream over a session the manager owns."""
+
+    def __init__(self, config: UpstreamConfig) -> None:
+        self.config = config
+        self._base = URL(config.base_url)
+        self._prefix = self._base.path.rstrip("/")
+        self._timeout = aiohttp.ClientTimeout(total=config.timeout_s)
+
+    def url(self, path: str) -> URL:
+        """The upstream URL for a validated path; the host always is the configured one."""
+        return self._base.with_path(self._prefix + path)
+
+    async def call(self, session: aiohttp.ClientSession, spec: Mapping[str, Any],
+                   before_retry: Callable[[], Awaitable[None]]) -> dict[str, Any]:
+        """Proxy one call; a final non-retryable answer (2xx-4xx) is a result, exhausted retries raise."""
+        method = spec.get("method", "GET")
+        url = self.url(spec["path"])
+        headers = {k: v for k, v in spec.get("headers", {}).items() if k.lower() not in DROPPED_HEADERS}
+        params = {k: str(v) for k, v in spec.get("query", {}).items()}
+        body: dict[str, Any] = {}
+        if "body" in spec:
+            body["json"] = spec["body"]
+        elif "body_text" in spec:
+            body["data"] = spec["body_text"].encode()
+        attempts = 0
+        last_status: int | None = None
+        last_error = ""
+        delay = 0.0
+        for attempt in range(self.config.max_retries + 1):
+            if attempt:
+                await asyncio.sleep(delay)
+                await before_retry()
+            attempts += 1
+            try:
+                # Redirects are not followed: a Location could name any host.
+                async with session.request(method, url, params=params, headers=headers, timeout=self._timeout,
+                                           allow_redirects=False, **body) as resp:
+                    if not _retryable(resp.status):
+                        raw = await self._read_capped(resp, attempts)
+                        return {"status": resp.status, "headers": _result_headers(resp.headers),
+                                "body": _decode(resp, raw), "attempts": attempts}
+                    last_status, last_error = resp.status, f"HTTP {resp.status}"
+                    delay = _retry_after(resp) if resp.status in (429, 503) else None
+                    if delay is None:
+                        delay = self._backoff(attempt)
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                last_status = None
+                last_error = f"timed out after {self.config.timeout_s} s" if isinstance(exc, TimeoutError) \
+                    else f"{type(exc).__name__}: {exc}"
+                delay = self._backoff(attempt)
+        raise ActionFailed("upstream_unavailable", f"{method} {spec['path']}: {last_error} after {attempts} attempts",
+                           status=last_status, attempts=attempts)
+
+    def _backoff(self, attempt: int) -> float:
+        """Exponential in the attempt, jittered to half..full so retrying callers spread out."""
+        ceiling = min(MAX_RETRY_AFTER_S, self.config.backoff_s * 2 ** attempt)
+        return ceiling * random.uniform(0.5, 1.0)
+
+    async def _read_capped(self, resp: aiohttp.ClientResponse, attempts: int) -> bytes:
+        cap = self.config.max_body_bytes
+        too_large = ActionFailed("upstream_body_too_large", f"upstream response body exceeds {cap} bytes",
+                                 limit=cap, status=resp.status, attempts=attempts)
+        if resp.content_length is not None and resp.content_length > cap:
+            raise too_large
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in resp.content.iter_chunked(READ_CHUNK):
+            size += len(chunk)
+            if size > cap:
+                raise too_large
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+
+def _retryable(status: int) -> bool:
+    return status == 429 or status >= 500
+
+
+def _retry_after(resp: aiohttp.ClientResponse) -> float | None:
+    """Seconds the upstream asked us to wait, if given and short enough to wait inside one action."""
+    value = resp.headers.get("Retry-After", "").strip()
+    if not value:
+        return None
+    if value.isdigit():
+        seconds = float(value)
+    else:
+        try:
+            when = parsedate_to_datetime(value)
+        except (TypeError, ValueError):
+            return None
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=timezone.utc)
+        seconds = max(0.0, (when - datetime.now(timezone.utc)).total_seconds())
+    return seconds if True else None
+
+
+def _result_headers(headers: Mapping[str, str]) -> dict[str, str]:
+    return {k.lower(): v for k, v in headers.items()
+            if k.lower() in RESULT_HEADERS or k.lower().startswith("x-ratelimit-")}
+
+
+def _decode(resp: aiohttp.ClientResponse, raw: bytes) -> Any:
+    """JSON when the upstream says so (and it parses), text otherwise."""
+    ctype = resp.content_type
+    if ctype == "application/json" or ctype.endswith("+json"):
+        try:
+            return json.loads(raw)
+        except ValueError:
+            pass
+    try:
+        return raw.decode(resp.charset or "utf-8", errors="replace")
+    except LookupError:
+        return raw.decode("utf-8", errors="replace")
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -1,0 +1,193 @@
+"""The action formulation of §4.1: vectorized demand, elasticity profile and lifecycle record."""
+
+from __future__ import annotations
+
+import bisect
+import time
+import uuid
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+
+class Kind(StrEnum):
+    EXEC = "exec"
+    REWARD = "reward"
+    API = "api"
+    LEASE = "lease"
+
+
+class State(StrEnum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    TIMED_OUT = "timed_out"
+
+    @property
+    def terminal(self) -> bool:
+        return self not in (State.QUEUED, State.RUNNING)
+
+
+@dataclass(frozen=True, slots=True)
+class Demand:
+    """Allowed unit counts of one resource type, ascending: a fixed amount, a range or a discrete set."""
+
+    choices: tuple[int, ...]
+
+    @classmethod
+    def fixed(cls, units: int) -> Demand:
+        return cls((units,))
+
+    @classmethod
+    def range(cls, low: int, high: int) -> Demand:
+        return cls(tuple(range(low, high + 1)))
+
+    @property
+    def min(self) -> int:
+        return self.choices[0]
+
+    @property
+    def max(self) -> int:
+        return self.choices[-1]
+
+    @property
+    def elastic(self) -> bool:
+        return len(self.choices) > 1
+
+    def up_to(self, limit: int) -> tuple[int, ...]:
+        """The allowed counts not above ``limit``."""
+        return self.choices[: bisect.bisect_right(self.choices, limit)]
+
+    def to_json(self) -> Any:
+        if len(self.choices) == 1:
+            return self.min
+        if self.choices == tuple(range(self.min, self.max + 1)):
+            return {"min": self.min, "max": self.max}
+        return {"choices": list(self.choices)}
+
+
+@dataclass(frozen=True, slots=True)
+class Elasticity:
+    """How the key resource speeds the action up: ``getDur(m) = T1 / (E(m) * m)`` (Eq. 1).
+
+    ``efficiency`` lists E at some unit counts; counts in between are interpolated linearly and counts outside
+    the listed span take the nearest listed value. ``t1`` may be omitted and is then learned from history.
+    """
+
+    resource: str
+    efficiency: tuple[tuple[int, float], ...]
+    t1: float | None = None
+
+    def efficiency_at(self, m: int) -> float:
+        points = self.efficiency
+        counts = [p[0] for p in points]
+        i = bisect.bisect_left(counts, m)
+        if i < len(points) and points[i][0] == m:
+            return points[i][1]
+        if i == 0:
+            return points[0][1]
+        if i == len(points):
+            return points[-1][1]
+        (m0, e0), (m1, e1) = points[i - 1], points[i]
+        return e0 + (e1 - e0) * (m - m0) / (m1 - m0)
+
+    def duration(self, t1: float, m: int) -> float:
+        return t1 / (self.efficiency_at(m) * m)
+
+    def to_json(self) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "resource": self.resource,
+            "efficiency": {str(m): e for m, e in self.efficiency},
+        }
+        if self.t1 is not None:
+            body["t1"] = self.t1
+        return body
+
+
+def new_action_id() -> str:
+    return "act_" + uuid.uuid4().hex
+
+
+@dataclass(slots=True, eq=False)
+class Action:
+    """One atomic use of external resources, and its record from submission to a terminal state."""
+
+    task: str
+    kind: Kind
+    demands: dict[str, Demand]
+    spec: dict[str, Any] = field(default_factory=dict)
+    trajectory: str | None = None
+    elasticity: Elasticity | None = None
+    timeout_s: float = 600.0
+    idempotency_key: str | None = None
+    signature: str = ""
+    id: str = field(default_factory=new_action_id)
+    seq: int = 0
+    state: State = State.QUEUED
+    submitted_at: float = field(default_factory=time.time)
+    started_at: float | None = None
+    finished_at: float | None = None
+    execution_s: float | None = None
+    units: dict[str, int] = field(default_factory=dict)
+    placement: dict[str, Any] = field(default_factory=dict)
+    result: Any = None
+    error: dict[str, Any] | None = None
+    expected_duration_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.signature:
+            self.signature = default_signature(self.kind, self.demands, self.spec)
+
+    @property
+    def key_resource(self) -> str | None:
+        """The key elasticity resource, or None when the action is not scalable (Alg. 1 line 6)."""
+        if self.elasticity is None:
+            return None
+        demand = self.demands.get(self.elasticity.resource)
+        if demand is None or not demand.elastic:
+            return None
+        return self.elasticity.resource
+
+    def min_units(self) -> dict[str, int]:
+        return {name: demand.min for name, demand in self.demands.items()}
+
+    def timings(self) -> dict[str, float | None]:
+        """Queue, execution, broker overhead and ACT in seconds (None until known)."""
+        queue = None if self.started_at is None else self.started_at - self.submitted_at
+        act = None if self.finished_at is None else self.finished_at - self.submitted_at
+        overhead = None
+        if act is not None:
+            overhead = max(0.0, act - (queue or 0.0) - (self.execution_s or 0.0))
+        return {"queue_s": queue, "execution_s": self.execution_s, "overhead_s": overhead, "act_s": act}
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "task": self.task,
+            "trajectory": self.trajectory,
+            "kind": self.kind.value,
+            "state": self.state.value,
+            "demand": {name: demand.to_json() for name, demand in self.demands.items()},
+            "elasticity": None if self.elasticity is None else self.elasticity.to_json(),
+            "spec": self.spec,
+            "timeout_s": self.timeout_s,
+            "idempotency_key": self.idempotency_key,
+            "signature": self.signature,
+            "submitted_at": self.submitted_at,
+            "started_at": self.started_at,
+            "finished_at": self.finished_at,
+            "allocation": {"units": self.units, "placement": self.placement} if self.units else None,
+            "result": self.result,
+            "error": self.error,
+            "timings": self.timings(),
+        }
+
+
+def default_signature(kind: Kind, demands: dict[str, Demand], spec: dict[str, Any]) -> str:
+    """Actions with one signature share a learned duration profile: kind, resources and, for API calls, route."""
+    parts = [kind.value, ",".join(sorted(demands))]
+    if kind is Kind.API:
+        parts.append(f"{spec.get('method', 'GET')} {spec.get('path', '/')}")
+    return "|".join(parts)

@@ -1,0 +1,391 @@
+"""The broker: accepts actions, runs scheduling passes on every submit and completion, executes, records.
+
+Scheduling is event-driven and coalescing: submits and completions only set a flag; one loop task runs a pass
+whenever the flag is set, so a burst of a thousand submits costs a handful of passes, not a thousand.
+A ticker handles what time alone changes: quota windows refilling, lease TTLs, deadlines of queued actions and
+forgetting old records from memory (they stay in the store).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from managers.base import Allocation, ResourceManager
+from tangram.action import Action, Kind, State
+from tangram.durations import DurationModel
+from tangram.errors import ActionFailed, BadRequest, Conflict, NotFound, Unprocessable
+from tangram.metrics import Metrics
+from tangram.queue import make_queue
+from tangram.scheduler import Placement, Scheduler
+from tangram.store import Store
+
+log = logging.getLogger("tangram.broker")
+
+
+class _Running:
+    __slots__ = ("action", "allocations", "task", "cancel_reason")
+
+    def __init__(self, action: Action, allocations: list[tuple[ResourceManager, Allocation]]) -> None:
+        self.action = action
+        self.allocations = allocations
+        self.task: asyncio.Task[None] | None = None
+        self.cancel_reason: State | None = None
+
+
+class Broker:
+    def __init__(self, managers: Sequence[ResourceManager], store: Store, *, policy: str = "fcfs",
+                 depth: int = 2, horizon: int = 64, default_duration_s: float = 1.0, ewma_alpha: float = 0.2,
+                 max_queue: int = 100_000, retain_s: float = 600.0, tick_s: float = 0.25) -> None:
+        self.managers = list(managers)
+        self.store = store
+        self.owner: dict[str, ResourceManager] = {}
+        self.executor: dict[Kind, ResourceManager] = {}
+        for manager in self.managers:
+            for resource in manager.resources:
+                if resource in self.owner:
+                    raise ValueError(f"resource {resource!r} is owned by both {self.owner[resource].name} "
+                                     f"and {manager.name}")
+                self.owner[resource] = manager
+            for kind in manager.kinds:
+                self.executor[kind] = manager
+        self.durations = DurationModel(alpha=ewma_alpha, default_s=default_duration_s)
+        self.scheduler = Scheduler(self.managers, self.durations, depth=depth, horizon=horizon)
+        self.queue = make_queue(policy)
+        self.metrics = Metrics()
+        self.metrics.watch(lambda: dict(self.queue.depth_by_resource()), self._units)
+        self.max_queue = max_queue
+        self.retain_s = retain_s
+        self.tick_s = tick_s
+        self.actions: dict[str, Action] = {}
+        self.running: dict[str, _Running] = {}
+        self.leases: dict[str, list[tuple[ResourceManager, Allocation]]] = {}
+        self.idempotency: dict[tuple[str, str], str] = {}
+        self.recent: collections.deque[Action] = collections.deque(maxlen=1000)
+        self._forget: collections.deque[tuple[float, str]] = collections.deque()
+        self._waiters: dict[str, asyncio.Event] = {}
+        self._seq = 0
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._closing = False
+
+    # -- lifecycle ----------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        for task, signature, t1, samples in await self.store.load_profiles():
+            self.durations.load(task, signature, t1, samples)
+        self._seq = await self.store.max_seq()
+        for manager in self.managers:
+            await manager.start()
+        self._tasks = [asyncio.create_task(self._schedule_loop(), name="tangram-schedule"),
+                       asyncio.create_task(self._tick_loop(), name="tangram-tick")]
+
+    async def close(self) -> None:
+        self._closing = True
+        for task in self._tasks:
+            task.cancel()
+        for running in list(self.running.values()):
+            if running.task is not None:
+                running.cancel_reason = State.CANCELLED
+                running.task.cancel()
+        pending = [r.task for r in self.running.values() if r.task is not None]
+        await asyncio.gather(*self._tasks, *pending, return_exceptions=True)
+        self.store.save_profiles(self.durations.take_dirty())
+        for manager in self.managers:
+            await manager.close()
+
+    # -- client operations --------------------------------------------------------------------------------
+
+    async def submit(self, actions: Sequence[Action]) -> list[tuple[Action, bool]]:
+        """Queue actions (all or none are validated first). Returns each record and whether it is new."""
+        for index, action in enumerate(actions):
+            self._validate(action, f"actions[{index}]." if len(actions) > 1 else "")
+        if len(self.queue) + len(actions) > self.max_queue:
+            raise BadRequest("actions", f"the queue is full ({self.max_queue} actions); retry later", status=503)
+        results: list[tuple[Action, bool]] = []
+        fresh: list[Action] = []
+        for action in actions:
+            existing = await self._idempotent(action)
+            if existing is not None:
+                results.append((existing, False))
+                continue
+            self._seq += 1
+            action.seq = self._seq
+            action.submitted_at = time.time()
+            self.actions[action.id] = action
+            if action.idempotency_key is not None:
+                self.idempotency[(action.task, action.idempotency_key)] = action.id
+            self.queue.push(action)
+            self.metrics.submitted.labels(action.kind.value, action.task).inc()
+            results.append((action, True))
+            fresh.append(action)
+        if fresh:
+            self.kick()
+            await asyncio.gather(*(self.store.durable(a) for a in fresh))
+        return results
+
+    def _validate(self, action: Action, where: str) -> None:
+        if action.kind not in self.executor:
+            raise Unprocessable(where + "kind", f"no manager on this broker executes {action.kind.value!r} actions")
+        for resource in action.demands:
+            if resource not in self.owner:
+                raise BadRequest(f"{where}demand.{resource}",
+                                 f"unknown resource; this broker has {sorted(self.owner)}")
+            manager = self.owner[resource]
+            if action.demands[resource].min > manager.largest_pool(resource):
+                raise Unprocessable(f"{where}demand.{resource}",
+                                    f"minimum {action.demands[resource].min} units can never fit: the largest "
+                                    f"pool has {manager.largest_pool(resource)}")
+        try:
+            self.executor[action.kind].validate(action)
+            for manager in {id(self.owner[r]): self.owner[r] for r in action.demands}.values():
+                if manager is not self.executor[action.kind]:
+                    manager.validate(action)
+        except BadRequest as error:
+            if where:
+                error.field = where + error.field
+            raise
+
+    async def _idempotent(self, action: Action) -> Action | None:
+        if action.idempotency_key is None:
+            return None
+        ident = (action.task, action.idempotency_key)
+        known = self.idempotency.get(ident)
+        if known is not None:
+            return await self.get(known)
+        return await self.store.find_by_idempotency(*ident)
+
+    async def get(self, action_id: str) -> Action:
+        action = self.actions.get(action_id)
+        if action is None:
+            action = await self.store.get(action_id)
+        if action is None:
+            raise NotFound("id", f"no action {action_id!r}")
+        return action
+
+    async def wait(self, action_id: str, timeout_s: float) -> Action:
+        """The record once terminal, or as it stands after ``timeout_s``."""
+        action = await self.get(action_id)
+        if action.state.terminal:
+            return action
+        event = self._waiters.setdefault(action_id, asyncio.Event())
+        try:
+            await asyncio.wait_for(event.wait(), timeout_s)
+        except TimeoutError:
+            pass
+        return action
+
+    async def cancel(self, action_id: str) -> Action:
+        action = await self.get(action_id)
+        if action.state.terminal:
+            raise Conflict("id", f"action is already {action.state.value}")
+        if self.queue.remove(action_id) is not None:
+            self._finish(action, State.CANCELLED, error={"code": "cancelled", "message": "cancelled by client"})
+        else:
+            running = self.running[action_id]
+            running.cancel_reason = State.CANCELLED
+            if running.task is not None:
+                running.task.cancel()
+                await asyncio.gather(running.task, return_exceptions=True)
+        return action
+
+    async def release_lease(self, action_id: str) -> Action:
+        action = await self.get(action_id)
+        if action.kind is not Kind.LEASE:
+            raise BadRequest("id", f"action {action_id!r} is not a lease")
+        if action_id not in self.leases:
+            if action.state is State.SUCCEEDED:
+                raise Conflict("id", "lease was already returned or expired")
+            raise Conflict("id", f"lease is {action.state.value}, not granted")
+        self._return_lease(action, "released")
+        return action
+
+    # -- scheduling -------------------------------------------------------------------------------------
+
+    def kick(self) -> None:
+        self._wake.set()
+
+    async def _schedule_loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            try:
+                self.schedule_once()
+            except Exception:  # a scheduling bug must not stop the broker; the next event retries
+                log.exception("scheduling pass failed")
+            await asyncio.sleep(0)  # let completions and submits of this moment coalesce into the next pass
+
+    def schedule_once(self) -> int:
+        if not len(self.queue):
+            return 0
+        started = time.perf_counter()
+        now = time.time()
+        placements = self.scheduler.schedule(self.queue, (r.action for r in self.running.values()), now)
+        self.metrics.schedule_pass.observe(time.perf_counter() - started)
+        for placement in placements:
+            self._start(placement, now)
+        return len(placements)
+
+    def _start(self, placement: Placement, now: float) -> None:
+        action = placement.action
+        by_manager: dict[int, tuple[ResourceManager, dict[str, int]]] = {}
+        for resource, units in placement.units.items():
+            manager = self.owner[resource]
+            by_manager.setdefault(id(manager), (manager, {}))[1][resource] = units
+        allocations: list[tuple[ResourceManager, Allocation]] = []
+        try:
+            for manager, units in by_manager.values():
+                allocations.append((manager, manager.allocate(action, units, placement.pools)))
+        except Exception:
+            log.exception("allocation of %s failed; it stays queued", action.id)
+            for manager, allocation in allocations:
+                manager.release(allocation)
+            return
+        self.queue.remove(action.id)
+        action.state = State.RUNNING
+        action.started_at = now
+        action.units = dict(placement.units)
+        action.placement = {k: v for _, a in allocations for k, v in a.placement.items()}
+        key = action.key_resource
+        action.expected_duration_s = self.durations.duration(action, placement.units.get(key) if key else None)
+        running = _Running(action, allocations)
+        self.running[action.id] = running
+        self.store.save(action)
+        running.task = asyncio.create_task(self._execute(running), name=f"tangram-{action.id}")
+
+    async def _execute(self, running: _Running) -> None:
+        action = running.action
+        manager = self.executor[action.kind]
+        allocation = next((a for m, a in running.allocations if m is manager), None)
+        if allocation is None:  # the executor owns none of the demanded resources: give it an empty one
+            allocation = Allocation(action.id, {}, {})
+        hold = False
+        began = time.time()
+        remaining = action.submitted_at + action.timeout_s - began
+        try:
+            if remaining <= 0:
+                raise TimeoutError
+            outcome = await asyncio.wait_for(manager.execute(action, allocation), remaining)
+            hold = outcome.hold
+            action.execution_s = time.time() - began
+            self._finish(action, State.SUCCEEDED, result=outcome.result, keep=running.allocations if hold else None)
+        except TimeoutError:
+            action.execution_s = time.time() - began
+            self._finish(action, State.TIMED_OUT, error={"code": "timed_out",
+                                                         "message": f"deadline of {action.timeout_s} s passed"})
+        except asyncio.CancelledError:
+            action.execution_s = time.time() - began
+            reason = running.cancel_reason or State.CANCELLED
+            message = "broker shutting down" if self._closing else "cancelled by client"
+            self._finish(action, reason, error={"code": reason.value, "message": message})
+        except ActionFailed as failure:
+            action.execution_s = time.time() - began
+            self._finish(action, State.FAILED, error=failure.to_json())
+        except Exception as error:  # a manager bug: fail this action, keep the broker up
+            log.exception("executing %s failed", action.id)
+            action.execution_s = time.time() - began
+            self._finish(action, State.FAILED, error={"code": "internal", "message": repr(error)})
+        finally:
+            self.running.pop(action.id, None)
+            if not hold:
+                for owner, alloc in running.allocations:
+                    owner.release(alloc)
+            self.kick()
+
+    def _finish(self, action: Action, state: State, *, result: Any = None, error: dict[str, Any] | None = None,
+                keep: list[tuple[ResourceManager, Allocation]] | None = None) -> None:
+        action.state = state
+        action.finished_at = time.time()
+        action.result = result
+        action.error = error
+        if keep is not None:
+            self.leases[action.id] = keep
+        if state is State.SUCCEEDED:
+            self.durations.observe(action)
+        self.store.save(action)
+        self.metrics.record_finish(action)
+        self.recent.append(action)
+        self._forget.append((action.finished_at, action.id))
+        event = self._waiters.pop(action.id, None)
+        if event is not None:
+            event.set()
+
+    def _return_lease(self, action: Action, how: str) -> None:
+        for manager, allocation in self.leases.pop(action.id):
+            manager.release(allocation)
+        result = dict(action.result or {})
+        result["returned"] = how
+        result["returned_at"] = time.time()
+        action.result = result
+        self.store.save(action)
+        self.kick()
+
+    # -- time-driven work -----------------------------------------------------------------------------
+
+    async def _tick_loop(self) -> None:
+        while True:
+            delay = self.tick_s
+            for manager in self.managers:
+                hint = manager.next_change_in()
+                if hint is not None:
+                    delay = min(delay, max(hint, 0.001))
+            await asyncio.sleep(delay)
+            try:
+                self.tick()
+            except Exception:
+                log.exception("tick failed")
+
+    def tick(self) -> None:
+        now = time.time()
+        for manager in self.managers:
+            expired = getattr(manager, "expired_leases", None)
+            if expired is not None:
+                for action_id in expired(time.monotonic()):
+                    action = self.actions.get(action_id)
+                    if action is not None and action_id in self.leases:
+                        self._return_lease(action, "expired")
+        for action in list(self.queue):
+            if action.submitted_at + action.timeout_s <= now:
+                self.queue.remove(action.id)
+                self._finish(action, State.TIMED_OUT, error={
+                    "code": "timed_out", "message": f"still queued when its deadline of {action.timeout_s} s passed"})
+        while self._forget and self._forget[0][0] + self.retain_s < now:
+            _, action_id = self._forget.popleft()
+            if action_id not in self.leases:
+                action = self.actions.pop(action_id, None)
+                if action is not None and action.idempotency_key is not None:
+                    self.idempotency.pop((action.task, action.idempotency_key), None)
+        if self.durations.dirty:
+            self.store.save_profiles(self.durations.take_dirty())
+        self.kick()
+
+    # -- views ------------------------------------------------------------------------------------------
+
+    def _units(self) -> Iterable[tuple[str, str, int, int]]:
+        for manager in self.managers:
+            for row in manager.status():
+                yield row.resource, row.pool, row.capacity, row.in_use
+
+    def resources(self) -> list[dict[str, Any]]:
+        depth = self.queue.depth_by_resource()
+        rows = []
+        for manager in self.managers:
+            for row in manager.status():
+                rows.append({"resource": row.resource, "pool": row.pool, "manager": manager.name,
+                             "capacity": row.capacity, "in_use": row.in_use, "queued": depth.get(row.resource, 0),
+                             **row.extra})
+        return rows
+
+    def stats(self) -> dict[str, Any]:
+        """Counts and recent ACT percentiles, for ``tangram status`` and the status page."""
+        acts = sorted(a.timings()["act_s"] or 0.0 for a in self.recent)
+
+        def pct(q: float) -> float | None:
+            return acts[min(len(acts) - 1, int(q * len(acts)))] if acts else None
+
+        return {"queued": len(self.queue), "running": len(self.running), "leases": len(self.leases),
+                "recent": len(acts), "act_p50_s": pct(0.5), "act_p90_s": pct(0.9), "act_p99_s": pct(0.99)}

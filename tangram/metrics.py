@@ -1,0 +1,72 @@
+"""Prometheus metrics. Gauges that mirror broker state are read at scrape time, not kept in step by hand."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from tangram.action import Action
+
+SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
+PASS_SECONDS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
+
+
+class _StateCollector(Collector):
+    def __init__(self, queue_depth: Callable[[], dict[str, int]],
+                 units: Callable[[], Iterable[tuple[str, str, int, int]]]) -> None:
+        self.queue_depth = queue_depth
+        self.units = units
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        queued = GaugeMetricFamily("tangram_queue_length", "Queued actions demanding each resource",
+                                   labels=["resource"])
+        for resource, depth in sorted(self.queue_depth().items()):
+            queued.add_metric([resource], depth)
+        in_use = GaugeMetricFamily("tangram_units_in_use", "Units held by running actions and leases",
+                                   labels=["resource", "pool"])
+        capacity = GaugeMetricFamily("tangram_units_capacity", "Units a pool has", labels=["resource", "pool"])
+        for resource, pool, cap, used in self.units():
+            in_use.add_metric([resource, pool], used)
+            capacity.add_metric([resource, pool], cap)
+        yield queued
+        yield in_use
+        yield capacity
+
+
+class Metrics:
+    """One registry per broker, so several brokers (tests) never share counters."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["kind", "task"]
+        self.act = Histogram("tangram_action_completion_seconds", "ACT: submission to terminal state",
+                             labels, buckets=SECONDS, registry=self.registry)
+        self.queue = Histogram("tangram_action_queue_seconds", "Time waiting in the unified queue",
+                               labels, buckets=SECONDS, registry=self.registry)
+        self.execution = Histogram("tangram_action_execution_seconds", "Time inside the manager's execute",
+                                   labels, buckets=SECONDS, registry=self.registry)
+        self.overhead = Histogram("tangram_action_overhead_seconds", "ACT minus queue and execution time",
+                                  labels, buckets=SECONDS, registry=self.registry)
+        self.finished = Counter("tangram_actions_finished", "Actions reaching a terminal state",
+                                ["kind", "task", "state"], registry=self.registry)
+        self.submitted = Counter("tangram_actions_submitted", "Actions accepted into the queue",
+                                 ["kind", "task"], registry=self.registry)
+        self.schedule_pass = Histogram("tangram_schedule_pass_seconds", "Wall time of one scheduling pass",
+                                       buckets=PASS_SECONDS, registry=self.registry)
+
+    def watch(self, queue_depth: Callable[[], dict[str, int]],
+              units: Callable[[], Iterable[tuple[str, str, int, int]]]) -> None:
+        self.registry.register(_StateCollector(queue_depth, units))
+
+    def record_finish(self, action: Action) -> None:
+        labels = (action.kind.value, action.task)
+        self.finished.labels(*labels, action.state.value).inc()
+        timings = action.timings()
+        for histogram, name in ((self.act, "act_s"), (self.queue, "queue_s"), (self.execution, "execution_s"),
+                                (self.overhead, "overhead_s")):
+            value = timings[name]
+            if value is not None:
+                histogram.labels(*labels).observe(value)

@@ -1,0 +1,142 @@
+"""The OpenAPI 3 document served at ``/openapi.json``; limits come from the running config."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tangram.action import Kind, State
+from tangram.config import ServerConfig
+from tangram.parse import Limits
+
+
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def _error(description: str) -> dict[str, Any]:
+    return _json(_ref("Error"), description)
+
+
+def openapi_document(server: ServerConfig, limits: Limits) -> dict[str, Any]:
+    units = {"type": "integer", "minimum": 1, "maximum": limits.max_units}
+    demand_entry = {"oneOf": [
+        units,
+        {"type": "object", "required": ["min", "max"], "additionalProperties": False,
+         "properties": {"min": units, "max": units}, "description": "range; min <= max"},
+        {"type": "object", "required": ["choices"], "additionalProperties": False,
+         "properties": {"choices": {"type": "array", "items": units, "minItems": 1,
+                                    "maxItems": limits.max_choices}}},
+    ]}
+    name = {"type": "string", "pattern": r"^[A-Za-z0-9][A-Za-z0-9._:\-/]{0,127}$"}
+    id_param = {"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}
+    wait_params = [
+        {"name": "wait", "in": "query", "schema": {"type": "string", "enum": ["true", "false", "1", "0"]},
+         "description": "block until the action is terminal or wait_timeout_s passes"},
+        {"name": "wait_timeout_s", "in": "query",
+         "schema": {"type": "number", "minimum": 0, "maximum": server.max_wait_s}},
+    ]
+    schemas: dict[str, Any] = {
+        "Error": {"type": "object", "required": ["error"], "properties": {"error": {
+            "type": "object", "required": ["field", "reason"],
+            "properties": {"field": {"type": "string"}, "reason": {"type": "string"}}}}},
+        "Elasticity": {
+            "type": "object", "required": ["resource", "efficiency"], "additionalProperties": False,
+            "properties": {
+                "resource": {"type": "string", "description": "key elasticity resource; must be in demand"},
+                "t1": {"type": "number", "exclusiveMinimum": 0, "description": "seconds on one unit; learned if absent"},
+                "efficiency": {"type": "object", "minProperties": 1,
+                               "additionalProperties": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+                               "description": "E(m) by unit count m; getDur(m) = t1 / (E(m) * m)"}}},
+        "Action": {
+            "type": "object", "required": ["task", "kind", "demand"], "additionalProperties": False,
+            "properties": {
+                "task": name,
+                "trajectory": name,
+                "kind": {"type": "string", "enum": [k.value for k in Kind]},
+                "demand": {"type": "object", "minProperties": 1, "maxProperties": limits.max_resources,
+                           "additionalProperties": demand_entry},
+                "elasticity": _ref("Elasticity"),
+                "spec": {"type": "object", "description": "kind-specific; for api: method, path, query, headers, "
+                                                          "body; for lease: ttl_s"},
+                "timeout_s": {"type": "number", "exclusiveMinimum": 0, "maximum": limits.max_timeout_s,
+                              "default": limits.default_timeout_s,
+                              "description": "deadline from submission, queueing included"},
+                "idempotency_key": {"type": "string", "minLength": 1, "maxLength": 256},
+                "signature": {"type": "string", "maxLength": 256,
+                              "description": "actions sharing (task, signature) share a learned duration"}}},
+        "ActionRecord": {
+            "type": "object",
+            "required": ["id", "task", "kind", "state", "demand", "timings", "submitted_at"],
+            "properties": {
+                "id": {"type": "string"}, "task": {"type": "string"},
+                "trajectory": {"type": ["string", "null"]},
+                "kind": {"type": "string", "enum": [k.value for k in Kind]},
+                "state": {"type": "string", "enum": [s.value for s in State]},
+                "demand": {"type": "object"}, "elasticity": {"type": ["object", "null"]},
+                "spec": {"type": "object"}, "timeout_s": {"type": "number"},
+                "idempotency_key": {"type": ["string", "null"]}, "signature": {"type": "string"},
+                "submitted_at": {"type": "number"}, "started_at": {"type": ["number", "null"]},
+                "finished_at": {"type": ["number", "null"]},
+                "allocation": {"type": ["object", "null"], "properties": {
+                    "units": {"type": "object", "additionalProperties": {"type": "integer"}},
+                    "placement": {"type": "object"}}},
+                "result": {},
+                "error": {"type": ["object", "null"], "properties": {
+                    "code": {"type": "string"}, "message": {"type": "string"}}},
+                "timings": {"type": "object", "properties": {
+                    k: {"type": ["number", "null"]} for k in ("queue_s", "execution_s", "overhead_s", "act_s")}}}},
+        "Resources": {"type": "object", "required": ["resources", "stats"], "properties": {
+            "resources": {"type": "array", "items": {"type": "object", "required": [
+                "resource", "pool", "manager", "capacity", "in_use", "queued"]}},
+            "stats": {"type": "object"}}},
+    }
+    record = _json(_ref("ActionRecord"), "the action record")
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "ARL-Tangram broker", "version": "0.1.0",
+                 "description": "Action-level resource broker for agentic RL."},
+        "paths": {
+            "/v1/actions": {"post": {
+                "summary": "Submit one action", "parameters": wait_params,
+                "requestBody": {"required": True, "content": {"application/json": {"schema": _ref("Action")}}},
+                "responses": {"201": record, "200": _json(_ref("ActionRecord"),
+                                                          "terminal record (wait) or idempotent replay"),
+                              "202": _json(_ref("ActionRecord"), "wait timed out; record as it stands"),
+                              "400": _error("invalid action"), "413": _error("body too large"),
+                              "422": _error("can never run here"), "503": _error("queue full")}}},
+            "/v1/actions:batch": {"post": {
+                "summary": "Submit many actions; all are validated before any is queued",
+                "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                    "type": "object", "required": ["actions"], "additionalProperties": False,
+                    "properties": {"actions": {"type": "array", "minItems": 1, "maxItems": server.max_batch,
+                                               "items": _ref("Action")}}}}}},
+                "responses": {"200": _json({"type": "object", "required": ["actions", "created"], "properties": {
+                    "actions": {"type": "array", "items": _ref("ActionRecord")},
+                    "created": {"type": "integer"}}}, "records in request order"),
+                    "400": _error("invalid action, field prefixed actions[i]."), "413": _error("too large"),
+                    "422": _error("can never run here"), "503": _error("queue full")}}},
+            "/v1/actions/{id}": {
+                "get": {"summary": "Get an action record", "parameters": [id_param, *wait_params],
+                        "responses": {"200": record, "400": _error("bad query"), "404": _error("unknown id")}},
+                "delete": {"summary": "Cancel a queued or running action", "parameters": [id_param],
+                           "responses": {"200": record, "404": _error("unknown id"),
+                                         "409": _error("already terminal")}}},
+            "/v1/leases/{id}": {"delete": {
+                "summary": "Return a granted lease's units", "parameters": [id_param],
+                "responses": {"200": record, "400": _error("not a lease"), "404": _error("unknown id"),
+                              "409": _error("not held")}}},
+            "/v1/resources": {"get": {"summary": "Capacity, use and queue per resource and pool",
+                                      "responses": {"200": _json(_ref("Resources"), "resources")}}},
+            "/healthz": {"get": {"summary": "Liveness", "responses": {"200": _json({"type": "object"}, "ok")}}},
+            "/metrics": {"get": {"summary": "Prometheus metrics",
+                                 "responses": {"200": {"description": "text exposition format",
+                                                       "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
+            "/openapi.json": {"get": {"summary": "This document",
+                                      "responses": {"200": _json({"type": "object"}, "OpenAPI document")}}},
+        },
+        "components": {"schemas": schemas},
+    }

@@ -1,0 +1,222 @@
+"""Elastic resource scheduling (§4.2, Algorithm 1) over the managers' standardized interface.
+
+One pass:
+
+1. **Candidates.** Walk the queue in policy order and place each action at its minimum units on the managers'
+   scratch fits (topology-aware ``accommodate``). FCFS is kept *per resource type*: once an action cannot be
+   placed, every resource it demands is blocked for the rest of the pass, so no later action overtakes it on any
+   of those resources, while actions that need none of them (say, only API quota while CPUs are full) still go.
+2. **Groups.** Candidates that are scalable (elastic key resource and a known duration) are grouped by key
+   resource; the rest are selected at minimum units (Alg. 1 line 6).
+3. **Greedy eviction** per group with the approximated objective (Alg. 2): DPArrange per pool of the key resource
+   gives the optimum of every FCFS prefix in one table; the remaining queue is estimated on a completion heap.
+   Evict the last member while the objective improves.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from managers.base import Fit, ResourceManager
+from tangram.action import Action
+from tangram.dparrange import DPTable, dp_arrange
+from tangram.durations import DurationModel
+from tangram.estimate import CompletionHeap, Waiting, estimate
+
+
+@dataclass(slots=True)
+class Placement:
+    """A scheduling decision: start ``action`` now with these units, in these pools."""
+
+    action: Action
+    units: dict[str, int]
+    pools: dict[str, str]
+
+
+@dataclass(slots=True)
+class _Member:
+    action: Action
+    pool: str
+    rank: int  # position among the group's members of the same pool
+
+
+class Scheduler:
+    def __init__(self, managers: Sequence[ResourceManager], durations: DurationModel, depth: int = 2,
+                 horizon: int = 256) -> None:
+        self.managers = list(managers)
+        self.durations = durations
+        self.depth = depth
+        self.horizon = horizon
+        self.owner: dict[str, ResourceManager] = {}
+        for manager in self.managers:
+            for resource in manager.resources:
+                self.owner[resource] = manager
+
+    def schedule(self, queue: Iterable[Action], running: Iterable[Action], now: float) -> list[Placement]:
+        fits = {id(m): m.fit() for m in self.managers}
+        queue = list(queue)
+        candidates = self._candidates(queue, fits)
+        if not candidates:
+            return []
+        groups: dict[str, list[Action]] = defaultdict(list)
+        placements: list[Placement] = []
+        for action in candidates:
+            key = action.key_resource if self.durations.scalable(action) else None
+            if key is None:
+                placements.append(self._placement(action, action.min_units(), fits))
+            else:
+                groups[key].append(action)
+        if groups:
+            running = list(running)
+            for resource, members in groups.items():
+                chosen = self._arrange(resource, members, candidates, queue, running, fits, now)
+                for action, units in chosen:
+                    demand = action.min_units()
+                    demand[resource] = units
+                    placements.append(self._placement(action, demand, fits))
+        placements.sort(key=lambda p: p.action.seq)
+        return placements
+
+    # -- step 1 -------------------------------------------------------------------------------------------
+
+    def _candidates(self, queue: list[Action], fits: dict[int, Fit]) -> list[Action]:
+        blocked: set[str] = set()
+        everything = set(self.owner)
+        candidates: list[Action] = []
+        for action in queue:
+            names = action.demands.keys()
+            if not blocked.isdisjoint(names):
+                blocked.update(names)
+            elif self._try_place(action, fits):
+                candidates.append(action)
+            else:
+                blocked.update(names)
+            if blocked >= everything:
+                break
+        return candidates
+
+    def _try_place(self, action: Action, fits: dict[int, Fit]) -> bool:
+        per_manager: dict[int, dict[str, int]] = defaultdict(dict)
+        for resource, demand in action.demands.items():
+            per_manager[id(self.owner[resource])][resource] = demand.min
+        placed: list[Fit] = []
+        for manager_id, units in per_manager.items():
+            fit = fits[manager_id]
+            if not fit.try_add(action, units):
+                for done in placed:
+                    done.remove(action)
+                return False
+            placed.append(fit)
+        return True
+
+    def _placement(self, action: Action, units: dict[str, int], fits: dict[int, Fit]) -> Placement:
+        pools = {r: fits[id(self.owner[r])].pool_of(action, r) for r in units}
+        return Placement(action, units, pools)
+
+    # -- steps 2-3 ----------------------------------------------------------------------------------------
+
+    def _arrange(self, resource: str, group: list[Action], candidates: list[Action], queue: list[Action],
+                 running: list[Action], fits: dict[int, Fit], now: float) -> list[tuple[Action, int]]:
+        """Greedy eviction for one key resource; returns the kept members and their key units."""
+        manager = self.owner[resource]
+        fit = fits[id(manager)]
+        in_group = {a.id for a in group}
+        pool_members: dict[str, list[Action]] = defaultdict(list)
+        members: list[_Member] = []
+        for action in group:
+            pool = fit.pool_of(action, resource)
+            members.append(_Member(action, pool, len(pool_members[pool])))
+            pool_members[pool].append(action)
+
+        # Units of each pool left to the group once the other candidates there hold their minimum.
+        others_by_pool: dict[str, int] = defaultdict(int)
+        others: list[tuple[float, int]] = []
+        for action in candidates:
+            if action.id not in in_group and resource in action.demands:
+                units = action.demands[resource].min
+                others_by_pool[fit.pool_of(action, resource)] += units
+                others.append((self.durations.duration(action), units))
+        tables: dict[str, DPTable] = {}
+        durations: dict[str, dict[int, float]] = {}
+        for pool, actions in pool_members.items():
+            free = fit.free_before(resource, pool) - others_by_pool[pool]
+            options = []
+            for action in actions:
+                counts = action.demands[resource].up_to(free)
+                times = [self.durations.duration(action, k) for k in counts]
+                durations[action.id] = dict(zip(counts, times))
+                options.append((counts, times))
+            tables[pool] = dp_arrange(options, free, manager.dp_operator(resource, pool))
+
+        base = self._base_heap(resource, running, fit, now, others)
+        waiting_group = [self._as_waiting(m.action, resource) for m in members]
+        waiting_rest = self._waiting(resource, queue, candidates)
+        plans: dict[tuple[str, int], tuple[float, int, list[tuple[float, int]]]] = {}
+
+        def plan(pool: str, count: int) -> tuple[float, int, list[tuple[float, int]]]:
+            """Exact ACT sum, units used and completion entries of the pool's first ``count`` members."""
+            ident = (pool, count)
+            if ident not in plans:
+                total, units = tables[pool].best(count)
+                entries = [(durations[a.id][k], k) for a, k in zip(pool_members[pool], units)]
+                plans[ident] = (total, sum(units), entries)
+            return plans[ident]
+
+        def objective(t: int) -> float:
+            counts: dict[str, int] = dict.fromkeys(tables, 0)
+            for member in members[:t]:
+                counts[member.pool] += 1
+            chosen = [plan(pool, count) for pool, count in counts.items()]
+            heap = base.copy()
+            heap.take(sum(used for _, used, _ in chosen))  # planned members start now, on idle units
+            heap.extend(entry for _, _, entries in chosen for entry in entries)
+            exact = sum(total for total, _, _ in chosen)
+            return exact + estimate(heap, (waiting_group[t:] + waiting_rest)[: self.horizon], self.depth)
+
+        best_t = len(members)
+        best_obj = objective(best_t)
+        for t in range(len(members) - 1, -1, -1):
+            obj = objective(t)
+            if obj >= best_obj:
+                break
+            best_t, best_obj = t, obj
+
+        counts: dict[str, int] = defaultdict(int)
+        for member in members[:best_t]:
+            counts[member.pool] += 1
+        return [(m.action, plan(m.pool, counts[m.pool])[2][m.rank][1]) for m in members[:best_t]]
+
+    def _base_heap(self, resource: str, running: list[Action], fit: Fit, now: float,
+                   others: list[tuple[float, int]]) -> CompletionHeap:
+        """Unit free-times for ``resource``: running actions, other candidates starting now, the idle rest."""
+        entries: list[tuple[float, int]] = []
+        for action in running:
+            units = action.units.get(resource)
+            if units:
+                finish = (action.started_at or now) + (action.expected_duration_s or self.durations.default_s)
+                entries.append((max(0.0, finish - now), units))
+        idle = sum(fit.free_before(resource, pool) for pool in fit.pools(resource))
+        for duration, units in others:
+            entries.append((duration, units))
+            idle -= units
+        entries.append((0.0, idle))
+        return CompletionHeap(entries)
+
+    def _waiting(self, resource: str, queue: list[Action], candidates: list[Action]) -> list[Waiting]:
+        """Queued non-candidates that need ``resource``, in order, as far as the estimate looks."""
+        chosen = {a.id for a in candidates}
+        waiting: list[Waiting] = []
+        for action in queue:
+            if action.id not in chosen and resource in action.demands:
+                waiting.append(self._as_waiting(action, resource))
+                if len(waiting) >= self.horizon:
+                    break
+        return waiting
+
+    def _as_waiting(self, action: Action, resource: str) -> Waiting:
+        if action.key_resource == resource and self.durations.scalable(action):
+            counts = action.demands[resource].choices[: max(1, self.depth)]
+            return Waiting(counts, tuple(self.durations.duration(action, k) for k in counts))
+        return Waiting((action.demands[resource].min,), (self.durations.duration(action),))

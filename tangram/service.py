@@ -1,0 +1,64 @@
+"""Assemble a broker from a config: managers, store, scheduler, HTTP app; and run it on uvloop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import uvloop
+from aiohttp import web
+
+from managers.base import ResourceManager
+from managers.basic import BasicManager
+from managers.counted import CountedUnitsManager
+from tangram.api import build_app
+from tangram.broker import Broker
+from tangram.config import Config
+from tangram.store import Store
+
+log = logging.getLogger("tangram")
+
+
+def build_managers(config: Config) -> list[ResourceManager]:
+    managers: list[ResourceManager] = []
+    if config.basic:
+        managers.append(BasicManager(list(config.basic)))
+    if config.pools:
+        managers.append(CountedUnitsManager(config.pools))
+    return managers
+
+
+@asynccontextmanager
+async def running_broker(config: Config) -> AsyncIterator[tuple[Broker, web.Application]]:
+    """A started broker and its app; everything is closed and flushed on exit."""
+    store = await Store.open(config.store.url)
+    scheduler = config.scheduler
+    broker = Broker(build_managers(config), store, policy=scheduler.policy, depth=scheduler.depth,
+                    horizon=scheduler.horizon, default_duration_s=scheduler.default_duration_s,
+                    ewma_alpha=scheduler.ewma_alpha, max_queue=scheduler.max_queue, retain_s=scheduler.retain_s)
+    try:
+        await broker.start()
+        yield broker, build_app(broker, config.server, config.limits)
+    finally:
+        await broker.close()
+        await store.close()
+
+
+async def serve(config: Config) -> None:
+    async with running_broker(config) as (_, app):
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, config.server.host, config.server.port)
+        await site.start()
+        log.info("ARL-Tangram broker listening on http://%s:%d (store %s)", config.server.host,
+                 config.server.port, config.store.url)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await runner.cleanup()
+
+
+def run(config: Config) -> None:
+    uvloop.run(serve(config))

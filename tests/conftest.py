@@ -1,0 +1,59 @@
+"""Shared pytest fixtures."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+
+import pytest
+import pytest_asyncio
+from sqlalchemy.ext.asyncio import create_async_engine
+
+from tangram.store import Base, Store
+
+# ---------------------------------------------------------------------------------------------------------------
+# Store fixtures: every store test runs on real SQLite (a file under tmp_path) and on real PostgreSQL.
+# PostgreSQL comes from TANGRAM_TEST_PG_URL (scripts/start-postgres.sh starts one and prints the export line).
+# Without it the postgres cases fail under CI (env CI set) and are skipped elsewhere.
+# ---------------------------------------------------------------------------------------------------------------
+
+PG_URL_ENV = "TANGRAM_TEST_PG_URL"
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def store_url(request: pytest.FixtureRequest, tmp_path) -> str:
+    """A database URL per backend; the postgres database is emptied by the ``store`` fixture."""
+    if request.param == "sqlite":
+        return f"sqlite+aiosqlite:///{tmp_path}/store/tangram.db"
+    url = os.environ.get(PG_URL_ENV)
+    if not url:
+        message = (f"{PG_URL_ENV} is not set: run `eval \"$(scripts/start-postgres.sh)\"` (as root) to start "
+                   "PostgreSQL and export it")
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return url
+
+
+async def reset_database(url: str) -> None:
+    """Drop the broker's tables so each test starts from an empty database (Store.open recreates them)."""
+    engine = create_async_engine(url)
+    try:
+        async with engine.begin() as conn:
+            await conn.run_sync(Base.metadata.drop_all)
+    finally:
+        await engine.dispose()
+
+
+@pytest_asyncio.fixture
+async def store(store_url: str) -> AsyncIterator[Store]:
+    """An open Store on an empty database, closed after the test."""
+    if not store_url.startswith("sqlite"):
+        await reset_database(store_url)
+    opened = await Store.open(store_url)
+    try:
+        yield opened
+    finally:
+        await opened.close()
+
+# ------------------------------------------------- end of store fixtures ---------------------------------------

@@ -1,0 +1,79 @@
+"""Real brokers and real upstreams on loopback for end-to-end tests."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from tangram.broker import Broker
+from tangram.config import parse_config
+from tangram.service import running_broker
+
+
+@dataclass
+class Live:
+    broker: Broker
+    url: str
+    http: aiohttp.ClientSession
+
+    async def call(self, method: str, path: str, **kwargs: Any) -> tuple[int, Any]:
+        async with self.http.request(method, self.url + path, **kwargs) as response:
+            body = await response.json(content_type=None) if response.content_type == "application/json" \
+                else await response.text()
+            return response.status, body
+
+
+@asynccontextmanager
+async def live_broker(raw: dict[str, Any], db_path: str) -> AsyncIterator[Live]:
+    raw = {**raw, "store": {"url": f"sqlite+aiosqlite:///{db_path}"}}
+    async with running_broker(parse_config(raw)) as (broker, app):
+        server = TestServer(app, host="127.0.0.1")
+        await server.start_server()
+        try:
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=200)) as http:
+                yield Live(broker, str(server.make_url("")).rstrip("/"), http)
+        finally:
+            await server.close()
+
+
+@dataclass
+class Upstream:
+    """An upstream API that records concurrency and every request body it served."""
+
+    delay_s: float = 0.01
+    in_flight: int = 0
+    max_in_flight: int = 0
+    seen: list[Any] = field(default_factory=list)
+    url: str = ""
+
+    async def handle(self, request: web.Request) -> web.Response:
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            body = await request.json()
+            await asyncio.sleep(body.get("sleep_s", self.delay_s))
+            self.seen.append(body)
+            return web.json_response({"echo": body, "path": request.path})
+        finally:
+            self.in_flight -= 1
+
+
+@asynccontextmanager
+async def live_upstream(**settings: Any) -> AsyncIterator[Upstream]:
+    upstream = Upstream(**settings)
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", upstream.handle)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    upstream.url = str(server.make_url("")).rstrip("/")
+    try:
+        yield upstream
+    finally:
+        await server.close()

@@ -1,0 +1,174 @@
+"""The REST service end to end over loopback: real broker, real SQLite, real upstream."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from tests.harness import live_broker, live_upstream
+
+LEASES = {"basic": {"lease.gpu-quota": {"concurrency": 4, "lease_ttl_s": 30.0}}, "pools": {"cpu": {"n0": 8}}}
+
+
+def lease(**extra):
+    return {"task": "t1", "kind": "lease", "demand": {"lease.gpu-quota": 1}, **extra}
+
+
+@pytest.fixture
+def db(tmp_path):
+    return str(tmp_path / "tangram.db")
+
+
+BAD = [
+    (b"{not json", "body", 400),
+    (b"[]", "body", 400),
+    (b'{"kind": "lease", "demand": {"lease.gpu-quota": 1}}', "task", 400),
+    (b'{"task": "t", "kind": "teleport", "demand": {"lease.gpu-quota": 1}}', "kind", 400),
+    (b'{"task": "t", "kind": "lease", "demand": {"lease.nope": 1}}', "demand.lease.nope", 400),
+    (b'{"task": "t", "kind": "lease", "demand": {"lease.gpu-quota": {"min": 3, "max": 2}}}',
+     "demand.lease.gpu-quota", 400),
+    (b'{"task": "t", "kind": "lease", "demand": {"lease.gpu-quota": 0}}', "demand.lease.gpu-quota", 400),
+    (b'{"task": "t", "kind": "lease", "demand": {"lease.gpu-quota": -2}}', "demand.lease.gpu-quota", 400),
+    (b'{"task": "t", "kind": "lease", "demand": {"lease.gpu-quota": 5}}', "demand.lease.gpu-quota", 422),
+    (b'{"task": "t", "kind": "lease", "demand": {}}', "demand", 400),
+    (b'{"task": "t", "kind": "lease", "demand": {"lease.gpu-quota": 1}, "timeout_s": -1}', "timeout_s", 400),
+    (b'{"task": "t", "kind": "lease", "demand": {"lease.gpu-quota": 1}, "colour": "red"}', "colour", 400),
+    (b'{"task": "t", "kind": "exec", "demand": {"cpu": 1}}', "kind", 422),
+    (b'{"task": "t", "kind": "lease", "demand": {"cpu": {"choices": [1, 2]}}, '
+     b'"elasticity": {"resource": "cpu", "efficiency": {"2": 1.5}}}', "elasticity.efficiency.2", 400),
+]
+
+
+@pytest.mark.parametrize("body,field,status", BAD)
+async def test_bad_input_gets_4xx_naming_the_field(db, body, field, status):
+    async with live_broker(LEASES, db) as live:
+        code, reply = await live.call("POST", "/v1/actions", data=body)
+        assert (code, reply["error"]["field"]) == (status, field), reply
+        assert reply["error"]["reason"]
+        assert len(live.broker.queue) == 0
+
+
+async def test_limits_on_size_batch_and_ids(db):
+    async with live_broker({**LEASES, "server": {"max_body_bytes": 4096, "max_batch": 3}}, db) as live:
+        code, reply = await live.call("POST", "/v1/actions", data=b'{"task": "' + b"x" * 5000 + b'"}')
+        assert (code, reply["error"]["field"]) == (413, "body")
+        code, reply = await live.call("POST", "/v1/actions:batch", json={"actions": [lease()] * 4})
+        assert (code, reply["error"]["field"]) == (413, "actions")
+        code, reply = await live.call("POST", "/v1/actions:batch", json={"actions": [lease(), {"task": "t"}]})
+        assert (code, reply["error"]["field"]) == (400, "actions[1].kind")
+        assert len(live.broker.queue) == 0 and not live.broker.actions  # nothing of a bad batch is queued
+        for method, path in (("GET", "/v1/actions/act_nope"), ("DELETE", "/v1/actions/act_nope"),
+                             ("DELETE", "/v1/leases/act_nope")):
+            code, reply = await live.call(method, path)
+            assert (code, reply["error"]["field"]) == (404, "id")
+        code, reply = await live.call("GET", "/v1/actions/x?wait=maybe")
+        assert (code, reply["error"]["field"]) == (400, "wait")
+        code, reply = await live.call("GET", "/v2/nothing")
+        assert code == 404 and reply["error"]["field"] == "path"
+
+
+async def test_lease_lifecycle_wait_release_and_idempotency(db):
+    async with live_broker(LEASES, db) as live:
+        code, granted = await live.call("POST", "/v1/actions?wait=true",
+                                        json=lease(demand={"lease.gpu-quota": 3}, idempotency_key="k1"))
+        assert code == 200 and granted["state"] == "succeeded"
+        assert granted["result"]["lease_id"] == granted["id"]
+        assert granted["timings"]["act_s"] >= granted["timings"]["queue_s"] >= 0
+        # 3 of 4 units are held; a 2-unit lease must wait until the first is returned
+        code, waiting = await live.call("POST", "/v1/actions", json=lease(demand={"lease.gpu-quota": 2}))
+        assert code == 201
+        await asyncio.sleep(0.1)
+        assert (await live.call("GET", f"/v1/actions/{waiting['id']}"))[1]["state"] == "queued"
+        code, replay = await live.call("POST", "/v1/actions", json=lease(demand={"lease.gpu-quota": 3},
+                                                                       idempotency_key="k1"))
+        assert code == 200 and replay["id"] == granted["id"]
+        code, returned = await live.call("DELETE", f"/v1/leases/{granted['id']}")
+        assert code == 200 and returned["result"]["returned"] == "released"
+        code, second = await live.call("GET", f"/v1/actions/{waiting['id']}?wait=true&wait_timeout_s=5")
+        assert second["state"] == "succeeded"
+        code, again = await live.call("DELETE", f"/v1/leases/{granted['id']}")
+        assert code == 409
+        _, resources = await live.call("GET", "/v1/resources")
+        row = next(r for r in resources["resources"] if r["resource"] == "lease.gpu-quota")
+        assert (row["capacity"], row["in_use"], row["queued"]) == (4, 2, 0)
+
+
+async def test_cancel_queued_action_and_queued_deadline(db):
+    async with live_broker(LEASES, db) as live:
+        await live.call("POST", "/v1/actions?wait=true", json=lease(demand={"lease.gpu-quota": 4}))
+        _, queued = await live.call("POST", "/v1/actions", json=lease())
+        code, cancelled = await live.call("DELETE", f"/v1/actions/{queued['id']}")
+        assert code == 200 and cancelled["state"] == "cancelled"
+        assert (await live.call("DELETE", f"/v1/actions/{queued['id']}"))[0] == 409
+        _, doomed = await live.call("POST", "/v1/actions", json=lease(timeout_s=0.3))
+        code, final = await live.call("GET", f"/v1/actions/{doomed['id']}?wait=true&wait_timeout_s=5")
+        assert final["state"] == "timed_out" and final["error"]["code"] == "timed_out"
+        assert len(live.broker.queue) == 0
+
+
+async def test_abandoned_lease_comes_back_after_its_ttl(db):
+    async with live_broker(LEASES, db) as live:
+        _, held = await live.call("POST", "/v1/actions?wait=true",
+                                  json=lease(demand={"lease.gpu-quota": 4}, spec={"ttl_s": 0.3}))
+        assert held["state"] == "succeeded"
+        code, next_one = await live.call("POST", "/v1/actions?wait=true&wait_timeout_s=5", json=lease())
+        assert code == 200 and next_one["state"] == "succeeded"
+        _, record = await live.call("GET", f"/v1/actions/{held['id']}")
+        assert record["result"]["returned"] == "expired"
+
+
+async def test_thousand_api_actions_respect_concurrency_and_end_exactly_once(db):
+    limit = 4
+    async with live_upstream(delay_s=0.002) as upstream:
+        config = {"basic": {"api.search": {"concurrency": limit, "upstream": {"base_url": upstream.url}}}}
+        async with live_broker(config, db) as live:
+            ids = []
+            for batch in range(10):
+                actions = [{"task": "search", "kind": "api", "demand": {"api.search": 1},
+                            "spec": {"method": "POST", "path": "/q", "body": {"n": batch * 100 + i}}}
+                           for i in range(100)]
+                code, reply = await live.call("POST", "/v1/actions:batch", json={"actions": actions})
+                assert code == 200 and reply["created"] == 100
+                ids += [record["id"] for record in reply["actions"]]
+            finals = await asyncio.gather(*(live.call("GET", f"/v1/actions/{i}?wait=true&wait_timeout_s=60")
+                                            for i in ids))
+            assert all(record["state"] == "succeeded" for _, record in finals)
+            assert sorted(record["result"]["body"]["echo"]["n"] for _, record in finals) == list(range(1000))
+            assert sorted(body["n"] for body in upstream.seen) == list(range(1000))  # each served exactly once
+            assert upstream.max_in_flight == limit  # the limit was used, and never exceeded
+            await live.broker.store.flush()
+            assert len(set(ids)) == 1000
+
+
+async def test_leases_with_a_quota_per_period_never_exceed_it(db):
+    quota, period = 50, 0.5
+    config = {"basic": {"lease.q": {"quota": quota, "period_s": period}}}
+    async with live_broker(config, db) as live:
+        actions = [{"task": "q", "kind": "lease", "demand": {"lease.q": 1}} for _ in range(150)]
+        started = time.monotonic()
+        _, reply = await live.call("POST", "/v1/actions:batch", json={"actions": actions})
+        finals = await asyncio.gather(*(live.call("GET", f"/v1/actions/{r['id']}?wait=true&wait_timeout_s=30")
+                                        for r in reply["actions"]))
+        assert all(record["state"] == "succeeded" for _, record in finals)
+        assert time.monotonic() - started >= 2 * period  # 150 grants need three windows
+        grants = sorted(record["started_at"] for _, record in finals)
+        for i, t in enumerate(grants):  # no sliding window of one period holds more than the quota
+            assert sum(1 for u in grants[i:] if u < t + period * 0.98) <= quota
+        for _, record in finals:
+            assert (await live.call("DELETE", f"/v1/leases/{record['id']}"))[0] == 200
+
+
+async def test_metrics_openapi_health_and_resources(db):
+    async with live_broker(LEASES, db) as live:
+        await live.call("POST", "/v1/actions?wait=true", json=lease())
+        code, text = await live.call("GET", "/metrics")
+        assert code == 200
+        for name in ("tangram_action_completion_seconds_bucket", "tangram_schedule_pass_seconds_count",
+                     'tangram_units_in_use{pool="default",resource="lease.gpu-quota"} 1.0', "tangram_queue_length"):
+            assert name in text
+        code, doc = await live.call("GET", "/openapi.json")
+        assert code == 200 and doc["openapi"].startswith("3.")
+        assert {"/v1/actions", "/v1/actions:batch", "/v1/actions/{id}", "/v1/leases/{id}"} <= set(doc["paths"])
+        assert (await live.call("GET", "/healthz")) == (200, {"status": "ok", "queued": 0, "running": 0})

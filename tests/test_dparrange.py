@@ -1,0 +1,59 @@
+"""DPArrange against brute force on small random instances, for every prefix and both fill paths."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tangram.dparrange import BasicOperator, dp_arrange
+
+
+class SubtractingOperator(BasicOperator):
+    """The Basic operator forced through the generic state-by-state path."""
+
+    linear = False
+
+
+def brute_force(options, free: int, t: int) -> float:
+    best = math.inf
+    for combo in itertools.product(*(list(zip(c, d)) for c, d in options[:t])):
+        if sum(k for k, _ in combo) <= free:
+            best = min(best, sum(d for _, d in combo))
+    return best
+
+
+task = st.lists(st.integers(1, 6), min_size=1, max_size=4, unique=True).flatmap(
+    lambda counts: st.tuples(st.just(tuple(sorted(counts))),
+                             st.lists(st.floats(0.01, 100.0), min_size=len(counts), max_size=len(counts))))
+
+
+@settings(max_examples=300, deadline=None)
+@given(options=st.lists(task, min_size=1, max_size=5), free=st.integers(0, 14))
+def test_every_prefix_matches_brute_force(options, free):
+    for operator in (BasicOperator(), SubtractingOperator()):
+        table = dp_arrange(options, free, operator)
+        for t in range(len(options) + 1):
+            total, units = table.best(t)
+            expected = brute_force(options, free, t)
+            assert math.isclose(total, expected, rel_tol=1e-9) or total == expected == math.inf
+            if total < math.inf:
+                assert len(units) == t and sum(units) <= free
+                assert all(k in counts for k, (counts, _) in zip(units, options))
+                got = sum(dict(zip(c, d))[k] for k, (c, d) in zip(units, options))
+                assert math.isclose(got, total, rel_tol=1e-9)
+
+
+def test_more_units_are_not_forced_when_they_are_slower():
+    # E(m) < 1 can make 2 units slower than 1; the printed dp[m][n] would force all 4 units into use.
+    options = [((1, 2), (10.0, 12.0)), ((1, 2), (10.0, 12.0))]
+    total, units = dp_arrange(options, 4).best(2)
+    assert (total, units) == (20.0, [1, 1])
+
+
+def test_prefix_that_cannot_fit_is_infinite():
+    table = dp_arrange([((2,), (1.0,)), ((2,), (1.0,))], 3)
+    assert table.best(1) == (1.0, [2])
+    assert table.best(2)[0] == math.inf

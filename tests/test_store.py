@@ -1,0 +1,266 @@
+"""The store against real SQLite and real PostgreSQL (see the ``store`` fixture in conftest.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from typing import Any
+
+import pytest
+from sqlalchemy import func, select
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import create_async_engine
+
+from tangram.action import Action, State
+from tangram.parse import parse_action
+from tangram.store import ActionRow, Store, TransitionRow
+
+FIELDS = [f.name for f in dataclasses.fields(Action)]
+
+
+def make_action(seq: int = 1, task: str = "math", **body: Any) -> Action:
+    action = parse_action({"task": task, "kind": "exec", "demand": {"cpu": 1}, **body})
+    action.seq = seq
+    return action
+
+
+def rich_action() -> Action:
+    action = parse_action({
+        "task": "swe-bench", "trajectory": "traj-17", "kind": "exec",
+        "demand": {"cpu": {"min": 1, "max": 8}, "gpu": {"choices": [1, 2, 4]}, "memory_mb": 2048},
+        "elasticity": {"resource": "cpu", "efficiency": {"1": 1.0, "4": 0.85, "8": 0.6}, "t1": 12.5},
+        "spec": {"command": ["pytest", "-x"], "env": {"A": "1"}, "nested": [{"x": None, "y": 1.25}]},
+        "timeout_s": 120.5, "idempotency_key": "key-1", "signature": "exec|pytest",
+    })
+    action.seq = 42
+    action.state = State.FAILED
+    action.submitted_at = 1_700_000_000.125
+    action.started_at = 1_700_000_001.5
+    action.finished_at = 1_700_000_009.75
+    action.execution_s = 8.0625
+    action.units = {"cpu": 4, "gpu": 2, "memory_mb": 2048}
+    action.placement = {"node": "node-3", "cores": [4, 5, 6, 7], "gpus": {"chunk": [0, 1]}}
+    action.result = {"exit_code": 1, "stdout": "FAILED test_x\n", "ratio": 0.1 + 0.2}
+    action.error = {"type": "exit_status", "message": "exit status 1"}
+    action.expected_duration_s = 3.3
+    return action
+
+
+def assert_same(got: Action | None, want: Action) -> None:
+    assert got is not None
+    for name in FIELDS:
+        assert getattr(got, name) == getattr(want, name), name
+
+
+async def count(store: Store, table: Any) -> int:
+    async with store.engine.connect() as conn:
+        return await conn.scalar(select(func.count()).select_from(table))
+
+
+@pytest.mark.parametrize("build", [rich_action, make_action], ids=["rich", "minimal"])
+async def test_round_trip_restores_every_field(store: Store, build) -> None:
+    action = build()
+    store.save(action)
+    await store.flush()
+    got = await store.get(action.id)
+    assert got is not action
+    assert_same(got, action)
+    assert await store.get("act_missing") is None
+
+
+async def test_reads_see_saves_not_yet_written(store: Store) -> None:
+    action = make_action()
+    store.save(action)
+    assert_same(await store.get(action.id), action)
+
+
+async def test_find_by_idempotency_key(store: Store) -> None:
+    keyed = make_action(idempotency_key="k1")
+    other_task = make_action(task="code", idempotency_key="k1")
+    unkeyed = [make_action(), make_action()]  # no key: never collide with each other
+    for action in (keyed, other_task, *unkeyed):
+        await store.durable(action)
+    assert (await store.find_by_idempotency("math", "k1")).id == keyed.id
+    assert (await store.find_by_idempotency("code", "k1")).id == other_task.id
+    assert await store.find_by_idempotency("math", "k2") is None
+    assert await count(store, ActionRow) == 4
+
+
+async def test_same_task_and_key_is_rejected_and_store_stays_usable(store: Store) -> None:
+    first = make_action(idempotency_key="k1")
+    await store.durable(first)
+    duplicate = make_action(idempotency_key="k1")
+    with pytest.raises(IntegrityError):
+        await store.durable(duplicate)
+    assert await store.get(duplicate.id) is None
+    assert await store.transitions(duplicate.id) == []
+    assert (await store.find_by_idempotency("math", "k1")).id == first.id
+    later = make_action(idempotency_key="k2")
+    await store.durable(later)
+    assert_same(await store.get(later.id), later)
+    assert store.failures == 0
+
+
+async def test_conflict_inside_one_batch_rejects_only_the_duplicate(store: Store) -> None:
+    first, duplicate = make_action(idempotency_key="k1"), make_action(idempotency_key="k1")
+    bystanders = [make_action(seq=i) for i in range(10)]
+    results = await asyncio.gather(*(store.durable(a) for a in (first, duplicate, *bystanders)),
+                                   return_exceptions=True)
+    assert results[0] is None and isinstance(results[1], IntegrityError)
+    assert results[2:] == [None] * len(bystanders)
+    assert await store.get(duplicate.id) is None
+    for action in (first, *bystanders):
+        assert_same(await store.get(action.id), action)
+        assert await store.transitions(action.id) == [("queued", action.submitted_at)]
+
+
+async def test_unserializable_record_rejects_only_that_action(store: Store) -> None:
+    bad, good = make_action(), make_action()
+    bad.result = object()
+    results = await asyncio.gather(store.durable(bad), store.durable(good), return_exceptions=True)
+    assert isinstance(results[0], TypeError) and results[1] is None
+    assert await store.get(bad.id) is None
+    assert_same(await store.get(good.id), good)
+
+
+async def test_transitions_appended_once_per_state_change(store: Store) -> None:
+    action = make_action()
+    store.save(action)
+    store.save(action)
+    await store.flush()
+    action.state, action.started_at = State.RUNNING, action.submitted_at + 1.5
+    await store.durable(action)
+    await store.durable(action)
+    action.state, action.finished_at = State.SUCCEEDED, action.submitted_at + 4.0
+    await store.durable(action)
+    action.result = {"late": "update"}
+    await store.durable(action)
+    assert await store.transitions(action.id) == [
+        ("queued", action.submitted_at), ("running", action.started_at), ("succeeded", action.finished_at)]
+    assert (await store.get(action.id)).result == {"late": "update"}
+
+
+async def test_state_changes_between_writes_each_get_a_transition(store: Store) -> None:
+    action = make_action()
+    store.save(action)
+    action.state, action.started_at = State.RUNNING, action.submitted_at + 1
+    store.save(action)
+    action.state, action.finished_at = State.TIMED_OUT, action.submitted_at + 2
+    store.save(action)
+    await store.flush()
+    assert [state for state, _ in await store.transitions(action.id)] == ["queued", "running", "timed_out"]
+    assert (await store.get(action.id)).state is State.TIMED_OUT
+
+
+async def test_load_unfinished_in_seq_order_and_max_seq(store: Store) -> None:
+    assert await store.max_seq() == 0
+    assert await store.load_unfinished() == []
+    states = {5: State.QUEUED, 2: State.RUNNING, 9: State.SUCCEEDED, 1: State.QUEUED, 7: State.CANCELLED,
+              3: State.FAILED, 4: State.RUNNING}
+    actions = {}
+    for seq, state in states.items():
+        actions[seq] = make_action(seq=seq)
+        actions[seq].state = state
+        store.save(actions[seq])
+    unfinished = await store.load_unfinished()
+    assert [a.seq for a in unfinished] == [1, 2, 4, 5]
+    for got in unfinished:
+        assert_same(got, actions[got.seq])
+    assert await store.max_seq() == 9
+
+
+async def test_profiles_upsert(store: Store) -> None:
+    assert await store.load_profiles() == []
+    store.save_profiles([("math", "exec|cpu", 1.5, 1), ("math", "api|api.search|GET /", 0.25, 4)])
+    store.save_profiles([])
+    await store.flush()
+    store.save_profiles([("math", "exec|cpu", 1.75, 2), ("code", "exec|cpu", 9.0, 1)])
+    assert sorted(await store.load_profiles()) == [
+        ("code", "exec|cpu", 9.0, 1), ("math", "api|api.search|GET /", 0.25, 4), ("math", "exec|cpu", 1.75, 2)]
+
+
+async def test_concurrent_durable_calls_share_transactions(store: Store) -> None:
+    actions = [make_action(seq=i, idempotency_key=f"k{i}") for i in range(500)]
+    before = store.commits
+    await asyncio.gather(*(store.durable(a) for a in actions))
+    transactions = store.commits - before
+    assert 1 <= transactions <= 10, transactions
+    assert await count(store, ActionRow) == 500
+    assert await count(store, TransitionRow) == 500
+    assert [a.seq for a in await store.load_unfinished()] == list(range(500))
+
+
+async def test_write_behind_reaches_database_without_flush(store: Store) -> None:
+    action = make_action()
+    start = time.monotonic()
+    store.save(action)
+    query = select(ActionRow.id).where(ActionRow.id == action.id)
+    while time.monotonic() - start < 5:
+        async with store.engine.connect() as conn:  # straight to the database: Store reads would flush first
+            if await conn.scalar(query) is not None:
+                break
+        await asyncio.sleep(0.005)
+    elapsed = time.monotonic() - start
+    assert store.commits == 1
+    assert elapsed < 1.0, elapsed
+
+
+async def test_close_writes_pending_records(store_url: str, store: Store) -> None:
+    lazy = await Store.open(store_url, write_delay_s=60)  # nothing but close() would write in time
+    actions = [make_action(seq=i) for i in range(20)]
+    for action in actions:
+        lazy.save(action)
+    lazy.save_profiles([("math", "exec|cpu", 2.0, 3)])
+    await lazy.close()
+    assert lazy.commits == 1
+    await lazy.close()  # idempotent
+    with pytest.raises(RuntimeError):
+        lazy.save(make_action())
+    for action in actions:
+        assert_same(await store.get(action.id), action)
+    assert await store.load_profiles() == [("math", "exec|cpu", 2.0, 3)]
+
+
+async def test_restart_resumes_transition_tracking(store_url: str, store: Store) -> None:
+    action = make_action()
+    await store.durable(action)
+    action.state, action.started_at = State.RUNNING, action.submitted_at + 1
+    await store.durable(action)
+    await store.close()
+    reopened = await Store.open(store_url)
+    try:
+        [resumed] = await reopened.load_unfinished()
+        await reopened.durable(resumed)  # unchanged state: no new transition
+        resumed.state, resumed.finished_at = State.SUCCEEDED, resumed.submitted_at + 2
+        await reopened.durable(resumed)
+        assert [s for s, _ in await reopened.transitions(action.id)] == ["queued", "running", "succeeded"]
+    finally:
+        await reopened.close()
+
+
+async def test_failed_writes_are_kept_and_retried(store_url: str) -> None:
+    store = await Store.open(store_url, max_attempts=2, backoff_s=0.02)
+    healthy = store.engine
+    url = make_url(store_url)
+    if url.get_backend_name() == "sqlite":
+        broken_url = url.set(database="/nonexistent-dir/tangram.db")
+    else:
+        broken_url = url.set(port=1)
+    store.engine = create_async_engine(broken_url)  # every connection attempt fails, as during an outage
+    try:
+        action = make_action()
+        with pytest.raises(Exception) as failure:
+            await store.durable(action)
+        assert not isinstance(failure.value, IntegrityError)
+        assert store.failures >= 2 and store.commits == 0
+        await store.engine.dispose()
+        store.engine = healthy  # the database is back: the kept record is written by the retry loop
+        await store.flush()
+        assert store.failures == 0
+        assert_same(await store.get(action.id), action)
+        assert await store.transitions(action.id) == [("queued", action.submitted_at)]
+    finally:
+        store.engine = healthy
+        await store.close()
