@@ -116,6 +116,13 @@ class ResourceManager(abc.ABC):
         """Run ``action`` on ``allocation``. Raise ``ActionFailed`` for expected failures."""
         raise NotImplementedError(f"{self.name} executes no actions")
 
+    def complete_now(self, action: Action, allocation: Allocation) -> Outcome | None:
+        """Finish an action synchronously when it needs no I/O (granting a lease); None means use ``execute``.
+
+        Saves a task per action on the hottest path: thousands of lease grants a second.
+        """
+        return None
+
     def validate(self, action: Action) -> None:
         """Reject at submit what this manager could never run (raise ``BadRequest`` naming the field)."""
 

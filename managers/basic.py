@@ -129,7 +129,7 @@ class BasicManager(ResourceManager):
         for config in resources:
             _check_config(config)
             if config.name in self._res:
-                raise ConfigError(config.name, "resource defined twice")
+                raise ConfigError(f"basic.{config.name}", "resource defined twice")
             self._res[config.name] = _Resource(config, clock)
         self._capacity = {name: r.config.concurrency if r.config.concurrency is not None else r.config.quota
                           for name, r in self._res.items()}
@@ -221,6 +221,10 @@ class BasicManager(ResourceManager):
 
     # -- execution ----------------------------------------------------------------------------------------
 
+    def complete_now(self, action: Action, allocation: Allocation) -> Outcome | None:
+        """A lease grant needs no I/O, so the broker can finish it without a task."""
+        return self._grant(action, allocation) if action.kind is Kind.LEASE else None
+
     async def execute(self, action: Action, allocation: Allocation) -> Outcome:
         if action.kind is Kind.API:
             return await self._proxy(action, allocation)
@@ -310,10 +314,10 @@ class BasicManager(ResourceManager):
 
 
 def _check_config(config: BasicResourceConfig) -> None:
-    """Raise ``ConfigError`` naming ``<resource>.<key>`` for the first bad setting."""
-    name = config.name
-    if not isinstance(name, str) or not name:
-        raise ConfigError("name", "must be a non-empty resource name")
+    """Raise ``ConfigError`` naming the TOML key (``basic.<resource>.<key>``) of the first bad setting."""
+    if not isinstance(config.name, str) or not config.name:
+        raise ConfigError("basic", "resource names must be non-empty strings")
+    name = f"basic.{config.name}"
     if config.concurrency is None and config.quota is None:
         raise ConfigError(f"{name}.concurrency", "set concurrency, quota or both")
     for key, value in (("concurrency", config.concurrency), ("quota", config.quota)):

@@ -28,8 +28,9 @@ from tangram.errors import ActionFailed, BadRequest, ConfigError
 METHODS = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE", "HEAD"})
 SPEC_FIELDS = frozenset({"method", "path", "query", "headers", "body", "body_text"})
 #: never forwarded: connection-level headers, and those the client library must compute for the real upstream
-DROPPED_HEADERS = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
-                             "te", "trailer", "transfer-encoding", "upgrade", "host", "content-length"})
+DROPPED_HEADERS = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization",
+                             "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade", "host",
+                             "content-length"})
 #: response headers worth showing the client (the rest describe the upstream's connection, not the answer)
 RESULT_HEADERS = frozenset({"content-type", "content-language", "etag", "last-modified", "cache-control",
                             "location", "retry-after"})
@@ -206,7 +207,7 @@ def _retry_after(resp: aiohttp.ClientResponse) -> float | None:
         if when.tzinfo is None:
             when = when.replace(tzinfo=timezone.utc)
         seconds = max(0.0, (when - datetime.now(timezone.utc)).total_seconds())
-    return seconds if True else None
+    return seconds if seconds <= MAX_RETRY_AFTER_S else None
 
 
 def _result_headers(headers: Mapping[str, str]) -> dict[str, str]:

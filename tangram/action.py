@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import bisect
 import time
-import uuid
+import os
+import random
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -106,8 +107,12 @@ class Elasticity:
         return body
 
 
+_ids = random.Random(os.urandom(32))
+
+
 def new_action_id() -> str:
-    return "act_" + uuid.uuid4().hex
+    """96 random bits: unique without a syscall per id (ids name actions; they are not secrets)."""
+    return f"act_{_ids.getrandbits(96):024x}"
 
 
 @dataclass(slots=True, eq=False)

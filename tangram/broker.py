@@ -28,11 +28,15 @@ log = logging.getLogger("tangram.broker")
 
 
 class _Running:
-    __slots__ = ("action", "allocations", "task", "cancel_reason")
+    """An action being executed: every manager's allocation, and the executor's own (empty if it owns none)."""
 
-    def __init__(self, action: Action, allocations: list[tuple[ResourceManager, Allocation]]) -> None:
+    __slots__ = ("action", "allocations", "allocation", "task", "cancel_reason")
+
+    def __init__(self, action: Action, allocations: list[tuple[ResourceManager, Allocation]],
+                 allocation: Allocation) -> None:
         self.action = action
         self.allocations = allocations
+        self.allocation = allocation
         self.task: asyncio.Task[None] | None = None
         self.cancel_reason: State | None = None
 
@@ -68,6 +72,7 @@ class Broker:
         self.recent: collections.deque[Action] = collections.deque(maxlen=1000)
         self._forget: collections.deque[tuple[float, str]] = collections.deque()
         self._waiters: dict[str, asyncio.Event] = {}
+        self.passes = 0  # scheduling passes run (coalescing makes this far smaller than submits + completions)
         self._seq = 0
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -120,12 +125,15 @@ class Broker:
             if action.idempotency_key is not None:
                 self.idempotency[(action.task, action.idempotency_key)] = action.id
             self.queue.push(action)
-            self.metrics.submitted.labels(action.kind.value, action.task).inc()
+            self.metrics.count_submit(action)
             results.append((action, True))
             fresh.append(action)
         if fresh:
             self.kick()
-            await asyncio.gather(*(self.store.durable(a) for a in fresh))
+            if len(fresh) == 1:
+                await self.store.durable(fresh[0])
+            else:
+                await asyncio.gather(*(self.store.durable(a) for a in fresh))
         return results
 
     def _validate(self, action: Action, where: str) -> None:
@@ -222,6 +230,7 @@ class Broker:
     def schedule_once(self) -> int:
         if not len(self.queue):
             return 0
+        self.passes += 1
         started = time.perf_counter()
         now = time.time()
         placements = self.scheduler.schedule(self.queue, (r.action for r in self.running.values()), now)
@@ -252,7 +261,16 @@ class Broker:
         action.placement = {k: v for _, a in allocations for k, v in a.placement.items()}
         key = action.key_resource
         action.expected_duration_s = self.durations.duration(action, placement.units.get(key) if key else None)
-        running = _Running(action, allocations)
+        executor = self.executor[action.kind]
+        own = next((a for m, a in allocations if m is executor), None) or Allocation(action.id, {}, {})
+        outcome = executor.complete_now(action, own)
+        if outcome is not None:
+            action.execution_s = 0.0
+            self._finish(action, State.SUCCEEDED, result=outcome.result, keep=allocations if outcome.hold else None)
+            if not outcome.hold:
+                self._release(allocations)
+            return
+        running = _Running(action, allocations, own)
         self.running[action.id] = running
         self.store.save(action)
         running.task = asyncio.create_task(self._execute(running), name=f"tangram-{action.id}")
@@ -260,16 +278,14 @@ class Broker:
     async def _execute(self, running: _Running) -> None:
         action = running.action
         manager = self.executor[action.kind]
-        allocation = next((a for m, a in running.allocations if m is manager), None)
-        if allocation is None:  # the executor owns none of the demanded resources: give it an empty one
-            allocation = Allocation(action.id, {}, {})
         hold = False
         began = time.time()
         remaining = action.submitted_at + action.timeout_s - began
         try:
             if remaining <= 0:
                 raise TimeoutError
-            outcome = await asyncio.wait_for(manager.execute(action, allocation), remaining)
+            async with asyncio.timeout(remaining):
+                outcome = await manager.execute(action, running.allocation)
             hold = outcome.hold
             action.execution_s = time.time() - began
             self._finish(action, State.SUCCEEDED, result=outcome.result, keep=running.allocations if hold else None)
@@ -292,9 +308,13 @@ class Broker:
         finally:
             self.running.pop(action.id, None)
             if not hold:
-                for owner, alloc in running.allocations:
-                    owner.release(alloc)
+                self._release(running.allocations)
             self.kick()
+
+    @staticmethod
+    def _release(allocations: list[tuple[ResourceManager, Allocation]]) -> None:
+        for manager, allocation in allocations:
+            manager.release(allocation)
 
     def _finish(self, action: Action, state: State, *, result: Any = None, error: dict[str, Any] | None = None,
                 keep: list[tuple[ResourceManager, Allocation]] | None = None) -> None:
@@ -315,8 +335,7 @@ class Broker:
             event.set()
 
     def _return_lease(self, action: Action, how: str) -> None:
-        for manager, allocation in self.leases.pop(action.id):
-            manager.release(allocation)
+        self._release(self.leases.pop(action.id))
         result = dict(action.result or {})
         result["returned"] = how
         result["returned_at"] = time.time()
@@ -344,7 +363,7 @@ class Broker:
         for manager in self.managers:
             expired = getattr(manager, "expired_leases", None)
             if expired is not None:
-                for action_id in expired(time.monotonic()):
+                for action_id in expired():
                     action = self.actions.get(action_id)
                     if action is not None and action_id in self.leases:
                         self._return_lease(action, "expired")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -56,6 +57,16 @@ class Metrics:
                                  ["kind", "task"], registry=self.registry)
         self.schedule_pass = Histogram("tangram_schedule_pass_seconds", "Wall time of one scheduling pass",
                                        buckets=PASS_SECONDS, registry=self.registry)
+        # label children cached per (kind, task): .labels() is a locked dict lookup, costly per action
+        self._submitted: dict[tuple[str, str], Any] = {}
+        self._finish_children: dict[tuple[str, str], list[tuple[Any, str]]] = {}
+
+    def count_submit(self, action: Action) -> None:
+        labels = (action.kind.value, action.task)
+        child = self._submitted.get(labels)
+        if child is None:
+            child = self._submitted[labels] = self.submitted.labels(*labels)
+        child.inc()
 
     def watch(self, queue_depth: Callable[[], dict[str, int]],
               units: Callable[[], Iterable[tuple[str, str, int, int]]]) -> None:
@@ -63,10 +74,14 @@ class Metrics:
 
     def record_finish(self, action: Action) -> None:
         labels = (action.kind.value, action.task)
+        children = self._finish_children.get(labels)
+        if children is None:
+            children = self._finish_children[labels] = [
+                (self.act.labels(*labels), "act_s"), (self.queue.labels(*labels), "queue_s"),
+                (self.execution.labels(*labels), "execution_s"), (self.overhead.labels(*labels), "overhead_s")]
         self.finished.labels(*labels, action.state.value).inc()
         timings = action.timings()
-        for histogram, name in ((self.act, "act_s"), (self.queue, "queue_s"), (self.execution, "execution_s"),
-                                (self.overhead, "overhead_s")):
+        for histogram, name in children:
             value = timings[name]
             if value is not None:
-                histogram.labels(*labels).observe(value)
+                histogram.observe(value)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -54,8 +55,13 @@ async def serve(config: Config) -> None:
         await site.start()
         log.info("ARL-Tangram broker listening on http://%s:%d (store %s)", config.server.host,
                  config.server.port, config.store.url)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stop.set)
         try:
-            await asyncio.Event().wait()
+            await stop.wait()  # then stop serving, and the broker and store close (pending records flushed)
+            log.info("stopping")
         finally:
             await runner.cleanup()
 

@@ -25,7 +25,7 @@ import orjson
 from sqlalchemy import BigInteger, Double, Index, Integer, String, Text, UniqueConstraint, event, func, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import DataError, IntegrityError
+from sqlalchemy.exc import DataError, DBAPIError, IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.pool import StaticPool
@@ -149,8 +149,11 @@ class _Batch:
 class Store:
     """Write-behind, group-committing persistence of actions, transitions and duration profiles.
 
-    Reads flush first, so they see every earlier ``save``. ``commits`` counts the write transactions committed,
-    ``failures`` the consecutive failed write attempts (0 while the database is healthy).
+    Reads flush first, so they see every earlier ``save``. A plain ``save`` is written ``write_delay_s`` later
+    at most, together with whatever else arrived meanwhile. A failed write is retried, its delay doubling from
+    ``backoff_s`` up to ``max_backoff_s``, for as long as it takes; once ``max_attempts`` consecutive attempts
+    have failed, ``durable``/``flush`` callers get the error (the records stay pending). ``commits`` counts the
+    write transactions committed, ``failures`` the consecutive failed attempts (0 while the database is healthy).
     """
 
     def __init__(self, engine: AsyncEngine, *, write_delay_s: float = 0.02, max_attempts: int = 3,
@@ -328,18 +331,23 @@ class Store:
         """Commit a batch in one transaction; returns the actions rejected for their own data, with why.
 
         A record the database refuses (e.g. a second action with the same task and idempotency key) would fail
-        every retry, so it is isolated row by row, dropped and reported instead of blocking the others.
+        every retry, so it is isolated row by row, dropped and reported instead of blocking the others. Any other
+        error propagates: the whole batch is then retried.
         """
         rows, rejected = self._serialize(batch.actions)
         try:
             await self._commit(rows, batch, rejected)
-        except (IntegrityError, DataError):
+        except DBAPIError as exc:
+            if not _refused(exc):
+                raise
             for row in rows:
                 try:
                     async with self.engine.begin() as conn:
                         await self._upsert_actions.run(conn, [row])
-                except (IntegrityError, DataError) as exc:
-                    rejected[row["id"]] = exc
+                except DBAPIError as row_exc:
+                    if not _refused(row_exc):
+                        raise
+                    rejected[row["id"]] = row_exc
             rows = [row for row in rows if row["id"] not in rejected]
             await self._commit(rows, batch, rejected)
         for action_id, exc in rejected.items():
@@ -400,7 +408,7 @@ class Store:
     async def max_seq(self) -> int:
         await self.flush()
         async with self.engine.connect() as conn:
-            return (await conn.scalar(select(func.coalesce(func.max(ActionRow.seq), 0)))) or 0
+            return (await conn.scalar(select(func.max(ActionRow.seq)))) or 0
 
     async def transitions(self, action_id: str) -> list[tuple[str, float]]:
         await self.flush()
@@ -448,6 +456,18 @@ class _Bulk:
 
     async def run(self, conn: AsyncConnection, rows: list[dict[str, Any]]) -> None:
         await conn.exec_driver_sql(self.sql, [self.values(row) for row in rows])
+
+
+def _refused(exc: DBAPIError) -> bool:
+    """Whether the database refused the data itself (a constraint, a bad value), so no retry can succeed.
+
+    asyncpg reports most server errors as a generic DBAPIError; its SQLSTATE class tells data (22) and
+    integrity (23) errors apart from a server that is down, restarting or overloaded.
+    """
+    if isinstance(exc, (IntegrityError, DataError)):
+        return True
+    sqlstate = getattr(exc.orig, "sqlstate", None) or ""
+    return sqlstate[:2] in ("22", "23")
 
 
 def _upsert(dialect: Any, table: type[Base], keys: list[str]) -> Any:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 import pytest_asyncio
@@ -20,9 +21,9 @@ from tangram.store import Base, Store
 PG_URL_ENV = "TANGRAM_TEST_PG_URL"
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def store_url(request: pytest.FixtureRequest, tmp_path) -> str:
-    """A database URL per backend; the postgres database is emptied by the ``store`` fixture."""
+@pytest_asyncio.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+async def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """An empty database per backend: a new SQLite file, or the PostgreSQL test database with our tables dropped."""
     if request.param == "sqlite":
         return f"sqlite+aiosqlite:///{tmp_path}/store/tangram.db"
     url = os.environ.get(PG_URL_ENV)
@@ -32,11 +33,12 @@ def store_url(request: pytest.FixtureRequest, tmp_path) -> str:
         if os.environ.get("CI"):
             pytest.fail(message)
         pytest.skip(message)
+    await reset_database(url)
     return url
 
 
 async def reset_database(url: str) -> None:
-    """Drop the broker's tables so each test starts from an empty database (Store.open recreates them)."""
+    """Drop the tables declared on the store's metadata; Store.open recreates them."""
     engine = create_async_engine(url)
     try:
         async with engine.begin() as conn:
@@ -48,8 +50,6 @@ async def reset_database(url: str) -> None:
 @pytest_asyncio.fixture
 async def store(store_url: str) -> AsyncIterator[Store]:
     """An open Store on an empty database, closed after the test."""
-    if not store_url.startswith("sqlite"):
-        await reset_database(store_url)
     opened = await Store.open(store_url)
     try:
         yield opened

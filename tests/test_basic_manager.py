@@ -170,17 +170,18 @@ async def run(manager: BasicManager, action: Action) -> dict[str, Any]:
 def test_a_resource_needs_a_concurrency_or_a_quota() -> None:
     with pytest.raises(ConfigError) as err:
         BasicManager([BasicResourceConfig("api.search")])
-    assert err.value.key == "api.search.concurrency"
+    assert err.value.key == "basic.api.search.concurrency"
 
 
 @pytest.mark.parametrize("config, key", [
-    (BasicResourceConfig("api.a", quota=0), "api.a.quota"),
-    (BasicResourceConfig("api.a", concurrency=2, period_s=0), "api.a.period_s"),
-    (BasicResourceConfig("api.a", concurrency=1, upstream=UpstreamConfig("ftp://x")), "api.a.upstream.base_url"),
+    (BasicResourceConfig("api.a", quota=0), "basic.api.a.quota"),
+    (BasicResourceConfig("api.a", concurrency=2, period_s=0), "basic.api.a.period_s"),
+    (BasicResourceConfig("api.a", concurrency=1, upstream=UpstreamConfig("ftp://x")),
+     "basic.api.a.upstream.base_url"),
     (BasicResourceConfig("api.a", concurrency=1, upstream=UpstreamConfig("http://h/?q=1")),
-     "api.a.upstream.base_url"),
+     "basic.api.a.upstream.base_url"),
     (BasicResourceConfig("api.a", concurrency=1, upstream=UpstreamConfig("http://h", max_retries=-1)),
-     "api.a.upstream.max_retries"),
+     "basic.api.a.upstream.max_retries"),
 ])
 def test_bad_settings_name_their_key(config: BasicResourceConfig, key: str) -> None:
     with pytest.raises(ConfigError) as err:
@@ -297,6 +298,11 @@ def test_bad_api_specs_name_the_field(checker: BasicManager, spec: dict[str, Any
     assert err.value.field == field
 
 
+def test_api_actions_are_not_completed_synchronously(checker: BasicManager) -> None:
+    action = api()
+    assert checker.complete_now(action, checker.allocate(action, {"api.search": 1}, {"api.search": "default"})) is None
+
+
 def test_good_api_spec_passes(checker: BasicManager) -> None:
     checker.validate(api(method="POST", path="/v1/search/%20x", query={"q": "a", "n": 3},
                          headers={"Authorization": "Bearer t"}, body={"k": [1, 2]}))
@@ -366,7 +372,7 @@ async def test_lease_ttl_defaults_to_the_resource_maximum_and_early_release_clea
                             BasicResourceConfig("lease.wide", concurrency=2, lease_ttl_s=300)], clock=clock)
     short, long = lease({"lease.slot": 1, "lease.wide": 1}), lease({"lease.wide": 1})
     short_alloc, long_alloc = allocate(manager, short), allocate(manager, long)
-    assert (await manager.execute(short, short_alloc)).result["expires_in_s"] == 30.0
+    assert manager.complete_now(short, short_alloc).result["expires_in_s"] == 30.0  # granted without a task
     assert (await manager.execute(long, long_alloc)).result["expires_in_s"] == 300.0
     assert manager.next_change_in() == pytest.approx(30.0)
     manager.release(short_alloc)  # the client returned it early
@@ -464,7 +470,7 @@ async def test_429_retry_after_is_honoured(make, upstream: ScriptedUpstream) -> 
 async def test_retry_after_beyond_a_minute_falls_back_to_backoff(make, upstream: ScriptedUpstream) -> None:
     manager = await make(backoff_s=0.01)
     upstream.script.extend([reply(429, {}, headers={"Retry-After": "3600"}), reply(200, {"ok": 1})])
-    result = await run(manager, api())
+    result = await asyncio.wait_for(run(manager, api()), 5)
     assert result["attempts"] == 2
     assert upstream.seen[1].at - upstream.seen[0].at < 1.0
 

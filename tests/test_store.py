@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from sqlalchemy import func, select
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from tangram.action import Action, State
@@ -123,6 +123,19 @@ async def test_unserializable_record_rejects_only_that_action(store: Store) -> N
     assert isinstance(results[0], TypeError) and results[1] is None
     assert await store.get(bad.id) is None
     assert_same(await store.get(good.id), good)
+
+
+async def test_value_refused_by_database_rejects_only_that_action(store: Store) -> None:
+    odd, good = make_action(idempotency_key="a\x00b"), make_action()
+    results = await asyncio.gather(store.durable(odd), store.durable(good), return_exceptions=True)
+    assert results[1] is None and store.failures == 0
+    assert_same(await store.get(good.id), good)
+    if store.engine.dialect.name == "postgresql":  # text cannot hold NUL there; SQLite stores it
+        assert isinstance(results[0], DBAPIError)
+        assert await store.get(odd.id) is None
+    else:
+        assert results[0] is None
+        assert (await store.find_by_idempotency("math", "a\x00b")).id == odd.id
 
 
 async def test_transitions_appended_once_per_state_change(store: Store) -> None:

@@ -1,0 +1,164 @@
+"""REST throughput benchmark for ``lease`` actions against a real broker process (SQLite store, loopback HTTP).
+
+Starts ``tangram serve`` in a subprocess, then submits leases one per request (many concurrent connections) and
+in batches, and times each phase from the first submit until every lease is granted (the queue is empty and the
+units are in use). All phases run against the same broker, side by side. The Python client shares the machine's
+two cores with the broker; where Debian's ``wrk`` is installed, it drives a second one-per-request phase.
+
+    python -m loadtest.bench_rest [--actions 20000] [--connections 64] [--batch 500]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+import orjson
+
+CONFIG = """
+[server]
+port = {port}
+[store]
+url = "{db_url}"
+[basic."lease.bench"]
+concurrency = 10000000
+lease_ttl_s = 3600.0
+"""
+
+
+def lease(i: int) -> dict[str, object]:
+    return {"task": "bench", "kind": "lease", "demand": {"lease.bench": 1}, "spec": {"ttl_s": 3600}}
+
+
+async def wait_granted(http: aiohttp.ClientSession, url: str, expected_in_use: int) -> None:
+    while True:
+        async with http.get(url + "/v1/resources") as response:
+            body = orjson.loads(await response.read())
+        row = next(r for r in body["resources"] if r["resource"] == "lease.bench")
+        if row["in_use"] >= expected_in_use and body["stats"]["queued"] == 0:
+            return
+        await asyncio.sleep(0.01)
+
+
+async def one_per_request(http: aiohttp.ClientSession, url: str, count: int, connections: int) -> None:
+    counter = iter(range(count))
+
+    async def worker() -> None:
+        for i in counter:
+            async with http.post(url + "/v1/actions", data=orjson.dumps(lease(i)),
+                                 headers={"Content-Type": "application/json"}) as response:
+                if response.status != 201:
+                    raise RuntimeError(f"submit failed: {response.status} {await response.text()}")
+                await response.read()
+
+    await asyncio.gather(*(worker() for _ in range(connections)))
+
+
+async def batched(http: aiohttp.ClientSession, url: str, count: int, batch: int, connections: int) -> None:
+    batches = iter(range(0, count, batch))
+
+    async def worker() -> None:
+        for start in batches:
+            body = orjson.dumps({"actions": [lease(i) for i in range(start, min(count, start + batch))]})
+            async with http.post(url + "/v1/actions:batch", data=body,
+                                 headers={"Content-Type": "application/json"}) as response:
+                if response.status != 200:
+                    raise RuntimeError(f"batch failed: {response.status} {await response.text()}")
+                await response.read()
+
+    await asyncio.gather(*(worker() for _ in range(connections)))
+
+
+WRK_SCRIPT = """
+wrk.method = "POST"
+wrk.body = '{"task":"bench","kind":"lease","demand":{"lease.bench":1},"spec":{"ttl_s":3600}}'
+wrk.headers["Content-Type"] = "application/json"
+done = function(summary, latency, requests)
+  io.write(string.format("STATUS %d %d\\n", summary.requests, summary.errors.status))
+end
+"""
+
+
+def run_wrk(url: str, connections: int, seconds: int) -> tuple[float, int]:
+    """Submit leases with wrk (a C load generator): actions/s and how many were submitted."""
+    with tempfile.NamedTemporaryFile("w", suffix=".lua") as script:
+        script.write(WRK_SCRIPT)
+        script.flush()
+        out = subprocess.run(["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "-s", script.name,
+                              url + "/v1/actions"], capture_output=True, text=True, check=True).stdout
+    rate = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
+    requests, bad = map(int, re.search(r"STATUS (\d+) (\d+)", out).groups())
+    if bad:
+        raise RuntimeError(f"wrk saw {bad} non-2xx responses")
+    return rate, requests
+
+
+async def bench(args: argparse.Namespace, url: str) -> None:
+    connector = aiohttp.TCPConnector(limit=args.connections)
+    async with aiohttp.ClientSession(connector=connector) as http:
+        for _ in range(300):
+            try:
+                async with http.get(url + "/healthz") as response:
+                    if response.status == 200:
+                        break
+            except aiohttp.ClientError:
+                await asyncio.sleep(0.1)
+        await one_per_request(http, url, 500, args.connections)  # warm-up
+        await wait_granted(http, url, 500)
+        granted = 500
+        started = time.perf_counter()
+        await one_per_request(http, url, args.actions, args.connections)
+        await wait_granted(http, url, granted + args.actions)
+        single = args.actions / (time.perf_counter() - started)
+        granted += args.actions
+        wrk = None
+        if shutil.which("wrk"):
+            wrk, submitted = run_wrk(url, args.connections, args.wrk_seconds)
+            granted += submitted
+            await wait_granted(http, url, granted)
+        started = time.perf_counter()
+        await batched(http, url, args.actions, args.batch, max(1, min(4, args.connections)))
+        await wait_granted(http, url, granted + args.actions)
+        many = args.actions / (time.perf_counter() - started)
+    print(f"REST throughput, lease actions, {args.actions} per phase, SQLite store, loopback HTTP")
+    print(f"  one per request ({args.connections} connections, Python client): {single:,.0f} actions/s")
+    if wrk is not None:
+        print(f"  one per request ({args.connections} connections, wrk):           {wrk:,.0f} actions/s")
+    print(f"  batched ({args.batch} per request, Python client):             {many:,.0f} actions/s")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--actions", type=int, default=20000)
+    parser.add_argument("--connections", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=500)
+    parser.add_argument("--port", type=int, default=18300)
+    parser.add_argument("--wrk-seconds", type=int, default=8)
+    parser.add_argument("--db", help="store URL (default: a fresh SQLite file)")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        config = Path(tmp) / "bench.toml"
+        config.write_text(CONFIG.format(port=args.port, db_url=args.db or f"sqlite+aiosqlite:///{Path(tmp) / 'bench.db'}"))
+        server = subprocess.Popen([sys.executable, "-m", "tangram.cli", "serve", "--config", str(config)],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                  env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        try:
+            asyncio.run(bench(args, f"http://127.0.0.1:{args.port}"))
+        finally:
+            server.terminate()
+            _, err = server.communicate(timeout=30)
+            if server.returncode not in (0, -15):
+                print(err.decode()[-2000:], file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
