@@ -105,7 +105,7 @@ def main() -> None:
     parser.add_argument("--cores-per-node", type=int, default=256)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--depth", type=int, default=2)
-    parser.add_argument("--horizon", type=int, default=256)
+    parser.add_argument("--horizon", type=int, default=64)
     args = parser.parse_args()
     figures = run(args.actions, args.passes, args.nodes, args.cores_per_node, args.seed, args.depth, args.horizon)
     print(f"scheduling passes: {args.actions} actions, {args.nodes} nodes x {args.cores_per_node} cores, "

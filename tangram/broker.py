@@ -111,10 +111,11 @@ class Broker:
             self._validate(action, f"actions[{index}]." if len(actions) > 1 else "")
         if len(self.queue) + len(actions) > self.max_queue:
             raise BadRequest("actions", f"the queue is full ({self.max_queue} actions); retry later", status=503)
+        stored = await self._stored_idempotent(actions)
         results: list[tuple[Action, bool]] = []
         fresh: list[Action] = []
         for action in actions:
-            existing = await self._idempotent(action)
+            existing = self._idempotent(action, stored)
             if existing is not None:
                 results.append((existing, False))
                 continue
@@ -158,14 +159,20 @@ class Broker:
                 error.field = where + error.field
             raise
 
-    async def _idempotent(self, action: Action) -> Action | None:
+    async def _stored_idempotent(self, actions: Sequence[Action]) -> dict[tuple[str, str], Action]:
+        """Earlier actions under these idempotency keys that memory no longer holds: one query per submit."""
+        unknown = [(a.task, a.idempotency_key) for a in actions
+                   if a.idempotency_key is not None and (a.task, a.idempotency_key) not in self.idempotency]
+        return await self.store.find_many_by_idempotency(unknown) if unknown else {}
+
+    def _idempotent(self, action: Action, stored: dict[tuple[str, str], Action]) -> Action | None:
         if action.idempotency_key is None:
             return None
         ident = (action.task, action.idempotency_key)
         known = self.idempotency.get(ident)
-        if known is not None:
-            return await self.get(known)
-        return await self.store.find_by_idempotency(*ident)
+        if known is not None and known in self.actions:
+            return self.actions[known]
+        return stored.get(ident)
 
     async def get(self, action_id: str) -> Action:
         action = self.actions.get(action_id)

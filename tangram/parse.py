@@ -50,11 +50,11 @@ def parse_action(body: Any, limits: Limits = Limits(), where: str = "") -> Actio
     if not _number(timeout) or not 0 < timeout <= limits.max_timeout_s:
         raise BadRequest(where + "timeout_s", f"must be a number in (0, {limits.max_timeout_s}]")
     key = body.get("idempotency_key")
-    if key is not None and (not isinstance(key, str) or not 0 < len(key) <= 256):
-        raise BadRequest(where + "idempotency_key", "must be a string of 1 to 256 characters")
+    if key is not None and (not isinstance(key, str) or not 0 < len(key) <= 256 or "\x00" in key):
+        raise BadRequest(where + "idempotency_key", "must be a string of 1 to 256 characters, without NUL")
     signature = body.get("signature", "")
-    if not isinstance(signature, str) or len(signature) > 256:
-        raise BadRequest(where + "signature", "must be a string of at most 256 characters")
+    if not isinstance(signature, str) or len(signature) > 256 or "\x00" in signature:
+        raise BadRequest(where + "signature", "must be a string of at most 256 characters, without NUL")
     return Action(task=task, kind=kind, demands=demands, spec=spec, trajectory=trajectory,
                   elasticity=elasticity, timeout_s=float(timeout), idempotency_key=key, signature=signature)
 

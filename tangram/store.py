@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-from sqlalchemy import BigInteger, Double, Index, Integer, String, Text, UniqueConstraint, event, func, select
+from sqlalchemy import (BigInteger, Double, Index, Integer, String, Text, UniqueConstraint, bindparam, event, func,
+                        select)
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DataError, DBAPIError, IntegrityError
@@ -43,6 +44,8 @@ _UNFINISHED = (State.QUEUED.value, State.RUNNING.value)
 # 64-bit ids and counters (a busy broker passes 2**31 transitions in days); SQLite autoincrements INTEGER only.
 _BIG = BigInteger().with_variant(Integer, "sqlite")
 _JSON_OPTIONS = orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY
+# Keys per idempotency query: tasks and keys stay under SQLite's oldest bound-parameter limit (999).
+_LOOKUP_CHUNK = 400
 
 
 class Base(DeclarativeBase):
@@ -89,6 +92,14 @@ class ProfileRow(Base):
     samples: Mapped[int] = mapped_column(_BIG)
 
 
+# Built once: constructing a statement costs more than running it on the submit path.
+_GET = select(ActionRow.record).where(ActionRow.id == bindparam("id"))
+# (task, key) IN (VALUES ...) makes SQLite scan the table; two INs use the unique index, pairs are matched after.
+_FIND_KEYS = select(ActionRow.task, ActionRow.idempotency_key, ActionRow.record).where(
+    ActionRow.task.in_(bindparam("tasks", expanding=True)),
+    ActionRow.idempotency_key.in_(bindparam("keys", expanding=True)))
+
+
 def action_record(action: Action) -> dict[str, Any]:
     """The client-facing JSON of an action plus the internal fields ``to_json`` leaves out."""
     record = action.to_json()
@@ -121,6 +132,11 @@ def action_from_record(record: dict[str, Any]) -> Action:
     return action
 
 
+def _snapshot(action: Action) -> Action:
+    """A copy of an action whose record is not committed yet, as a database read would return it."""
+    return action_from_record(orjson.loads(orjson.dumps(action_record(action), option=_JSON_OPTIONS)))
+
+
 def _transition_time(action: Action) -> float:
     """When the action entered its current state, from its own timestamps when it has them."""
     if action.state is State.QUEUED:
@@ -137,6 +153,7 @@ class _Batch:
     """What one flush writes, taken from the pending buffers in one synchronous step."""
 
     actions: dict[str, Action] = field(default_factory=dict)
+    keys: dict[tuple[str, str], Action] = field(default_factory=dict)  # the keyed ones, by (task, key)
     transitions: list[tuple[str, str, float]] = field(default_factory=list)
     profiles: dict[tuple[str, str], tuple[float, int]] = field(default_factory=dict)
     # (action id, future): the future completes when that action's record is committed; id None for flush().
@@ -149,11 +166,15 @@ class _Batch:
 class Store:
     """Write-behind, group-committing persistence of actions, transitions and duration profiles.
 
-    Reads flush first, so they see every earlier ``save``. A plain ``save`` is written ``write_delay_s`` later
-    at most, together with whatever else arrived meanwhile. A failed write is retried, its delay doubling from
-    ``backoff_s`` up to ``max_backoff_s``, for as long as it takes; once ``max_attempts`` consecutive attempts
-    have failed, ``durable``/``flush`` callers get the error (the records stay pending). ``commits`` counts the
-    write transactions committed, ``failures`` the consecutive failed attempts (0 while the database is healthy).
+    Reads see every earlier ``save``: ``get`` and ``find_by_idempotency`` look at the records not yet committed
+    first (they are on the submit path and must not wait for a write), the other reads flush first. Concurrent
+    idempotency lookups share one query, as concurrent ``durable`` calls share one transaction.
+
+    A plain ``save`` is written at most ``write_delay_s`` later, together with whatever else arrived meanwhile.
+    A failed write is retried, its delay doubling from ``backoff_s`` up to ``max_backoff_s``, for as long as it
+    takes; once ``max_attempts`` consecutive attempts have failed, ``durable``/``flush`` callers get the error
+    (the records stay pending). ``commits`` counts the write transactions committed, ``failures`` the
+    consecutive failed attempts (0 while the database is healthy).
     """
 
     def __init__(self, engine: AsyncEngine, *, write_delay_s: float = 0.02, max_attempts: int = 3,
@@ -170,6 +191,9 @@ class Store:
         self._upsert_profiles = _Bulk(engine, _upsert(dialect, ProfileRow, ["task", "signature"]))
         self._insert_transitions = _Bulk(engine, dialect.insert(TransitionRow), ["action_id", "state", "at"])
         self._pending = _Batch()
+        self._inflight = _Batch()  # the batch being written: no longer pending, not yet readable from the database
+        self._lookups: list[tuple[list[tuple[str, str]], asyncio.Future[dict[tuple[str, str], str]]]] = []
+        self._reader: asyncio.Task[None] | None = None
         self._states: dict[str, State] = {}  # last saved state of each live action
         self._finished: OrderedDict[str, None] = OrderedDict()
         self._dirty = asyncio.Event()
@@ -214,6 +238,8 @@ class Store:
                 self._flusher.cancel()
                 with suppress(asyncio.CancelledError):
                     await self._flusher
+            if self._reader is not None:
+                await self._reader
             await self.engine.dispose()
 
     # -- writes -------------------------------------------------------------------------------------------------
@@ -223,6 +249,8 @@ class Store:
         if self._closed:
             raise RuntimeError("store is closed")
         self._pending.actions[action.id] = action
+        if action.idempotency_key is not None:
+            self._pending.keys[(action.task, action.idempotency_key)] = action
         self._note_state(action)
         self._wake(urgent=False)
 
@@ -294,9 +322,11 @@ class Store:
         """Write batches until nothing is pending; on failure put the batch back and retry with backoff."""
         while self._pending:
             batch, self._pending = self._pending, _Batch()
+            self._inflight = batch
             try:
                 rejected = await self._write(batch)
             except Exception as exc:  # the database is unreachable or failing: nothing in the batch is lost
+                self._inflight = _Batch()
                 self.failures += 1
                 log.error("store write of %d actions failed (attempt %d): %r",
                           len(batch.actions), self.failures, exc)
@@ -308,6 +338,7 @@ class Store:
                 self._put_back(batch)
                 await asyncio.sleep(min(self.backoff_s * 2 ** (self.failures - 1), self.max_backoff_s))
                 continue
+            self._inflight = _Batch()
             self.failures = 0
             for action_id, future in batch.waiters:
                 if not future.done():
@@ -322,6 +353,8 @@ class Store:
         pending = self._pending
         for action_id, action in batch.actions.items():
             pending.actions.setdefault(action_id, action)
+        for ident, action in batch.keys.items():
+            pending.keys.setdefault(ident, action)
         for ident, profile in batch.profiles.items():
             pending.profiles.setdefault(ident, profile)
         pending.transitions[:0] = batch.transitions
@@ -392,13 +425,37 @@ class Store:
     # -- reads --------------------------------------------------------------------------------------------------
 
     async def get(self, action_id: str) -> Action | None:
-        actions = await self._load(select(ActionRow.record).where(ActionRow.id == action_id))
-        return actions[0] if actions else None
+        unwritten = self._pending.actions.get(action_id) or self._inflight.actions.get(action_id)
+        if unwritten is not None:
+            return _snapshot(unwritten)
+        async with self.engine.connect() as conn:
+            record = await conn.scalar(_GET, {"id": action_id})
+        return None if record is None else self._loaded(record)
 
     async def find_by_idempotency(self, task: str, key: str) -> Action | None:
-        actions = await self._load(select(ActionRow.record).where(ActionRow.task == task,
-                                                                  ActionRow.idempotency_key == key))
-        return actions[0] if actions else None
+        return (await self.find_many_by_idempotency([(task, key)])).get((task, key))
+
+    async def find_many_by_idempotency(self, idents: list[tuple[str, str]]) -> dict[tuple[str, str], Action]:
+        """The actions already submitted under these (task, idempotency key) pairs; absent pairs are new.
+
+        One query answers a whole batch submit, and concurrent callers' lookups are merged into it.
+        """
+        found: dict[tuple[str, str], Action] = {}
+        wanted: list[tuple[str, str]] = []
+        for ident in idents:
+            unwritten = self._pending.keys.get(ident) or self._inflight.keys.get(ident)
+            if unwritten is None:
+                wanted.append(ident)
+            else:
+                found[ident] = _snapshot(unwritten)
+        if wanted:
+            future: asyncio.Future[dict[tuple[str, str], str]] = asyncio.get_running_loop().create_future()
+            self._lookups.append((wanted, future))
+            if self._reader is None:
+                self._reader = asyncio.get_running_loop().create_task(self._read_keys(), name="tangram-store-reader")
+            for ident, record in (await future).items():
+                found[ident] = self._loaded(record)
+        return found
 
     async def load_unfinished(self) -> list[Action]:
         """Queued and running actions in submission order, to resume after a restart."""
@@ -427,19 +484,40 @@ class Store:
         await self.flush()
         async with self.engine.connect() as conn:
             records = (await conn.scalars(query)).all()
-        actions = [action_from_record(orjson.loads(record)) for record in records]
-        for action in actions:
-            self._track(action)
-        return actions
+        return [self._loaded(record) for record in records]
 
-    def _track(self, action: Action) -> None:
-        """Remember a loaded action's persisted state, so saving it unchanged appends no transition."""
-        if action.id in self._states or action.id in self._finished:
-            return
-        if action.state.terminal:
-            self._remember_finished(action.id)
-        else:
-            self._states[action.id] = action.state
+    async def _read_keys(self) -> None:
+        """The reader: answer every idempotency lookup queued meanwhile with one query per chunk of keys."""
+        while self._lookups:
+            lookups, self._lookups = self._lookups, []
+            wanted = list({ident for idents, _ in lookups for ident in idents})
+            try:
+                records: dict[tuple[str, str], str] = {}
+                async with self.engine.connect() as conn:
+                    for start in range(0, len(wanted), _LOOKUP_CHUNK):
+                        chunk = wanted[start:start + _LOOKUP_CHUNK]
+                        params = {"tasks": list({task for task, _ in chunk}), "keys": list({key for _, key in chunk})}
+                        for task, key, record in await conn.execute(_FIND_KEYS, params):
+                            records[(task, key)] = record
+            except Exception as exc:
+                for _, future in lookups:
+                    if not future.done():
+                        future.set_exception(exc)
+                continue
+            for idents, future in lookups:
+                if not future.done():
+                    future.set_result({ident: records[ident] for ident in idents if ident in records})
+        self._reader = None
+
+    def _loaded(self, record: str) -> Action:
+        """Rebuild a stored action and remember its state, so saving it unchanged appends no transition."""
+        action = action_from_record(orjson.loads(record))
+        if action.id not in self._states and action.id not in self._finished:
+            if action.state.terminal:
+                self._remember_finished(action.id)
+            else:
+                self._states[action.id] = action.state
+        return action
 
 
 class _Bulk:

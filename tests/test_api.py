@@ -172,3 +172,19 @@ async def test_metrics_openapi_health_and_resources(db):
         assert code == 200 and doc["openapi"].startswith("3.")
         assert {"/v1/actions", "/v1/actions:batch", "/v1/actions/{id}", "/v1/leases/{id}"} <= set(doc["paths"])
         assert (await live.call("GET", "/healthz")) == (200, {"status": "ok", "queued": 0, "running": 0})
+
+
+async def test_idempotency_within_a_batch_and_after_memory_forgets(db):
+    async with live_broker({**LEASES, "scheduler": {"retain_s": 0.0}}, db) as live:
+        batch = [lease(idempotency_key="same"), lease(idempotency_key="same"), lease(idempotency_key="other")]
+        code, reply = await live.call("POST", "/v1/actions:batch", json={"actions": batch})
+        first, again, other = (record["id"] for record in reply["actions"])
+        assert code == 200 and reply["created"] == 2 and first == again != other
+        await live.call("DELETE", f"/v1/leases/{first}")
+        await live.broker.store.flush()
+        live.broker.tick()  # retain_s = 0: the finished record leaves memory, the store still answers
+        assert first not in live.broker.actions
+        code, replay = await live.call("POST", "/v1/actions", json=lease(idempotency_key="same"))
+        assert (code, replay["id"], replay["state"]) == (200, first, "succeeded")
+        code, reply = await live.call("POST", "/v1/actions", json=lease(idempotency_key="bad\u0000key"))
+        assert (code, reply["error"]["field"]) == (400, "idempotency_key")

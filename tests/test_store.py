@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import sqlite3
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import event, func, select
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.ext.asyncio import create_async_engine
@@ -70,10 +73,89 @@ async def test_round_trip_restores_every_field(store: Store, build) -> None:
     assert await store.get("act_missing") is None
 
 
-async def test_reads_see_saves_not_yet_written(store: Store) -> None:
-    action = make_action()
-    store.save(action)
-    assert_same(await store.get(action.id), action)
+async def test_reads_see_saves_not_yet_written(store_url: str, store: Store) -> None:
+    lazy = await Store.open(store_url, write_delay_s=60)
+    try:
+        action = make_action(idempotency_key="k1")
+        lazy.save(action)
+        got = await lazy.get(action.id)
+        assert got is not action
+        assert_same(got, action)
+        assert_same(await lazy.find_by_idempotency("math", "k1"), action)
+        assert lazy.commits == 0
+        got.spec["mutated"] = True  # a copy, as a database read returns
+        assert "mutated" not in action.spec
+    finally:
+        await lazy.close()
+
+
+@contextlib.asynccontextmanager
+async def write_lock(url: str) -> AsyncIterator[None]:
+    """Another client holding the write lock on the actions table: our writes wait, reads still run."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        other = sqlite3.connect(parsed.database, isolation_level=None)
+        other.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        finally:
+            other.execute("ROLLBACK")
+            other.close()
+        return
+    engine = create_async_engine(url)
+    try:
+        async with engine.begin() as conn:
+            await conn.exec_driver_sql("LOCK TABLE actions IN EXCLUSIVE MODE")
+            yield
+    finally:
+        await engine.dispose()
+
+
+async def test_reads_see_a_record_while_it_is_being_written(store_url: str, store: Store) -> None:
+    await store.durable(make_action())  # the write path is warm: the next write blocks on the lock, not earlier
+    action = make_action(idempotency_key="k1")
+    async with write_lock(store_url):
+        writing = asyncio.create_task(store.durable(action))
+        await asyncio.sleep(0.2)
+        assert not writing.done()
+        assert_same(await store.get(action.id), action)
+        assert_same(await store.find_by_idempotency("math", "k1"), action)
+    await writing
+    async with store.engine.connect() as conn:
+        assert await conn.scalar(select(ActionRow.id).where(ActionRow.id == action.id)) == action.id
+
+
+async def test_find_many_by_idempotency(store: Store) -> None:
+    actions = [make_action(seq=i, task=f"t{i % 3}", idempotency_key=f"k{i}") for i in range(1000)]
+    for action in actions:
+        store.save(action)
+    await store.flush()
+    wanted = [(a.task, a.idempotency_key) for a in actions[::2]] + [("t0", "k1"), ("t9", "k0")]  # last two: absent
+    found = await store.find_many_by_idempotency(wanted)
+    assert sorted(found) == sorted(wanted[:-2])
+    for action in actions[::2]:
+        assert_same(found[(action.task, action.idempotency_key)], action)
+
+
+async def test_concurrent_idempotency_lookups_share_queries(store: Store) -> None:
+    actions = [make_action(seq=i, idempotency_key=f"k{i}") for i in range(300)]
+    for action in actions:
+        store.save(action)
+    await store.flush()
+    selects = 0
+
+    def count_selects(conn, cursor, statement: str, *args: Any) -> None:
+        nonlocal selects
+        selects += statement.lstrip().upper().startswith("SELECT")
+
+    event.listen(store.engine.sync_engine, "before_cursor_execute", count_selects)
+    try:
+        found = await asyncio.gather(*(store.find_by_idempotency("math", f"k{i}") for i in range(600)))
+    finally:
+        event.remove(store.engine.sync_engine, "before_cursor_execute", count_selects)
+    assert [a.id for a in found[:300]] == [a.id for a in actions]
+    assert found[300:] == [None] * 300
+    assert 1 <= selects <= 5, selects
 
 
 async def test_find_by_idempotency_key(store: Store) -> None:
