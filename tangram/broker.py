@@ -131,10 +131,15 @@ class Broker:
             fresh.append(action)
         if fresh:
             self.kick()
-            if len(fresh) == 1:
-                await self.store.durable(fresh[0])
-            else:
-                await asyncio.gather(*(self.store.durable(a) for a in fresh))
+            try:
+                if len(fresh) == 1:
+                    await self.store.durable(fresh[0])
+                else:
+                    await asyncio.gather(*(self.store.durable(a) for a in fresh))
+            except Exception as error:  # queued and still pending in the store, which keeps retrying
+                log.error("submit not durable yet: %r", error)
+                raise BadRequest("store", "accepted but not yet durable (database unavailable); resubmit with "
+                                          "the same idempotency_key to learn its fate", status=503) from None
         return results
 
     def _validate(self, action: Action, where: str) -> None:
@@ -201,7 +206,9 @@ class Broker:
         if self.queue.remove(action_id) is not None:
             self._finish(action, State.CANCELLED, error={"code": "cancelled", "message": "cancelled by client"})
         else:
-            running = self.running[action_id]
+            running = self.running.get(action_id)
+            if running is None:  # only a record in the store: nothing of it runs in this process
+                raise Conflict("id", f"action is {action.state.value} but not running in this broker")
             running.cancel_reason = State.CANCELLED
             if running.task is not None:
                 running.task.cancel()

@@ -188,3 +188,25 @@ async def test_idempotency_within_a_batch_and_after_memory_forgets(db):
         assert (code, replay["id"], replay["state"]) == (200, first, "succeeded")
         code, reply = await live.call("POST", "/v1/actions", json=lease(idempotency_key="bad\u0000key"))
         assert (code, reply["error"]["field"]) == (400, "idempotency_key")
+
+
+async def test_running_api_action_is_cancelled_or_timed_out_and_frees_its_unit(db):
+    async with live_upstream() as upstream:
+        config = {"basic": {"api.slow": {"concurrency": 1, "upstream": {"base_url": upstream.url}}}}
+        async with live_broker(config, db) as live:
+            slow = {"task": "t", "kind": "api", "demand": {"api.slow": 1},
+                    "spec": {"method": "POST", "path": "/s", "body": {"sleep_s": 5}}}
+            _, running = await live.call("POST", "/v1/actions", json=slow)
+            for _ in range(100):
+                if upstream.in_flight:
+                    break
+                await asyncio.sleep(0.02)
+            assert (await live.call("GET", f"/v1/actions/{running['id']}"))[1]["state"] == "running"
+            code, cancelled = await live.call("DELETE", f"/v1/actions/{running['id']}")
+            assert (code, cancelled["state"]) == (200, "cancelled")
+            _, doomed = await live.call("POST", "/v1/actions?wait=true", json={**slow, "timeout_s": 0.3})
+            assert doomed["state"] == "timed_out" and doomed["timings"]["execution_s"] >= 0.2
+            _, resources = await live.call("GET", "/v1/resources")
+            assert [r["in_use"] for r in resources["resources"]] == [0]
+            fast = {**slow, "spec": {**slow["spec"], "body": {"sleep_s": 0}}}
+            assert (await live.call("POST", "/v1/actions?wait=true", json=fast))[1]["state"] == "succeeded"

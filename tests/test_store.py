@@ -208,7 +208,8 @@ async def test_unserializable_record_rejects_only_that_action(store: Store) -> N
 
 
 async def test_value_refused_by_database_rejects_only_that_action(store: Store) -> None:
-    odd, good = make_action(idempotency_key="a\x00b"), make_action()
+    odd, good = make_action(), make_action()
+    odd.idempotency_key = "a\x00b"  # parse_action refuses NUL now; the store must still isolate such a row
     results = await asyncio.gather(store.durable(odd), store.durable(good), return_exceptions=True)
     assert results[1] is None and store.failures == 0
     assert_same(await store.get(good.id), good)
@@ -217,7 +218,6 @@ async def test_value_refused_by_database_rejects_only_that_action(store: Store) 
         assert await store.get(odd.id) is None
     else:
         assert results[0] is None
-        assert (await store.find_by_idempotency("math", "a\x00b")).id == odd.id
 
 
 async def test_transitions_appended_once_per_state_change(store: Store) -> None:
