@@ -80,11 +80,14 @@ class Elasticity:
     resource: str
     efficiency: tuple[tuple[int, float], ...]
     t1: float | None = None
+    counts: tuple[int, ...] = field(init=False, repr=False, compare=False)  # listed counts, for bisect
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "counts", tuple(m for m, _ in self.efficiency))
 
     def efficiency_at(self, m: int) -> float:
         points = self.efficiency
-        counts = [p[0] for p in points]
-        i = bisect.bisect_left(counts, m)
+        i = bisect.bisect_left(self.counts, m)
         if i < len(points) and points[i][0] == m:
             return points[i][1]
         if i == 0:
