@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import bisect
-import time
 import os
 import random
+import time
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any

@@ -132,10 +132,7 @@ class Broker:
         if fresh:
             self.kick()
             try:
-                if len(fresh) == 1:
-                    await self.store.durable(fresh[0])
-                else:
-                    await asyncio.gather(*(self.store.durable(a) for a in fresh))
+                await asyncio.gather(*(self.store.durable(a) for a in fresh))
             except Exception as error:  # queued and still pending in the store, which keeps retrying
                 log.error("submit not durable yet: %r", error)
                 raise BadRequest("store", "accepted but not yet durable (database unavailable); resubmit with "
