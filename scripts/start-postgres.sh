@@ -27,7 +27,8 @@ install -d -o postgres -g postgres -m 2775 /var/run/postgresql
 
 status=$(pg_lsclusters -h | awk -v v="$version" '$1 == v && $2 == "main" {print $4}')
 if [[ "$status" != online* ]]; then
-    pg_ctlcluster "$version" main start
+    # Close fd 3 for the daemon: it would otherwise hold the caller's $(...) pipe open and hang the caller.
+    pg_ctlcluster "$version" main start 3>&-
 fi
 
 for _ in $(seq 1 50); do
