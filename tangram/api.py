@@ -5,25 +5,19 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from tangram.action import Action
+from tangram.api_common import BROKER, LIMITS, SERVER, json_response, read_json
 from tangram.broker import Broker
 from tangram.config import ServerConfig
+from tangram.environments_api import add_environment_routes
 from tangram.errors import BadRequest
 from tangram.openapi import openapi_document
 from tangram.parse import Limits, parse_action
 
 log = logging.getLogger("tangram.api")
-BROKER = web.AppKey("broker", Broker)
-SERVER = web.AppKey("server", ServerConfig)
-LIMITS = web.AppKey("limits", Limits)
-
-
-def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(body=orjson.dumps(body), status=status, content_type="application/json", headers=headers)
 
 
 @web.middleware
@@ -41,16 +35,6 @@ async def errors_as_json(request: web.Request, handler: Any) -> web.StreamRespon
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
         return json_response({"error": {"field": "server", "reason": "internal error; see broker log"}}, 500)
-
-
-async def read_json(request: web.Request) -> Any:
-    raw = await request.read()
-    if not raw:
-        raise BadRequest("body", "is empty; expected a JSON object")
-    try:
-        return orjson.loads(raw)
-    except orjson.JSONDecodeError as error:
-        raise BadRequest("body", f"is not valid JSON: {error}") from None
 
 
 def _flag(request: web.Request, name: str) -> bool:
@@ -156,6 +140,7 @@ def build_app(broker: Broker, server: ServerConfig, limits: Limits) -> web.Appli
     app.router.add_delete("/v1/actions/{id}", cancel_action)
     app.router.add_delete("/v1/leases/{id}", release_lease)
     app.router.add_get("/v1/resources", resources)
+    add_environment_routes(app)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/openapi.json", openapi)

@@ -311,7 +311,8 @@ class Broker:
             self._finish(action, reason, error={"code": reason.value, "message": message})
         except ActionFailed as failure:
             action.execution_s = time.time() - began
-            self._finish(action, State.FAILED, error=failure.to_json())
+            state = State.TIMED_OUT if failure.code == "timed_out" else State.FAILED
+            self._finish(action, state, error=failure.to_json())
         except Exception as error:  # a manager bug: fail this action, keep the broker up
             log.exception("executing %s failed", action.id)
             action.execution_s = time.time() - began

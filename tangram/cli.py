@@ -63,6 +63,54 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _image_build(args: argparse.Namespace) -> int:
+    """Build (once) and import the default sandbox image into every engine, with a progress bar for debootstrap."""
+    import os
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from sandboxes.image import DEFAULT_ENGINE, DEFAULT_IMAGE, DEFAULT_MIRROR, BuildProgress, ImageBuildError, \
+        ensure_image
+
+    console = Console(stderr=True, soft_wrap=True)
+    engines = args.engine or [os.environ.get("DOCKER_HOST") or DEFAULT_ENGINE]
+    phases: list[str] = []
+    columns = (TextColumn("[bold]{task.description:<22}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TextColumn("{task.fields[line]}", style="dim"))
+    with Progress(*columns, console=console, transient=False) as progress:
+        task = None
+
+        def on_build(step: BuildProgress) -> None:
+            nonlocal task
+            if task is None:
+                task = progress.add_task("debootstrap: resolve", total=None, line="")
+            if not console.is_terminal and step.phase not in phases:  # a CI log gets one line per phase instead
+                phases.append(step.phase)
+                console.print(f"debootstrap: {step.phase} ({step.line})")
+            line = step.line if len(step.line) <= 60 else step.line[:57] + "..."
+            progress.update(task, description=f"debootstrap: {step.phase}", completed=step.done, total=step.total,
+                            line=line)
+
+        def on_import(message: str) -> None:
+            progress.console.print(message)
+
+        try:
+            kwargs = {"cache_dir": args.cache_dir} if args.cache_dir else {}
+            report = ensure_image(engines, args.name or DEFAULT_IMAGE, mirror=args.mirror or DEFAULT_MIRROR,
+                                  rebuild=args.rebuild, force=args.force, build_progress=on_build,
+                                  import_progress=on_import, **kwargs)
+        except ImageBuildError as error:
+            progress.stop()
+            print(f"tangram: {error}", file=sys.stderr)
+            return 1
+    if report.tarball is not None:
+        how = f"built in {report.build_seconds:.0f} s" if report.built else "reused"
+        console.print(f"root filesystem {report.tarball} ({how})")
+    imported = sum(not result.skipped for result in report.imports)
+    console.print(f"[green]{report.name} present on {len(report.imports)} engine(s), imported into {imported}[/green]")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tangram", description="ARL-Tangram action-level resource broker")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -74,6 +122,20 @@ def main(argv: list[str] | None = None) -> int:
     status = commands.add_parser("status", help="show resources, queues and recent ACT of a running broker")
     status.add_argument("--url", default="http://127.0.0.1:8300")
     status.set_defaults(func=_status)
+    image = commands.add_parser("image", help="build the default sandbox image offline and import it into engines")
+    image_commands = image.add_subparsers(dest="image_command", required=True)
+    build = image_commands.add_parser("build", help="debootstrap the sandbox root filesystem (cached) and "
+                                      "docker-import it into every engine that lacks it")
+    build.add_argument("--name", help="image name (default tangram/sandbox-python:bookworm)")
+    build.add_argument("--engine", action="append", metavar="URL",
+                       help="Docker engine URL, repeatable (default $DOCKER_HOST or unix:///var/run/docker.sock)")
+    build.add_argument("--cache-dir", help="where the root filesystem tarball is kept (default "
+                       "/var/cache/tangram/images)")
+    build.add_argument("--mirror", help="Debian mirror (default http://deb.debian.org/debian)")
+    build.add_argument("--rebuild", action="store_true", help="run debootstrap again even if a tarball is cached "
+                       "(and re-import everywhere)")
+    build.add_argument("--force", action="store_true", help="import even into engines that already have the image")
+    build.set_defaults(func=_image_build)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import tomllib
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 from managers.basic import BasicResourceConfig, UpstreamConfig
+from managers.cpu_config import CpuConfig, parse_cpu_config
 from tangram.errors import ConfigError
 from tangram.parse import Limits
 
@@ -47,6 +48,7 @@ class Config:
     limits: Limits = field(default_factory=Limits)
     basic: tuple[BasicResourceConfig, ...] = (BasicResourceConfig(name="lease.local", concurrency=64),)
     pools: dict[str, dict[str, int]] = field(default_factory=dict)
+    cpu: CpuConfig = field(default_factory=lambda: parse_cpu_config({}))
 
 
 def _section(cls: type, raw: Any, where: str) -> Any:
@@ -118,7 +120,7 @@ def _pools(raw: Any) -> dict[str, dict[str, int]]:
 
 
 def parse_config(raw: dict[str, Any]) -> Config:
-    sections = {"server", "scheduler", "store", "limits", "basic", "pools"}
+    sections = {"server", "scheduler", "store", "limits", "basic", "pools", "cpu"}
     for key in raw:
         if key not in sections:
             raise ConfigError(key, f"unknown section; known sections are {sorted(sections)}")
@@ -128,13 +130,13 @@ def parse_config(raw: dict[str, Any]) -> Config:
         store=_section(StoreConfig, raw.get("store", {}), "store"),
         limits=_section(Limits, raw.get("limits", {}), "limits"),
         pools=_pools(raw.get("pools", {})),
+        cpu=parse_cpu_config(raw.get("cpu", {})),
     )
     if "basic" in raw:
         if not isinstance(raw["basic"], dict):
             raise ConfigError("basic", "must be a table of resource name = settings")
-        config = Config(server=config.server, scheduler=config.scheduler, store=config.store, limits=config.limits,
-                        pools=config.pools, basic=tuple(_basic(n, t) for n, t in raw["basic"].items()))
-    names = [b.name for b in config.basic] + list(config.pools)
+        config = replace(config, basic=tuple(_basic(n, t) for n, t in raw["basic"].items()))
+    names = [b.name for b in config.basic] + list(config.pools) + (["cpu"] if config.cpu.enabled else [])
     duplicate = next((n for n in names if names.count(n) > 1), None)
     if duplicate:
         raise ConfigError(duplicate, "resource is declared twice")

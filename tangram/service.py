@@ -14,6 +14,7 @@ from aiohttp import web
 from managers.base import ResourceManager
 from managers.basic import BasicManager
 from managers.counted import CountedUnitsManager
+from managers.cpu import CpuManager
 from tangram.api import build_app
 from tangram.broker import Broker
 from tangram.config import Config
@@ -28,6 +29,8 @@ def build_managers(config: Config) -> list[ResourceManager]:
         managers.append(BasicManager(list(config.basic)))
     if config.pools:
         managers.append(CountedUnitsManager(config.pools))
+    if config.cpu.enabled:
+        managers.append(CpuManager(config.cpu))
     return managers
 
 

@@ -1,0 +1,431 @@
+"""CPU manager via allocate-on-execution (paper §5.2).
+
+One long-lived sandbox per trajectory keeps files and processes between actions and reserves memory for its whole
+life, but holds no core while idle (it is frozen). Before each ``exec`` the sandbox is moved onto exactly the cores
+the scheduler granted (cpuset plus a CPU quota of that many cores), the command runs through the in-sandbox
+executor, and the cores return to the pool when it ends.
+
+Pools are nodes: ``fit`` and the DP see free cores per node, never a global sum. A trajectory's first action picks
+a node that has the cores now and the memory for the whole environment, balancing memory load; its later actions
+stay there. Inside a node, cores come from one NUMA node when possible.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from docker.tls import TLSConfig
+
+from managers.base import Allocation, Fit, Outcome, PoolStatus, ResourceManager
+from managers.cores import CorePool, host_numa_nodes
+from managers.cpu_config import CpuConfig, CpuNodeConfig
+from managers.environment import Environment, EnvState
+from managers.exec_spec import executor_request, parse_exec_spec, parse_files
+from sandboxes.backend import Sandbox, SandboxBackend, SandboxError, SandboxSpec
+from sandboxes.docker import DockerBackend
+from sandboxes.local import LocalProcessBackend
+from tangram.action import Action, Kind, new_action_id
+from tangram.errors import ActionFailed, BadRequest, Conflict, NotFound, Unprocessable
+
+log = logging.getLogger("tangram.cpu")
+
+RESOURCE = "cpu"
+DEADLINE_MARGIN_S = 0.05  # the executor kills at the deadline minus this, so partial output comes back
+
+
+class CpuNode:
+    """One node's cores, memory budget and sandbox backend."""
+
+    def __init__(self, config: CpuNodeConfig, backend: SandboxBackend, numa: Sequence[Sequence[int]]) -> None:
+        self.name = config.name
+        self.config = config
+        self.backend = backend
+        self.cores = CorePool(numa)
+        self.memory_mb = config.memory_mb
+        self.memory_reserved = 0
+
+    def memory_load_after(self, memory_mb: int) -> float:
+        return (self.memory_reserved + memory_mb) / self.memory_mb
+
+
+class CpuFit(Fit):
+    """Free cores and memory per node for one scheduling pass, plus the nodes it chose for new trajectories."""
+
+    def __init__(self, manager: CpuManager) -> None:
+        self.manager = manager
+        self.before = {name: len(node.cores.free) for name, node in manager.nodes.items()}
+        self.free = dict(self.before)
+        self.memory_free = {name: node.memory_mb - node.memory_reserved for name, node in manager.nodes.items()}
+        self.new_trajectories: dict[tuple[str, str], str] = {}
+        self.placed: dict[str, tuple[str, int, int]] = {}
+
+    def try_add(self, action: Action, units: Mapping[str, int]) -> bool:
+        n = units.get(RESOURCE, 0)
+        key = self.manager.trajectory_key(action)
+        node = self.manager.node_of(action) or (self.new_trajectories.get(key) if key else None)
+        memory = 0
+        if node is None:
+            memory = self.manager.memory_for(action)
+            candidates = [name for name in self.free if self.free[name] >= n and self.memory_free[name] >= memory]
+            if not candidates:
+                return False
+            capacity = {name: node.memory_mb for name, node in self.manager.nodes.items()}
+            node = min(candidates, key=lambda name: ((capacity[name] - self.memory_free[name] + memory)
+                                                     / capacity[name], -self.free[name]))
+            if key:
+                self.new_trajectories[key] = node
+        elif self.free[node] < n:
+            return False
+        self.free[node] -= n
+        self.memory_free[node] -= memory
+        self.placed[action.id] = (node, n, memory)
+        return True
+
+    def remove(self, action: Action) -> None:
+        node, n, memory = self.placed.pop(action.id)
+        self.free[node] += n
+        self.memory_free[node] += memory
+        key = self.manager.trajectory_key(action)
+        if memory and key and self.new_trajectories.get(key) == node:
+            del self.new_trajectories[key]
+
+    def pool_of(self, action: Action, resource: str) -> str:
+        return self.placed[action.id][0]
+
+    def free_before(self, resource: str, pool: str) -> int:
+        return self.before[pool]
+
+    def pools(self, resource: str) -> Sequence[str]:
+        return tuple(self.before)
+
+
+class CpuManager(ResourceManager):
+    name = "cpu"
+    kinds = frozenset({Kind.EXEC})
+
+    def __init__(self, config: CpuConfig) -> None:
+        self.config = config
+        self.nodes: dict[str, CpuNode] = {}
+        self.environments: dict[str, Environment] = {}
+        self.by_trajectory: dict[tuple[str, str], Environment] = {}
+        self._reaper: asyncio.Task[None] | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        for node_config in self.config.nodes:
+            backend = await self._backend(node_config)
+            numa = node_config.numa or (host_numa_nodes(node_config.cores) if node_config.engine.startswith("unix")
+                                        else [node_config.cores])
+            node = CpuNode(node_config, backend, numa)
+            reaped = await backend.reap(self.config.broker_id)
+            if reaped:
+                log.warning("node %s: removed %d sandbox(es) a previous run of broker %r left behind", node.name,
+                            reaped, self.config.broker_id)
+            self.nodes[node.name] = node
+        self._reaper = asyncio.create_task(self._reap_idle(), name="tangram-cpu-reaper")
+
+    async def _backend(self, node: CpuNodeConfig) -> SandboxBackend:
+        run_dir = Path(self.config.run_dir) / self.config.broker_id / node.name
+        if node.backend in ("docker", "auto"):
+            tls = None
+            if node.tls_ca or node.tls_cert:
+                cert = (node.tls_cert, node.tls_key) if node.tls_cert and node.tls_key else None
+                tls = TLSConfig(client_cert=cert, ca_cert=node.tls_ca, verify=bool(node.tls_ca))
+            docker_backend = DockerBackend(node.engine, run_dir=run_dir, cores=node.cores,
+                                           fast_path=bool(node.fast_path), tls=tls)
+            try:
+                await docker_backend.start()
+                if node.backend == "docker":
+                    return docker_backend
+                if await asyncio.to_thread(docker_backend.has_image, self.config.default_image):
+                    log.info("node %s: Docker engine %s", node.name, node.engine)
+                    return docker_backend
+                reason = f"it has no image {self.config.default_image!r} (build it: tangram image build)"
+                await docker_backend.close()
+            except SandboxError as error:
+                if node.backend == "docker":
+                    raise
+                reason = error.message
+            log.warning("node %s: local processes instead of Docker (%s); isolation is weak", node.name, reason)
+        local = LocalProcessBackend(run_dir)
+        await local.start()
+        return local
+
+    async def close(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+        await asyncio.gather(*(self._destroy(env) for env in list(self.environments.values())),
+                             return_exceptions=True)
+        for node in self.nodes.values():
+            await node.backend.close()
+
+    async def _reap_idle(self) -> None:
+        """Destroy environments idle past the TTL (and pending ones whose action never came)."""
+        period = min(5.0, self.config.idle_ttl_s / 2)
+        while True:
+            await asyncio.sleep(period)
+            now = time.time()
+            for env in list(self.environments.values()):
+                if not env.running and env.creating is None and now - env.last_used > self.config.idle_ttl_s:
+                    log.info("environment %s idle for %.0f s: destroyed", env.id, now - env.last_used)
+                    try:
+                        await self._destroy(env)
+                    except Exception:  # keep reaping the others
+                        log.exception("destroying %s failed", env.id)
+
+    # -- the scheduler's view -------------------------------------------------------------------------------
+
+    @property
+    def resources(self) -> Mapping[str, int]:
+        return {RESOURCE: sum(node.cores.capacity for node in self.nodes.values())}
+
+    def largest_pool(self, resource: str) -> int:
+        return max(node.cores.capacity for node in self.nodes.values())
+
+    def fit(self) -> CpuFit:
+        return CpuFit(self)
+
+    @staticmethod
+    def trajectory_key(action: Action) -> tuple[str, str] | None:
+        if action.spec.get("environment") is None and action.trajectory is not None:
+            return action.task, action.trajectory
+        return None
+
+    def environment_of(self, action: Action) -> Environment | None:
+        env_id = action.spec.get("environment")
+        if env_id is not None:
+            return self.environments.get(env_id)
+        key = self.trajectory_key(action)
+        return self.by_trajectory.get(key) if key else None
+
+    def node_of(self, action: Action) -> str | None:
+        env = self.environment_of(action)
+        return env.node if env is not None else None
+
+    def memory_for(self, action: Action) -> int:
+        return action.spec.get("memory_mb") or self.config.default_memory_mb
+
+    def validate(self, action: Action) -> None:
+        if action.kind is not Kind.EXEC:
+            return
+        if RESOURCE not in action.demands:
+            raise BadRequest("demand.cpu", 'exec actions run on cores: add "cpu": 1 (or a range) to demand')
+        spec = parse_exec_spec(action.spec, self.config.limits)
+        if spec.environment is not None:
+            env = self.environments.get(spec.environment)
+            if env is None or env.task != action.task:
+                raise NotFound("spec.environment", f"task {action.task!r} has no environment {spec.environment!r}")
+            if env.state is EnvState.LOST:
+                raise Conflict("spec.environment", f"environment {env.id} is lost ({env.lost_reason}); delete it "
+                                                   f"and create another")
+            return
+        memory = spec.memory_mb or self.config.default_memory_mb
+        largest = max(node.memory_mb for node in self.nodes.values())
+        if memory > largest:
+            raise Unprocessable("spec.memory_mb", f"{memory} MiB is more than any node offers ({largest} MiB)")
+        if self.environment_of(action) is None and len(self.environments) >= self.config.max_environments:
+            raise BadRequest("spec", f"the broker holds {len(self.environments)} environments, its limit; delete "
+                                     f"idle ones or wait for their TTL", status=429)
+
+    def allocate(self, action: Action, units: Mapping[str, int], pools: Mapping[str, str]) -> Allocation:
+        node = self.nodes[pools[RESOURCE]]
+        env = self.environment_of(action)
+        if env is None:
+            spec = action.spec
+            env = self._reserve(action.task, action.trajectory, node, spec.get("image") or self.config.default_image,
+                                self.memory_for(action),
+                                parse_files(spec.get("files", {}), "spec.files", self.config.limits),
+                                ephemeral=action.trajectory is None)
+        elif env.node != node.name:
+            raise RuntimeError(f"environment {env.id} lives on {env.node}, not {node.name}")
+        cores = node.cores.take(units[RESOURCE])
+        placement = {"node": node.name, "cores": list(cores), "numa_nodes": node.cores.numa_of(cores),
+                     "environment": env.id}
+        return Allocation(action.id, dict(units), dict(pools), placement={RESOURCE: placement}, handle=(env, cores))
+
+    def release(self, allocation: Allocation) -> None:
+        if allocation.released or allocation.handle is None:
+            return
+        allocation.released = True
+        env, cores = allocation.handle
+        self.nodes[env.node].cores.give_back(cores)
+
+    def status(self) -> list[PoolStatus]:
+        rows = []
+        for node in self.nodes.values():
+            envs = [e for e in self.environments.values() if e.node == node.name]
+            rows.append(PoolStatus(RESOURCE, node.name, node.cores.capacity, node.cores.in_use,
+                                   extra={**node.backend.describe(), "numa": [list(g) for g in node.cores.numa],
+                                          "free_cores": sorted(node.cores.free)}))
+            rows.append(PoolStatus("memory_mb", node.name, node.memory_mb, node.memory_reserved,
+                                   extra={"environments": len(envs)}))
+        return rows
+
+    # -- environments ---------------------------------------------------------------------------------------
+
+    def _reserve(self, task: str, trajectory: str | None, node: CpuNode, image: str, memory_mb: int,
+                 files: dict[str, bytes], *, ephemeral: bool) -> Environment:
+        env = Environment(id="env-" + new_action_id(), task=task, trajectory=trajectory, node=node.name,
+                          image=image, memory_mb=memory_mb, files=files, ephemeral=ephemeral)
+        node.memory_reserved += memory_mb
+        self.environments[env.id] = env
+        if trajectory is not None:
+            self.by_trajectory[(task, trajectory)] = env
+        return env
+
+    async def _sandbox(self, env: Environment) -> Sandbox:
+        """The environment's sandbox, created on first use; concurrent first actions share one creation."""
+        if env.sandbox is not None:
+            return env.sandbox
+        if env.state is EnvState.LOST:
+            raise ActionFailed("environment_lost", f"environment {env.id} is lost: {env.lost_reason}; delete it "
+                                                   f"(DELETE /v1/environments/{env.id}) and start another")
+        if env.state is EnvState.DESTROYED:
+            raise ActionFailed("environment_destroyed", f"environment {env.id} was destroyed")
+        if env.creating is None:
+            env.creating = asyncio.create_task(self._create(env), name=f"tangram-create-{env.id}")
+        try:
+            return await asyncio.shield(env.creating)
+        except SandboxError as error:
+            raise ActionFailed(error.code, error.message, environment=env.id) from None
+
+    async def _create(self, env: Environment) -> Sandbox:
+        node = self.nodes[env.node]
+        spec = SandboxSpec(env_id=env.id, task=env.task, trajectory=env.trajectory, image=env.image,
+                           memory_mb=env.memory_mb, pids_limit=self.config.pids_limit, files=env.files,
+                           broker_id=self.config.broker_id)
+        try:
+            sandbox = await node.backend.create(spec)
+        except BaseException:
+            await self._destroy(env)  # frees the memory; the next action of the trajectory may try again
+            raise
+        finally:
+            env.creating = None
+        env.files = {}
+        if env.state is EnvState.DESTROYED:  # deleted while being created
+            await sandbox.destroy()
+            raise SandboxError("environment_destroyed", f"environment {env.id} was deleted while being created")
+        env.sandbox = sandbox
+        env.state = EnvState.READY
+        return sandbox
+
+    async def _destroy(self, env: Environment) -> None:
+        if env.state is EnvState.DESTROYED:
+            return
+        env.state = EnvState.DESTROYED
+        self.environments.pop(env.id, None)
+        if env.trajectory is not None and self.by_trajectory.get((env.task, env.trajectory)) is env:
+            del self.by_trajectory[(env.task, env.trajectory)]
+        self.nodes[env.node].memory_reserved -= env.memory_mb
+        if env.sandbox is not None:
+            await env.sandbox.destroy()
+
+    def _mark_lost(self, env: Environment, reason: str) -> None:
+        log.warning("environment %s lost: %s", env.id, reason)
+        env.state = EnvState.LOST
+        env.lost_reason = reason
+
+    async def create_environment(self, task: str, trajectory: str | None, image: str | None,
+                                 memory_mb: int | None, files: dict[str, bytes]) -> Environment:
+        """``POST /v1/environments``: place by memory load, create the sandbox now, report errors as 4xx."""
+        if trajectory is not None and (task, trajectory) in self.by_trajectory:
+            existing = self.by_trajectory[(task, trajectory)]
+            raise Conflict("trajectory", f"trajectory {trajectory!r} of task {task!r} already has environment "
+                                         f"{existing.id}")
+        if len(self.environments) >= self.config.max_environments:
+            raise BadRequest("environments", f"the broker holds {len(self.environments)} environments, its limit",
+                             status=429)
+        memory = memory_mb or self.config.default_memory_mb
+        largest = max(node.memory_mb for node in self.nodes.values())
+        if memory > largest:
+            raise Unprocessable("memory_mb", f"{memory} MiB is more than any node offers ({largest} MiB)")
+        fitting = [n for n in self.nodes.values() if n.memory_reserved + memory <= n.memory_mb]
+        if not fitting:
+            raise BadRequest("memory_mb", f"no node has {memory} MiB unreserved now; retry later", status=503)
+        node = min(fitting, key=lambda n: (n.memory_load_after(memory), -len(n.cores.free)))
+        env = self._reserve(task, trajectory, node, image or self.config.default_image, memory, files,
+                            ephemeral=False)
+        try:
+            await self._sandbox(env)
+        except ActionFailed as failure:
+            status = 422 if failure.code in ("image_not_found", "image_without_python3") else 503
+            raise BadRequest("image", failure.message, status=status, code=failure.code) from None
+        return env
+
+    def get_environment(self, env_id: str) -> Environment:
+        env = self.environments.get(env_id)
+        if env is None:
+            raise NotFound("id", f"no environment {env_id!r}")
+        return env
+
+    async def delete_environment(self, env_id: str) -> Environment:
+        env = self.get_environment(env_id)
+        if env.running:
+            raise Conflict("id", f"environment {env_id} runs {len(env.running)} action(s); cancel them first")
+        await self._destroy(env)
+        return env
+
+    # -- execution ------------------------------------------------------------------------------------------
+
+    async def execute(self, action: Action, allocation: Allocation) -> Outcome:
+        env, cores = allocation.handle
+        spec = parse_exec_spec(action.spec, self.config.limits)
+        setup_started = time.perf_counter()
+        try:
+            sandbox = await self._sandbox(env)
+            setup_s = time.perf_counter() - setup_started
+            remaining = action.submitted_at + action.timeout_s - time.time() - DEADLINE_MARGIN_S
+            request = executor_request(spec, cores, max(remaining, 0.001), sandbox.workdir,
+                                       {"TANGRAM_ACTION_ID": action.id})
+            try:
+                async with env.lock:
+                    env.running[action.id] = cores
+                    await sandbox.set_cores(env.union_cores())
+                response = await sandbox.run(request)
+            except SandboxError as error:
+                if error.lost:
+                    self._mark_lost(env, error.message)
+                raise ActionFailed(error.code, error.message, environment=env.id) from None
+            finally:
+                env.running.pop(action.id, None)
+                env.last_used = time.time()
+                if env.state is EnvState.READY:
+                    await self._settle(env, sandbox)
+        finally:
+            if env.ephemeral and not env.running:
+                await self._destroy(env)
+        return Outcome(self._result(response, env, cores, setup_s))
+
+    async def _settle(self, env: Environment, sandbox: Sandbox) -> None:
+        """Shrink the sandbox to the cores still in use, or freeze it, before the cores go back to the pool."""
+        try:
+            async with env.lock:
+                await sandbox.set_cores(env.union_cores())
+        except SandboxError as error:
+            self._mark_lost(env, error.message)
+
+    def _result(self, response: dict[str, Any], env: Environment, cores: tuple[int, ...],
+                setup_s: float) -> dict[str, Any]:
+        output = {k: response.get(k) for k in ("exit_code", "signal", "stdout", "stderr", "stdout_bytes",
+                                               "stderr_bytes", "stdout_truncated", "stderr_truncated",
+                                               "duration_s")}
+        where = {"environment": env.id, "node": env.node, "cores": list(cores), "setup_s": round(setup_s, 6)}
+        if response.get("error"):
+            raise ActionFailed("exec_error", response["error"], **where)
+        if response.get("timed_out"):
+            raise ActionFailed("timed_out", "the command ran past the action's deadline; it was killed with its "
+                                            "whole process tree", **output, **where)
+        if response.get("oom_killed"):
+            raise ActionFailed("out_of_memory", f"the command exceeded the environment's memory limit "
+                                                f"({env.memory_mb} MiB) and was killed; the environment is still "
+                                                f"usable", **output, **where)
+        return {**output, **where}

@@ -1,0 +1,165 @@
+"""Configuration of the CPU manager: its nodes (Docker engines or this host's processes) and sandbox defaults."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import psutil
+
+from managers.exec_spec import ExecLimits
+from sandboxes.cgroup import parse_cpu_list
+from sandboxes.image import DEFAULT_IMAGE
+from tangram.errors import ConfigError
+
+BACKENDS = ("auto", "docker", "local")
+
+
+@dataclass(frozen=True)
+class CpuNodeConfig:
+    """One node. ``backend = "auto"`` uses the local Docker engine when it answers, else local processes."""
+
+    name: str
+    backend: str = "auto"
+    engine: str = "unix:///var/run/docker.sock"
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    #: cores lent to actions; default: every core this process may run on (local nodes only)
+    cores: tuple[int, ...] = ()
+    #: NUMA nodes as core lists; default: read from the host for local nodes, one group otherwise
+    numa: tuple[tuple[int, ...], ...] = ()
+    #: memory (MiB) environments may reserve on this node; default: 80% of this host's memory
+    memory_mb: int = 0
+    #: unix-socket executor + direct cgroup writes; needs the engine on this host. Default: on for unix://
+    fast_path: bool | None = None
+
+
+@dataclass(frozen=True)
+class CpuConfig:
+    enabled: bool = True
+    #: resolved by ``parse_cpu_config``: without a ``[cpu.nodes]`` table, one local node named "local"
+    nodes: tuple[CpuNodeConfig, ...] = ()
+    #: label value that marks this broker's containers (reaped at start)
+    broker_id: str = "tangram"
+    default_image: str = DEFAULT_IMAGE
+    default_memory_mb: int = 1024
+    pids_limit: int = 1024
+    idle_ttl_s: float = 900.0
+    max_environments: int = 10_000
+    #: where the broker keeps executor sockets and local environments' directories
+    run_dir: str = "/run/tangram/sandboxes"
+    limits: ExecLimits = field(default_factory=ExecLimits)
+
+
+NODE_KEYS = {"backend", "engine", "tls_ca", "tls_cert", "tls_key", "cores", "numa", "memory_mb", "fast_path"}
+TOP_KEYS = {"enabled", "nodes", "broker_id", "default_image", "default_memory_mb", "pids_limit", "idle_ttl_s",
+            "max_environments", "run_dir", "limits"}
+
+
+def parse_cpu_config(raw: Any) -> CpuConfig:
+    if not isinstance(raw, dict):
+        raise ConfigError("cpu", "must be a table")
+    unknown = sorted(set(raw) - TOP_KEYS)
+    if unknown:
+        raise ConfigError(f"cpu.{unknown[0]}", f"unknown key; known keys are {sorted(TOP_KEYS)}")
+    defaults = CpuConfig()
+    values: dict[str, Any] = {}
+    for key in ("broker_id", "default_image", "run_dir"):
+        if key in raw:
+            if not isinstance(raw[key], str) or not raw[key]:
+                raise ConfigError(f"cpu.{key}", "must be a non-empty string")
+            values[key] = raw[key]
+    for key in ("default_memory_mb", "pids_limit", "max_environments"):
+        if key in raw:
+            values[key] = _positive_int(raw[key], f"cpu.{key}")
+    if "idle_ttl_s" in raw:
+        ttl = raw["idle_ttl_s"]
+        if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or ttl <= 0:
+            raise ConfigError("cpu.idle_ttl_s", "must be a positive number of seconds")
+        values["idle_ttl_s"] = float(ttl)
+    if "enabled" in raw:
+        if not isinstance(raw["enabled"], bool):
+            raise ConfigError("cpu.enabled", "must be true or false")
+        values["enabled"] = raw["enabled"]
+    if "limits" in raw:
+        values["limits"] = _limits(raw["limits"])
+    nodes = raw.get("nodes", {"local": {}})
+    if not isinstance(nodes, dict) or not nodes:
+        raise ConfigError("cpu.nodes", "must be a table of at least one node")
+    values["nodes"] = tuple(_node(name, spec) for name, spec in nodes.items())
+    return CpuConfig(**{**{k: getattr(defaults, k) for k in TOP_KEYS}, **values})
+
+
+def _limits(raw: Any) -> ExecLimits:
+    if not isinstance(raw, dict):
+        raise ConfigError("cpu.limits", "must be a table")
+    known = set(ExecLimits.__dataclass_fields__)
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ConfigError(f"cpu.limits.{unknown[0]}", f"unknown key; known keys are {sorted(known)}")
+    return ExecLimits(**{k: _positive_int(v, f"cpu.limits.{k}") for k, v in raw.items()})
+
+
+def _node(name: str, raw: Any) -> CpuNodeConfig:
+    where = f"cpu.nodes.{name}"
+    if not isinstance(raw, dict):
+        raise ConfigError(where, "must be a table")
+    unknown = sorted(set(raw) - NODE_KEYS)
+    if unknown:
+        raise ConfigError(f"{where}.{unknown[0]}", f"unknown key; known keys are {sorted(NODE_KEYS)}")
+    backend = raw.get("backend", "auto")
+    if backend not in BACKENDS:
+        raise ConfigError(f"{where}.backend", f"must be one of {list(BACKENDS)}")
+    engine = raw.get("engine", "unix:///var/run/docker.sock")
+    if not isinstance(engine, str) or not engine.startswith(("unix://", "tcp://")):
+        raise ConfigError(f"{where}.engine", "must be a unix:// or tcp:// Docker engine address")
+    local = engine.startswith("unix://")
+    tls = {k: raw.get(k) for k in ("tls_ca", "tls_cert", "tls_key")}
+    for key, value in tls.items():
+        if value is not None and (not isinstance(value, str) or not os.path.isfile(value)):
+            raise ConfigError(f"{where}.{key}", "must be the path of an existing file")
+    cores = _cores(raw.get("cores"), f"{where}.cores")
+    if not cores:
+        if not local:
+            raise ConfigError(f"{where}.cores", "is required for a remote engine (e.g. \"0-127\")")
+        cores = tuple(sorted(os.sched_getaffinity(0)))
+    numa_raw = raw.get("numa", [])
+    if not isinstance(numa_raw, list):
+        raise ConfigError(f"{where}.numa", 'must be a list of core lists, e.g. ["0-63", "64-127"]')
+    numa = tuple(_cores(group, f"{where}.numa[{i}]") for i, group in enumerate(numa_raw))
+    if numa and sorted(c for g in numa for c in g) != sorted(cores):
+        raise ConfigError(f"{where}.numa", f"must partition the node's cores {list(cores)} exactly")
+    memory = raw.get("memory_mb")
+    if memory is None:
+        if not local:
+            raise ConfigError(f"{where}.memory_mb", "is required for a remote engine")
+        memory = int(psutil.virtual_memory().total * 0.8) >> 20
+    memory = _positive_int(memory, f"{where}.memory_mb")
+    fast = raw.get("fast_path")
+    if fast is not None and not isinstance(fast, bool):
+        raise ConfigError(f"{where}.fast_path", "must be true or false")
+    if fast and not local:
+        raise ConfigError(f"{where}.fast_path", "needs the engine on this host (a unix:// address)")
+    return CpuNodeConfig(name=name, backend=backend, engine=engine, cores=cores, numa=numa, memory_mb=memory,
+                         fast_path=local if fast is None else fast, **tls)
+
+
+def _cores(raw: Any, where: str) -> tuple[int, ...]:
+    if raw is None:
+        return ()
+    try:
+        if isinstance(raw, str):
+            return tuple(parse_cpu_list(raw))
+        if isinstance(raw, list) and all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in raw):
+            return tuple(sorted(set(raw)))
+    except ValueError:
+        pass
+    raise ConfigError(where, 'must be a core list such as "0-3,8" or [0, 1, 2]')
+
+
+def _positive_int(value: Any, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(where, "must be a positive integer")
+    return value

@@ -1,0 +1,49 @@
+"""A trajectory environment as the CPU manager tracks it: where it lives, what it reserves, what runs in it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from sandboxes.backend import Sandbox
+
+
+class EnvState(StrEnum):
+    PENDING = "pending"  # placed on a node, memory reserved, sandbox not created yet
+    READY = "ready"
+    LOST = "lost"  # the sandbox died (e.g. killed for memory); actions naming it fail until it is deleted
+    DESTROYED = "destroyed"
+
+
+@dataclass(eq=False)
+class Environment:
+    id: str
+    task: str
+    trajectory: str | None
+    node: str
+    image: str
+    memory_mb: int
+    files: dict[str, bytes] = field(default_factory=dict, repr=False)
+    #: made for one action without a trajectory: destroyed when that action ends
+    ephemeral: bool = False
+    state: EnvState = EnvState.PENDING
+    sandbox: Sandbox | None = None
+    created_at: float = field(default_factory=time.time)
+    last_used: float = field(default_factory=time.time)
+    #: running action id -> its cores; the sandbox may run on their union
+    running: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    lost_reason: str | None = None
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
+    creating: asyncio.Task[Sandbox] | None = field(default=None, repr=False)
+
+    def union_cores(self) -> frozenset[int]:
+        return frozenset(c for cores in self.running.values() for c in cores)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id, "task": self.task, "trajectory": self.trajectory, "node": self.node,
+                "image": self.image, "memory_mb": self.memory_mb, "state": self.state.value,
+                "created_at": self.created_at, "last_used": self.last_used, "running_actions": len(self.running),
+                "lost_reason": self.lost_reason, "sandbox": self.sandbox.describe() if self.sandbox else None}

@@ -1,0 +1,102 @@
+"""The sandbox seam: what the CPU manager needs from a node, whether it runs Docker or plain processes.
+
+A *sandbox* is one trajectory environment: long-lived, memory reserved for its life, files and processes kept
+between actions, and no CPU while idle. The manager only ever asks a sandbox to move to a set of cores (empty =
+idle), run one command through its executor, and go away.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+#: labels every broker-made container carries, so a restarted broker can find, adopt or reap them
+LABEL_MANAGED = "org.arl-tangram.managed"
+LABEL_BROKER = "org.arl-tangram.broker"
+LABEL_ENV = "org.arl-tangram.environment"
+LABEL_TASK = "org.arl-tangram.task"
+LABEL_TRAJECTORY = "org.arl-tangram.trajectory"
+LABEL_MEMORY = "org.arl-tangram.memory-mb"
+
+
+class SandboxError(Exception):
+    """A sandbox could not be created or used. ``code`` is machine-readable; ``lost`` means it is gone."""
+
+    def __init__(self, code: str, message: str, *, lost: bool = False) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.lost = lost
+
+
+@dataclass(frozen=True)
+class SandboxSpec:
+    """How to create one environment."""
+
+    env_id: str
+    task: str
+    trajectory: str | None
+    image: str
+    memory_mb: int
+    pids_limit: int
+    files: Mapping[str, bytes] = field(default_factory=dict)
+    broker_id: str = "tangram"
+
+    def labels(self) -> dict[str, str]:
+        labels = {LABEL_MANAGED: "1", LABEL_BROKER: self.broker_id, LABEL_ENV: self.env_id, LABEL_TASK: self.task,
+                  LABEL_MEMORY: str(self.memory_mb)}
+        if self.trajectory is not None:
+            labels[LABEL_TRAJECTORY] = self.trajectory
+        return labels
+
+
+class Sandbox(abc.ABC):
+    """One live environment on one node."""
+
+    #: the working directory commands run in unless they name another
+    workdir: str = "/workspace"
+
+    @abc.abstractmethod
+    async def set_cores(self, cores: frozenset[int]) -> None:
+        """Let the sandbox run on exactly ``cores`` (the union of its running actions' cores); empty = idle."""
+
+    @abc.abstractmethod
+    async def run(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Run one executor request (see ``sandboxes/executor.py``) and return its response.
+
+        Raise ``SandboxError(lost=True)`` when the sandbox died under the command.
+        """
+
+    @abc.abstractmethod
+    async def destroy(self) -> None:
+        """Kill everything in it and free it. Idempotent."""
+
+    def describe(self) -> dict[str, Any]:
+        """What clients see about where the sandbox lives (container id, directory)."""
+        return {}
+
+
+class SandboxBackend(abc.ABC):
+    """Creates sandboxes on one node (one Docker engine, or this host's processes)."""
+
+    kind: str = "backend"
+
+    @abc.abstractmethod
+    async def create(self, spec: SandboxSpec) -> Sandbox:
+        """Create and start a sandbox, ready for ``run``; it starts idle. Raise ``SandboxError`` with a code
+        (``image_not_found``, ``engine_unavailable``, ``no_python``...) a client can act on."""
+
+    @abc.abstractmethod
+    async def reap(self, broker_id: str) -> int:
+        """Remove every sandbox this broker left behind (after a crash or an unclean stop); return how many."""
+
+    async def start(self) -> None:
+        """Connect and check the node is usable."""
+
+    async def close(self) -> None:
+        """Drop connections (sandboxes are destroyed by the manager first)."""
+
+    def describe(self) -> dict[str, Any]:
+        return {"backend": self.kind}

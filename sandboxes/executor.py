@@ -1,0 +1,672 @@
+"""In-sandbox command executor for ARL-Tangram.
+
+Why: `docker exec` costs ~40 ms per call, which dominates short tool actions on the broker's hot path. This
+executor runs inside the sandbox (a container, or a plain local process standing for one), listens on a unix
+socket, and runs commands with CPU affinity, a timeout that kills the whole process tree, size-capped output
+capture and OOM detection; a round trip for `true` is ~1 ms plus process spawn.
+
+It is copied into arbitrary user images, so it is a single stdlib-only file that runs on any python3 >= 3.8.
+
+Wire protocol (both directions): 4-byte big-endian unsigned length, then that many bytes of UTF-8 JSON.
+Requests carry "op": "ping" or "run" (the default); see run_command for the run fields and the response.
+
+Modes:
+    python3 executor.py serve --socket PATH [--oom-counter auto|none|FILE]
+    python3 executor.py once BASE64 [--oom-counter auto|none|FILE]   (one request from argv, response on stdout)
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import binascii
+import errno
+import json
+import os
+import platform
+import resource
+import selectors
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+
+PROTOCOL_VERSION = 1
+MAX_REQUEST_BYTES = 16 * 1024 * 1024
+DEFAULT_OUTPUT_LIMIT = 1024 * 1024
+READ_CHUNK = 65536
+POLL_INTERVAL_S = 0.005  # only used when os.pidfd_open is unavailable (python < 3.9 or kernel < 5.3)
+# After the main process exits, read at most this much more: a background process that keeps writing
+# into the inherited pipes must not keep the response from coming back.
+DRAIN_LIMIT_BYTES = 16 * 1024 * 1024
+CGROUP_V2_EVENTS = "/sys/fs/cgroup/memory.events"
+CGROUP_V1_OOM_CONTROL = "/sys/fs/cgroup/memory/memory.oom_control"
+
+_HEADER = struct.Struct(">I")
+
+
+class ClientGone(Exception):
+    """The client closed the connection while its command ran; the process tree has been killed."""
+
+
+class RequestError(Exception):
+    """A request the executor cannot run (bad field, missing cwd, argv[0] not found, ...)."""
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Child tracking. Every live child is registered so that SIGTERM can kill it and so that, when the executor is
+# PID 1 of its container, the orphan reaper never reaps a child a worker thread is about to wait for.
+# ------------------------------------------------------------------------------------------------------------
+
+_children_lock = threading.Lock()
+_children = {}  # type: dict
+_reaper_enabled = False
+
+
+def _register(proc):
+    _children[proc.pid] = proc
+
+
+def _unregister(pid):
+    _children.pop(pid, None)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Process tree handling
+# ------------------------------------------------------------------------------------------------------------
+
+def _proc_table():
+    """pid -> (state, ppid, session) for every process visible in /proc."""
+    table = {}
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return table
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open("/proc/" + name + "/stat", "rb") as f:
+                data = f.read()
+        except OSError:
+            continue
+        # Field 2 is "(comm)" and comm may contain spaces and parentheses: split after the last ')'.
+        rest = data[data.rfind(b")") + 2:].split()
+        if len(rest) < 4:
+            continue
+        try:
+            table[int(name)] = (rest[0].decode("ascii", "replace"), int(rest[1]), int(rest[3]))
+        except ValueError:
+            continue
+    return table
+
+
+def _kill(pid):
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def kill_tree(pid):
+    """SIGKILL the child, its process group, every process in its session and every descendant.
+
+    The child was started in a new session, so its session id and process group id equal its pid. Descendants
+    are collected from a /proc snapshot taken before anything is killed, so a grandchild that called setsid
+    (and left the session) is still found through its parent. Processes that daemonised before the kill (their
+    parent already gone) cannot be attributed and escape; a container's cgroup is the backstop for those.
+    """
+    me = os.getpid()
+    table = _proc_table()
+    children = {}
+    for p, (_state, ppid, _sid) in table.items():
+        children.setdefault(ppid, []).append(p)
+    targets = set()
+    stack = [pid]
+    while stack:
+        p = stack.pop()
+        if p in targets:
+            continue
+        targets.add(p)
+        stack.extend(children.get(p, ()))
+    targets.update(p for p, (_state, _ppid, sid) in table.items() if sid == pid)
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    for p in targets:
+        if p > 1 and p != me:
+            _kill(p)
+    # A process forked by a not-yet-killed member during the first pass: sweep the session until it is empty.
+    for _ in range(3):
+        alive = [p for p, (state, _ppid, sid) in _proc_table().items()
+                 if sid == pid and state != "Z" and p > 1 and p != me]
+        if not alive:
+            break
+        for p in alive:
+            _kill(p)
+
+
+def _reap_orphans():
+    """Reap zombies re-parented to us (we are PID 1) that no worker thread waits for."""
+    me = os.getpid()
+    with _children_lock:
+        for p, (state, ppid, _sid) in _proc_table().items():
+            if ppid == me and state == "Z" and p not in _children:
+                try:
+                    os.waitpid(p, os.WNOHANG)
+                except ChildProcessError:
+                    pass
+
+
+def _reaper_loop(stop):
+    while not stop.wait(1.0):
+        try:
+            _reap_orphans()
+        except Exception as exc:  # never let the reaper die silently on an odd /proc entry
+            _log("orphan reaper: %r" % (exc,))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# OOM counter
+# ------------------------------------------------------------------------------------------------------------
+
+def resolve_oom_counter(setting):
+    """Map --oom-counter to the file holding the cgroup's `oom_kill N` line, or None (detection off)."""
+    if setting in (None, "", "none"):
+        return None
+    if setting == "auto":
+        for path in (CGROUP_V2_EVENTS, CGROUP_V1_OOM_CONTROL):
+            if read_oom_counter(path) is not None:
+                return path
+        return None
+    return setting
+
+
+def read_oom_counter(path):
+    """The `oom_kill N` value in a memory.events / memory.oom_control file, or None when unreadable."""
+    if not path:
+        return None
+    try:
+        with open(path, "r") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) == 2 and parts[0] == "oom_kill":
+                    return int(parts[1])
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Running one command
+# ------------------------------------------------------------------------------------------------------------
+
+def _empty_response(error=None):
+    return {
+        "exit_code": None, "signal": None, "timed_out": False, "oom_killed": False,
+        "stdout": "", "stderr": "", "stdout_bytes": 0, "stderr_bytes": 0,
+        "stdout_truncated": False, "stderr_truncated": False, "duration_s": 0.0, "error": error,
+    }
+
+
+def _is_int(value):
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value):
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and value == value and value not in (float("inf"), float("-inf")))
+
+
+def _validate(request):
+    """Check the run fields; returns (argv, env, cwd, timeout_s, output_limit, cpus, memory_bytes)."""
+    command = request.get("command")
+    if isinstance(command, str):
+        if not command:
+            raise RequestError("command: must not be empty")
+        argv = ["/bin/sh", "-c", command]
+    elif isinstance(command, list):
+        if not command or not all(isinstance(a, str) for a in command):
+            raise RequestError("command: a list must be a non-empty list of strings")
+        argv = list(command)
+    else:
+        raise RequestError("command: must be a string or a list of strings, got %s" % type(command).__name__)
+    if any("\0" in a for a in argv):
+        raise RequestError("command: must not contain NUL characters")
+
+    env = request.get("env")
+    if env is None:
+        env = {}
+    elif not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+        raise RequestError("env: must be an object of string to string")
+    elif any(not k or "=" in k or "\0" in k or "\0" in v for k, v in env.items()):
+        raise RequestError("env: names must be non-empty without '=' or NUL, values without NUL")
+
+    cwd = request.get("cwd")
+    if cwd is not None and (not isinstance(cwd, str) or not cwd or "\0" in cwd):
+        raise RequestError("cwd: must be a non-empty string")
+
+    timeout_s = request.get("timeout_s")
+    if timeout_s is not None and (not _is_number(timeout_s) or timeout_s <= 0):
+        raise RequestError("timeout_s: must be a positive number or null, got %r" % (timeout_s,))
+
+    output_limit = request.get("output_limit")
+    if output_limit is None:
+        output_limit = DEFAULT_OUTPUT_LIMIT
+    elif not _is_int(output_limit) or output_limit < 0:
+        raise RequestError("output_limit: must be a non-negative integer, got %r" % (output_limit,))
+
+    cpus = request.get("cpus")
+    if cpus is not None and (not isinstance(cpus, list) or not cpus
+                             or not all(_is_int(c) and c >= 0 for c in cpus)):
+        raise RequestError("cpus: must be a non-empty list of non-negative integers or null, got %r" % (cpus,))
+
+    memory_bytes = request.get("memory_bytes")
+    if memory_bytes is not None and (not _is_int(memory_bytes) or memory_bytes <= 0):
+        raise RequestError("memory_bytes: must be a positive integer or null, got %r" % (memory_bytes,))
+    return argv, env, cwd, timeout_s, output_limit, cpus, memory_bytes
+
+
+def _spawn(argv, env, cwd, cpus, memory_bytes):
+    """Start the child in a new session with stdin=/dev/null and piped stdout/stderr.
+
+    CPU affinity: Linux affinity is per thread and a forked child inherits the forking thread's mask, so this
+    thread narrows its own mask around Popen and restores it after. That keeps subprocess on its fast vfork
+    path (no preexec_fn) and the mask is in place before exec. RLIMIT_AS is per process, so memory_bytes
+    needs a preexec_fn (only the local-process backend uses it; containers use cgroup limits).
+    """
+    full_env = None
+    if env:
+        full_env = dict(os.environ)
+        full_env.update(env)
+    preexec = None
+    if memory_bytes is not None:
+        def preexec():
+            resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+    saved_mask = None
+    if cpus is not None:
+        saved_mask = os.sched_getaffinity(0)
+        try:
+            os.sched_setaffinity(0, cpus)
+        except OSError as exc:
+            raise RequestError("cpus: cannot set affinity to %r: %s" % (cpus, exc.strerror or exc))
+    try:
+        lock = _children_lock if _reaper_enabled else None
+        if lock is not None:
+            lock.acquire()
+        try:
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    cwd=cwd, env=full_env, start_new_session=True, preexec_fn=preexec,
+                                    close_fds=True)
+            _register(proc)
+        finally:
+            if lock is not None:
+                lock.release()
+    except FileNotFoundError as exc:
+        if cwd is not None and not os.path.isdir(cwd):
+            raise RequestError("cwd: directory does not exist: %s" % cwd)
+        raise RequestError("command: executable not found: %s" % (exc.filename or argv[0]))
+    except PermissionError as exc:
+        raise RequestError("command: permission denied: %s" % (exc.filename or argv[0]))
+    except NotADirectoryError:
+        raise RequestError("cwd: not a directory: %s" % cwd)
+    except subprocess.SubprocessError as exc:
+        raise RequestError("spawn failed (memory_bytes=%r): %s" % (memory_bytes, exc))
+    except OSError as exc:
+        raise RequestError("spawn failed: %s" % exc)
+    finally:
+        if saved_mask is not None:
+            try:
+                os.sched_setaffinity(0, saved_mask)
+            except OSError:  # the allowed set changed meanwhile (cpuset update): widen; the kernel clips to it
+                try:
+                    os.sched_setaffinity(0, range(max(os.cpu_count() or 1, max(saved_mask) + 1)))
+                except OSError:
+                    pass
+    return proc
+
+
+class _Capture(object):
+    """Keeps the first `limit` bytes of a stream and counts the rest."""
+
+    __slots__ = ("fd", "limit", "kept", "total")
+
+    def __init__(self, fd, limit):
+        self.fd = fd
+        self.limit = limit
+        self.kept = bytearray()
+        self.total = 0
+
+    def feed(self, data):
+        self.total += len(data)
+        room = self.limit - len(self.kept)
+        if room > 0:
+            self.kept += data[:room]
+
+    def read(self):
+        """One non-blocking read: True while the pipe may give more, False at EOF."""
+        try:
+            data = os.read(self.fd, READ_CHUNK)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+        if not data:
+            return False
+        self.feed(data)
+        return True
+
+    def drain(self, budget):
+        """Read what is already in the pipe without waiting; returns the remaining byte budget."""
+        while budget > 0:
+            try:
+                data = os.read(self.fd, READ_CHUNK)
+            except (BlockingIOError, OSError):
+                break
+            if not data:
+                break
+            self.feed(data)
+            budget -= len(data)
+        return budget
+
+
+def _client_closed(sock):
+    """True when the client hung up; a pipelined request (data) is left in the socket for later."""
+    try:
+        data = sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except (BlockingIOError, InterruptedError):
+        return False
+    except OSError:
+        return True
+    return not data
+
+
+def run_command(request, cancel_sock=None, oom_counter=None):
+    """Run one `run` request and return the response dict.
+
+    Request fields: command (str: via /bin/sh -c; list: argv), env (added to the executor's environment),
+    cwd, timeout_s (null: none), output_limit (per stream, default 1 MiB), cpus (affinity, null: inherit),
+    memory_bytes (RLIMIT_AS, null: none). cancel_sock: the client's socket; if it closes while the command
+    runs, the tree is killed and ClientGone is raised. oom_counter: path of the cgroup file with `oom_kill N`.
+    Errors of the executor itself come back in "error" with the other fields empty; it never raises for them.
+    """
+    start = time.monotonic()
+    try:
+        argv, env, cwd, timeout_s, output_limit, cpus, memory_bytes = _validate(request)
+        if cwd is not None and not os.path.isdir(cwd):
+            raise RequestError("cwd: directory does not exist: %s" % cwd)
+        oom_before = read_oom_counter(oom_counter)
+        proc = _spawn(argv, env, cwd, cpus, memory_bytes)
+    except RequestError as exc:
+        return _empty_response(str(exc))
+
+    out = _Capture(proc.stdout.fileno(), output_limit)
+    err = _Capture(proc.stderr.fileno(), output_limit)
+    timed_out = False
+    cancelled = False
+    sel = selectors.DefaultSelector()
+    pidfd = None
+    try:
+        for cap in (out, err):
+            os.set_blocking(cap.fd, False)
+            sel.register(cap.fd, selectors.EVENT_READ, cap)
+        if hasattr(os, "pidfd_open"):
+            try:
+                pidfd = os.pidfd_open(proc.pid)
+                sel.register(pidfd, selectors.EVENT_READ, "exit")
+            except OSError:
+                pidfd = None
+        if cancel_sock is not None:
+            sel.register(cancel_sock, selectors.EVENT_READ, "client")
+        deadline = None if timeout_s is None else start + timeout_s
+        exited = False
+        while not exited:
+            wait = None
+            if deadline is not None:
+                wait = deadline - time.monotonic()
+                if wait <= 0:
+                    timed_out = True
+                    break
+            if pidfd is None:
+                wait = POLL_INTERVAL_S if wait is None else min(wait, POLL_INTERVAL_S)
+            for key, _mask in sel.select(wait):
+                tag = key.data
+                if tag == "exit":
+                    exited = True
+                elif tag == "client":
+                    if _client_closed(cancel_sock):
+                        cancelled = True
+                    else:  # a pipelined request: stop watching, it is read after this response
+                        sel.unregister(cancel_sock)
+                elif not tag.read():
+                    sel.unregister(tag.fd)
+            if cancelled:
+                break
+            if pidfd is None and proc.poll() is not None:
+                exited = True
+        if timed_out or cancelled:
+            kill_tree(proc.pid)
+        budget = DRAIN_LIMIT_BYTES
+        for cap in (out, err):
+            budget = cap.drain(budget)
+        returncode = proc.wait()
+    finally:
+        sel.close()
+        if pidfd is not None:
+            os.close(pidfd)
+        proc.stdout.close()
+        proc.stderr.close()
+        if proc.returncode is None:  # an unexpected exception above: leave nothing running
+            kill_tree(proc.pid)
+            proc.wait()
+        _unregister(proc.pid)
+    if cancelled:
+        raise ClientGone()
+
+    response = _empty_response()
+    if returncode < 0:
+        response["signal"] = -returncode
+    else:
+        response["exit_code"] = returncode
+    oom_after = read_oom_counter(oom_counter)
+    if (oom_before is not None and oom_after is not None and oom_after > oom_before and not timed_out
+            and (returncode == -signal.SIGKILL or returncode == 128 + signal.SIGKILL)):
+        response["oom_killed"] = True
+    response.update(
+        timed_out=timed_out,
+        stdout=out.kept.decode("utf-8", "replace"),
+        stderr=err.kept.decode("utf-8", "replace"),
+        stdout_bytes=out.total,
+        stderr_bytes=err.total,
+        stdout_truncated=out.total > len(out.kept),
+        stderr_truncated=err.total > len(err.kept),
+        duration_s=time.monotonic() - start,
+    )
+    return response
+
+
+def handle_request(request, cancel_sock=None, oom_counter=None):
+    """Dispatch one decoded request; never raises except ClientGone."""
+    if not isinstance(request, dict):
+        return _empty_response("request: must be a JSON object")
+    op = request.get("op", "run")
+    if op == "ping":
+        return {"ok": True, "pid": os.getpid(), "python": platform.python_version(),
+                "protocol": PROTOCOL_VERSION}
+    if op == "run":
+        try:
+            return run_command(request, cancel_sock, oom_counter)
+        except ClientGone:
+            raise
+        except Exception as exc:  # a bug here must not take the executor down
+            return _empty_response("executor internal error: %r" % (exc,))
+    return _empty_response("op: unknown operation %r (expected 'run' or 'ping')" % (op,))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# serve mode
+# ------------------------------------------------------------------------------------------------------------
+
+def _log(message):
+    try:
+        sys.stderr.write("executor[%d]: %s\n" % (os.getpid(), message))
+        sys.stderr.flush()
+    except Exception:
+        pass
+
+
+def _recv_exact(sock, n):
+    """n bytes, or None when the peer closed before sending them."""
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(min(n - len(buf), 1 << 20))
+        if not chunk:
+            return None
+        buf += chunk
+    return bytes(buf)
+
+
+def _send(sock, obj):
+    body = json.dumps(obj, separators=(",", ":")).encode("utf-8")
+    sock.sendall(_HEADER.pack(len(body)) + body)
+
+
+def _serve_connection(conn, oom_counter):
+    try:
+        while True:
+            header = _recv_exact(conn, _HEADER.size)
+            if header is None:
+                return
+            (length,) = _HEADER.unpack(header)
+            if length > MAX_REQUEST_BYTES:
+                _send(conn, _empty_response("request: %d bytes exceeds the %d byte limit"
+                                            % (length, MAX_REQUEST_BYTES)))
+                return
+            body = _recv_exact(conn, length)
+            if body is None:
+                return
+            try:
+                request = json.loads(body.decode("utf-8"))
+            except ValueError as exc:
+                response = _empty_response("request: invalid JSON: %s" % exc)
+            else:
+                try:
+                    response = handle_request(request, conn, oom_counter)
+                except ClientGone:
+                    return
+            _send(conn, response)
+    except OSError:
+        return  # the client went away mid-response; nothing to tell anyone
+    finally:
+        try:
+            conn.close()
+        except OSError:
+            pass
+
+
+class _Shutdown(Exception):
+    pass
+
+
+def _on_term(signum, frame):
+    raise _Shutdown()
+
+
+def serve(socket_path, oom_setting):
+    global _reaper_enabled
+    oom_counter = resolve_oom_counter(oom_setting)
+    try:
+        os.unlink(socket_path)
+    except FileNotFoundError:
+        pass
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old_umask = os.umask(0o177)  # the socket file is never, even briefly, reachable by others
+    try:
+        listener.bind(socket_path)
+    finally:
+        os.umask(old_umask)
+    os.chmod(socket_path, 0o600)
+    listener.listen(128)
+    stop = threading.Event()
+    if os.getpid() == 1:
+        _reaper_enabled = True
+        threading.Thread(target=_reaper_loop, args=(stop,), name="reaper", daemon=True).start()
+    signal.signal(signal.SIGTERM, _on_term)
+    signal.signal(signal.SIGINT, _on_term)
+    _log("serving on %s (python %s, oom counter: %s, orphan reaper: %s)"
+         % (socket_path, platform.python_version(), oom_counter or "off", "on" if _reaper_enabled else "off"))
+    try:
+        while True:
+            try:
+                conn, _addr = listener.accept()
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    _log("accept: %s" % exc)
+                    time.sleep(0.05)  # out of descriptors: back off instead of spinning
+                    continue
+                raise
+            threading.Thread(target=_serve_connection, args=(conn, oom_counter), daemon=True).start()
+    except _Shutdown:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        stop.set()
+        listener.close()
+        try:
+            os.unlink(socket_path)
+        except OSError:
+            pass
+        for pid in list(_children):
+            kill_tree(pid)
+        _log("stopped")
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------------------
+# once mode (through `docker exec` for remote Docker engines)
+# ------------------------------------------------------------------------------------------------------------
+
+def decode_once(argument):
+    """Base64 (urlsafe or standard, padding optional) JSON request -> dict."""
+    text = argument.strip()
+    text += "=" * (-len(text) % 4)
+    return json.loads(base64.urlsafe_b64decode(text.encode("ascii")).decode("utf-8"))
+
+
+def once(argument, oom_setting):
+    try:
+        request = decode_once(argument)
+    except (ValueError, binascii.Error, UnicodeError) as exc:
+        response = _empty_response("request: cannot decode base64 JSON argument: %s" % exc)
+    else:
+        response = handle_request(request, None, resolve_oom_counter(oom_setting))
+    sys.stdout.write(json.dumps(response, separators=(",", ":")) + "\n")
+    sys.stdout.flush()
+    return 0
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="ARL-Tangram in-sandbox command executor")
+    sub = parser.add_subparsers(dest="mode")
+    p_serve = sub.add_parser("serve", help="serve requests on a unix socket")
+    p_serve.add_argument("--socket", required=True)
+    p_serve.add_argument("--oom-counter", default="none", help="auto, none, or a file with an `oom_kill N` line")
+    p_once = sub.add_parser("once", help="run one base64 JSON request and print the JSON response")
+    p_once.add_argument("request")
+    p_once.add_argument("--oom-counter", default="none")
+    args = parser.parse_args(argv)
+    if args.mode == "serve":
+        return serve(args.socket, args.oom_counter)
+    if args.mode == "once":
+        return once(args.request, args.oom_counter)
+    parser.print_help(sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""Host-side async client for the in-sandbox command executor (sandboxes/executor.py).
+
+Why: `docker exec` costs ~40 ms per call (API round trip, exec-instance creation, attach), which dominates short
+tool actions on the broker's hot path. The executor runs inside the sandbox and takes commands over a unix
+socket (bind-mounted to the host for containers), so a round trip for `true` is ~1 ms plus process spawn.
+
+Protocol: each message is a 4-byte big-endian length followed by UTF-8 JSON. One request per connection here;
+closing the connection while a command runs makes the executor kill the command's process tree, which is how
+a broker deadline or a client cancel reaches the sandbox.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import struct
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+__all__ = ["EXECUTOR_PATH", "ExecutorUnavailable", "call", "encode_once", "ping", "wait_ready"]
+
+EXECUTOR_PATH: str = str(Path(__file__).resolve().with_name("executor.py"))
+"""Absolute path of executor.py, for backends that copy it into containers."""
+
+MAX_RESPONSE_BYTES = 256 * 1024 * 1024
+"""Sanity bound on a response frame (outputs are capped by the request's output_limit anyway)."""
+
+_HEADER = struct.Struct(">I")
+
+
+class ExecutorUnavailable(Exception):
+    """The executor cannot be reached or dropped the connection before a full response.
+
+    Typical causes: the sandbox is not up yet, or it died (container killed, executor OOM-killed). The broker
+    treats this as a sandbox failure, not as a command result.
+    """
+
+    def __init__(self, socket_path: str, reason: str) -> None:
+        super().__init__(f"executor at {socket_path} unavailable: {reason}")
+        self.socket_path = socket_path
+        self.reason = reason
+
+
+def _frame(request: dict[str, Any]) -> bytes:
+    body = orjson.dumps(request)
+    return _HEADER.pack(len(body)) + body
+
+
+async def call(socket_path: str, request: dict[str, Any], *, connect_timeout: float = 5.0) -> dict[str, Any]:
+    """Send one request and return the executor's response.
+
+    Errors the executor reports about the command (bad field, missing cwd, ...) come back in the response's
+    "error"; ExecutorUnavailable means the executor itself could not answer. If the awaiting task is cancelled,
+    the connection is aborted at once so the executor kills the running command, and CancelledError propagates.
+    """
+    try:
+        async with asyncio.timeout(connect_timeout):
+            reader, writer = await asyncio.open_unix_connection(socket_path)
+    except TimeoutError:
+        raise ExecutorUnavailable(socket_path, f"connect timed out after {connect_timeout} s") from None
+    except OSError as exc:
+        raise ExecutorUnavailable(socket_path, f"connect failed: {exc}") from exc
+    try:
+        writer.write(_frame(request))
+        await writer.drain()
+        header = await reader.readexactly(_HEADER.size)
+        (length,) = _HEADER.unpack(header)
+        if length > MAX_RESPONSE_BYTES:
+            raise ExecutorUnavailable(socket_path, f"response frame of {length} bytes exceeds the limit")
+        body = await reader.readexactly(length)
+    except asyncio.IncompleteReadError as exc:
+        writer.transport.abort()
+        raise ExecutorUnavailable(socket_path, f"connection closed before a full response "
+                                               f"({len(exc.partial)} of {exc.expected} bytes)") from None
+    except OSError as exc:
+        writer.transport.abort()
+        raise ExecutorUnavailable(socket_path, f"connection failed: {exc}") from exc
+    except BaseException:  # CancelledError above all: abort so the executor sees EOF and kills the command
+        writer.transport.abort()
+        raise
+    writer.close()
+    try:
+        response = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise ExecutorUnavailable(socket_path, f"malformed response: {exc}") from exc
+    if not isinstance(response, dict):
+        raise ExecutorUnavailable(socket_path, f"malformed response: {type(response).__name__}, not an object")
+    return response
+
+
+async def ping(socket_path: str, timeout: float = 2.0) -> dict[str, Any]:
+    """{"ok": true, "pid": ..., "python": ...} from the executor, or ExecutorUnavailable within `timeout`."""
+    try:
+        async with asyncio.timeout(timeout):
+            return await call(socket_path, {"op": "ping"}, connect_timeout=timeout)
+    except TimeoutError:
+        raise ExecutorUnavailable(socket_path, f"no ping answer within {timeout} s") from None
+
+
+async def wait_ready(socket_path: str, timeout: float) -> dict[str, Any]:
+    """Ping until the executor answers (a sandbox that is starting up), or raise ExecutorUnavailable."""
+    deadline = time.monotonic() + timeout
+    delay = 0.01
+    reason = "not tried"
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise ExecutorUnavailable(socket_path, f"not ready after {timeout} s: {reason}")
+        try:
+            return await ping(socket_path, timeout=min(left, 2.0))
+        except ExecutorUnavailable as exc:
+            reason = exc.reason
+        await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+        delay = min(delay * 2, 0.1)
+
+
+def encode_once(request: dict[str, Any]) -> str:
+    """The argument for `python3 executor.py once ARG` (used through `docker exec` for remote engines).
+
+    Linux caps one argv string at 128 KiB (MAX_ARG_STRLEN), so very large requests do not fit this path.
+    """
+    return base64.urlsafe_b64encode(orjson.dumps(request)).decode("ascii")

@@ -1,0 +1,125 @@
+"""Sandboxes as plain local processes, so ``tangram serve`` runs on a machine without Docker.
+
+Each environment is a directory plus the same executor the containers run, as a child process listening on a
+unix socket. Commands get exactly their cores (``sched_setaffinity``) and an address-space limit (RLIMIT_AS) for
+the environment's memory. Isolation is much weaker than a container's: commands share this host's filesystem,
+network, users and process table, idle background processes are not frozen, and memory is limited per command,
+not per environment. Use it for development and trusted workloads only (the README says so).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from sandboxes.backend import Sandbox, SandboxBackend, SandboxError, SandboxSpec
+from sandboxes.executor_client import EXECUTOR_PATH, ExecutorUnavailable, call, wait_ready
+
+READY_TIMEOUT_S = 15.0
+MARKER = "TANGRAM_ENVIRONMENT"
+
+
+class LocalSandbox(Sandbox):
+    def __init__(self, env_id: str, root: Path, process: subprocess.Popen[bytes], memory_mb: int) -> None:
+        self.env_id = env_id
+        self.root = root
+        self.workdir = str(root / "workspace")
+        self.socket = str(root / "exec.sock")
+        self.process = process
+        self.memory_bytes = memory_mb << 20
+        self.destroyed = False
+
+    async def set_cores(self, cores: frozenset[int]) -> None:
+        """Nothing to do: each command is pinned by the executor to its own cores."""
+
+    async def run(self, request: dict[str, Any]) -> dict[str, Any]:
+        try:
+            return await call(self.socket, {**request, "memory_bytes": self.memory_bytes})
+        except ExecutorUnavailable as error:
+            raise SandboxError("environment_lost", f"the environment's executor is gone ({error})",
+                               lost=True) from None
+
+    async def destroy(self) -> None:
+        if self.destroyed:
+            return
+        self.destroyed = True
+        await asyncio.to_thread(self._kill_all)
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def _kill_all(self) -> None:
+        """The executor, and every process a command left behind (they carry the environment's marker)."""
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        for process in psutil.process_iter(["pid"]):
+            try:
+                if process.environ().get(MARKER) == self.env_id:
+                    process.kill()
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                continue
+
+    def describe(self) -> dict[str, Any]:
+        return {"directory": self.workdir, "executor_pid": self.process.pid}
+
+
+class LocalProcessBackend(SandboxBackend):
+    kind = "local"
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+
+    async def start(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+
+    async def create(self, spec: SandboxSpec) -> Sandbox:
+        root = self.run_dir / spec.env_id
+        workspace = root / "workspace"
+        workspace.mkdir(parents=True, mode=0o700)
+        for path, data in spec.files.items():
+            target = workspace / path
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(data)
+        env = {**os.environ, MARKER: spec.env_id, "PYTHONUNBUFFERED": "1"}
+        log = open(root / "executor.log", "wb")
+        try:
+            process = subprocess.Popen([sys.executable, EXECUTOR_PATH, "serve", "--socket", str(root / "exec.sock")],
+                                       cwd=workspace, env=env, stdin=subprocess.DEVNULL, stdout=log,
+                                       stderr=subprocess.STDOUT, start_new_session=True)
+        finally:
+            log.close()
+        sandbox = LocalSandbox(spec.env_id, root, process, spec.memory_mb)
+        try:
+            await wait_ready(sandbox.socket, READY_TIMEOUT_S)
+        except ExecutorUnavailable as error:
+            await sandbox.destroy()
+            raise SandboxError("sandbox_create_failed", f"local executor never answered: {error}") from None
+        return sandbox
+
+    async def reap(self, broker_id: str) -> int:
+        """Kill processes of environments a previous run of this broker left, and remove their directories."""
+        if not self.run_dir.is_dir():
+            return 0
+        leftovers = {p.name for p in self.run_dir.iterdir()}
+        for process in psutil.process_iter(["pid"]):
+            try:
+                if process.environ().get(MARKER) in leftovers:
+                    os.kill(process.pid, signal.SIGKILL)
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, ProcessLookupError):
+                continue
+        for name in leftovers:
+            shutil.rmtree(self.run_dir / name, ignore_errors=True)
+        return len(leftovers)
+
+    def describe(self) -> dict[str, Any]:
+        return {"backend": "local", "isolation": "process (weak)"}

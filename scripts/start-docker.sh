@@ -1,0 +1,146 @@
+#!/usr/bin/env bash
+# Bring up the two Docker engines the sandbox tests run against, on a fresh Debian machine, as root, and make sure
+# the default sandbox image (tangram/sandbox-python:bookworm, built offline with debootstrap) is in both.
+#   node 1: the default engine on unix:///var/run/docker.sock
+#   node 2: a second dockerd on unix:///run/tangram/node2/docker.sock with its own data root, exec root and
+#           containerd, standing for a second node (no bridge network: sandboxes run with network none)
+# Idempotent: installs docker.io and debootstrap only when missing, starts an engine only when it does not answer,
+# builds the image only when an engine lacks it. Prints only the export line the tests read on stdout (progress
+# goes to stderr), so
+#   eval "$(bash scripts/start-docker.sh)"
+# sets TANGRAM_TEST_DOCKER_NODES in the calling shell.
+set -euo pipefail
+exec 3>&1 1>&2
+root=$(cd "$(dirname "$0")/.." && pwd)
+export PATH="$PATH:/usr/local/sbin:/usr/sbin:/sbin"
+
+NODE1=unix:///var/run/docker.sock
+NODE2_DIR=/run/tangram/node2
+NODE2=unix://$NODE2_DIR/docker.sock
+LOG_DIR=/var/log/tangram
+WAIT_S=60
+
+if [ "$(id -u)" != 0 ]; then
+    echo "start-docker.sh: must run as root (it installs packages and starts dockerd)" >&2
+    exit 1
+fi
+
+missing=()
+command -v dockerd >/dev/null || missing+=(docker.io)
+command -v debootstrap >/dev/null || missing+=(debootstrap)
+if ((${#missing[@]})); then
+    echo "installing ${missing[*]} from Debian's packages" >&2
+    # </dev/null and 3>&-: should a package script start a daemon, it must not hold our caller's pipe open.
+    apt-get update </dev/null 3>&-
+    DEBIAN_FRONTEND=noninteractive apt-get install -y "${missing[@]}" </dev/null 3>&-
+fi
+
+# dockerd needs cgroups (v1 hierarchies or the v2 unified one) and runs containers on overlay2 when the data root's
+# filesystem allows it (it falls back to the slow vfs driver otherwise, e.g. on an overlay root).
+if [ ! -e /sys/fs/cgroup/cgroup.controllers ] && [ ! -d /sys/fs/cgroup/memory ]; then
+    if command -v cgroupfs-mount >/dev/null; then
+        echo "no cgroup hierarchy mounted: mounting them with cgroupfs-mount" >&2
+        cgroupfs-mount
+    fi
+    if [ ! -e /sys/fs/cgroup/cgroup.controllers ] && [ ! -d /sys/fs/cgroup/memory ]; then
+        echo "start-docker.sh: no cgroup filesystem under /sys/fs/cgroup; dockerd cannot run containers" >&2
+        exit 1
+    fi
+fi
+grep -qw overlay /proc/filesystems || modprobe overlay 2>/dev/null || \
+    echo "warning: no overlay filesystem in this kernel; dockerd will use the slow vfs storage driver" >&2
+
+mkdir -p "$LOG_DIR" "$NODE2_DIR" /var/lib/tangram/node2
+
+answers() { timeout 10 docker -H "$1" info >/dev/null 2>&1; }
+
+# The pid in a pidfile, if that process is alive (a dockerd still starting up must not be started twice).
+alive() { [ -s "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
+
+# Run "$@" as a daemon: its own session, stdin from /dev/null, stdout and stderr to a log, and no other file
+# descriptor of ours. A daemon that inherits the write end of a caller's $(...) pipe keeps that command
+# substitution waiting for ever (a CI run hung 90 minutes on that).
+detach() {
+    local log=$1 fd
+    shift
+    (
+        cd /
+        for fd in /proc/$BASHPID/fd/*; do
+            fd=${fd##*/}
+            if [ "$fd" -gt 2 ]; then eval "exec $fd>&-"; fi
+        done
+        exec setsid "$@" </dev/null >>"$log" 2>&1
+    ) &
+}
+
+# Wait until the engine at $1 answers, or fail with its log's tail; $2: its log, $3: its pidfile.
+wait_for() {
+    local url=$1 log=$2 pidfile=$3 _
+    for _ in $(seq 1 "$WAIT_S"); do
+        answers "$url" && return 0
+        sleep 1
+    done
+    echo "start-docker.sh: the Docker engine at $url did not answer within ${WAIT_S}s; tail of $log:" >&2
+    tail -n 30 "$log" >&2 || true
+    alive "$pidfile" || echo "(dockerd is not running)" >&2
+    return 1
+}
+
+start_node1() {
+    local log=$LOG_DIR/dockerd-node1.log
+    if answers "$NODE1"; then
+        echo "node 1 engine already answers on $NODE1" >&2
+        return 0
+    fi
+    if ! alive /var/run/docker.pid; then
+        echo "starting node 1 engine on $NODE1 (log $log)" >&2
+        detach "$log" dockerd --host "$NODE1" --pidfile /var/run/docker.pid
+        # A machine whose kernel lacks the NAT tables cannot give dockerd its default bridge network: retry
+        # without it (sandboxes run with network none anyway).
+        for _ in $(seq 1 10); do
+            answers "$NODE1" && break
+            if ! alive /var/run/docker.pid && tail -n 20 "$log" | grep -qiE 'iptables|bridge|nat chain'; then
+                echo "node 1 engine failed to set up its bridge network; restarting it without one" >&2
+                detach "$log" dockerd --host "$NODE1" --pidfile /var/run/docker.pid --bridge none \
+                    --iptables=false --ip-masq=false
+                break
+            fi
+            sleep 1
+        done
+    fi
+    wait_for "$NODE1" "$log" /var/run/docker.pid
+}
+
+start_node2() {
+    local log=$LOG_DIR/dockerd-node2.log
+    if answers "$NODE2"; then
+        echo "node 2 engine already answers on $NODE2" >&2
+        return 0
+    fi
+    if ! alive "$NODE2_DIR/docker.pid"; then
+        echo "starting node 2 engine on $NODE2 (log $log)" >&2
+        # Its own data root, exec root (hence its own containerd, socket and state) and pidfile; no bridge and no
+        # iptables rules, which would collide with node 1's docker0 and NAT chains.
+        detach "$log" dockerd --host "$NODE2" --data-root /var/lib/tangram/node2 --exec-root "$NODE2_DIR/exec" \
+            --pidfile "$NODE2_DIR/docker.pid" --bridge none --iptables=false --ip-masq=false
+    fi
+    wait_for "$NODE2" "$log" "$NODE2_DIR/docker.pid"
+}
+
+start_node1
+start_node2
+for url in "$NODE1" "$NODE2"; do
+    echo "$url: $(docker -H "$url" info --format 'Docker {{.ServerVersion}}, storage {{.Driver}}, cgroup v{{.CgroupVersion}} ({{.CgroupDriver}})' 2>/dev/null)" >&2
+done
+
+# The default sandbox image in both engines: debootstrap runs only when neither the engines nor the cache have it.
+if [ -n "${VIRTUAL_ENV:-}" ] && [ -x "$VIRTUAL_ENV/bin/python" ]; then
+    python=$VIRTUAL_ENV/bin/python
+elif [ -x "$root/.venv/bin/python" ]; then
+    python=$root/.venv/bin/python
+else
+    python=python3
+fi
+(cd "$root" && "$python" -m tangram.cli image build --engine "$NODE1" --engine "$NODE2" </dev/null 3>&-)
+
+echo "export TANGRAM_TEST_DOCKER_NODES=$NODE1,$NODE2" >&3

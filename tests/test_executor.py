@@ -1,0 +1,537 @@
+"""The in-sandbox command executor (sandboxes/executor.py) and its async client, against a real executor process.
+
+Every test that starts long-lived processes tags them with a unique marker (`sleep 1000.<random>`) so it can
+check that they are gone, and kills leftovers by pid in a finally block so a failing test leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+from sandboxes import executor as ex
+from sandboxes.executor_client import EXECUTOR_PATH, ExecutorUnavailable, call, encode_once, ping, wait_ready
+
+# ------------------------------------------------------------------------------------------------------------
+# helpers
+# ------------------------------------------------------------------------------------------------------------
+
+
+def marker() -> str:
+    """A unique `sleep` argument: a long duration nobody else on the machine uses."""
+    return f"1000.{random.randrange(10**8, 10**9)}"
+
+
+def pids_with(text: str) -> list[int]:
+    """Live (non-zombie) processes whose command line contains `text`."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            cmdline = Path(f"/proc/{name}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmdline:
+            found.append(int(name))
+    return found
+
+
+def kill_marked(text: str) -> None:
+    """Clean up after a failed test: SIGKILL the processes carrying this test's marker."""
+    for pid in pids_with(text):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+async def wait_until(predicate: Any, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        await asyncio.sleep(0.02)
+    return bool(predicate())
+
+
+def short_socket_path(tmp_path: Path) -> str:
+    """tmp_path/x.sock, unless that exceeds the 107-byte AF_UNIX limit."""
+    path = str(tmp_path / "x.sock")
+    if len(path.encode()) < 100:
+        return path
+    return os.path.join(os.environ.get("TMPDIR", "/tmp"), f"ex-{os.getpid()}-{random.randrange(10**9)}.sock")
+
+
+class Executor:
+    """A real `executor.py serve` process."""
+
+    def __init__(self, tmp_path: Path, socket_path: str | None = None) -> None:
+        self.socket = socket_path or short_socket_path(tmp_path)
+        self.log = tmp_path / "executor.log"
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen([sys.executable, EXECUTOR_PATH, "serve", "--socket", self.socket],
+                                         stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        try:
+            return self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise
+
+
+@pytest_asyncio.fixture
+async def executor(tmp_path: Path) -> AsyncIterator[Executor]:
+    started = Executor(tmp_path)
+    try:
+        await wait_ready(started.socket, timeout=10)
+        yield started
+    finally:
+        started.stop()
+
+
+async def run(executor: Executor, **request: Any) -> dict[str, Any]:
+    return await call(executor.socket, {"op": "run", **request})
+
+
+def raw_connect(path: str) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    sock.connect(path)
+    return sock
+
+
+def raw_send(sock: socket.socket, payload: bytes) -> None:
+    sock.sendall(struct.pack(">I", len(payload)) + payload)
+
+
+def raw_recv(sock: socket.socket) -> dict[str, Any] | None:
+    def exact(n: int) -> bytes | None:
+        buf = b""
+        while len(buf) < n:
+            chunk = sock.recv(n - len(buf))
+            if not chunk:
+                return None
+            buf += chunk
+        return buf
+
+    header = exact(4)
+    if header is None:
+        return None
+    body = exact(struct.unpack(">I", header)[0])
+    assert body is not None
+    return json.loads(body)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# basic runs
+# ------------------------------------------------------------------------------------------------------------
+
+
+async def test_ping_reports_executor_process(executor: Executor) -> None:
+    answer = await ping(executor.socket)
+    assert answer["ok"] is True
+    assert answer["pid"] == executor.proc.pid
+    assert answer["python"] == ".".join(map(str, sys.version_info[:3]))
+    assert "serving on" in executor.log.read_text()
+    assert os.stat(executor.socket).st_mode & 0o777 == 0o600
+
+
+async def test_stdout_stderr_and_exit_code(executor: Executor) -> None:
+    result = await run(executor, command="echo out; echo err >&2; exit 7")
+    assert result["error"] is None
+    assert (result["exit_code"], result["signal"]) == (7, None)
+    assert result["stdout"] == "out\n" and result["stderr"] == "err\n"
+    assert (result["stdout_bytes"], result["stderr_bytes"]) == (4, 4)
+    assert not result["stdout_truncated"] and not result["stderr_truncated"]
+    assert not result["timed_out"] and not result["oom_killed"]
+    assert result["duration_s"] >= 0
+
+
+async def test_argv_form_is_not_run_through_a_shell(executor: Executor) -> None:
+    result = await run(executor, command=["echo", "$HOME; `id`", "two words"])
+    assert result["exit_code"] == 0
+    assert result["stdout"] == "$HOME; `id` two words\n"
+
+
+async def test_env_is_added_and_cwd_applied(executor: Executor, tmp_path: Path) -> None:
+    result = await run(executor, command='printf "%s|" "$TANGRAM_X" "$(pwd)"; command -v sh >/dev/null && echo path-ok',
+                       env={"TANGRAM_X": "a b=c"}, cwd=str(tmp_path))
+    assert result["exit_code"] == 0, result
+    assert result["stdout"] == f"a b=c|{os.path.realpath(tmp_path)}|path-ok\n"
+
+
+async def test_signal_death_reports_signal_not_exit_code(executor: Executor) -> None:
+    result = await run(executor, command="kill -TERM $$")
+    assert result["exit_code"] is None
+    assert result["signal"] == signal.SIGTERM
+    assert not result["timed_out"]
+
+
+async def test_stdin_is_dev_null_and_output_decoded_with_replacement(executor: Executor) -> None:
+    result = await run(executor, command=r"cat; printf 'ok\377'")
+    assert result["exit_code"] == 0
+    assert result["stdout"] == "ok\ufffd"
+    assert result["stdout_bytes"] == 3
+
+
+async def test_missing_cwd_is_an_error_and_creates_nothing(executor: Executor, tmp_path: Path) -> None:
+    missing = tmp_path / "nope" / "deeper"
+    result = await run(executor, command="true", cwd=str(missing))
+    assert "cwd" in result["error"] and str(missing) in result["error"]
+    assert result["exit_code"] is None and result["stdout"] == "" and result["timed_out"] is False
+    assert not missing.parent.exists()
+    assert (await run(executor, command="echo alive"))["stdout"] == "alive\n"
+
+
+async def test_missing_argv0_is_an_error_and_executor_survives(executor: Executor) -> None:
+    result = await run(executor, command=["/nonexistent/tangram-no-such-binary", "x"])
+    assert result["error"] is not None and "not found" in result["error"]
+    assert result["exit_code"] is None and result["signal"] is None
+    # Through a shell, a missing program is the shell's business: exit 127, no executor error.
+    shell = await run(executor, command="tangram-no-such-binary-xyz")
+    assert shell["error"] is None and shell["exit_code"] == 127
+    assert (await ping(executor.socket))["pid"] == executor.proc.pid
+    assert (await run(executor, command=["echo", "next"]))["stdout"] == "next\n"
+
+
+@pytest.mark.parametrize(("request_fields", "field"), [
+    ({"command": 5}, "command"),
+    ({"command": []}, "command"),
+    ({"command": ["echo", 1]}, "command"),
+    ({}, "command"),
+    ({"command": "true", "timeout_s": -1}, "timeout_s"),
+    ({"command": "true", "timeout_s": "5"}, "timeout_s"),
+    ({"command": "true", "output_limit": -1}, "output_limit"),
+    ({"command": "true", "output_limit": 1.5}, "output_limit"),
+    ({"command": "true", "cpus": "0"}, "cpus"),
+    ({"command": "true", "cpus": [-1]}, "cpus"),
+    ({"command": "true", "cpus": [True]}, "cpus"),
+    ({"command": "true", "memory_bytes": 0}, "memory_bytes"),
+    ({"command": "true", "env": {"A": 1}}, "env"),
+    ({"command": "true", "env": ["A=1"]}, "env"),
+    ({"command": "true", "cwd": 3}, "cwd"),
+    ({"op": "explode"}, "op"),
+])
+async def test_bad_requests_name_the_field(executor: Executor, request_fields: dict[str, Any], field: str) -> None:
+    result = await call(executor.socket, request_fields)
+    assert result["error"] is not None and result["error"].startswith(field), result
+    assert result["exit_code"] is None and result["stdout"] == ""
+    assert (await ping(executor.socket))["ok"]
+
+
+async def test_unsatisfiable_cpu_set_is_an_error(executor: Executor) -> None:
+    result = await run(executor, command="true", cpus=[4095])
+    assert result["error"] is not None and result["error"].startswith("cpus")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# output capture
+# ------------------------------------------------------------------------------------------------------------
+
+
+async def test_output_cap_keeps_prefix_and_counts_all(executor: Executor) -> None:
+    result = await run(executor, command="head -c 3000000 /dev/zero; printf abcde >&2", output_limit=1000)
+    assert result["exit_code"] == 0
+    assert result["stdout"] == "\0" * 1000
+    assert result["stdout_bytes"] == 3_000_000 and result["stdout_truncated"] is True
+    assert result["stderr"] == "abcde" and result["stderr_bytes"] == 5 and result["stderr_truncated"] is False
+
+
+async def test_default_output_limit_is_one_mib(executor: Executor) -> None:
+    result = await run(executor, command="head -c 1048577 /dev/zero | tr '\\0' a")
+    assert len(result["stdout"]) == 1024 * 1024
+    assert result["stdout_bytes"] == 1024 * 1024 + 1 and result["stdout_truncated"] is True
+
+
+async def test_background_process_holding_pipes_does_not_delay_response(executor: Executor) -> None:
+    tag = f"30.{random.randrange(10**8, 10**9)}"
+    try:
+        started = time.monotonic()
+        result = await run(executor, command=f"sleep {tag} & echo hi", timeout_s=60)
+        elapsed = time.monotonic() - started
+        assert result["stdout"] == "hi\n" and result["exit_code"] == 0
+        assert not result["timed_out"]
+        assert elapsed < 10, "waited for the background sleep to close the pipes"
+        assert pids_with(f"sleep {tag}"), "a finished command's background process is left alone"
+    finally:
+        kill_marked(f"sleep {tag}")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# timeout, cancellation and shutdown kill the whole tree
+# ------------------------------------------------------------------------------------------------------------
+
+
+async def test_timeout_kills_the_whole_tree(executor: Executor) -> None:
+    tag = marker()
+    # Same process group; own session via setsid (found through its parent); own process group and orphaned
+    # (a job-control subshell that exits: only the session sweep finds it); and the foreground sleep.
+    parts = [f"sleep {tag} &", "(set -m; sleep " + tag + " & ) ;"]
+    if shutil.which("setsid"):
+        parts.append(f"setsid sleep {tag} &")
+    parts.append(f"echo started; sleep {tag}")
+    try:
+        started = time.monotonic()
+        result = await run(executor, command=" ".join(parts), timeout_s=0.5)
+        elapsed = time.monotonic() - started
+        assert result["timed_out"] is True
+        assert result["signal"] == signal.SIGKILL and result["exit_code"] is None
+        assert result["stdout"] == "started\n", "output captured before the timeout is returned"
+        assert result["error"] is None
+        assert elapsed < 10
+        assert await wait_until(lambda: not pids_with(f"sleep {tag}"), 3), pids_with(f"sleep {tag}")
+    finally:
+        kill_marked(f"sleep {tag}")
+
+
+async def test_cancelling_the_call_kills_the_command(executor: Executor) -> None:
+    tag = marker()
+    try:
+        task = asyncio.create_task(run(executor, command=f"sleep {tag} & sleep {tag}; echo never"))
+        assert await wait_until(lambda: len(pids_with(f"sleep {tag}")) >= 2, 5), "command did not start"
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert await wait_until(lambda: not pids_with(f"sleep {tag}"), 3), pids_with(f"sleep {tag}")
+        assert (await ping(executor.socket))["pid"] == executor.proc.pid
+    finally:
+        kill_marked(f"sleep {tag}")
+
+
+async def test_connections_run_concurrently(executor: Executor) -> None:
+    tag = marker()
+    try:
+        slow = asyncio.create_task(run(executor, command=f"sleep {tag}", timeout_s=2))
+        assert await wait_until(lambda: bool(pids_with(f"sleep {tag}")), 5)
+        assert (await run(executor, command="echo quick"))["stdout"] == "quick\n"
+        assert not slow.done(), "the quick command waited for the slow one"
+        assert (await slow)["timed_out"] is True
+    finally:
+        kill_marked(f"sleep {tag}")
+
+
+async def test_sigterm_stops_cleanly_and_kills_running_commands(tmp_path: Path) -> None:
+    own = Executor(tmp_path)
+    tag = marker()
+    try:
+        await wait_ready(own.socket, timeout=10)
+        task = asyncio.create_task(call(own.socket, {"command": f"sleep {tag}"}))
+        assert await wait_until(lambda: bool(pids_with(f"sleep {tag}")), 5)
+        assert own.stop() == 0
+        assert not os.path.exists(own.socket), "socket file removed on SIGTERM"
+        with pytest.raises(ExecutorUnavailable):
+            await task
+        assert await wait_until(lambda: not pids_with(f"sleep {tag}"), 3)
+        assert "stopped" in own.log.read_text()
+    finally:
+        own.stop()
+        kill_marked(f"sleep {tag}")
+
+
+async def test_executor_death_mid_command_raises_unavailable(tmp_path: Path) -> None:
+    own = Executor(tmp_path)
+    tag = marker()
+    try:
+        await wait_ready(own.socket, timeout=10)
+        task = asyncio.create_task(call(own.socket, {"command": f"sleep {tag}"}))
+        assert await wait_until(lambda: bool(pids_with(f"sleep {tag}")), 5)
+        own.proc.kill()  # the sandbox died (OOM-killed executor, container killed)
+        with pytest.raises(ExecutorUnavailable) as info:
+            await task
+        assert info.value.socket_path == own.socket
+    finally:
+        own.stop()
+        kill_marked(f"sleep {tag}")
+
+
+async def test_stale_socket_file_is_replaced(tmp_path: Path) -> None:
+    path = short_socket_path(tmp_path)
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(path)
+    stale.close()  # the file stays behind, nobody listens: connecting is refused
+    with pytest.raises(ExecutorUnavailable):
+        await call(path, {"op": "ping"})
+    own = Executor(tmp_path, path)
+    try:
+        assert (await wait_ready(own.socket, timeout=10))["pid"] == own.proc.pid
+    finally:
+        own.stop()
+
+
+# ------------------------------------------------------------------------------------------------------------
+# resources
+# ------------------------------------------------------------------------------------------------------------
+
+
+async def test_cpus_sets_exact_affinity(executor: Executor) -> None:
+    allowed = sorted(os.sched_getaffinity(0))
+    core = allowed[-1]
+    result = await run(executor, command="grep Cpus_allowed_list /proc/self/status", cpus=[core])
+    assert result["exit_code"] == 0, result
+    assert result["stdout"].split(":", 1)[1].strip() == str(core)
+    argv = await run(executor, command=[sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"],
+                     cpus=[allowed[0]])
+    assert argv["stdout"].strip() == f"[{allowed[0]}]"
+
+
+def test_cpus_do_not_leak_into_later_commands_on_the_same_connection(executor: Executor) -> None:
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) < 2:
+        pytest.skip("needs two usable cores")
+    probe = [sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"]
+    with raw_connect(executor.socket) as sock:
+        raw_send(sock, json.dumps({"command": probe, "cpus": [allowed[0]]}).encode())
+        assert raw_recv(sock)["stdout"].strip() == f"[{allowed[0]}]"
+        raw_send(sock, json.dumps({"command": probe}).encode())
+        assert raw_recv(sock)["stdout"].strip() == str(allowed)
+
+
+async def test_memory_bytes_limits_the_address_space(executor: Executor) -> None:
+    limited = await run(executor, command=[sys.executable, "-c", "bytearray(500_000_000)"], memory_bytes=200_000_000)
+    assert limited["error"] is None
+    assert limited["exit_code"] not in (0, None), limited
+    assert "MemoryError" in limited["stderr"]
+    small = await run(executor, command=[sys.executable, "-c", "bytearray(10_000_000)"], memory_bytes=200_000_000)
+    assert small["exit_code"] == 0, small
+
+
+def test_oom_detection_uses_the_counter_and_sigkill(tmp_path: Path) -> None:
+    """run_command in-process with a fake cgroup counter file that the command itself bumps."""
+    counter = tmp_path / "memory.events"
+    counter.write_text("low 0\nhigh 0\nmax 3\noom 1\noom_kill 1\n")
+    bump = f"printf 'oom 2\\noom_kill 2\\n' > {counter};"
+    killed = ex.run_command({"command": bump + " kill -KILL $$"}, oom_counter=str(counter))
+    assert killed["signal"] == signal.SIGKILL and killed["oom_killed"] is True
+    # Counter bumped but the process exited normally: not an OOM kill of this command.
+    counter.write_text("oom_kill 5\n")
+    survived = ex.run_command({"command": f"printf 'oom_kill 6\\n' > {counter}; exit 0"}, oom_counter=str(counter))
+    assert survived["exit_code"] == 0 and survived["oom_killed"] is False
+    # SIGKILL without a counter increase (someone else's kill): not OOM.
+    plain = ex.run_command({"command": "kill -KILL $$"}, oom_counter=str(counter))
+    assert plain["signal"] == signal.SIGKILL and plain["oom_killed"] is False
+
+
+def test_oom_counter_resolution(tmp_path: Path) -> None:
+    v1 = tmp_path / "memory.oom_control"
+    v1.write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 12\n")
+    assert ex.read_oom_counter(str(v1)) == 12
+    assert ex.read_oom_counter(str(tmp_path / "missing")) is None
+    assert ex.resolve_oom_counter("none") is None
+    assert ex.resolve_oom_counter(str(v1)) == str(v1)
+    auto = ex.resolve_oom_counter("auto")
+    assert auto is None or ex.read_oom_counter(auto) is not None
+
+
+def test_proc_table_parses_comm_with_spaces_and_parentheses(tmp_path: Path) -> None:
+    weird = tmp_path / "a) b (c"
+    weird.symlink_to(shutil.which("sleep") or "/bin/sleep")
+    proc = subprocess.Popen([str(weird), "1000"], start_new_session=True)
+    try:
+        assert Path(f"/proc/{proc.pid}/stat").read_text().count(")") >= 2
+        state, ppid, session = ex._proc_table()[proc.pid]
+        assert (ppid, session) == (os.getpid(), proc.pid)
+        ex.kill_tree(proc.pid)
+        assert proc.wait(timeout=5) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+# ------------------------------------------------------------------------------------------------------------
+# framing, once mode, availability
+# ------------------------------------------------------------------------------------------------------------
+
+
+def test_one_connection_carries_several_requests_and_survives_bad_json(executor: Executor) -> None:
+    with raw_connect(executor.socket) as sock:
+        raw_send(sock, b'{"op": "ping"}')
+        assert raw_recv(sock)["ok"] is True
+        raw_send(sock, b"{not json")
+        assert "invalid JSON" in raw_recv(sock)["error"]
+        raw_send(sock, json.dumps({"command": ["echo", "3rd"]}).encode())
+        assert raw_recv(sock)["stdout"] == "3rd\n"
+
+
+def test_oversized_request_is_rejected_and_closed(executor: Executor) -> None:
+    with raw_connect(executor.socket) as sock:
+        sock.sendall(struct.pack(">I", 16 * 1024 * 1024 + 1))
+        answer = raw_recv(sock)
+        assert answer is not None and "limit" in answer["error"]
+        assert raw_recv(sock) is None, "connection closed after the oversized frame"
+
+
+def test_once_mode_runs_one_request() -> None:
+    request = {"command": "echo once; echo e >&2; exit 4", "env": {"Q": "1"}}
+    done = subprocess.run([sys.executable, EXECUTOR_PATH, "once", encode_once(request)],
+                          capture_output=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count(b"\n") == 1
+    result = json.loads(done.stdout)
+    assert (result["exit_code"], result["stdout"], result["stderr"]) == (4, "once\n", "e\n")
+    # Standard base64 without padding is accepted too.
+    std = base64.b64encode(json.dumps({"command": ["printf", "%s", "+/?>"]}).encode()).decode().rstrip("=")
+    done = subprocess.run([sys.executable, EXECUTOR_PATH, "once", std], capture_output=True, timeout=30)
+    assert json.loads(done.stdout)["stdout"] == "+/?>"
+    bad = subprocess.run([sys.executable, EXECUTOR_PATH, "once", "%%%"], capture_output=True, timeout=30)
+    assert bad.returncode == 0 and json.loads(bad.stdout)["error"].startswith("request")
+
+
+async def test_unavailable_when_nothing_listens(tmp_path: Path) -> None:
+    path = str(tmp_path / "none.sock")
+    with pytest.raises(ExecutorUnavailable) as info:
+        await call(path, {"op": "ping"})
+    assert info.value.socket_path == path
+    started = time.monotonic()
+    with pytest.raises(ExecutorUnavailable, match="not ready"):
+        await wait_ready(path, timeout=0.3)
+    assert time.monotonic() - started < 5
+
+
+async def test_wait_ready_waits_for_a_starting_executor(tmp_path: Path) -> None:
+    path = short_socket_path(tmp_path)
+    own: Executor | None = None
+
+    async def start_later() -> None:
+        nonlocal own
+        await asyncio.sleep(0.2)
+        own = Executor(tmp_path, path)
+
+    starter = asyncio.create_task(start_later())
+    try:
+        answer = await wait_ready(path, timeout=15)
+        await starter
+        assert own is not None and answer["pid"] == own.proc.pid
+    finally:
+        await starter
+        if own is not None:
+            own.stop()
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_executors() -> Iterator[None]:
+    """Every test stops the executors it started."""
+    yield
+    mine = [pid for pid in pids_with(EXECUTOR_PATH) if ex._proc_table().get(pid, ("", 0, 0))[1] == os.getpid()]
+    assert not mine, f"executor processes left running: {mine}"
