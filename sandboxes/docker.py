@@ -193,7 +193,9 @@ class DockerBackend(SandboxBackend):
     def _start_container(self, spec: SandboxSpec) -> DockerSandbox:
         assert self.client is not None
         host_dir = self.run_dir / spec.env_id if self.fast_path else None
-        command = ["python3", EXECUTOR_IN_CONTAINER, "serve", "--socket", f"{SOCKET_DIR_IN_CONTAINER}/exec.sock",
+        # On the engine path nobody connects to the socket, but the serving executor keeps the container alive.
+        socket_dir = SOCKET_DIR_IN_CONTAINER if host_dir is not None else "/tmp"
+        command = ["python3", EXECUTOR_IN_CONTAINER, "serve", "--socket", f"{socket_dir}/exec.sock",
                    "--oom-counter", "auto"]
         options: dict[str, Any] = dict(
             image=spec.image, command=command, name=f"tangram-{spec.env_id}", labels=spec.labels(),

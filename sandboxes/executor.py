@@ -63,6 +63,7 @@ class RequestError(Exception):
 
 _children_lock = threading.Lock()
 _children = {}  # type: dict
+_connections = set()  # type: set  # open client sockets, shut down on SIGTERM
 _reaper_enabled = False
 
 
@@ -536,6 +537,7 @@ def _send(sock, obj):
 
 
 def _serve_connection(conn, oom_counter):
+    _connections.add(conn)
     try:
         while True:
             header = _recv_exact(conn, _HEADER.size)
@@ -562,6 +564,7 @@ def _serve_connection(conn, oom_counter):
     except OSError:
         return  # the client went away mid-response; nothing to tell anyone
     finally:
+        _connections.discard(conn)
         try:
             conn.close()
         except OSError:
@@ -621,6 +624,14 @@ def serve(socket_path, oom_setting):
             os.unlink(socket_path)
         except OSError:
             pass
+        # Clients see the connection drop (ExecutorUnavailable), not a result: their sandbox went away. The
+        # shutdown also wakes each worker's select as a client hang-up, which kills its command's tree;
+        # the sweep below does the same from here in case a worker is slower than our exit.
+        for conn in list(_connections):
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
         for pid in list(_children):
             kill_tree(pid)
         _log("stopped")

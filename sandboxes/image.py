@@ -41,14 +41,20 @@ IMAGE_CHANGES: tuple[str, ...] = (
     "ENV PYTHONDONTWRITEBYTECODE=1",
     'CMD ["python3"]',
 )
-#: packages a bookworm minbase plus PACKAGES pulls in (about 140); only sizes the bar until retrieval has finished
-PACKAGE_ESTIMATE = 140
-#: debootstrap phases in the order they happen; "shrink" and "tar" are ours
-PHASES: tuple[str, ...] = ("resolve", "retrieve", "extract", "unpack", "configure", "shrink", "tar", "done")
+# Progress calibration, measured on bookworm minbase + PACKAGES: 142 packages retrieved, 88 of them (minbase's
+# "required" set) extracted, then 276 Unpacking/Configuring lines: two per package, less the few core packages
+# debootstrap installs without a line.
+#: packages retrieved; sizes the bar until retrieval has finished and the count is exact
+PACKAGE_ESTIMATE = 142
+#: packages extracted in the first stage (the required set, whatever is included)
+EXTRACT_ESTIMATE = 88
+#: Unpacking plus Configuring lines per retrieved package
+INSTALL_LINES_PER_PACKAGE = 276 / 142
+#: phases in the order they happen ("shrink" and "tar" are ours); "cached" alone means nothing had to be built
+PHASES: tuple[str, ...] = ("cached", "resolve", "retrieve", "extract", "install", "shrink", "tar", "done")
 
 _PACKAGE_LINE = re.compile(r"^I: (Retrieving|Validating) ([a-z0-9][a-z0-9+.-]*) (\S+)$")
-_STEP_LINE = re.compile(r"^I: (Extracting|Unpacking|Configuring) ([a-z0-9][a-z0-9+.-]*)\.\.\.$")
-_STEP_PHASE = {"Extracting": "extract", "Unpacking": "unpack", "Configuring": "configure"}
+_STEP_LINE = re.compile(r"^I: (Unpacking|Configuring) ([a-z0-9][a-z0-9+.:-]*)\.\.\.$")
 
 
 class ImageBuildError(Exception):
@@ -59,9 +65,9 @@ class ImageBuildError(Exception):
 class BuildProgress:
     """One step of the root filesystem build, for a progress bar.
 
-    ``done`` counts packages through ``phase`` so far; ``total`` is the number of packages (an estimate until
-    retrieval has finished), or None where the phase has no meaningful count (extraction covers only the
-    ``required`` subset, whose size debootstrap does not print).
+    ``done`` counts debootstrap's lines for ``phase`` so far (one per package retrieved, extracted, unpacked or
+    configured); ``total`` is what the phase is expected to reach (exact for retrieval once it has finished,
+    estimated otherwise, never below ``done``), or None where there is nothing to count.
     """
 
     phase: str
@@ -120,7 +126,7 @@ def build_rootfs_tarball(
     report = progress or (lambda _: None)
     target = tarball_path(name, cache_dir)
     if target.is_file() and not rebuild:
-        report(BuildProgress("done", 1, 1, f"reusing {target}"))
+        report(BuildProgress("cached", 1, 1, f"reusing {target}"))
         return target
     debootstrap = _find_debootstrap()
     if os.geteuid() != 0:
@@ -132,9 +138,11 @@ def build_rootfs_tarball(
         raise ImageBuildError(f"cannot create the image cache directory {target.parent}: {error}") from error
     with _locked(target.with_name(target.name + ".lock")):
         if target.is_file() and not rebuild:  # another build finished while we waited for the lock
-            report(BuildProgress("done", 1, 1, f"reusing {target}"))
+            report(BuildProgress("cached", 1, 1, f"reusing {target}"))
             return target
-        work = Path(tempfile.mkdtemp(prefix=f".{target.stem}.", dir=target.parent))
+        for stale in target.parent.glob(f".{target.stem}.build-*"):  # left by a killed build; we hold the lock
+            _remove_tree(stale)
+        work = Path(tempfile.mkdtemp(prefix=f".{target.stem}.build-", dir=target.parent))
         try:
             rootfs = work / "rootfs"
             _run_debootstrap(debootstrap, suite, rootfs, mirror, packages, report)
@@ -168,11 +176,10 @@ def import_image(
     report = progress or (lambda _: None)
     started = time.monotonic()
     with _client(engine_url) as client:
-        if not force:
-            existing = _image_id(client, name)
-            if existing is not None:
-                report(f"{engine_url}: {name} already present ({_short(existing)}), skipped")
-                return ImportResult(engine_url, name, existing, skipped=True)
+        existing = _image_id(client, name)
+        if existing is not None and not force:
+            report(f"{engine_url}: {name} already present ({_short(existing)}), skipped")
+            return ImportResult(engine_url, name, existing, skipped=True)
         path = Path(tarball)
         # The SDK treats a path it cannot open as a URL for the engine to fetch: check it here for a clear error.
         if not path.is_file():
@@ -186,6 +193,11 @@ def import_image(
         except docker.errors.DockerException as error:
             raise ImageBuildError(f"{engine_url}: docker import of {path} failed: {error}") from error
         image_id = _import_answer(engine_url, answer)
+        if existing is not None and existing != image_id:
+            # The name moved to the new image: drop the old one unless a container still uses it (or it has
+            # other names), so repeated forced imports do not pile up untagged root filesystems.
+            with contextlib.suppress(docker.errors.APIError):
+                client.api.remove_image(existing)
         seconds = time.monotonic() - started
         report(f"{engine_url}: imported {name} as {_short(image_id)} in {seconds:.1f} s")
         return ImportResult(engine_url, name, image_id, skipped=False, seconds=seconds)
@@ -211,7 +223,11 @@ def ensure_image(
     if not engines:
         raise ImageBuildError("no Docker engine given")
     force = force or rebuild
-    missing = engines if force else [url for url in engines if not image_exists(url, name)]
+    present: dict[str, str | None] = {}
+    for url in engines:
+        with _client(url) as client:
+            present[url] = _image_id(client, name)
+    missing = [url for url in engines if force or present[url] is None]
     report = EnsureReport(name=name, tarball=None, built=False)
     if missing:
         cached = tarball_path(name, cache_dir).is_file()
@@ -225,8 +241,7 @@ def ensure_image(
             assert report.tarball is not None
             report.imports.append(import_image(url, report.tarball, name, import_progress, force=force))
         else:
-            with _client(url) as client:
-                image_id = _image_id(client, name) or ""
+            image_id = present[url] or ""
             if import_progress:
                 import_progress(f"{url}: {name} already present ({_short(image_id)}), skipped")
             report.imports.append(ImportResult(url, name, image_id, skipped=True))
@@ -256,10 +271,9 @@ def _run_debootstrap(debootstrap: str, suite: str, rootfs: Path, mirror: str, pa
     env = {**os.environ, "LC_ALL": "C", "DEBIAN_FRONTEND": "noninteractive",
            "PATH": os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])}
     tail: deque[str] = deque(maxlen=20)
-    counts = {phase: 0 for phase in PHASES}
-    total = PACKAGE_ESTIMATE
-    phase = "resolve"
-    report(BuildProgress(phase, 0, None, " ".join(command)))
+    phase, done, total = "resolve", 0, None
+    retrieved = 0
+    report(BuildProgress(phase, done, total, " ".join(command)))
     process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, errors="replace", env=env)
     assert process.stdout is not None
@@ -268,19 +282,23 @@ def _run_debootstrap(debootstrap: str, suite: str, rootfs: Path, mirror: str, pa
             line = raw.rstrip("\n")
             tail.append(line)
             if match := _PACKAGE_LINE.match(line):
-                phase = "retrieve"
                 if match.group(1) == "Validating":  # every package is validated once it is downloaded
-                    counts["retrieve"] += 1
-                    total = max(total, counts["retrieve"])
-                report(BuildProgress(phase, counts["retrieve"], total, line))
-            elif match := _STEP_LINE.match(line):
-                if phase == "retrieve":
-                    total = counts["retrieve"]  # retrieval is over: now the package count is exact
-                phase = _STEP_PHASE[match.group(1)]
-                counts[phase] += 1
-                report(BuildProgress(phase, counts[phase], None if phase == "extract" else total, line))
-            else:
-                report(BuildProgress(phase, counts[phase], None if phase in ("resolve", "extract") else total, line))
+                    retrieved += 1
+                phase, done, total = "retrieve", retrieved, max(PACKAGE_ESTIMATE, retrieved)
+            elif line.startswith("I: Extracting "):
+                if phase != "extract":
+                    phase, done = "extract", 0
+                done += 1
+                total = max(EXTRACT_ESTIMATE, done)
+            elif line.startswith("I: Installing core packages"):
+                phase, done = "install", 0
+                total = round(retrieved * INSTALL_LINES_PER_PACKAGE)
+            elif phase == "install" and _STEP_LINE.match(line):
+                done += 1
+                total = max(total or 0, done)
+            elif line.startswith("I: Base system installed successfully"):
+                done = total = max(total or 0, done)
+            report(BuildProgress(phase, done, total, line))
         code = process.wait()
     except BaseException:
         process.kill()
@@ -290,7 +308,7 @@ def _run_debootstrap(debootstrap: str, suite: str, rootfs: Path, mirror: str, pa
         log = _tail(rootfs / "debootstrap" / "debootstrap.log", 25)
         raise ImageBuildError(
             f"debootstrap failed (exit {code}) building {suite} from {mirror}; last output:\n"
-            + "\n".join(tail) + (f"\n--- tail of {rootfs}/debootstrap/debootstrap.log ---\n{log}" if log else ""))
+            + "\n".join(tail) + (f"\n--- tail of debootstrap.log ---\n{log}" if log else ""))
 
 
 def _shrink(rootfs: Path) -> None:
@@ -338,7 +356,7 @@ def _write_tar(rootfs: Path, destination: Path) -> None:
                "--xattrs", "--xattrs-include=*", "--sort=name", "--one-file-system",
                "--exclude=./dev/*", "--exclude=./proc/*", "--exclude=./sys/*", "--exclude=./run/*",
                "--exclude=./tmp/*", "--exclude=./debootstrap", "."]
-    result = subprocess.run(command, stdin=subprocess.DEVNULL, capture_output=True, text=True)
+    result = subprocess.run(command, check=False, stdin=subprocess.DEVNULL, capture_output=True, text=True)
     if result.returncode != 0:
         with contextlib.suppress(FileNotFoundError):
             destination.unlink()
@@ -352,8 +370,9 @@ def _remove_tree(path: Path) -> None:
     with contextlib.suppress(OSError):
         mounts = [line.split()[1].replace("\\040", " ") for line in Path("/proc/mounts").read_text().splitlines()]
         for mount in sorted((m for m in mounts if m.startswith(prefix)), key=len, reverse=True):
-            subprocess.run(["umount", "-l", mount], stdin=subprocess.DEVNULL, capture_output=True)
-    subprocess.run(["rm", "-rf", "--one-file-system", str(path)], stdin=subprocess.DEVNULL, capture_output=True)
+            subprocess.run(["umount", "-l", mount], check=False, stdin=subprocess.DEVNULL, capture_output=True)
+    subprocess.run(["rm", "-rf", "--one-file-system", str(path)], check=False, stdin=subprocess.DEVNULL,
+                   capture_output=True)
 
 
 def _tail(path: Path, lines: int) -> str:

@@ -71,6 +71,8 @@ detach() {
         done
         exec setsid "$@" </dev/null >>"$log" 2>&1
     ) &
+    # Without job control the subshell is no process group leader, so setsid execs in place: this is dockerd.
+    detached_pid=$!
 }
 
 # Wait until the engine at $1 answers, or fail with its log's tail; $2: its log, $3: its pidfile.
@@ -94,15 +96,20 @@ start_node1() {
     fi
     if ! alive /var/run/docker.pid; then
         echo "starting node 1 engine on $NODE1 (log $log)" >&2
-        detach "$log" dockerd --host "$NODE1" --pidfile /var/run/docker.pid
+        touch "$log"
+        local logged
+        logged=$(stat -c %s "$log")
+        # Plain defaults (socket /var/run/docker.sock, pidfile /var/run/docker.pid, data root /var/lib/docker):
+        # repeating them as flags would clash with an /etc/docker/daemon.json that sets them.
+        detach "$log" dockerd
         # A machine whose kernel lacks the NAT tables cannot give dockerd its default bridge network: retry
         # without it (sandboxes run with network none anyway).
-        for _ in $(seq 1 10); do
+        for _ in $(seq 1 20); do
             answers "$NODE1" && break
-            if ! alive /var/run/docker.pid && tail -n 20 "$log" | grep -qiE 'iptables|bridge|nat chain'; then
+            if ! kill -0 "$detached_pid" 2>/dev/null &&
+                tail -c +"$((logged + 1))" "$log" | grep -qiE 'iptables|bridge|nat chain'; then
                 echo "node 1 engine failed to set up its bridge network; restarting it without one" >&2
-                detach "$log" dockerd --host "$NODE1" --pidfile /var/run/docker.pid --bridge none \
-                    --iptables=false --ip-masq=false
+                detach "$log" dockerd --bridge none --iptables=false --ip-masq=false
                 break
             fi
             sleep 1

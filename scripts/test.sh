@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Install what the tests need (project + dev extras in .venv, PostgreSQL from Debian's packages) and run them.
-# Extra arguments go to pytest.
+# Install what the tests need and run them, on a fresh Debian machine as root: PostgreSQL from Debian's packages,
+# the project with its dev extras in .venv, two Docker engines (docker.io) standing for two nodes, and the default
+# sandbox image built offline (debootstrap) and imported into both. Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 eval "$(bash scripts/start-postgres.sh)"
 TANGRAM_EXTRAS=dev source scripts/venv.sh
+eval "$(bash scripts/start-docker.sh)"
 python -m pytest -q "$@"

@@ -68,28 +68,39 @@ def _image_build(args: argparse.Namespace) -> int:
     import os
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Column
 
-    from sandboxes.image import DEFAULT_ENGINE, DEFAULT_IMAGE, DEFAULT_MIRROR, BuildProgress, ImageBuildError, \
-        ensure_image
+    from sandboxes.image import (
+        DEFAULT_ENGINE,
+        DEFAULT_IMAGE,
+        DEFAULT_MIRROR,
+        BuildProgress,
+        ImageBuildError,
+        ensure_image,
+    )
 
-    console = Console(stderr=True, soft_wrap=True)
+    console = Console(stderr=True, soft_wrap=True, highlight=False)
     engines = args.engine or [os.environ.get("DOCKER_HOST") or DEFAULT_ENGINE]
-    phases: list[str] = []
-    columns = (TextColumn("[bold]{task.description:<22}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-               TextColumn("{task.fields[line]}", style="dim"))
-    with Progress(*columns, console=console, transient=False) as progress:
-        task = None
+    columns = (TextColumn("[bold]{task.description}", table_column=Column(width=22, no_wrap=True)),
+               BarColumn(bar_width=24), MofNCompleteColumn(), TimeElapsedColumn(),
+               TextColumn("{task.fields[line]}", style="dim",  # what is left of the terminal's width
+                          table_column=Column(no_wrap=True, overflow="ellipsis", width=max(console.width - 67, 1))))
+    with Progress(*columns, console=console, transient=False, disable=not console.is_terminal) as progress:
+        tasks: dict[str, Any] = {}  # one bar per phase, each filled when the next one starts
 
         def on_build(step: BuildProgress) -> None:
-            nonlocal task
-            if task is None:
-                task = progress.add_task("debootstrap: resolve", total=None, line="")
-            if not console.is_terminal and step.phase not in phases:  # a CI log gets one line per phase instead
-                phases.append(step.phase)
-                console.print(f"debootstrap: {step.phase} ({step.line})")
-            line = step.line if len(step.line) <= 60 else step.line[:57] + "..."
-            progress.update(task, description=f"debootstrap: {step.phase}", completed=step.done, total=step.total,
-                            line=line)
+            if step.phase not in tasks:
+                for previous in tasks.values():  # a phase that ended is complete, whatever its estimate said
+                    total = progress.tasks[previous].total or 1
+                    progress.update(previous, completed=total, total=total)
+            if step.phase in ("cached", "done"):
+                progress.console.print(f"root filesystem: {step.line}")
+                return
+            if step.phase not in tasks:
+                tasks[step.phase] = progress.add_task(f"debootstrap: {step.phase}", total=step.total, line="")
+                if not console.is_terminal:  # a CI log gets one line per phase instead of a bar
+                    console.print(f"debootstrap: {step.phase} ({step.line})")
+            progress.update(tasks[step.phase], completed=step.done, total=step.total, line=step.line)
 
         def on_import(message: str) -> None:
             progress.console.print(message)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -33,6 +34,8 @@ class Live:
 @asynccontextmanager
 async def live_broker(raw: dict[str, Any], db_path: str) -> AsyncIterator[Live]:
     raw = {**raw, "store": {"url": f"sqlite+aiosqlite:///{db_path}"}}
+    # the default CPU manager reaps its broker id's sandboxes at start: never a developer's running broker's
+    raw.setdefault("cpu", {"broker_id": f"test-{uuid.uuid4().hex[:8]}"})
     async with running_broker(parse_config(raw)) as (broker, app):
         server = TestServer(app, host="127.0.0.1")
         await server.start_server()

@@ -15,8 +15,15 @@ import docker
 import docker.errors
 import pytest
 
-from sandboxes.image import (DEFAULT_IMAGE, IMAGE_CHANGES, ImageBuildError, ensure_image, image_exists,
-                             import_image, tarball_path)
+from sandboxes.image import (
+    DEFAULT_IMAGE,
+    IMAGE_CHANGES,
+    ImageBuildError,
+    ensure_image,
+    image_exists,
+    import_image,
+    tarball_path,
+)
 
 NODES_ENV = "TANGRAM_TEST_DOCKER_NODES"
 

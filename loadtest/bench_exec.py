@@ -1,0 +1,125 @@
+"""Per-action overhead of ``exec`` on a real Docker engine, and the speed-up of an elastic pytest run.
+
+Phase 1 runs the same short command many times, one at a time (empty queue), in one trajectory environment,
+through two paths side by side on one engine:
+
+* **fast path**: cgroup files written directly (cpuset, CPU quota, freezer) and the command sent to the executor
+  inside the container over a bind-mounted unix socket;
+* **docker-exec path**: ``docker update`` + ``docker unpause``/``pause`` + ``docker exec`` through the Engine API,
+  what a broker without the fast path (or with a remote engine) pays.
+
+Overhead = the broker's ACT (submit to finish) minus the command's own run time measured inside the sandbox.
+
+Phase 2 runs a real pytest suite (sleep-bound tests) with ``pytest -n {parallel_num}`` on 1 and on 2 cores.
+
+    python -m loadtest.bench_exec [--engine unix:///var/run/docker.sock] [--actions 300]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import tempfile
+import time
+import uuid
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from tangram.config import parse_config
+from tangram.service import running_broker
+
+
+def config(engine: str, fast_path: bool, db: str) -> dict[str, Any]:
+    return {"store": {"url": f"sqlite+aiosqlite:///{db}"},
+            "cpu": {"broker_id": f"bench-{uuid.uuid4().hex[:6]}",
+                    "nodes": {"n1": {"backend": "docker", "engine": engine, "cores": "0-1", "numa": ["0", "1"],
+                                     "memory_mb": 4096, "fast_path": fast_path}}}}
+
+
+async def with_broker(raw: dict[str, Any], body: Any) -> Any:
+    async with running_broker(parse_config(raw)) as (_, app):
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        try:
+            async with aiohttp.ClientSession() as http:
+                return await body(http, f"http://127.0.0.1:{port}")
+        finally:
+            await runner.cleanup()
+
+
+async def submit(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> dict[str, Any]:
+    async with http.post(url + "/v1/actions?wait=true", json=body) as response:
+        record = await response.json()
+    if record.get("state") != "succeeded":
+        raise RuntimeError(f"action did not succeed: {record}")
+    return record
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def overhead(engine: str, fast_path: bool, count: int) -> dict[str, float]:
+    async def body(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
+        action = {"task": "bench", "trajectory": "t", "kind": "exec", "demand": {"cpu": 1},
+                  "spec": {"command": ["true"]}}
+        await submit(http, url, action)  # creates the environment; not measured
+        overheads, round_trips = [], []
+        for _ in range(count):
+            started = time.perf_counter()
+            record = await submit(http, url, action)
+            round_trips.append(time.perf_counter() - started)
+            overheads.append(record["timings"]["act_s"] - record["result"]["duration_s"])
+        return {"median_ms": statistics.median(overheads) * 1e3, "p99_ms": percentile(overheads, 0.99) * 1e3,
+                "client_rtt_median_ms": statistics.median(round_trips) * 1e3}
+    with tempfile.TemporaryDirectory() as tmp:
+        return await with_broker(config(engine, fast_path, f"{tmp}/b.db"), body)
+
+
+async def pytest_speedup(engine: str, tests: int, sleep_s: float) -> dict[int, float]:
+    suite = "import time\n" + "".join(f"def test_{i}():\n    time.sleep({sleep_s})\n" for i in range(tests))
+
+    async def body(http: aiohttp.ClientSession, url: str) -> dict[int, float]:
+        times = {}
+        for cores in (1, 2):
+            action = {"task": "bench", "trajectory": f"py{cores}", "kind": "exec", "demand": {"cpu": cores},
+                      "spec": {"command": "pytest -q -p no:cacheprovider test_suite.py", "pytest_parallel": True,
+                               "files": {"test_suite.py": suite}}}
+            await submit(http, url, {**action, "spec": {**action["spec"], "command": "true"}})  # environment
+            record = await submit(http, url, action)
+            if record["result"]["exit_code"] != 0:
+                raise RuntimeError(record["result"]["stdout"])
+            times[cores] = record["result"]["duration_s"]
+        return times
+    with tempfile.TemporaryDirectory() as tmp:
+        return await with_broker(config(engine, True, f"{tmp}/b.db"), body)
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--engine", default="unix:///var/run/docker.sock")
+    parser.add_argument("--actions", type=int, default=300)
+    parser.add_argument("--tests", type=int, default=16, help="tests in the pytest suite (phase 2)")
+    parser.add_argument("--sleep", type=float, default=0.25, help="seconds each test sleeps (phase 2)")
+    args = parser.parse_args()
+    print(f"phase 1: {args.actions} sequential `true` actions per path, engine {args.engine}")
+    fast = await overhead(args.engine, True, args.actions)
+    slow = await overhead(args.engine, False, args.actions)
+    print(f"{'path':<18}{'median ms':>12}{'p99 ms':>10}{'client RTT ms':>15}")
+    for name, row in (("docker-exec", slow), ("fast (ours)", fast)):
+        print(f"{name:<18}{row['median_ms']:>12.2f}{row['p99_ms']:>10.2f}{row['client_rtt_median_ms']:>15.2f}")
+    print(f"median overhead ratio docker-exec / fast: {slow['median_ms'] / fast['median_ms']:.1f}x")
+    print(f"phase 2: pytest -n {{parallel_num}} on {args.tests} tests of {args.sleep} s each")
+    times = await pytest_speedup(args.engine, args.tests, args.sleep)
+    print(f"1 core: {times[1]:.2f} s, 2 cores: {times[2]:.2f} s, speed-up {times[1] / times[2]:.2f}x")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

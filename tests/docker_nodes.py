@@ -1,0 +1,42 @@
+"""The real Docker engines the sandbox tests run on, and broker configs that use them.
+
+``eval "$(bash scripts/start-docker.sh)"`` (run by scripts/test.sh) starts two engines on this machine, standing for
+two nodes, imports the default sandbox image into both and exports TANGRAM_TEST_DOCKER_NODES. Without it these
+tests fail: they must not silently skip.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from typing import Any
+
+import docker
+import pytest
+
+from sandboxes.backend import LABEL_BROKER, LABEL_MANAGED
+
+NODES_ENV = "TANGRAM_TEST_DOCKER_NODES"
+
+
+def docker_engines() -> list[str]:
+    engines = [u.strip() for u in os.environ.get(NODES_ENV, "").split(",") if u.strip()]
+    if len(engines) < 2:
+        pytest.fail(f"{NODES_ENV} must list two Docker engines: run `eval \"$(bash scripts/start-docker.sh)\"` as "
+                    f"root (scripts/test.sh does)")
+    return engines
+
+
+def cpu_config(nodes: dict[str, dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    """A broker config with only the CPU manager's nodes, under a broker id unique to the test."""
+    return {"cpu": {"broker_id": f"test-{uuid.uuid4().hex[:8]}", "run_dir": "/run/tangram/test-sandboxes",
+                    "nodes": nodes, **extra}}
+
+
+def labelled_containers(engine: str, broker_id: str | None = None) -> list[Any]:
+    labels = [f"{LABEL_MANAGED}=1"] + ([f"{LABEL_BROKER}={broker_id}"] if broker_id else [])
+    client = docker.DockerClient(base_url=engine)
+    try:
+        return client.containers.list(all=True, filters={"label": labels})
+    finally:
+        client.close()

@@ -1,0 +1,232 @@
+"""The CPU manager on two real Docker engines: allocate-on-execution, elasticity, faults, placement, reaping."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+
+from sandboxes.cgroup import ContainerCgroup
+from tangram.action import Kind
+from tests.docker_nodes import cpu_config, docker_engines, labelled_containers
+from tests.harness import Live, live_broker
+
+ELASTIC = {"resource": "cpu", "t1": 2.0, "efficiency": {"1": 1.0, "2": 0.9}}
+
+
+@pytest.fixture
+def db(tmp_path):
+    return str(tmp_path / "tangram.db")
+
+
+def one_node(engine: str, **node: Any) -> dict[str, Any]:
+    return cpu_config({"n1": {"backend": "docker", "engine": engine, "cores": "0-1", "numa": ["0", "1"],
+                              "memory_mb": 4096, **node}})
+
+
+def exec_action(command: str, *, trajectory: str | None = "traj-1", cpu: Any = 1, task: str = "t",
+                **spec: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {"task": task, "kind": "exec", "demand": {"cpu": cpu},
+                            "spec": {"command": command, **spec}}
+    if trajectory is not None:
+        body["trajectory"] = trajectory
+    return body
+
+
+async def run(live: Live, body: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    status, record = await live.call("POST", "/v1/actions?wait=true", json={**body, **extra})
+    assert status == 200, record
+    return record
+
+
+def allowed(stdout: str) -> str:
+    return next(line.split(":", 1)[1].strip() for line in stdout.splitlines() if line.startswith("Cpus_allowed_list"))
+
+
+async def test_elastic_action_sees_exactly_its_cores_and_idle_sandbox_is_frozen(db):
+    engine = docker_engines()[0]
+    async with live_broker(one_node(engine), db) as live:
+        record = await run(live, exec_action("grep Cpus_allowed_list /proc/self/status; echo n=$TANGRAM_NUM_CPUS "
+                                             "p={parallel_num}", cpu={"min": 1, "max": 2}), elasticity=ELASTIC)
+        assert record["state"] == "succeeded", record
+        cores = record["allocation"]["placement"]["cpu"]["cores"]
+        assert cores == [0, 1]  # an empty node: the DP gives the elastic action both cores
+        assert allowed(record["result"]["stdout"]) == "0-1"
+        assert "n=2 p=2" in record["result"]["stdout"]
+        env_id = record["result"]["environment"]
+        manager = live.broker.executor[Kind.EXEC]
+        env = manager.environments[env_id]
+        cgroup: ContainerCgroup = env.sandbox.cgroup
+        assert cgroup.freeze.read_text().strip() in ("FROZEN", "FREEZING", "1")  # idle: on no core at all
+        # a one-core action in the same environment sees one core only
+        record = await run(live, exec_action("grep Cpus_allowed_list /proc/self/status"))
+        assert record["result"]["environment"] == env_id
+        assert allowed(record["result"]["stdout"]) == str(record["allocation"]["placement"]["cpu"]["cores"][0])
+        assert cgroup.cpu_quota.read_text().split()[0] == "100000"  # quota of exactly one core
+        assert manager.nodes["n1"].cores.free == {0, 1}  # cores came back
+
+
+async def test_concurrent_actions_never_share_a_core(db):
+    engine = docker_engines()[0]
+    async with live_broker(one_node(engine), db) as live:
+        command = "sleep 0.4; grep Cpus_allowed_list /proc/self/status"
+        bodies = [exec_action(command, trajectory=f"traj-{i}", memory_mb=128) for i in range(6)]
+        records = await asyncio.gather(*(run(live, b) for b in bodies))
+        spans = []
+        for record in records:
+            assert record["state"] == "succeeded", record
+            cores = record["allocation"]["placement"]["cpu"]["cores"]
+            assert allowed(record["result"]["stdout"]) == str(cores[0])
+            spans.append((record["started_at"], record["finished_at"], cores[0]))
+        overlapping = [(a, b) for i, a in enumerate(spans) for b in spans[i + 1:] if a[0] < b[1] and b[0] < a[1]]
+        assert overlapping, "two cores and six actions: some must have run at the same time"
+        assert all(a[2] != b[2] for a, b in overlapping)
+
+
+async def test_pytest_runs_in_parallel_on_the_granted_cores(db):
+    engine = docker_engines()[0]
+    tests = "import time\n" + "".join(f"def test_{i}():\n    time.sleep(0.3)\n" for i in range(4))
+    async with live_broker(one_node(engine), db) as live:
+        record = await run(live, exec_action("pytest -v -p no:cacheprovider test_sleepy.py", cpu={"min": 1, "max": 2},
+                                             pytest_parallel=True, files={"test_sleepy.py": tests}),
+                           elasticity=ELASTIC)
+        assert record["state"] == "succeeded", record
+        out = record["result"]["stdout"]
+        assert record["result"]["exit_code"] == 0, out
+        assert "4 passed" in out and "[gw0]" in out and "[gw1]" in out  # -n 2: two xdist workers ran them
+
+
+async def test_timeout_kills_the_whole_tree_and_the_environment_survives(db):
+    engine = docker_engines()[0]
+    async with live_broker(one_node(engine), db) as live:
+        record = await run(live, exec_action("echo started; sleep 1000 & sleep 1000"), timeout_s=2)
+        assert record["state"] == "timed_out", record
+        assert record["error"]["code"] == "timed_out"
+        assert record["error"]["stdout"] == "started\n"  # partial output comes back
+        record = await run(live, exec_action("cat /proc/[0-9]*/cmdline | tr '\\0' ' ' | grep -c 'slee[p] 1000' "
+                                             "|| true"))
+        assert record["result"]["stdout"].strip() == "0", "a sleep of the killed tree survived"
+
+
+async def test_output_is_capped_with_a_truncation_flag(db):
+    engine = docker_engines()[0]
+    async with live_broker(one_node(engine), db) as live:
+        record = await run(live, exec_action("head -c 100000 /dev/zero | tr '\\0' a; echo err >&2",
+                                             output_limit=1000))
+        result = record["result"]
+        assert len(result["stdout"]) == 1000 and result["stdout_truncated"] is True
+        assert result["stdout_bytes"] == 100000
+        assert result["stderr"] == "err\n" and result["stderr_truncated"] is False
+
+
+async def test_memory_bomb_is_reported_as_oom_and_the_environment_stays_usable(db):
+    engine = docker_engines()[0]
+    async with live_broker(one_node(engine), db) as live:
+        bomb = "python3 -c \"b = b'x' * (400 << 20); print(len(b))\""
+        record = await run(live, exec_action(bomb, memory_mb=96))
+        assert record["state"] == "failed", record
+        assert record["error"]["code"] == "out_of_memory", record["error"]
+        assert "96 MiB" in record["error"]["message"]
+        record = await run(live, exec_action("echo alive"))
+        assert record["state"] == "succeeded" and record["result"]["stdout"] == "alive\n"
+
+
+async def test_idle_environments_are_reaped_after_their_ttl(db):
+    engine = docker_engines()[0]
+    config = one_node(engine)
+    config["cpu"]["idle_ttl_s"] = 1.0
+    async with live_broker(config, db) as live:
+        status, env = await live.call("POST", "/v1/environments", json={"task": "t", "trajectory": "ttl"})
+        assert status == 201, env
+        broker_id = config["cpu"]["broker_id"]
+        assert len(labelled_containers(engine, broker_id)) == 1
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            status, _ = await live.call("GET", f"/v1/environments/{env['id']}")
+            if status == 404:
+                break
+            await asyncio.sleep(0.2)
+        assert status == 404
+        assert labelled_containers(engine, broker_id) == []
+
+
+async def test_two_nodes_balance_memory_and_keep_trajectory_affinity(db):
+    first, second = docker_engines()[:2]
+    config = cpu_config({"a": {"backend": "docker", "engine": first, "cores": "0", "memory_mb": 2048},
+                         "b": {"backend": "docker", "engine": second, "cores": "1", "memory_mb": 2048}})
+    async with live_broker(config, db) as live:
+        one = await run(live, exec_action("hostname > /workspace/mark; echo one", trajectory="A", memory_mb=512))
+        two = await run(live, exec_action("echo two", trajectory="B", memory_mb=256))
+        assert two["state"] == "succeeded", two["error"]
+        node_a = one["result"]["node"]
+        node_b = two["result"]["node"]
+        assert node_a != node_b  # the second trajectory goes to the node with less memory reserved
+        for _ in range(3):
+            again = await run(live, exec_action("cat /workspace/mark", trajectory="A"))
+            assert again["result"]["node"] == node_a
+            assert again["result"]["environment"] == one["result"]["environment"]
+        engine_of = {"a": first, "b": second}
+        broker_id = config["cpu"]["broker_id"]
+        assert len(labelled_containers(engine_of[node_a], broker_id)) == 1
+        assert len(labelled_containers(engine_of[node_b], broker_id)) == 1
+        status, body = await live.call("GET", "/v1/resources")
+        memory = {r["pool"]: r["in_use"] for r in body["resources"] if r["resource"] == "memory_mb"}
+        assert memory == {node_a: 512, node_b: 256}
+    assert labelled_containers(first, broker_id) == [] and labelled_containers(second, broker_id) == []
+
+
+async def test_engine_path_without_the_fast_path(db):
+    engine = docker_engines()[1]
+    async with live_broker(one_node(engine, fast_path=False), db) as live:
+        record = await run(live, exec_action("grep Cpus_allowed_list /proc/self/status"))
+        assert record["state"] == "succeeded", record
+        assert allowed(record["result"]["stdout"]) == str(record["allocation"]["placement"]["cpu"]["cores"][0])
+        record = await run(live, exec_action("sleep 1000", trajectory="slow"), timeout_s=1.5)
+        assert record["state"] == "timed_out"
+
+
+async def test_environment_endpoint_files_exec_and_delete(db):
+    engine = docker_engines()[0]
+    config = one_node(engine)
+    async with live_broker(config, db) as live:
+        status, env = await live.call("POST", "/v1/environments", json={
+            "task": "t", "memory_mb": 128, "files": {"src/app.py": "print('hello from app')",
+                                                     "data.bin": {"base64": "AAEC"}}})
+        assert status == 201, env
+        record = await run(live, exec_action("python3 src/app.py; od -An -tx1 data.bin", trajectory=None,
+                                             environment=env["id"]))
+        assert record["result"]["stdout"].split() == ["hello", "from", "app", "00", "01", "02"]
+        status, other = await live.call("POST", "/v1/actions", json=exec_action(
+            "true", task="someone-else", trajectory=None, environment=env["id"]))
+        assert status == 404 and other["error"]["field"] == "spec.environment"
+        status, deleted = await live.call("DELETE", f"/v1/environments/{env['id']}")
+        assert status == 200 and deleted["state"] == "destroyed"
+        assert labelled_containers(engine, config["cpu"]["broker_id"]) == []
+        status, _ = await live.call("GET", f"/v1/environments/{env['id']}")
+        assert status == 404
+
+
+async def test_bad_input_and_unknown_images(db):
+    engine = docker_engines()[0]
+    config = one_node(engine)
+    config["cpu"]["limits"] = {"max_files_bytes": 1000}
+    async with live_broker(config, db) as live:
+        status, body = await live.call("POST", "/v1/environments", json={"task": "t", "image": "no/such:image"})
+        assert status == 422 and body["error"]["field"] == "image" and "no/such:image" in body["error"]["reason"]
+        record = await run(live, exec_action("true", image="no/such:image", trajectory="x"))
+        assert record["state"] == "failed" and record["error"]["code"] == "image_not_found"
+        cases = [
+            (exec_action("x" * 70_000), 413, "spec.command"),
+            (exec_action("true", files={"big": "x" * 2000}), 413, "spec.files"),
+            (exec_action("true", memory_mb=1 << 30, trajectory="huge"), 422, "spec.memory_mb"),
+            (exec_action("true", files={"../escape": "x"}), 400, "spec.files.../escape"),
+            (exec_action("true", bogus=1), 400, "spec.bogus"),
+            ({**exec_action("true"), "demand": {"lease.local": 1}}, 400, "demand.cpu"),
+        ]
+        for body, expected, field in cases:
+            status, answer = await live.call("POST", "/v1/actions", json=body)
+            assert (status, answer["error"]["field"]) == (expected, field), answer
+        status, body = await live.call("POST", "/v1/environments", json={"task": "t", "memory_mb": 1 << 30})
+        assert status == 422 and body["error"]["field"] == "memory_mb"

@@ -1,0 +1,172 @@
+"""CPU manager logic without Docker: core choice, exec specs, config, node placement; and the local-process backend."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import psutil
+import pytest
+
+from managers.cores import CorePool
+from managers.cpu import CpuManager, CpuNode
+from managers.cpu_config import CpuNodeConfig, parse_cpu_config
+from managers.exec_spec import ExecLimits, executor_request, parse_exec_spec, rewrite_pytest
+from sandboxes.cgroup import cpu_list, parse_cpu_list
+from tangram.action import Action, Demand, Kind
+from tangram.errors import BadRequest, ConfigError
+from tests.docker_nodes import cpu_config
+from tests.harness import live_broker
+
+
+def test_cpu_lists_round_trip():
+    assert parse_cpu_list("0-2,5,7-8\n") == [0, 1, 2, 5, 7, 8]
+    assert cpu_list([5, 0, 2]) == "0,2,5"
+
+
+def test_cores_stay_inside_one_numa_node_when_they_fit():
+    pool = CorePool([[0, 1, 2, 3], [4, 5, 6, 7]])
+    first = pool.take(3)
+    assert set(first) <= {0, 1, 2, 3}
+    # two cores: the fuller node 0 has only one left, so node 1 gives both
+    second = pool.take(2)
+    assert set(second) <= {4, 5, 6, 7}
+    # one core: best fit is node 0's last core, keeping node 1's two free cores together
+    assert pool.numa_of(pool.take(1)) == [0]
+    # three cores with two free in one node and none elsewhere cannot fit; two can, in one node
+    assert pool.numa_of(pool.take(2)) == [1]
+    pool.give_back(first)
+    pool.give_back(second)
+    spread = pool.take(5)  # no node has five free: spread, the emptiest node first
+    assert len(set(spread)) == 5 and pool.numa_of(spread) == [0, 1]
+    pool.give_back(spread)
+    with pytest.raises(RuntimeError):
+        pool.give_back(spread)  # a double release is a bug, never silently absorbed
+
+
+def test_pytest_rewrite_only_touches_plain_invocations():
+    assert rewrite_pytest("pytest tests/", 4) == "pytest -n 4 tests/"
+    assert rewrite_pytest("cd repo && python -m pytest -q", 2) == "cd repo && python -m pytest -n 2 -q"
+    assert rewrite_pytest("pytest -n 8 tests/", 4) == "pytest -n 8 tests/"
+    assert rewrite_pytest("pip install pytest-xdist", 4) == "pip install pytest-xdist"
+    assert rewrite_pytest("echo pytest_plugins", 4) == "echo pytest_plugins"
+
+
+def test_executor_request_substitutes_parallelism():
+    spec = parse_exec_spec({"command": "make -j{parallel_num} && pytest", "pytest_parallel": True,
+                            "env": {"A": "1"}}, ExecLimits())
+    request = executor_request(spec, (2, 3), 10.0, "/workspace", {"TANGRAM_ACTION_ID": "x"})
+    assert request["command"] == "make -j2 && pytest -n 2"
+    assert request["cpus"] == [2, 3] and request["cwd"] == "/workspace"
+    assert request["env"] == {"A": "1", "TANGRAM_ACTION_ID": "x", "TANGRAM_NUM_CPUS": "2"}
+    argv = parse_exec_spec({"command": ["pytest", "-q"], "pytest_parallel": True}, ExecLimits())
+    assert executor_request(argv, (0,), 1.0, "/w", {})["command"] == ["pytest", "-n", "1", "-q"]
+
+
+@pytest.mark.parametrize("spec, field", [
+    ({}, "spec.command"),
+    ({"command": ""}, "spec.command"),
+    ({"command": ["ls", 3]}, "spec.command"),
+    ({"command": "ls", "env": {"1BAD": "x"}}, "spec.env.1BAD"),
+    ({"command": "ls", "cwd": "relative"}, "spec.cwd"),
+    ({"command": "ls", "memory_mb": 1}, "spec.memory_mb"),
+    ({"command": "ls", "files": {"/etc/passwd": "x"}}, "spec.files./etc/passwd"),
+    ({"command": "ls", "files": {"a": {"base64": "!!"}}}, "spec.files.a"),
+    ({"command": "ls", "output_limit": -1}, "spec.output_limit"),
+    ({"command": "ls", "environment": "env-1", "image": "x"}, "spec.environment"),
+])
+def test_bad_exec_specs_name_the_field(spec, field):
+    with pytest.raises(BadRequest) as caught:
+        parse_exec_spec(spec, ExecLimits())
+    assert caught.value.field == field
+
+
+@pytest.mark.parametrize("raw, key", [
+    ({"nodes": {"r": {"engine": "tcp://10.0.0.2:2376"}}}, "cpu.nodes.r.cores"),
+    ({"nodes": {"r": {"engine": "tcp://10.0.0.2:2376", "cores": "0-3"}}}, "cpu.nodes.r.memory_mb"),
+    ({"nodes": {"n": {"engine": "http://x"}}}, "cpu.nodes.n.engine"),
+    ({"nodes": {"n": {"cores": "0-1", "numa": ["0"]}}}, "cpu.nodes.n.numa"),
+    ({"nodes": {"n": {"backend": "podman"}}}, "cpu.nodes.n.backend"),
+    ({"nodes": {"n": {"tls_ca": "/nonexistent"}}}, "cpu.nodes.n.tls_ca"),
+    ({"idle_ttl_s": 0}, "cpu.idle_ttl_s"),
+    ({"limits": {"max_files": 0}}, "cpu.limits.max_files"),
+    ({"color": "blue"}, "cpu.color"),
+])
+def test_bad_cpu_config_names_the_key(raw, key):
+    with pytest.raises(ConfigError) as caught:
+        parse_cpu_config(raw)
+    assert caught.value.key == key
+
+
+def _manager_with_nodes(memory: dict[str, int], cores: dict[str, list[int]]) -> CpuManager:
+    manager = CpuManager(parse_cpu_config({}))
+    for name in memory:
+        node_config = CpuNodeConfig(name=name, cores=tuple(cores[name]), memory_mb=memory[name])
+        manager.nodes[name] = CpuNode(node_config, backend=None, numa=[cores[name]])  # type: ignore[arg-type]
+    return manager
+
+
+def _exec(trajectory: str | None, memory_mb: int, cpu: int = 1) -> Action:
+    return Action(task="t", kind=Kind.EXEC, demands={"cpu": Demand.fixed(cpu)}, trajectory=trajectory,
+                  spec={"command": "true", "memory_mb": memory_mb})
+
+
+def test_first_action_picks_the_node_with_cores_now_and_memory_for_the_trajectory():
+    manager = _manager_with_nodes({"a": 1000, "b": 4000}, {"a": [0, 1, 2, 3], "b": [4, 5]})
+    fit = manager.fit()
+    big = _exec("t1", 2000)
+    assert fit.try_add(big, {"cpu": 1}) and fit.pool_of(big, "cpu") == "b"  # only b has the memory
+    small = _exec("t2", 500)
+    assert fit.try_add(small, {"cpu": 1}) and fit.pool_of(small, "cpu") == "a"  # a: 50% load after, b: 62.5%
+    same = _exec("t1", 2000)
+    assert fit.try_add(same, {"cpu": 1}) and fit.pool_of(same, "cpu") == "b"  # the trajectory stays on b
+    assert not fit.try_add(_exec("t1", 2000), {"cpu": 1})  # b has no core left: it waits, never moves
+    wide = _exec("t3", 100, cpu=3)
+    assert fit.try_add(wide, {"cpu": 3}) and fit.pool_of(wide, "cpu") == "a"
+    fit.remove(wide)
+    assert fit.free["a"] == 3
+
+
+def test_placed_trajectory_stays_on_its_node_across_passes():
+    manager = _manager_with_nodes({"a": 1000, "b": 1000}, {"a": [0], "b": [1]})
+    first = _exec("t1", 800)
+    fit = manager.fit()
+    assert fit.try_add(first, {"cpu": 1})
+    node = fit.pool_of(first, "cpu")
+    allocation = manager.allocate(first, {"cpu": 1}, {"cpu": node})
+    assert manager.nodes[node].memory_reserved == 800
+    manager.release(allocation)
+    manager.release(allocation)  # idempotent
+    later = manager.fit()
+    second = _exec("t1", 800)
+    assert later.try_add(second, {"cpu": 1}) and later.pool_of(second, "cpu") == node
+    other = _exec("t2", 800)
+    assert later.try_add(other, {"cpu": 1}) and later.pool_of(other, "cpu") != node
+
+
+def _local(**extra):
+    return cpu_config({"here": {"backend": "local", "cores": sorted(os.sched_getaffinity(0))[:2]}}, **extra)
+
+
+async def test_local_process_backend_pins_times_out_and_cleans_up(tmp_path):
+    async with live_broker(_local(), str(tmp_path / "t.db")) as live:
+        body = {"task": "t", "trajectory": "tr", "kind": "exec", "demand": {"cpu": 1},
+                "spec": {"command": "grep Cpus_allowed_list /proc/self/status; cat hello.txt",
+                         "files": {"hello.txt": "hi"}}}
+        status, record = await live.call("POST", "/v1/actions?wait=true", json=body)
+        assert status == 200 and record["state"] == "succeeded", record
+        core = record["allocation"]["placement"]["cpu"]["cores"][0]
+        assert record["result"]["stdout"] == f"Cpus_allowed_list:\t{core}\nhi"
+        slow = {**body, "spec": {"command": "sleep 1000.25 & sleep 1000.5"}, "timeout_s": 1}
+        status, record = await live.call("POST", "/v1/actions?wait=true", json=slow)
+        assert record["state"] == "timed_out"
+        await asyncio.sleep(0.2)
+        assert not [p for p in psutil.process_iter(["cmdline"]) if "1000.25" in " ".join(p.info["cmdline"] or [])]
+        leftover = {**body, "spec": {"command": "sleep 1000.75 &"}}
+        status, record = await live.call("POST", "/v1/actions?wait=true", json=leftover)
+        env_id = record["result"]["environment"]
+        assert [p for p in psutil.process_iter(["cmdline"]) if "1000.75" in " ".join(p.info["cmdline"] or [])]
+        status, _ = await live.call("DELETE", f"/v1/environments/{env_id}")
+        assert status == 200
+        await asyncio.sleep(0.2)
+        assert not [p for p in psutil.process_iter(["cmdline"]) if "1000.75" in " ".join(p.info["cmdline"] or [])]
