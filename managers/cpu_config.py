@@ -14,6 +14,7 @@ from sandboxes.image import DEFAULT_IMAGE
 from tangram.errors import ConfigError
 
 BACKENDS = ("auto", "docker", "local")
+UNIX_PATH_MAX = 107
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,7 @@ class CpuConfig:
     idle_ttl_s: float = 900.0
     max_environments: int = 10_000
     #: where the broker keeps executor sockets and local environments' directories
-    run_dir: str = "/run/tangram/sandboxes"
+    run_dir: str = "/run/tangram/sandboxes" if os.geteuid() == 0 else f"/tmp/tangram-{os.geteuid()}/sandboxes"
     limits: ExecLimits = field(default_factory=ExecLimits)
 
 
@@ -89,7 +90,14 @@ def parse_cpu_config(raw: Any) -> CpuConfig:
     if not isinstance(nodes, dict) or not nodes:
         raise ConfigError("cpu.nodes", "must be a table of at least one node")
     values["nodes"] = tuple(_node(name, spec) for name, spec in nodes.items())
-    return CpuConfig(**{**{k: getattr(defaults, k) for k in TOP_KEYS}, **values})
+    config = CpuConfig(**{**{k: getattr(defaults, k) for k in TOP_KEYS}, **values})
+    longest = max(len(node.name) for node in config.nodes)
+    socket_length = len(config.run_dir) + len(config.broker_id) + longest + len("/x/x/env-act_/exec.sock") + 24
+    if socket_length > UNIX_PATH_MAX:
+        raise ConfigError("cpu.run_dir", f"executor socket paths would be {socket_length} bytes, over the "
+                                         f"{UNIX_PATH_MAX} a unix socket allows: shorten run_dir, broker_id or "
+                                         f"node names")
+    return config
 
 
 def _limits(raw: Any) -> ExecLimits:

@@ -104,7 +104,7 @@ class DockerSandbox(Sandbox):
                                                    f"state: {state}", lost=True) from None
 
     def _run_via_engine(self, request: dict[str, Any]) -> dict[str, Any]:
-        command = ["python3", EXECUTOR_IN_CONTAINER, "once", encode_once(request)]
+        command = ["python3", EXECUTOR_IN_CONTAINER, "once", encode_once(request), "--oom-counter", "auto"]
         try:
             exit_code, output = self.container.exec_run(command, stdout=True, stderr=True, demux=True)
         except docker.errors.APIError as error:

@@ -22,6 +22,7 @@ import base64
 import binascii
 import errno
 import json
+import math
 import os
 import platform
 import resource
@@ -167,8 +168,8 @@ def _reaper_loop(stop):
     while not stop.wait(1.0):
         try:
             _reap_orphans()
-        except Exception as exc:  # never let the reaper die silently on an odd /proc entry
-            _log("orphan reaper: %r" % (exc,))
+        except Exception as exc:  # noqa: BLE001 - never let the reaper die on an odd /proc entry
+            _log(f"orphan reaper: {exc!r}")
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -219,8 +220,7 @@ def _is_int(value):
 
 
 def _is_number(value):
-    return (isinstance(value, (int, float)) and not isinstance(value, bool)
-            and value == value and value not in (float("inf"), float("-inf")))
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _validate(request):
@@ -235,7 +235,7 @@ def _validate(request):
             raise RequestError("command: a list must be a non-empty list of strings")
         argv = list(command)
     else:
-        raise RequestError("command: must be a string or a list of strings, got %s" % type(command).__name__)
+        raise RequestError(f"command: must be a string or a list of strings, got {type(command).__name__}")
     if any("\0" in a for a in argv):
         raise RequestError("command: must not contain NUL characters")
 
@@ -253,22 +253,22 @@ def _validate(request):
 
     timeout_s = request.get("timeout_s")
     if timeout_s is not None and (not _is_number(timeout_s) or timeout_s <= 0):
-        raise RequestError("timeout_s: must be a positive number or null, got %r" % (timeout_s,))
+        raise RequestError(f"timeout_s: must be a positive number or null, got {timeout_s!r}")
 
     output_limit = request.get("output_limit")
     if output_limit is None:
         output_limit = DEFAULT_OUTPUT_LIMIT
     elif not _is_int(output_limit) or output_limit < 0:
-        raise RequestError("output_limit: must be a non-negative integer, got %r" % (output_limit,))
+        raise RequestError(f"output_limit: must be a non-negative integer, got {output_limit!r}")
 
     cpus = request.get("cpus")
     if cpus is not None and (not isinstance(cpus, list) or not cpus
                              or not all(_is_int(c) and c >= 0 for c in cpus)):
-        raise RequestError("cpus: must be a non-empty list of non-negative integers or null, got %r" % (cpus,))
+        raise RequestError(f"cpus: must be a non-empty list of non-negative integers or null, got {cpus!r}")
 
     memory_bytes = request.get("memory_bytes")
     if memory_bytes is not None and (not _is_int(memory_bytes) or memory_bytes <= 0):
-        raise RequestError("memory_bytes: must be a positive integer or null, got %r" % (memory_bytes,))
+        raise RequestError(f"memory_bytes: must be a positive integer or null, got {memory_bytes!r}")
     return argv, env, cwd, timeout_s, output_limit, cpus, memory_bytes
 
 
@@ -294,31 +294,31 @@ def _spawn(argv, env, cwd, cpus, memory_bytes):
         try:
             os.sched_setaffinity(0, cpus)
         except OSError as exc:
-            raise RequestError("cpus: cannot set affinity to %r: %s" % (cpus, exc.strerror or exc))
+            raise RequestError(f"cpus: cannot set affinity to {cpus!r}: {exc.strerror or exc}")
     try:
         lock = _children_lock if _reaper_enabled else None
         if lock is not None:
             lock.acquire()
         try:
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    cwd=cwd, env=full_env, start_new_session=True, preexec_fn=preexec,
-                                    close_fds=True)
+                                    cwd=cwd, env=full_env, start_new_session=True, close_fds=True,
+                                    preexec_fn=preexec)  # noqa: PLW1509 - only setrlimit, see docstring
             _register(proc)
         finally:
             if lock is not None:
                 lock.release()
     except FileNotFoundError as exc:
         if cwd is not None and not os.path.isdir(cwd):
-            raise RequestError("cwd: directory does not exist: %s" % cwd)
+            raise RequestError(f"cwd: directory does not exist: {cwd}")
         raise RequestError("command: executable not found: %s" % (exc.filename or argv[0]))
     except PermissionError as exc:
         raise RequestError("command: permission denied: %s" % (exc.filename or argv[0]))
     except NotADirectoryError:
-        raise RequestError("cwd: not a directory: %s" % cwd)
+        raise RequestError(f"cwd: not a directory: {cwd}")
     except subprocess.SubprocessError as exc:
-        raise RequestError("spawn failed (memory_bytes=%r): %s" % (memory_bytes, exc))
+        raise RequestError(f"spawn failed (memory_bytes={memory_bytes!r}): {exc}")
     except OSError as exc:
-        raise RequestError("spawn failed: %s" % exc)
+        raise RequestError(f"spawn failed: {exc}")
     finally:
         if saved_mask is not None:
             try:
@@ -331,10 +331,10 @@ def _spawn(argv, env, cwd, cpus, memory_bytes):
     return proc
 
 
-class _Capture(object):
+class _Capture:
     """Keeps the first `limit` bytes of a stream and counts the rest."""
 
-    __slots__ = ("fd", "limit", "kept", "total")
+    __slots__ = ("fd", "kept", "limit", "total")
 
     def __init__(self, fd, limit):
         self.fd = fd
@@ -399,7 +399,7 @@ def run_command(request, cancel_sock=None, oom_counter=None):
     try:
         argv, env, cwd, timeout_s, output_limit, cpus, memory_bytes = _validate(request)
         if cwd is not None and not os.path.isdir(cwd):
-            raise RequestError("cwd: directory does not exist: %s" % cwd)
+            raise RequestError(f"cwd: directory does not exist: {cwd}")
         oom_before = read_oom_counter(oom_counter)
         proc = _spawn(argv, env, cwd, cpus, memory_bytes)
     except RequestError as exc:
@@ -503,9 +503,9 @@ def handle_request(request, cancel_sock=None, oom_counter=None):
             return run_command(request, cancel_sock, oom_counter)
         except ClientGone:
             raise
-        except Exception as exc:  # a bug here must not take the executor down
-            return _empty_response("executor internal error: %r" % (exc,))
-    return _empty_response("op: unknown operation %r (expected 'run' or 'ping')" % (op,))
+        except Exception as exc:  # noqa: BLE001 - a bug here must not take the executor down
+            return _empty_response(f"executor internal error: {exc!r}")
+    return _empty_response(f"op: unknown operation {op!r} (expected 'run' or 'ping')")
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -514,9 +514,9 @@ def handle_request(request, cancel_sock=None, oom_counter=None):
 
 def _log(message):
     try:
-        sys.stderr.write("executor[%d]: %s\n" % (os.getpid(), message))
+        sys.stderr.write(f"executor[{os.getpid()}]: {message}\n")
         sys.stderr.flush()
-    except Exception:
+    except Exception:  # noqa: BLE001, S110 - a closed stderr must not stop the executor
         pass
 
 
@@ -531,8 +531,12 @@ def _recv_exact(sock, n):
     return bytes(buf)
 
 
+def _encode(obj):
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+
 def _send(sock, obj):
-    body = json.dumps(obj, separators=(",", ":")).encode("utf-8")
+    body = _encode(obj)
     sock.sendall(_HEADER.pack(len(body)) + body)
 
 
@@ -545,8 +549,7 @@ def _serve_connection(conn, oom_counter):
                 return
             (length,) = _HEADER.unpack(header)
             if length > MAX_REQUEST_BYTES:
-                _send(conn, _empty_response("request: %d bytes exceeds the %d byte limit"
-                                            % (length, MAX_REQUEST_BYTES)))
+                _send(conn, _empty_response(f"request: {length} bytes exceeds the {MAX_REQUEST_BYTES} byte limit"))
                 return
             body = _recv_exact(conn, length)
             if body is None:
@@ -554,7 +557,7 @@ def _serve_connection(conn, oom_counter):
             try:
                 request = json.loads(body.decode("utf-8"))
             except ValueError as exc:
-                response = _empty_response("request: invalid JSON: %s" % exc)
+                response = _empty_response(f"request: invalid JSON: {exc}")
             else:
                 try:
                     response = handle_request(request, conn, oom_counter)
@@ -593,22 +596,23 @@ def serve(socket_path, oom_setting):
     finally:
         os.umask(old_umask)
     os.chmod(socket_path, 0o600)
-    listener.listen(128)
+    listener.listen(4096)  # the kernel clips to net.core.somaxconn; a burst must not overflow it
     stop = threading.Event()
     if os.getpid() == 1:
         _reaper_enabled = True
         threading.Thread(target=_reaper_loop, args=(stop,), name="reaper", daemon=True).start()
     signal.signal(signal.SIGTERM, _on_term)
     signal.signal(signal.SIGINT, _on_term)
-    _log("serving on %s (python %s, oom counter: %s, orphan reaper: %s)"
-         % (socket_path, platform.python_version(), oom_counter or "off", "on" if _reaper_enabled else "off"))
+    reaper = "on" if _reaper_enabled else "off"
+    _log(f"serving on {socket_path} (python {platform.python_version()}, oom counter: {oom_counter or 'off'}, "
+         f"orphan reaper: {reaper})")
     try:
         while True:
             try:
                 conn, _addr = listener.accept()
             except OSError as exc:
                 if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                    _log("accept: %s" % exc)
+                    _log(f"accept: {exc}")
                     time.sleep(0.05)  # out of descriptors: back off instead of spinning
                     continue
                 raise
@@ -653,10 +657,10 @@ def once(argument, oom_setting):
     try:
         request = decode_once(argument)
     except (ValueError, binascii.Error, UnicodeError) as exc:
-        response = _empty_response("request: cannot decode base64 JSON argument: %s" % exc)
+        response = _empty_response(f"request: cannot decode base64 JSON argument: {exc}")
     else:
         response = handle_request(request, None, resolve_oom_counter(oom_setting))
-    sys.stdout.write(json.dumps(response, separators=(",", ":")) + "\n")
+    sys.stdout.buffer.write(_encode(response) + b"\n")  # bytes: stdout's encoding may be ASCII in an image
     sys.stdout.flush()
     return 0
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import socket
 import struct
 import time
 from pathlib import Path
@@ -44,6 +45,36 @@ class ExecutorUnavailable(Exception):
         self.reason = reason
 
 
+async def _connect(socket_path: str, timeout: float) -> socket.socket:
+    """A connected non-blocking unix socket.
+
+    Not asyncio.open_unix_connection(path): on Linux a non-blocking AF_UNIX connect() fails with EAGAIN while
+    the listener's backlog is full, and asyncio treats that like TCP's EINPROGRESS, handing back a socket that
+    never connected (the first write then fails with "Connection lost"). Here EAGAIN is retried until timeout.
+    """
+    deadline = time.monotonic() + timeout
+    delay = 0.001
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        try:
+            sock.connect(socket_path)
+            return sock
+        except BlockingIOError:
+            sock.close()
+            if time.monotonic() >= deadline:
+                raise ExecutorUnavailable(socket_path, f"connect timed out after {timeout} s "
+                                                       "(listen backlog full)") from None
+        except OSError as exc:
+            sock.close()
+            raise ExecutorUnavailable(socket_path, f"connect failed: {exc}") from exc
+        except BaseException:
+            sock.close()
+            raise
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 0.05)
+
+
 def _frame(request: dict[str, Any]) -> bytes:
     body = orjson.dumps(request)
     return _HEADER.pack(len(body)) + body
@@ -56,13 +87,12 @@ async def call(socket_path: str, request: dict[str, Any], *, connect_timeout: fl
     "error"; ExecutorUnavailable means the executor itself could not answer. If the awaiting task is cancelled,
     the connection is aborted at once so the executor kills the running command, and CancelledError propagates.
     """
+    sock = await _connect(socket_path, connect_timeout)
     try:
-        async with asyncio.timeout(connect_timeout):
-            reader, writer = await asyncio.open_unix_connection(socket_path)
-    except TimeoutError:
-        raise ExecutorUnavailable(socket_path, f"connect timed out after {connect_timeout} s") from None
-    except OSError as exc:
-        raise ExecutorUnavailable(socket_path, f"connect failed: {exc}") from exc
+        reader, writer = await asyncio.open_unix_connection(sock=sock)
+    except BaseException:
+        sock.close()
+        raise
     try:
         writer.write(_frame(request))
         await writer.drain()

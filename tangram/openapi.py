@@ -89,6 +89,26 @@ def openapi_document(server: ServerConfig, limits: Limits) -> dict[str, Any]:
                     "code": {"type": "string"}, "message": {"type": "string"}}},
                 "timings": {"type": "object", "properties": {
                     k: {"type": ["number", "null"]} for k in ("queue_s", "execution_s", "overhead_s", "act_s")}}}},
+        "EnvironmentRequest": {
+            "type": "object", "required": ["task"], "additionalProperties": False,
+            "properties": {
+                "task": name, "trajectory": name,
+                "image": {"type": "string", "minLength": 1, "maxLength": 256},
+                "memory_mb": {"type": "integer", "minimum": 16},
+                "files": {"type": "object", "description": 'relative path -> text or {"base64": "..."}',
+                          "additionalProperties": {"oneOf": [
+                              {"type": "string"},
+                              {"type": "object", "required": ["base64"], "additionalProperties": False,
+                               "properties": {"base64": {"type": "string"}}}]}}}},
+        "Environment": {
+            "type": "object", "required": ["id", "task", "node", "image", "memory_mb", "state"],
+            "properties": {
+                "id": {"type": "string"}, "task": {"type": "string"}, "trajectory": {"type": ["string", "null"]},
+                "node": {"type": "string"}, "image": {"type": "string"}, "memory_mb": {"type": "integer"},
+                "state": {"type": "string", "enum": ["pending", "ready", "lost", "destroyed"]},
+                "created_at": {"type": "number"}, "last_used": {"type": "number"},
+                "running_actions": {"type": "integer"}, "lost_reason": {"type": ["string", "null"]},
+                "sandbox": {"type": ["object", "null"]}}},
         "Resources": {"type": "object", "required": ["resources", "stats"], "properties": {
             "resources": {"type": "array", "items": {"type": "object", "required": [
                 "resource", "pool", "manager", "capacity", "in_use", "queued"]}},
@@ -129,6 +149,30 @@ def openapi_document(server: ServerConfig, limits: Limits) -> dict[str, Any]:
                 "summary": "Return a granted lease's units", "parameters": [id_param],
                 "responses": {"200": record, "400": _error("not a lease"), "404": _error("unknown id"),
                               "409": _error("not held")}}},
+            "/v1/environments": {
+                "post": {"summary": "Create a trajectory environment (sandbox) now",
+                         "requestBody": {"required": True, "content": {"application/json": {
+                             "schema": _ref("EnvironmentRequest")}}},
+                         "responses": {"201": _json(_ref("Environment"), "created"),
+                                       "400": _error("invalid request"), "409": _error("trajectory has one"),
+                                       "413": _error("files too large"),
+                                       "422": _error("unknown image, memory beyond any node, no CPU manager"),
+                                       "429": _error("too many environments"),
+                                       "503": _error("no node has the memory now, or the engine failed")}},
+                "get": {"summary": "List environments",
+                        "parameters": [{"name": "task", "in": "query", "required": False,
+                                        "schema": {"type": "string"}}],
+                        "responses": {"200": _json({"type": "object", "required": ["environments"], "properties": {
+                            "environments": {"type": "array", "items": _ref("Environment")}}}, "environments"),
+                            "422": _error("no CPU manager")}}},
+            "/v1/environments/{id}": {
+                "get": {"summary": "Get an environment", "parameters": [id_param],
+                        "responses": {"200": _json(_ref("Environment"), "the environment"),
+                                      "404": _error("unknown id"), "422": _error("no CPU manager")}},
+                "delete": {"summary": "Destroy an environment", "parameters": [id_param],
+                           "responses": {"200": _json(_ref("Environment"), "destroyed"),
+                                         "404": _error("unknown id"), "409": _error("actions run in it"),
+                                         "422": _error("no CPU manager")}}},
             "/v1/resources": {"get": {"summary": "Capacity, use and queue per resource and pool",
                                       "responses": {"200": _json(_ref("Resources"), "resources")}}},
             "/healthz": {"get": {"summary": "Liveness", "responses": {"200": _json({"type": "object"}, "ok")}}},

@@ -91,6 +91,7 @@ def test_bad_exec_specs_name_the_field(spec, field):
     ({"idle_ttl_s": 0}, "cpu.idle_ttl_s"),
     ({"limits": {"max_files": 0}}, "cpu.limits.max_files"),
     ({"color": "blue"}, "cpu.color"),
+    ({"run_dir": "/tmp/" + "d" * 80}, "cpu.run_dir"),
 ])
 def test_bad_cpu_config_names_the_key(raw, key):
     with pytest.raises(ConfigError) as caught:
