@@ -239,6 +239,9 @@ class CpuManager(ResourceManager):
     def allocate(self, action: Action, units: Mapping[str, int], pools: Mapping[str, str]) -> Allocation:
         node = self.nodes[pools[RESOURCE]]
         env = self.environment_of(action)
+        if env is None and action.spec.get("environment") is not None:  # deleted since submit: fails at run
+            cores = node.cores.take(units[RESOURCE])
+            return Allocation(action.id, dict(units), dict(pools), handle=(None, node.name, cores))
         if env is None:
             spec = action.spec
             env = self._reserve(action.task, action.trajectory, node, spec.get("image") or self.config.default_image,
@@ -250,14 +253,15 @@ class CpuManager(ResourceManager):
         cores = node.cores.take(units[RESOURCE])
         placement = {"node": node.name, "cores": list(cores), "numa_nodes": node.cores.numa_of(cores),
                      "environment": env.id}
-        return Allocation(action.id, dict(units), dict(pools), placement={RESOURCE: placement}, handle=(env, cores))
+        return Allocation(action.id, dict(units), dict(pools), placement={RESOURCE: placement},
+                          handle=(env, node.name, cores))
 
     def release(self, allocation: Allocation) -> None:
         if allocation.released or allocation.handle is None:
             return
         allocation.released = True
-        env, cores = allocation.handle
-        self.nodes[env.node].cores.give_back(cores)
+        _, node, cores = allocation.handle
+        self.nodes[node].cores.give_back(cores)
 
     def status(self) -> list[PoolStatus]:
         rows = []
@@ -377,7 +381,10 @@ class CpuManager(ResourceManager):
     # -- execution ------------------------------------------------------------------------------------------
 
     async def execute(self, action: Action, allocation: Allocation) -> Outcome:
-        env, cores = allocation.handle
+        env, _, cores = allocation.handle
+        if env is None:
+            raise ActionFailed("environment_destroyed", f"environment {action.spec.get('environment')} was "
+                                                        f"deleted after this action was submitted")
         spec = parse_exec_spec(action.spec, self.config.limits)
         setup_started = time.perf_counter()
         try:

@@ -171,3 +171,22 @@ async def test_local_process_backend_pins_times_out_and_cleans_up(tmp_path):
         assert status == 200
         await asyncio.sleep(0.2)
         assert not [p for p in psutil.process_iter(["cmdline"]) if "1000.75" in " ".join(p.info["cmdline"] or [])]
+
+
+async def test_environment_deleted_while_an_action_waits_for_it_fails_that_action(tmp_path):
+    config = cpu_config({"here": {"backend": "local", "cores": sorted(os.sched_getaffinity(0))[:1]}})
+    async with live_broker(config, str(tmp_path / "t.db")) as live:
+        status, env = await live.call("POST", "/v1/environments", json={"task": "t"})
+        assert status == 201, env
+        blocker = {"task": "t", "kind": "exec", "demand": {"cpu": 1}, "spec": {"command": "sleep 0.5"}}
+        status, first = await live.call("POST", "/v1/actions", json=blocker)
+        waiting = {**blocker, "spec": {"command": "echo never", "environment": env["id"]}}
+        status, second = await live.call("POST", "/v1/actions", json=waiting)
+        assert second["state"] == "queued"  # the only core is busy
+        status, _ = await live.call("DELETE", f"/v1/environments/{env['id']}")
+        assert status == 200
+        status, record = await live.call("GET", f"/v1/actions/{second['id']}?wait=true")
+        assert record["state"] == "failed" and record["error"]["code"] == "environment_destroyed"
+        _, resources = await live.call("GET", "/v1/resources")
+        cpu = next(r for r in resources["resources"] if r["resource"] == "cpu")
+        assert cpu["in_use"] == 0 and cpu["queued"] == 0
