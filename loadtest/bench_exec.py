@@ -28,6 +28,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from loadtest.bench_scheduler import percentile
 from tangram.config import parse_config
 from tangram.service import running_broker
 
@@ -59,11 +60,6 @@ async def submit(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) ->
     if record.get("state") != "succeeded":
         raise RuntimeError(f"action did not succeed: {record}")
     return record
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 async def overhead(engine: str, fast_path: bool, count: int) -> dict[str, float]:

@@ -75,9 +75,7 @@ class CpuFit(Fit):
             candidates = [name for name in self.free if self.free[name] >= n and self.memory_free[name] >= memory]
             if not candidates:
                 return False
-            capacity = {name: node.memory_mb for name, node in self.manager.nodes.items()}
-            node = min(candidates, key=lambda name: ((capacity[name] - self.memory_free[name] + memory)
-                                                     / capacity[name], -self.free[name]))
+            node = min(candidates, key=lambda name: (self.memory_load_after(name, memory), -self.free[name]))
             if key:
                 self.new_trajectories[key] = node
         elif self.free[node] < n:
@@ -86,6 +84,11 @@ class CpuFit(Fit):
         self.memory_free[node] -= memory
         self.placed[action.id] = (node, n, memory)
         return True
+
+    def memory_load_after(self, node: str, memory_mb: int) -> float:
+        """Memory load of ``node`` if it also reserved ``memory_mb``, counting this pass's new trajectories."""
+        capacity = self.manager.nodes[node].memory_mb
+        return (capacity - self.memory_free[node] + memory_mb) / capacity
 
     def remove(self, action: Action) -> None:
         node, n, memory = self.placed.pop(action.id)
@@ -228,13 +231,22 @@ class CpuManager(ResourceManager):
                 raise Conflict("spec.environment", f"environment {env.id} is lost ({env.lost_reason}); delete it "
                                                    f"and create another")
             return
-        memory = spec.memory_mb or self.config.default_memory_mb
+        self._check_memory(spec.memory_mb, "spec.memory_mb")
+        if self.environment_of(action) is None:
+            self._check_room("spec")
+
+    def _check_memory(self, memory_mb: int | None, field: str) -> int:
+        """The memory a new environment reserves; 422 when no node could ever hold it."""
+        memory = memory_mb or self.config.default_memory_mb
         largest = max(node.memory_mb for node in self.nodes.values())
         if memory > largest:
-            raise Unprocessable("spec.memory_mb", f"{memory} MiB is more than any node offers ({largest} MiB)")
-        if self.environment_of(action) is None and len(self.environments) >= self.config.max_environments:
-            raise BadRequest("spec", f"the broker holds {len(self.environments)} environments, its limit; delete "
-                                     f"idle ones or wait for their TTL", status=429)
+            raise Unprocessable(field, f"{memory} MiB is more than any node offers ({largest} MiB)")
+        return memory
+
+    def _check_room(self, field: str) -> None:
+        if len(self.environments) >= self.config.max_environments:
+            raise BadRequest(field, f"the broker holds {len(self.environments)} environments, its limit; delete "
+                                    f"idle ones or wait for their TTL", status=429)
 
     def allocate(self, action: Action, units: Mapping[str, int], pools: Mapping[str, str]) -> Allocation:
         node = self.nodes[pools[RESOURCE]]
@@ -345,13 +357,8 @@ class CpuManager(ResourceManager):
             existing = self.by_trajectory[(task, trajectory)]
             raise Conflict("trajectory", f"trajectory {trajectory!r} of task {task!r} already has environment "
                                          f"{existing.id}")
-        if len(self.environments) >= self.config.max_environments:
-            raise BadRequest("environments", f"the broker holds {len(self.environments)} environments, its limit",
-                             status=429)
-        memory = memory_mb or self.config.default_memory_mb
-        largest = max(node.memory_mb for node in self.nodes.values())
-        if memory > largest:
-            raise Unprocessable("memory_mb", f"{memory} MiB is more than any node offers ({largest} MiB)")
+        self._check_room("environments")
+        memory = self._check_memory(memory_mb, "memory_mb")
         fitting = [n for n in self.nodes.values() if n.memory_reserved + memory <= n.memory_mb]
         if not fitting:
             raise BadRequest("memory_mb", f"no node has {memory} MiB unreserved now; retry later", status=503)
@@ -385,7 +392,7 @@ class CpuManager(ResourceManager):
         if env is None:
             raise ActionFailed("environment_destroyed", f"environment {action.spec.get('environment')} was "
                                                         f"deleted after this action was submitted")
-        spec = parse_exec_spec(action.spec, self.config.limits)
+        spec = parse_exec_spec(action.spec, self.config.limits, with_files=False)  # checked at submit
         setup_started = time.perf_counter()
         try:
             sandbox = await self._sandbox(env)

@@ -45,7 +45,10 @@ class ExecSpec:
     output_limit: int = 1 << 20
 
 
-def parse_exec_spec(spec: Mapping[str, Any], limits: ExecLimits, where: str = "spec") -> ExecSpec:
+def parse_exec_spec(spec: Mapping[str, Any], limits: ExecLimits, where: str = "spec", *,
+                    with_files: bool = True) -> ExecSpec:
+    """Validate an exec spec. ``with_files=False`` skips decoding ``files``: at run time they are already in the
+    environment (they were checked at submit and copied in when it was created)."""
     unknown = sorted(set(spec) - SPEC_FIELDS)
     if unknown:
         raise BadRequest(f"{where}.{unknown[0]}", f"unknown field; exec specs take {sorted(SPEC_FIELDS)}")
@@ -62,24 +65,32 @@ def parse_exec_spec(spec: Mapping[str, Any], limits: ExecLimits, where: str = "s
     environment = spec.get("environment")
     if environment is not None and (not isinstance(environment, str) or not NAME.match(environment)):
         raise BadRequest(f"{where}.environment", "must be an environment id")
-    image = spec.get("image")
-    if image is not None and (not isinstance(image, str) or not 0 < len(image) <= 256):
-        raise BadRequest(f"{where}.image", "must be an image name the node's engine has")
-    memory = spec.get("memory_mb")
-    if memory is not None and (isinstance(memory, bool) or not isinstance(memory, int) or memory < 16):
-        raise BadRequest(f"{where}.memory_mb", "must be an integer of at least 16")
-    files = parse_files(spec.get("files", {}), f"{where}.files", limits)
+    image = parse_image(spec.get("image"), f"{where}.image")
+    memory = parse_memory_mb(spec.get("memory_mb"), f"{where}.memory_mb")
+    files = parse_files(spec.get("files", {}), f"{where}.files", limits) if with_files else {}
     parallel = spec.get("pytest_parallel", False)
     if not isinstance(parallel, bool):
         raise BadRequest(f"{where}.pytest_parallel", "must be true or false")
     output = spec.get("output_limit", limits.default_output_limit)
     if isinstance(output, bool) or not isinstance(output, int) or not 0 <= output <= limits.max_output_limit:
         raise BadRequest(f"{where}.output_limit", f"must be an integer of bytes in [0, {limits.max_output_limit}]")
-    if (environment is not None) and (image is not None or memory is not None or files):
+    if environment is not None and (image is not None or memory is not None or spec.get("files")):
         raise BadRequest(f"{where}.environment", "an existing environment already has its image, memory and "
                                                  "files; drop image, memory_mb and files")
     return ExecSpec(command=command, env=dict(env), cwd=cwd, environment=environment, image=image,
                     memory_mb=memory, files=files, pytest_parallel=parallel, output_limit=output)
+
+
+def parse_image(raw: Any, where: str) -> str | None:
+    if raw is not None and (not isinstance(raw, str) or not 0 < len(raw) <= 256):
+        raise BadRequest(where, "must be an image name the node's engine has")
+    return raw
+
+
+def parse_memory_mb(raw: Any, where: str) -> int | None:
+    if raw is not None and (isinstance(raw, bool) or not isinstance(raw, int) or raw < 16):
+        raise BadRequest(where, "must be an integer of at least 16")
+    return raw
 
 
 def parse_files(raw: Any, where: str, limits: ExecLimits) -> dict[str, bytes]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +24,16 @@ from sandboxes.executor_client import EXECUTOR_PATH, ExecutorUnavailable, call, 
 
 READY_TIMEOUT_S = 15.0
 MARKER = "TANGRAM_ENVIRONMENT"
+
+
+def kill_marked(env_ids: set[str]) -> None:
+    """SIGKILL every process carrying one of these environments' marker (the executor passes it to commands)."""
+    for process in psutil.process_iter(["pid"]):
+        try:
+            if process.environ().get(MARKER) in env_ids:
+                process.kill()
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
 
 
 class LocalSandbox(Sandbox):
@@ -62,12 +71,7 @@ class LocalSandbox(Sandbox):
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
-        for process in psutil.process_iter(["pid"]):
-            try:
-                if process.environ().get(MARKER) == self.env_id:
-                    process.kill()
-            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-                continue
+        kill_marked({self.env_id})
 
     def describe(self) -> dict[str, Any]:
         return {"directory": self.workdir, "executor_pid": self.process.pid}
@@ -111,12 +115,7 @@ class LocalProcessBackend(SandboxBackend):
         if not self.run_dir.is_dir():
             return 0
         leftovers = {p.name for p in self.run_dir.iterdir()}
-        for process in psutil.process_iter(["pid"]):
-            try:
-                if process.environ().get(MARKER) in leftovers:
-                    os.kill(process.pid, signal.SIGKILL)
-            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, ProcessLookupError):
-                continue
+        await asyncio.to_thread(kill_marked, leftovers)
         for name in leftovers:
             shutil.rmtree(self.run_dir / name, ignore_errors=True)
         return len(leftovers)

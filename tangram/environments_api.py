@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from aiohttp import web
 
 from managers.cpu import CpuManager
-from managers.exec_spec import parse_files
+from managers.exec_spec import parse_files, parse_image, parse_memory_mb
 from tangram.action import Kind
 from tangram.api_common import BROKER, json_response, read_json
 from tangram.errors import BadRequest, Unprocessable
-from tangram.parse import NAME
+from tangram.parse import parse_name
 
 FIELDS = frozenset({"task", "trajectory", "image", "memory_mb", "files"})
 
@@ -23,16 +21,6 @@ def _manager(request: web.Request) -> CpuManager:
     return manager
 
 
-def _name(body: dict[str, Any], key: str, required: bool) -> str | None:
-    value = body.get(key)
-    if value is None and not required:
-        return None
-    if not isinstance(value, str) or not NAME.match(value):
-        raise BadRequest(key, "is required: 1-128 characters of letters, digits and ._:-/" if value is None
-                         else "must be 1-128 characters of letters, digits and ._:-/, starting alphanumeric")
-    return value
-
-
 async def create_environment(request: web.Request) -> web.Response:
     manager = _manager(request)
     body = await read_json(request)
@@ -41,14 +29,10 @@ async def create_environment(request: web.Request) -> web.Response:
     unknown = sorted(set(body) - FIELDS)
     if unknown:
         raise BadRequest(unknown[0], f"unknown field; environments take {sorted(FIELDS)}")
-    task = _name(body, "task", required=True)
-    trajectory = _name(body, "trajectory", required=False)
-    image = body.get("image")
-    if image is not None and (not isinstance(image, str) or not 0 < len(image) <= 256):
-        raise BadRequest("image", "must be an image name the node's engine has")
-    memory = body.get("memory_mb")
-    if memory is not None and (isinstance(memory, bool) or not isinstance(memory, int) or memory < 16):
-        raise BadRequest("memory_mb", "must be an integer of at least 16")
+    task = parse_name(body.get("task"), "task", required=True)
+    trajectory = parse_name(body.get("trajectory"), "trajectory", required=False)
+    image = parse_image(body.get("image"), "image")
+    memory = parse_memory_mb(body.get("memory_mb"), "memory_mb")
     files = parse_files(body.get("files", {}), "files", manager.config.limits)
     assert task is not None
     env = await manager.create_environment(task, trajectory, image, memory, files)

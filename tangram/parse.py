@@ -34,8 +34,8 @@ def parse_action(body: Any, limits: Limits = Limits(), where: str = "") -> Actio
     unknown = sorted(set(body) - KNOWN_FIELDS)
     if unknown:
         raise BadRequest(where + unknown[0], "unknown field")
-    task = _name(body.get("task"), where + "task", required=True)
-    trajectory = _name(body.get("trajectory"), where + "trajectory", required=False)
+    task = parse_name(body.get("task"), where + "task", required=True)
+    trajectory = parse_name(body.get("trajectory"), where + "trajectory", required=False)
     kind_raw = body.get("kind")
     try:
         kind = Kind(kind_raw)
@@ -73,7 +73,8 @@ def _units(value: Any, field: str, limits: Limits) -> int:
     return value
 
 
-def _name(value: Any, field: str, required: bool) -> str | None:
+def parse_name(value: Any, field: str, required: bool) -> str | None:
+    """A task, trajectory or other id: validated the same way wherever a client sends one."""
     if value is None:
         if required:
             raise BadRequest(field, "is required")

@@ -11,7 +11,7 @@ import pytest_asyncio
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from tangram.store import Base, Store
-from tests.docker_nodes import NODES_ENV, labelled_containers
+from tests.docker_nodes import configured_engines, labelled_containers
 
 # ---------------------------------------------------------------------------------------------------------------
 # Store fixtures: every store test runs on real SQLite (a file under tmp_path) and on real PostgreSQL.
@@ -64,8 +64,7 @@ async def store(store_url: str) -> AsyncIterator[Store]:
 def no_sandbox_outlives_the_suite() -> Iterator[None]:
     """After the whole suite, no container with the broker's labels may remain on any test engine."""
     yield
-    engines = [u.strip() for u in os.environ.get(NODES_ENV, "").split(",") if u.strip()]
-    leftovers = {engine: [c.name for c in labelled_containers(engine)] for engine in engines}
+    leftovers = {engine: [c.name for c in labelled_containers(engine)] for engine in configured_engines()}
     leftovers = {engine: names for engine, names in leftovers.items() if names}
     for engine in leftovers:
         for container in labelled_containers(engine):

@@ -19,8 +19,14 @@ from sandboxes.backend import LABEL_BROKER, LABEL_MANAGED
 NODES_ENV = "TANGRAM_TEST_DOCKER_NODES"
 
 
+def configured_engines() -> list[str]:
+    """The engines named in TANGRAM_TEST_DOCKER_NODES (possibly none)."""
+    return [u.strip() for u in os.environ.get(NODES_ENV, "").split(",") if u.strip()]
+
+
 def docker_engines() -> list[str]:
-    engines = [u.strip() for u in os.environ.get(NODES_ENV, "").split(",") if u.strip()]
+    """The two test engines; fails the test when the test command did not start them."""
+    engines = configured_engines()
     if len(engines) < 2:
         pytest.fail(f"{NODES_ENV} must list two Docker engines: run `eval \"$(bash scripts/start-docker.sh)\"` as "
                     f"root (scripts/test.sh does)")

@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -347,38 +348,37 @@ async def test_connections_run_concurrently(executor: Executor) -> None:
         kill_marked(f"sleep {tag}")
 
 
-async def test_sigterm_stops_cleanly_and_kills_running_commands(tmp_path: Path) -> None:
+@asynccontextmanager
+async def own_executor_running_a_sleep(tmp_path: Path) -> AsyncIterator[tuple[Executor, asyncio.Task[Any], str]]:
+    """An executor of the test's own with a ``sleep`` call in flight; stopped and cleaned up afterwards."""
     own = Executor(tmp_path)
     tag = marker()
     try:
         await wait_ready(own.socket, timeout=10)
         task = asyncio.create_task(call(own.socket, {"command": f"sleep {tag}"}))
         assert await wait_until(lambda: bool(pids_with(f"sleep {tag}")), 5)
+        yield own, task, tag
+    finally:
+        own.stop()
+        kill_marked(f"sleep {tag}")
+
+
+async def test_sigterm_stops_cleanly_and_kills_running_commands(tmp_path: Path) -> None:
+    async with own_executor_running_a_sleep(tmp_path) as (own, task, tag):
         assert own.stop() == 0
         assert not os.path.exists(own.socket), "socket file removed on SIGTERM"
         with pytest.raises(ExecutorUnavailable):
             await task
         assert await wait_until(lambda: not pids_with(f"sleep {tag}"), 3)
         assert "stopped" in own.log.read_text()
-    finally:
-        own.stop()
-        kill_marked(f"sleep {tag}")
 
 
 async def test_executor_death_mid_command_raises_unavailable(tmp_path: Path) -> None:
-    own = Executor(tmp_path)
-    tag = marker()
-    try:
-        await wait_ready(own.socket, timeout=10)
-        task = asyncio.create_task(call(own.socket, {"command": f"sleep {tag}"}))
-        assert await wait_until(lambda: bool(pids_with(f"sleep {tag}")), 5)
+    async with own_executor_running_a_sleep(tmp_path) as (own, task, _):
         own.proc.kill()  # the sandbox died (OOM-killed executor, container killed)
         with pytest.raises(ExecutorUnavailable) as info:
             await task
         assert info.value.socket_path == own.socket
-    finally:
-        own.stop()
-        kill_marked(f"sleep {tag}")
 
 
 async def test_stale_socket_file_is_replaced(tmp_path: Path) -> None:

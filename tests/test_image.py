@@ -6,7 +6,6 @@ The engines come from TANGRAM_TEST_DOCKER_NODES (comma-separated engine URLs), w
 
 from __future__ import annotations
 
-import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,28 +23,16 @@ from sandboxes.image import (
     import_image,
     tarball_path,
 )
-
-NODES_ENV = "TANGRAM_TEST_DOCKER_NODES"
-
-
-def _engines() -> list[str]:
-    value = os.environ.get(NODES_ENV, "")
-    engines = [url.strip() for url in value.split(",") if url.strip()]
-    if not engines:
-        pytest.fail(f"{NODES_ENV} is not set: run `eval \"$(bash scripts/start-docker.sh)\"` (as root) to start the "
-                    "Docker engines, import the sandbox image and export it")
-    return engines
+from tests.docker_nodes import docker_engines
 
 
 @pytest.fixture(scope="module")
 def engines() -> list[str]:
-    return _engines()
+    return docker_engines()
 
 
 @pytest.fixture(params=range(2), ids=["node1", "node2"])
 def engine(request: pytest.FixtureRequest, engines: list[str]) -> str:
-    if request.param >= len(engines):
-        pytest.fail(f"{NODES_ENV} names {len(engines)} engine(s); the tests expect two nodes")
     return engines[request.param]
 
 
