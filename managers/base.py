@@ -5,8 +5,8 @@ The scheduler never learns what a container, a GPU or an API is. It sees, per ma
 * ``resources`` — resource names and their capacity;
 * ``fit()`` — a scratch copy of the free capacity on which a scheduling pass places candidates at their minimum
   units one by one (topology-aware ``accommodate``) and learns which *pool* (node, GPU group, ...) holds each
-  placed action's resources; the pass's elastic DP then runs per (resource, pool);
-* ``dp_operator(resource, pool)`` — the DPArrange operator for that pool's topology;
+  placed action's resources; the pass's elastic DP then runs per (resource, pool), with the fit's
+  ``dp_operator`` for that pool's topology;
 * ``allocate`` / ``release`` — turn "k units of R in pool p" into a concrete placement and back;
 * ``execute`` — run an action on its allocation and return its result.
 """
@@ -17,6 +17,8 @@ import abc
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from prometheus_client import CollectorRegistry
 
 from tangram.action import Action, Kind
 from tangram.dparrange import BasicOperator, DPOperator
@@ -79,6 +81,11 @@ class Fit(abc.ABC):
         """Every pool that holds ``resource`` (one pool, ``default``, unless the topology has several)."""
         return ("default",)
 
+    def dp_operator(self, resource: str, pool: str, others: Sequence[Action]) -> DPOperator:
+        """The DPArrange operator for what ``pool`` leaves an elastic group once ``others`` (this pass's other
+        candidates placed there) hold their minimum. Plain counted units by default (``next(j, k) = j + k``)."""
+        return BasicOperator()
+
 
 class ResourceManager(abc.ABC):
     """Owns some resource types: their capacity, topology, allocation and the execution of some action kinds."""
@@ -99,10 +106,6 @@ class ResourceManager(abc.ABC):
     @abc.abstractmethod
     def fit(self) -> Fit:
         """A fresh scratch copy of current free capacity."""
-
-    def dp_operator(self, resource: str, pool: str) -> DPOperator:
-        """The DPArrange operator for a pool; plain counted units by default (``prev(j, k) = j - k``)."""
-        return BasicOperator()
 
     @abc.abstractmethod
     def allocate(self, action: Action, units: Mapping[str, int], pools: Mapping[str, str]) -> Allocation:
@@ -133,6 +136,9 @@ class ResourceManager(abc.ABC):
     def next_change_in(self) -> float | None:
         """Seconds until capacity frees up by itself (quota windows, lease TTLs); None if never."""
         return None
+
+    def register_metrics(self, registry: CollectorRegistry) -> None:
+        """Add this manager's own Prometheus metrics (restores, evictions, ...) to the broker's registry."""
 
     async def start(self) -> None:
         """Open connections, start background work."""

@@ -138,6 +138,8 @@ class Action:
     started_at: float | None = None
     finished_at: float | None = None
     execution_s: float | None = None
+    #: part of ``execution_s`` spent restoring a service to the GPUs (EOE); None for actions that never restore
+    restore_s: float | None = None
     units: dict[str, int] = field(default_factory=dict)
     placement: dict[str, Any] = field(default_factory=dict)
     result: Any = None
@@ -162,13 +164,14 @@ class Action:
         return {name: demand.min for name, demand in self.demands.items()}
 
     def timings(self) -> dict[str, float | None]:
-        """Queue, execution, broker overhead and ACT in seconds (None until known)."""
+        """Queue, execution (of which restore), broker overhead and ACT in seconds (None until known)."""
         queue = None if self.started_at is None else self.started_at - self.submitted_at
         act = None if self.finished_at is None else self.finished_at - self.submitted_at
         overhead = None
         if act is not None:
             overhead = max(0.0, act - (queue or 0.0) - (self.execution_s or 0.0))
-        return {"queue_s": queue, "execution_s": self.execution_s, "overhead_s": overhead, "act_s": act}
+        return {"queue_s": queue, "execution_s": self.execution_s, "restore_s": self.restore_s, "overhead_s": overhead,
+                "act_s": act}
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -13,6 +13,7 @@ from tangram.api_common import BROKER, LIMITS, SERVER, json_response, read_json
 from tangram.broker import Broker
 from tangram.config import ServerConfig
 from tangram.environments_api import add_environment_routes
+from tangram.services_api import add_service_routes
 from tangram.errors import BadRequest
 from tangram.openapi import openapi_document
 from tangram.parse import Limits, parse_action
@@ -141,6 +142,7 @@ def build_app(broker: Broker, server: ServerConfig, limits: Limits) -> web.Appli
     app.router.add_delete("/v1/leases/{id}", release_lease)
     app.router.add_get("/v1/resources", resources)
     add_environment_routes(app)
+    add_service_routes(app)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/openapi.json", openapi)

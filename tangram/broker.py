@@ -62,6 +62,8 @@ class Broker:
         self.queue = make_queue(policy)
         self.metrics = Metrics()
         self.metrics.watch(lambda: dict(self.queue.depth_by_resource()), self._units)
+        for manager in self.managers:
+            manager.register_metrics(self.metrics.registry)
         self.max_queue = max_queue
         self.retain_s = retain_s
         self.tick_s = tick_s

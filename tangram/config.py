@@ -9,6 +9,7 @@ from typing import Any
 
 from managers.basic import BasicResourceConfig, UpstreamConfig
 from managers.cpu_config import CpuConfig, parse_cpu_config
+from managers.gpu_config import GpuConfig, parse_gpu_config
 from tangram.errors import ConfigError
 from tangram.parse import Limits
 
@@ -49,6 +50,7 @@ class Config:
     basic: tuple[BasicResourceConfig, ...] = (BasicResourceConfig(name="lease.local", concurrency=64),)
     pools: dict[str, dict[str, int]] = field(default_factory=dict)
     cpu: CpuConfig = field(default_factory=lambda: parse_cpu_config({}))
+    gpu: GpuConfig = field(default_factory=lambda: parse_gpu_config({}))
 
 
 def _section(cls: type, raw: Any, where: str) -> Any:
@@ -120,7 +122,7 @@ def _pools(raw: Any) -> dict[str, dict[str, int]]:
 
 
 def parse_config(raw: dict[str, Any]) -> Config:
-    sections = {"server", "scheduler", "store", "limits", "basic", "pools", "cpu"}
+    sections = {"server", "scheduler", "store", "limits", "basic", "pools", "cpu", "gpu"}
     for key in raw:
         if key not in sections:
             raise ConfigError(key, f"unknown section; known sections are {sorted(sections)}")
@@ -131,12 +133,14 @@ def parse_config(raw: dict[str, Any]) -> Config:
         limits=_section(Limits, raw.get("limits", {}), "limits"),
         pools=_pools(raw.get("pools", {})),
         cpu=parse_cpu_config(raw.get("cpu", {})),
+        gpu=parse_gpu_config(raw.get("gpu", {})),
     )
     if "basic" in raw:
         if not isinstance(raw["basic"], dict):
             raise ConfigError("basic", "must be a table of resource name = settings")
         config = replace(config, basic=tuple(_basic(n, t) for n, t in raw["basic"].items()))
-    names = [b.name for b in config.basic] + list(config.pools) + (["cpu"] if config.cpu.enabled else [])
+    names = ([b.name for b in config.basic] + list(config.pools) + (["cpu"] if config.cpu.enabled else [])
+             + (["gpu"] if config.gpu.enabled else []))
     duplicate = next((n for n in names if names.count(n) > 1), None)
     if duplicate:
         raise ConfigError(duplicate, "resource is declared twice")

@@ -7,8 +7,11 @@ Two readings of the paper are fixed here (see DESIGN.md):
 * Algorithm 3 returns ``dp[m][n]`` (exactly ``n`` units used). With ``E(m) < 1`` more units can be slower, so
   the answer is the best state *within* ``n`` (``j <= n`` for counted units).
 
-Operators carry the topology. ``BasicOperator`` (``prev(j, k) = j - k``) is linear, which lets the table be filled
-with numpy one row at a time; any other operator goes through the generic state-by-state loop.
+Operators carry the topology. ``BasicOperator`` (state = units used, ``next(j, k) = j + k``) is linear, which lets
+the table be filled with numpy one row at a time. Any other operator goes through the generic loop, which walks
+*forward* from each reachable state and records every state's parent: a topology whose allocation is a
+deterministic function of the state before (the GPU chunk operator) may reach one state from several, so a
+``prev`` that undoes an allocation is not always defined, while ``next`` always is.
 """
 
 from __future__ import annotations
@@ -25,19 +28,16 @@ INF = math.inf
 
 
 class DPOperator(Protocol):
-    """The topology primitives of Algorithm 3."""
+    """The topology primitives of Algorithm 3. State 0 is "nothing allocated yet"; every state is a legal end."""
 
-    #: True when ``prev(j, k) == j - k`` and every ``j <= end`` is a legal final state (vectorizable).
+    #: True when ``next(j, k) == j + k``: the table can be filled with vector operations
     linear: bool
 
     def end(self, free_units: int) -> int:
         """The largest state index reachable with ``free_units``."""
 
-    def prev(self, j: int, k: int) -> int | None:
-        """The state before giving ``k`` units to a task when the state after is ``j``; None if impossible."""
-
-    def final_states(self, end: int) -> Sequence[int]:
-        """States that count as an allocation within the available units."""
+    def next(self, j: int, k: int) -> int | None:
+        """The state after giving ``k`` more units in state ``j``; None (or a state past ``end``) if impossible."""
 
 
 class BasicOperator:
@@ -48,11 +48,8 @@ class BasicOperator:
     def end(self, free_units: int) -> int:
         return free_units
 
-    def prev(self, j: int, k: int) -> int | None:
-        return j - k if j >= k else None
-
-    def final_states(self, end: int) -> Sequence[int]:
-        return range(end + 1)
+    def next(self, j: int, k: int) -> int | None:
+        return j + k
 
 
 @dataclass(slots=True)
@@ -61,8 +58,7 @@ class DPTable:
 
     values: np.ndarray  # (m + 1, n + 1): best total duration of the first i tasks ending in state j
     choices: np.ndarray  # (m + 1, n + 1): units given to task i in that optimum (0 = unreachable)
-    operator: DPOperator
-    end: int
+    parents: np.ndarray | None  # (m + 1, n + 1): state before task i in that optimum; None: ``j - choice``
 
     @property
     def size(self) -> int:
@@ -72,18 +68,15 @@ class DPTable:
         """Total duration and per-task units of the optimum for the first ``t`` tasks (inf, [] if infeasible)."""
         if t == 0:
             return 0.0, []
-        states = np.fromiter(self.operator.final_states(self.end), dtype=np.int64)
-        row = self.values[t, states]
-        at = int(np.argmin(row))
-        total = float(row[at])
+        j = int(np.argmin(self.values[t]))
+        total = float(self.values[t, j])
         if total == INF:
             return INF, []
-        j = int(states[at])
         units = [0] * t
         for i in range(t, 0, -1):
             k = int(self.choices[i, j])
             units[i - 1] = k
-            j = self.operator.prev(j, k)  # type: ignore[assignment]
+            j = j - k if self.parents is None else int(self.parents[i, j])
         return total, units
 
 
@@ -101,9 +94,10 @@ def dp_arrange(options: Sequence[tuple[Sequence[int], Sequence[float]]], free_un
     values[0, 0] = 0.0
     if operator.linear:
         _fill_linear(options, values, choices, end)
-    else:
-        _fill_generic(options, values, choices, end, operator)
-    return DPTable(values, choices, operator, end)
+        return DPTable(values, choices, None)
+    parents = np.zeros((m + 1, end + 1), dtype=np.int32)
+    _fill_generic(options, values, choices, parents, operator, end)
+    return DPTable(values, choices, parents)
 
 
 def _fill_linear(options: Sequence[tuple[Sequence[int], Sequence[float]]], values: np.ndarray,
@@ -132,17 +126,15 @@ def _fill_linear(options: Sequence[tuple[Sequence[int], Sequence[float]]], value
 
 
 def _fill_generic(options: Sequence[tuple[Sequence[int], Sequence[float]]], values: np.ndarray,
-                  choices: np.ndarray, end: int, operator: DPOperator) -> None:
-    """Algorithm 3 as printed, state by state, for operators whose ``prev`` is not a subtraction."""
+                  choices: np.ndarray, parents: np.ndarray, operator: DPOperator, end: int) -> None:
+    """Algorithm 3 pushed forward: from every reachable state of row i-1, give task i each allowed count."""
     for i, (counts, durations) in enumerate(options, start=1):
-        for j in range(end + 1):
-            best, best_k = INF, 0
+        before, after = values[i - 1], values[i]
+        for j in np.flatnonzero(before < INF).tolist():
+            base = before[j]
             for k, t in zip(counts, durations):
-                before = operator.prev(j, k)
-                if before is None or before < 0 or before > end:
-                    continue
-                total = values[i - 1, before] + t
-                if total < best:
-                    best, best_k = total, k
-            values[i, j] = best
-            choices[i, j] = best_k
+                nxt = operator.next(j, k)
+                if nxt is not None and nxt <= end and base + t < after[nxt]:
+                    after[nxt] = base + t
+                    choices[i, nxt] = k
+                    parents[i, nxt] = j

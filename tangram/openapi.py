@@ -88,7 +88,8 @@ def openapi_document(server: ServerConfig, limits: Limits) -> dict[str, Any]:
                 "error": {"type": ["object", "null"], "properties": {
                     "code": {"type": "string"}, "message": {"type": "string"}}},
                 "timings": {"type": "object", "properties": {
-                    k: {"type": ["number", "null"]} for k in ("queue_s", "execution_s", "overhead_s", "act_s")}}}},
+                    k: {"type": ["number", "null"]}
+                    for k in ("queue_s", "execution_s", "restore_s", "overhead_s", "act_s")}}}},
         "EnvironmentRequest": {
             "type": "object", "required": ["task"], "additionalProperties": False,
             "properties": {
@@ -109,6 +110,16 @@ def openapi_document(server: ServerConfig, limits: Limits) -> dict[str, Any]:
                 "created_at": {"type": "number"}, "last_used": {"type": "number"},
                 "running_actions": {"type": "integer"}, "lost_reason": {"type": ["string", "null"]},
                 "sandbox": {"type": ["object", "null"]}}},
+        "Service": {
+            "type": "object", "required": ["name", "backend", "model", "task", "dops", "nodes", "resident"],
+            "properties": {
+                "name": {"type": "string"}, "backend": {"type": "string", "enum": ["torch", "sglang"]},
+                "model": {"type": "string"},
+                "task": {"type": "string", "enum": ["similarity", "classify", "score", "generate"]},
+                "dops": {"type": "array", "items": {"type": "integer", "enum": [1, 2, 4, 8]}},
+                "gpu_memory_mb": {"type": "integer"}, "host_memory_mb": {"type": "integer"},
+                "nodes": {"type": "array", "items": {"type": "string"}}, "instances": {"type": "integer"},
+                "resident": {"type": "array", "items": {"type": "object"}}}},
         "Resources": {"type": "object", "required": ["resources", "stats"], "properties": {
             "resources": {"type": "array", "items": {"type": "object", "required": [
                 "resource", "pool", "manager", "capacity", "in_use", "queued"]}},
@@ -173,6 +184,14 @@ def openapi_document(server: ServerConfig, limits: Limits) -> dict[str, Any]:
                            "responses": {"200": _json(_ref("Environment"), "destroyed"),
                                          "404": _error("unknown id"), "409": _error("actions run in it"),
                                          "422": _error("no CPU manager")}}},
+            "/v1/services": {"get": {
+                "summary": "Reward services the GPU manager hosts, and where each is resident",
+                "responses": {"200": _json({"type": "object", "required": ["services"], "properties": {
+                    "services": {"type": "array", "items": _ref("Service")}}}, "services")}}},
+            "/v1/services/{name}": {"get": {
+                "summary": "One reward service",
+                "parameters": [{"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}],
+                "responses": {"200": _json(_ref("Service"), "the service"), "404": _error("unknown service")}}},
             "/v1/resources": {"get": {"summary": "Capacity, use and queue per resource and pool",
                                       "responses": {"200": _json(_ref("Resources"), "resources")}}},
             "/healthz": {"get": {"summary": "Liveness", "responses": {"200": _json({"type": "object"}, "ok")}}},

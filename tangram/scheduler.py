@@ -120,8 +120,7 @@ class Scheduler:
     def _arrange(self, resource: str, group: list[Action], candidates: list[Action], queue: list[Action],
                  running: list[Action], fits: dict[int, Fit], now: float) -> list[tuple[Action, int]]:
         """Greedy eviction for one key resource; returns the kept members and their key units."""
-        manager = self.owner[resource]
-        fit = fits[id(manager)]
+        fit = fits[id(self.owner[resource])]
         in_group = {a.id for a in group}
         pool_members: dict[str, list[Action]] = defaultdict(list)
         members: list[_Member] = []
@@ -131,24 +130,24 @@ class Scheduler:
             pool_members[pool].append(action)
 
         # Units of each pool left to the group once the other candidates there hold their minimum.
-        others_by_pool: dict[str, int] = defaultdict(int)
+        others_by_pool: dict[str, list[Action]] = defaultdict(list)
         others: list[tuple[float, int]] = []
         for action in candidates:
             if action.id not in in_group and resource in action.demands:
-                units = action.demands[resource].min
-                others_by_pool[fit.pool_of(action, resource)] += units
-                others.append((self.durations.duration(action), units))
+                others_by_pool[fit.pool_of(action, resource)].append(action)
+                others.append((self.durations.duration(action), action.demands[resource].min))
         tables: dict[str, DPTable] = {}
         durations: dict[str, dict[int, float]] = {}
         for pool, actions in pool_members.items():
-            free = fit.free_before(resource, pool) - others_by_pool[pool]
+            taken = others_by_pool.get(pool, [])
+            free = fit.free_before(resource, pool) - sum(a.demands[resource].min for a in taken)
             options = []
             for action in actions:
                 counts = action.demands[resource].up_to(free)
                 times = [self.durations.duration(action, k) for k in counts]
                 durations[action.id] = dict(zip(counts, times))
                 options.append((counts, times))
-            tables[pool] = dp_arrange(options, free, manager.dp_operator(resource, pool))
+            tables[pool] = dp_arrange(options, free, fit.dp_operator(resource, pool, taken))
 
         base = self._base_heap(resource, running, fit, now, others)
         waiting_group = [self._as_waiting(m.action, resource) for m in members]

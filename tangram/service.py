@@ -15,6 +15,7 @@ from managers.base import ResourceManager
 from managers.basic import BasicManager
 from managers.counted import CountedUnitsManager
 from managers.cpu import CpuManager
+from managers.gpu import GpuManager
 from tangram.api import build_app
 from tangram.broker import Broker
 from tangram.config import Config
@@ -31,6 +32,8 @@ def build_managers(config: Config) -> list[ResourceManager]:
         managers.append(CountedUnitsManager(config.pools))
     if config.cpu.enabled:
         managers.append(CpuManager(config.cpu))
+    if config.gpu.enabled:
+        managers.append(GpuManager(config.gpu))
     return managers
 
 

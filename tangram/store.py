@@ -128,6 +128,7 @@ def action_from_record(record: dict[str, Any]) -> Action:
     internal = record.get("_internal", {})
     action.seq = internal.get("seq", 0)
     action.execution_s = internal.get("execution_s")
+    action.restore_s = record.get("timings", {}).get("restore_s")
     action.expected_duration_s = internal.get("expected_duration_s")
     return action
 

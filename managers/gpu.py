@@ -1,0 +1,395 @@
+"""GPU manager via evict-on-execution (paper §5.3).
+
+Many reward services share few GPUs. At start every service is prepared at each DoP it supports on every chunk
+of that size (its weights held in host memory, nothing on the GPUs), after a host-memory admission check. A
+``reward`` action gets a chunk of GPUs (buddy cells of 1/2/4/8, ``chunks.py``); if its service is resident
+there it runs at once, otherwise the instances sharing those GPUs are evicted least recently used first until
+the service fits, and it is restored from host memory, runs, and stays cached (``residency.py``). The chunk is
+the action's alone, so at most one action runs on a GPU at a time.
+
+Pools are nodes. ``fit`` places an action on the node that already holds its service on a free chunk, else on
+the node whose smallest fitting free chunk is smallest; the DP plans with the chunk operator, which follows this
+allocator's own transitions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from managers.base import Allocation, Fit, Outcome, PoolStatus, ResourceManager
+from managers.chunk_operator import ChunkOperator
+from managers.chunks import Chunk, ChunkAllocator, after_allocating
+from managers.gpu_config import GpuConfig, GpuNodeConfig
+from managers.residency import Residency, Slot, SlotState
+from reward_services.backend import ServiceBackend, ServiceError, ServiceSpec
+from reward_services.requests import parse_reward_input, parse_reward_spec
+from tangram.action import Action, Kind
+from tangram.dparrange import DPOperator
+from tangram.errors import ActionFailed, BadRequest, ConfigError, NotFound, Unprocessable
+
+log = logging.getLogger("tangram.gpu")
+
+RESOURCE = "gpu"
+RESTORE_SECONDS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class GpuNode:
+    """One node's chunks, residency and backends."""
+
+    def __init__(self, config: GpuNodeConfig, backends: dict[str, ServiceBackend]) -> None:
+        self.name = config.name
+        self.config = config
+        self.chunks = ChunkAllocator(config.gpus)
+        self.residency = Residency(config.gpus, config.gpu_memory_mb)
+        self.backends = backends
+        self.services: dict[str, int] = {}  # admitted service -> GPU memory it needs per GPU
+
+    def chunk_key(self, service: str) -> Any:
+        """The allocator's preference among equal chunks: the service resident there, then least to evict."""
+        need = self.services.get(service, 0)
+
+        def key(chunk: Chunk) -> tuple[int, int]:
+            slot = self.residency.slot(service, chunk)
+            resident = slot is not None and slot.state is SlotState.RESIDENT
+            return (0 if resident else 1, self.residency.shortfall_mb(chunk, need))
+        return key
+
+    def resident_on_free_chunk(self, service: str, k: int, free: ChunkAllocator) -> bool:
+        return any(slot.state is SlotState.RESIDENT and slot.chunk.size == k
+                   and any(parent.contains(slot.chunk) for parent in free.free)
+                   for (name, _), slot in self.residency.slots.items() if name == service)
+
+
+class GpuFit(Fit):
+    """Scratch copies of every node's chunk allocator for one scheduling pass."""
+
+    def __init__(self, manager: GpuManager) -> None:
+        self.manager = manager
+        self.before = {name: node.chunks.copy() for name, node in manager.nodes.items()}
+        self.free = {name: chunks.copy() for name, chunks in self.before.items()}
+        self.placed: dict[str, tuple[str, Chunk]] = {}
+
+    def try_add(self, action: Action, units: Mapping[str, int]) -> bool:
+        k = units.get(RESOURCE, 0)
+        if k == 0:
+            return True
+        service = action.spec.get("service")
+        options = []
+        for name, node in self.manager.nodes.items():
+            level = self.free[name].smallest_fitting_level(k)
+            if service in node.services and level is not None:
+                resident = node.resident_on_free_chunk(service, k, self.free[name])
+                options.append((not resident, level, -self.free[name].free_gpus, name))
+        if not options:
+            return False
+        name = min(options)[-1]
+        chunk = self.free[name].allocate(k, self.manager.nodes[name].chunk_key(service))
+        assert chunk is not None
+        self.placed[action.id] = (name, chunk)
+        return True
+
+    def remove(self, action: Action) -> None:
+        placed = self.placed.pop(action.id, None)
+        if placed is not None:
+            self.free[placed[0]].release(placed[1])
+
+    def pool_of(self, action: Action, resource: str) -> str:
+        return self.placed[action.id][0]
+
+    def free_before(self, resource: str, pool: str) -> int:
+        return self.before[pool].free_gpus
+
+    def pools(self, resource: str) -> Sequence[str]:
+        return tuple(self.before)
+
+    def dp_operator(self, resource: str, pool: str, others: Sequence[Action]) -> DPOperator:
+        counts = self.before[pool].counts()
+        for action in others:  # smallest-fit counts do not depend on the order (see chunks.py)
+            after = after_allocating(counts, action.demands[RESOURCE].min)
+            assert after is not None, "the fit placed every candidate"
+            counts = after
+        return ChunkOperator(counts)
+
+
+class GpuManager(ResourceManager):
+    name = "gpu"
+    kinds = frozenset({Kind.REWARD})
+
+    def __init__(self, config: GpuConfig) -> None:
+        self.config = config
+        self.services: dict[str, ServiceSpec] = {spec.name: spec for spec in config.services}
+        self.nodes: dict[str, GpuNode] = {}
+        self.restores: Counter | None = None
+        self.evictions: Counter | None = None
+        self.restore_seconds: Histogram | None = None
+        for node_config in config.nodes:
+            backends = {spec.backend: _make_backend(spec.backend, node_config, config)
+                        for spec in config.services}
+            self.nodes[node_config.name] = GpuNode(node_config, backends)
+        self._admit()
+
+    # -- lifecycle ------------------------------------------------------------------------------------------
+
+    def _admit(self) -> None:
+        """Refuse, naming the service and the figures, any service whose host copies or per-GPU memory would
+        exceed a node's budget. Services are admitted in config order."""
+        for node in self.nodes.values():
+            held: list[tuple[str, int]] = []
+            for spec in self.config.services:
+                where = f"gpu.services.{spec.name}"
+                if spec.gpu_memory_mb > node.config.gpu_memory_mb:
+                    raise ConfigError(f"{where}.gpu_memory_mb", f"{spec.gpu_memory_mb} MiB per GPU is more than node "
+                                                                f"{node.name} lends ({node.config.gpu_memory_mb} MiB)")
+                chunks = [c for k in spec.dops for c in _chunks_of(node.config.gpus, k)]
+                if not chunks:
+                    raise ConfigError(f"{where}.dops", f"node {node.name} has {node.config.gpus} GPU(s): no chunk "
+                                                       f"of {list(spec.dops)} fits")
+                copies = node.backends[spec.backend].host_copies(spec, len(chunks))
+                need = copies * spec.host_memory_mb
+                total = sum(mb for _, mb in held) + need
+                if total > node.config.host_memory_mb:
+                    others = ", ".join(f"{name} {mb} MiB" for name, mb in held) or "nothing else"
+                    raise ConfigError(f"{where}.host_memory_mb",
+                                      f"admission refused: {copies} host cop{'y' if copies == 1 else 'ies'} of "
+                                      f"{spec.host_memory_mb} MiB = {need} MiB would bring node {node.name} to "
+                                      f"{total} MiB, over its host budget of {node.config.host_memory_mb} MiB "
+                                      f"(held: {others})")
+                held.append((spec.name, need))
+                node.services[spec.name] = spec.gpu_memory_mb
+                for chunk in chunks:
+                    instance = node.backends[spec.backend].instance(spec, chunk.gpus)
+                    node.residency.add(Slot(spec.name, chunk, instance))
+
+    async def start(self) -> None:
+        for node in self.nodes.values():
+            slots = list(node.residency.slots.values())
+            for done, slot in enumerate(slots, start=1):
+                started = time.perf_counter()
+                try:
+                    await slot.instance.prepare()
+                except ServiceError as error:
+                    raise ConfigError(f"gpu.services.{slot.service}", f"preparing it on node {node.name} GPUs "
+                                                                      f"{list(slot.chunk.gpus)} failed: "
+                                                                      f"{error.message}") from None
+                log.info("node %s: prepared %s on GPUs %s (%d/%d, %.1f s)", node.name, slot.service,
+                         list(slot.chunk.gpus), done, len(slots), time.perf_counter() - started)
+
+    async def close(self) -> None:
+        for node in self.nodes.values():
+            results = await asyncio.gather(*(slot.instance.close() for slot in node.residency.slots.values()),
+                                           return_exceptions=True)
+            for result in results:
+                if isinstance(result, BaseException):
+                    log.warning("closing a service instance on %s failed: %r", node.name, result)
+            for backend in node.backends.values():
+                await backend.close()
+
+    def register_metrics(self, registry: CollectorRegistry) -> None:
+        labels = ["node", "service", "dop"]
+        self.restores = Counter("tangram_gpu_restores", "Service restores from host memory to GPUs", labels,
+                                registry=registry)
+        self.evictions = Counter("tangram_gpu_evictions", "Services evicted from GPUs (host copy kept)", labels,
+                                 registry=registry)
+        self.restore_seconds = Histogram("tangram_gpu_restore_seconds", "Time to restore a service to its GPUs",
+                                         labels, buckets=RESTORE_SECONDS, registry=registry)
+
+    # -- the scheduler's view -------------------------------------------------------------------------------
+
+    @property
+    def resources(self) -> Mapping[str, int]:
+        return {RESOURCE: sum(node.config.gpus for node in self.nodes.values())}
+
+    def largest_pool(self, resource: str) -> int:
+        return max(chunk.size for node in self.nodes.values() for chunk in node.chunks.tiles)
+
+    def fit(self) -> GpuFit:
+        return GpuFit(self)
+
+    def validate(self, action: Action) -> None:
+        if action.kind is not Kind.REWARD:
+            return
+        name, raw = parse_reward_spec(action.spec)
+        spec = self.services.get(name)
+        if spec is None:
+            raise NotFound("spec.service", f"no reward service {name!r}; this broker serves {sorted(self.services)}")
+        demand = action.demands.get(RESOURCE)
+        if demand is None:
+            raise BadRequest("demand.gpu", f'reward actions run on GPUs: add "gpu": {spec.dops[0]} (or a set such '
+                                           f'as {{"choices": {list(spec.dops)}}}) to demand')
+        unsupported = [k for k in demand.choices if k not in spec.dops]
+        if unsupported:
+            raise Unprocessable("demand.gpu", f"service {name!r} runs at DoP {list(spec.dops)}, not {unsupported}")
+        if set(action.demands) != {RESOURCE}:
+            other = sorted(set(action.demands) - {RESOURCE})[0]
+            raise BadRequest(f"demand.{other}", "reward actions demand only gpu")
+        parse_reward_input(spec.task, raw, self.config.limits)
+
+    def allocate(self, action: Action, units: Mapping[str, int], pools: Mapping[str, str]) -> Allocation:
+        node = self.nodes[pools[RESOURCE]]
+        service = action.spec["service"]
+        chunk = node.chunks.allocate(units[RESOURCE], node.chunk_key(service))
+        if chunk is None:
+            raise RuntimeError(f"node {node.name} has no free chunk of {units[RESOURCE]} GPU(s)")
+        placement = {"node": node.name, "gpus": list(chunk.gpus), "service": service}
+        return Allocation(action.id, dict(units), dict(pools), placement={RESOURCE: placement},
+                          handle=(node.name, chunk))
+
+    def release(self, allocation: Allocation) -> None:
+        if allocation.released or allocation.handle is None:
+            return
+        allocation.released = True
+        node, chunk = allocation.handle
+        self.nodes[node].chunks.release(chunk)
+
+    def status(self) -> list[PoolStatus]:
+        rows = []
+        for node in self.nodes.values():
+            resident = [slot.to_json() for slot in node.residency.slots.values() if slot.holds_memory]
+            rows.append(PoolStatus(RESOURCE, node.name, node.config.gpus, node.config.gpus - node.chunks.free_gpus,
+                                   extra={"device_type": node.config.device_type,
+                                          "free_chunks": sorted([c.start, c.size] for c in node.chunks.free),
+                                          "gpu_memory_mb": node.config.gpu_memory_mb,
+                                          "gpu_memory_booked_mb": list(node.residency.used_mb),
+                                          "resident": resident}))
+        return rows
+
+    def describe_services(self) -> list[dict[str, Any]]:
+        """``GET /v1/services``: every service, where it can run and where it is resident."""
+        out = []
+        for spec in self.services.values():
+            slots = [slot for node in self.nodes.values() for slot in node.residency.slots.values()
+                     if slot.service == spec.name]
+            out.append({"name": spec.name, "backend": spec.backend, "model": spec.model, "task": spec.task,
+                        "dops": list(spec.dops), "gpu_memory_mb": spec.gpu_memory_mb,
+                        "host_memory_mb": spec.host_memory_mb,
+                        "nodes": sorted(n.name for n in self.nodes.values() if spec.name in n.services),
+                        "instances": len(slots),
+                        "resident": [{"node": n.name, **s.to_json()} for n in self.nodes.values()
+                                     for s in n.residency.slots.values()
+                                     if s.service == spec.name and s.state is SlotState.RESIDENT]})
+        return out
+
+    # -- execution ------------------------------------------------------------------------------------------
+
+    async def execute(self, action: Action, allocation: Allocation) -> Outcome:
+        node_name, chunk = allocation.handle
+        node = self.nodes[node_name]
+        spec = self.services[action.spec["service"]]
+        request = parse_reward_input(spec.task, action.spec["input"], self.config.limits)
+        slot = node.residency.slot(spec.name, chunk)
+        assert slot is not None, "every service has a slot on every chunk of each DoP it supports"
+        where = {"node": node.name, "gpus": list(chunk.gpus), "service": spec.name}
+        evicted: list[dict[str, Any]] = []
+        restore_s = await self._make_resident(node, slot, evicted, where)
+        action.restore_s = restore_s
+        node.residency.touch(slot)
+        try:
+            result = await slot.instance.infer(request)
+        except ServiceError as error:
+            if error.code == "service_unavailable":
+                slot.state = SlotState.BROKEN
+            raise ActionFailed(error.code, error.message, **where) from None
+        return Outcome({**result, **where, "restored": restore_s > 0, "restore_s": round(restore_s, 6),
+                        "evicted": evicted})
+
+    async def _make_resident(self, node: GpuNode, slot: Slot, evicted: list[dict[str, Any]],
+                             where: dict[str, Any]) -> float:
+        """Restore ``slot`` unless resident, evicting LRU instances on its GPUs; returns the seconds it took."""
+        if slot.state is SlotState.RESIDENT:
+            return 0.0
+        started = time.perf_counter()
+        revive = slot.state is SlotState.BROKEN
+        if revive:  # its device state is unknown: start it afresh
+            node.residency.unbook(slot)
+        try:
+            victims = node.residency.plan_restore(slot)
+        except RuntimeError as error:  # memory booked by broken instances on other chunks
+            slot.state = SlotState.BROKEN if revive else SlotState.PREPARED
+            if revive:
+                node.residency.book(slot)
+            raise ActionFailed("gpu_memory_unavailable", str(error), **where) from None
+        for victim, was_broken in victims:
+            victim.eviction = asyncio.create_task(self._evict(node, victim, was_broken),
+                                                  name=f"tangram-evict-{victim.service}")
+            evicted.append({"service": victim.service, "gpus": list(victim.chunk.gpus)})
+        began_restore = False
+        try:
+            await asyncio.gather(*node.residency.pending_evictions(slot.chunk))
+            stuck = [v for v, _ in victims if v.state is SlotState.BROKEN]
+            if stuck:
+                raise ActionFailed("evict_failed", f"evicting {stuck[0].service} from GPUs "
+                                                   f"{list(stuck[0].chunk.gpus)} failed; see the broker's log",
+                                   **where)
+            began_restore = True
+            if revive:
+                await self._renew(node, slot)
+            await slot.instance.restore()
+        except ServiceError as error:
+            slot.state = SlotState.BROKEN
+            raise ActionFailed(error.code, error.message, **where) from None
+        except BaseException:
+            if began_restore:
+                slot.state = SlotState.BROKEN  # a restore cut short leaves the devices in an unknown state
+            else:
+                node.residency.unbook(slot)
+                slot.state = SlotState.PREPARED
+            raise
+        slot.state = SlotState.RESIDENT
+        slot.restores += 1
+        elapsed = time.perf_counter() - started
+        labels = (node.name, slot.service, str(slot.chunk.size))
+        if self.restores is not None and self.restore_seconds is not None:
+            self.restores.labels(*labels).inc()
+            self.restore_seconds.labels(*labels).observe(elapsed)
+        return elapsed
+
+    async def _evict(self, node: GpuNode, slot: Slot, was_broken: bool) -> None:
+        """Free a victim's GPU memory; a broken one is closed and made afresh. Never raises: the restoring
+        action sees a victim left broken and fails instead of restoring onto memory that is not free."""
+        try:
+            if was_broken:
+                await self._renew(node, slot)
+            else:
+                await slot.instance.evict()
+            slot.state = SlotState.PREPARED
+            slot.evictions += 1
+            if self.evictions is not None:
+                self.evictions.labels(node.name, slot.service, str(slot.chunk.size)).inc()
+        except Exception as error:  # noqa: BLE001 - any failure leaves the memory in doubt
+            log.error("node %s: evicting %s from GPUs %s failed: %r", node.name, slot.service,
+                      list(slot.chunk.gpus), error)
+            slot.state = SlotState.BROKEN
+            node.residency.book(slot)
+
+    async def _renew(self, node: GpuNode, slot: Slot) -> None:
+        """Close an instance whose device state is unknown and prepare a new one on the same chunk."""
+        with contextlib.suppress(Exception):
+            await slot.instance.close()
+        spec = self.services[slot.service]
+        slot.instance = node.backends[spec.backend].instance(spec, slot.chunk.gpus)
+        await slot.instance.prepare()
+
+
+def _chunks_of(gpus: int, k: int) -> list[Chunk]:
+    """Every aligned chunk of ``k`` GPUs inside a node's tiles."""
+    allocator = ChunkAllocator(gpus)
+    return [Chunk(start, k) for tile in allocator.tiles if tile.size >= k
+            for start in range(tile.start, tile.start + tile.size, k)]
+
+
+def _make_backend(kind: str, node: GpuNodeConfig, config: GpuConfig) -> ServiceBackend:
+    """Backends are imported only when a service uses them (torch is heavy; SGLang needs nothing here)."""
+    if kind == "torch":
+        from reward_services.torch_worker import TorchBackend
+        return TorchBackend(device_type=node.device_type)
+    from reward_services.sglang import NvmlProbe, SglangBackend
+    return SglangBackend(log_dir=f"{config.log_dir}/{node.name}",
+                         probe=NvmlProbe() if node.device_type == "cuda" else None)
+

