@@ -226,9 +226,6 @@ class GpuManager(ResourceManager):
         unsupported = [k for k in demand.choices if k not in spec.dops]
         if unsupported:
             raise Unprocessable("demand.gpu", f"service {name!r} runs at DoP {list(spec.dops)}, not {unsupported}")
-        if set(action.demands) != {RESOURCE}:
-            other = sorted(set(action.demands) - {RESOURCE})[0]
-            raise BadRequest(f"demand.{other}", "reward actions demand only gpu")
         parse_reward_input(spec.task, raw, self.config.limits)
 
     def allocate(self, action: Action, units: Mapping[str, int], pools: Mapping[str, str]) -> Allocation:

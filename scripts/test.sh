@@ -7,4 +7,5 @@ cd "$(dirname "$0")/.."
 eval "$(bash scripts/start-postgres.sh)"
 TANGRAM_EXTRAS=dev source scripts/venv.sh
 eval "$(bash scripts/start-docker.sh)"
+export HF_HUB_OFFLINE=1  # the reward model comes from a Python package; nothing is downloaded
 python -m pytest -q "$@"

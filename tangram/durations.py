@@ -54,11 +54,11 @@ class DurationModel:
         """Fold a successful action's execution time into its profile."""
         if action.execution_s is None:
             return
-        sample = action.execution_s
+        sample = action.execution_s - (action.restore_s or 0.0)  # a restore depends on placement, not the action
         key = action.key_resource
         if key is not None and action.elasticity is not None and key in action.units:
             m = action.units[key]
-            sample = action.execution_s * action.elasticity.efficiency_at(m) * m
+            sample *= action.elasticity.efficiency_at(m) * m
         ident = (action.task, action.signature)
         profile = self.profiles.get(ident)
         if profile is None:

@@ -172,7 +172,8 @@ class Scheduler:
             heap.take(sum(used for _, used, _ in chosen))  # planned members start now, on idle units
             heap.extend(entry for _, _, entries in chosen for entry in entries)
             exact = sum(total for total, _, _ in chosen)
-            return exact + estimate(heap, (waiting_group[t:] + waiting_rest)[: self.horizon], self.depth)
+            # the same actions at every t (members, then the first horizon of the rest), so objectives compare
+            return exact + estimate(heap, waiting_group[t:] + waiting_rest, self.depth)
 
         best_t = len(members)
         best_obj = objective(best_t)

@@ -128,3 +128,13 @@ def test_a_pass_never_exceeds_capacity_and_honours_demands(queue, depth, busy):
     for resource, pools in capacity.items():
         for pool, cap in pools.items():
             assert 0 <= manager.in_use[resource][pool] <= cap
+
+
+def test_a_queue_longer_than_the_horizon_still_starts_work():
+    # Regression: the estimate once cut (members + rest) to the horizon, so each eviction dropped one waiting
+    # action from the objective, every eviction "improved" it, and a long queue started nothing.
+    manager = CountedUnitsManager({"gpu": {f"n{i}": 8 for i in range(5)}})
+    elastic = Elasticity("gpu", ((1, 1.0), (8, 0.7)), t1=20.0)
+    queue = [act(i, {"gpu": Demand((1, 2, 4, 8))}, elastic) for i in range(512)]
+    placements = Scheduler([manager], DurationModel(), depth=2, horizon=64).schedule(queue, [], now=0.0)
+    assert sum(p.units["gpu"] for p in placements) == 40  # every unit busy, one action per unit
