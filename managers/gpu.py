@@ -7,9 +7,10 @@ there it runs at once, otherwise the instances sharing those GPUs are evicted le
 the service fits, and it is restored from host memory, runs, and stays cached (``residency.py``). The chunk is
 the action's alone, so at most one action runs on a GPU at a time.
 
-Pools are nodes. ``fit`` places an action on the node that already holds its service on a free chunk, else on
-the node whose smallest fitting free chunk is smallest; the DP plans with the chunk operator, which follows this
-allocator's own transitions.
+Pools are nodes. ``fit`` places an action on a node that already holds its service on a free chunk, else on the
+node with the most free GPUs (room for the elastic DP to scale actions up; inside a node, the buddy allocator's
+smallest fit keeps large chunks whole). The DP plans with the chunk operator, which follows the allocator's own
+transitions.
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ class GpuFit(Fit):
             level = self.free[name].smallest_fitting_level(k)
             if service in node.services and level is not None:
                 resident = node.resident_on_free_chunk(service, k, self.free[name])
-                options.append((not resident, level, -self.free[name].free_gpus, name))
+                options.append((not resident, -self.free[name].free_gpus, level, name))
         if not options:
             return False
         name = min(options)[-1]
