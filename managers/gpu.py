@@ -78,9 +78,7 @@ class GpuFit(Fit):
         self.placed: dict[str, tuple[str, Chunk]] = {}
 
     def try_add(self, action: Action, units: Mapping[str, int]) -> bool:
-        k = units.get(RESOURCE, 0)
-        if k == 0:
-            return True
+        k = units[RESOURCE]
         service = action.spec.get("service")
         options = []
         for name, node in self.manager.nodes.items():
