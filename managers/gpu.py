@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from managers.base import Allocation, Fit, Outcome, PoolStatus, ResourceManager
 from managers.chunk_operator import ChunkOperator
-from managers.chunks import Chunk, ChunkAllocator, after_allocating
+from managers.chunks import Chunk, ChunkAllocator, Preference, after_allocating
 from managers.gpu_config import GpuConfig, GpuNodeConfig
 from managers.residency import Residency, Slot, SlotState
 from reward_services.backend import ServiceBackend, ServiceError, ServiceSpec
@@ -52,7 +52,7 @@ class GpuNode:
         self.backends = backends
         self.services: dict[str, int] = {}  # admitted service -> GPU memory it needs per GPU
 
-    def chunk_key(self, service: str) -> Any:
+    def chunk_key(self, service: str) -> Preference:
         """The allocator's preference among equal chunks: the service resident there, then least to evict."""
         need = self.services.get(service, 0)
 
