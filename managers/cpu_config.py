@@ -8,6 +8,7 @@ from typing import Any
 
 import psutil
 
+from managers.config_checks import check_table, int_limits, positive_int
 from managers.exec_spec import ExecLimits
 from sandboxes.cgroup import parse_cpu_list
 from sandboxes.image import DEFAULT_IMAGE
@@ -60,11 +61,7 @@ TOP_KEYS = {"enabled", "nodes", "broker_id", "default_image", "default_memory_mb
 
 
 def parse_cpu_config(raw: Any) -> CpuConfig:
-    if not isinstance(raw, dict):
-        raise ConfigError("cpu", "must be a table")
-    unknown = sorted(set(raw) - TOP_KEYS)
-    if unknown:
-        raise ConfigError(f"cpu.{unknown[0]}", f"unknown key; known keys are {sorted(TOP_KEYS)}")
+    check_table(raw, "cpu", TOP_KEYS)
     defaults = CpuConfig()
     values: dict[str, Any] = {}
     for key in ("broker_id", "default_image", "run_dir"):
@@ -74,7 +71,7 @@ def parse_cpu_config(raw: Any) -> CpuConfig:
             values[key] = raw[key]
     for key in ("default_memory_mb", "pids_limit", "max_environments"):
         if key in raw:
-            values[key] = _positive_int(raw[key], f"cpu.{key}")
+            values[key] = positive_int(raw[key], f"cpu.{key}")
     if "idle_ttl_s" in raw:
         ttl = raw["idle_ttl_s"]
         if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or ttl <= 0:
@@ -85,7 +82,7 @@ def parse_cpu_config(raw: Any) -> CpuConfig:
             raise ConfigError("cpu.enabled", "must be true or false")
         values["enabled"] = raw["enabled"]
     if "limits" in raw:
-        values["limits"] = _limits(raw["limits"])
+        values["limits"] = int_limits(ExecLimits, raw["limits"], "cpu.limits")
     nodes = raw.get("nodes", {"local": {}})
     if not isinstance(nodes, dict) or not nodes:
         raise ConfigError("cpu.nodes", "must be a table of at least one node")
@@ -100,23 +97,9 @@ def parse_cpu_config(raw: Any) -> CpuConfig:
     return config
 
 
-def _limits(raw: Any) -> ExecLimits:
-    if not isinstance(raw, dict):
-        raise ConfigError("cpu.limits", "must be a table")
-    known = set(ExecLimits.__dataclass_fields__)
-    unknown = sorted(set(raw) - known)
-    if unknown:
-        raise ConfigError(f"cpu.limits.{unknown[0]}", f"unknown key; known keys are {sorted(known)}")
-    return ExecLimits(**{k: _positive_int(v, f"cpu.limits.{k}") for k, v in raw.items()})
-
-
 def _node(name: str, raw: Any) -> CpuNodeConfig:
     where = f"cpu.nodes.{name}"
-    if not isinstance(raw, dict):
-        raise ConfigError(where, "must be a table")
-    unknown = sorted(set(raw) - NODE_KEYS)
-    if unknown:
-        raise ConfigError(f"{where}.{unknown[0]}", f"unknown key; known keys are {sorted(NODE_KEYS)}")
+    check_table(raw, where, NODE_KEYS)
     backend = raw.get("backend", "auto")
     if backend not in BACKENDS:
         raise ConfigError(f"{where}.backend", f"must be one of {list(BACKENDS)}")
@@ -144,7 +127,7 @@ def _node(name: str, raw: Any) -> CpuNodeConfig:
         if not local:
             raise ConfigError(f"{where}.memory_mb", "is required for a remote engine")
         memory = int(psutil.virtual_memory().total * 0.8) >> 20
-    memory = _positive_int(memory, f"{where}.memory_mb")
+    memory = positive_int(memory, f"{where}.memory_mb")
     fast = raw.get("fast_path")
     if fast is not None and not isinstance(fast, bool):
         raise ConfigError(f"{where}.fast_path", "must be true or false")
@@ -165,9 +148,3 @@ def _cores(raw: Any, where: str) -> tuple[int, ...]:
     except ValueError:
         pass
     raise ConfigError(where, 'must be a core list such as "0-3,8" or [0, 1, 2]')
-
-
-def _positive_int(value: Any, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(where, "must be a positive integer")
-    return value

@@ -8,6 +8,7 @@ from typing import Any
 
 import psutil
 
+from managers.config_checks import check_table, int_limits, positive_int
 from managers.gpu_discovery import discover_gpus
 from reward_services.backend import LEGAL_DOPS, TASKS, ServiceSpec
 from reward_services.requests import RewardLimits
@@ -48,11 +49,7 @@ SERVICE_KEYS = {"backend", "model", "task", "dops", "gpu_memory_mb", "host_memor
 
 def parse_gpu_config(raw: Any) -> GpuConfig:
     """``enabled`` defaults to "auto": on when nodes are configured or NVML finds GPUs on this host."""
-    if not isinstance(raw, dict):
-        raise ConfigError("gpu", "must be a table")
-    unknown = sorted(set(raw) - TOP_KEYS)
-    if unknown:
-        raise ConfigError(f"gpu.{unknown[0]}", f"unknown key; known keys are {sorted(TOP_KEYS)}")
+    check_table(raw, "gpu", TOP_KEYS)
     enabled = raw.get("enabled", "auto")
     if enabled not in (True, False, "auto"):
         raise ConfigError("gpu.enabled", 'must be true, false or "auto"')
@@ -75,16 +72,12 @@ def parse_gpu_config(raw: Any) -> GpuConfig:
     if not isinstance(log_dir, str) or not log_dir:
         raise ConfigError("gpu.log_dir", "must be a non-empty string")
     return GpuConfig(enabled=enabled is not False, nodes=nodes, services=services, log_dir=log_dir,
-                     limits=_limits(raw.get("limits", {})))
+                     limits=int_limits(RewardLimits, raw.get("limits", {}), "gpu.limits"))
 
 
 def _node(name: str, raw: Any) -> GpuNodeConfig:
     where = f"gpu.nodes.{name}"
-    if not isinstance(raw, dict):
-        raise ConfigError(where, "must be a table")
-    unknown = sorted(set(raw) - NODE_KEYS)
-    if unknown:
-        raise ConfigError(f"{where}.{unknown[0]}", f"unknown key; known keys are {sorted(NODE_KEYS)}")
+    check_table(raw, where, NODE_KEYS)
     device_type = raw.get("device_type", "cuda")
     if device_type not in DEVICE_TYPES:
         raise ConfigError(f"{where}.device_type", f"must be one of {list(DEVICE_TYPES)}")
@@ -92,24 +85,20 @@ def _node(name: str, raw: Any) -> GpuNodeConfig:
     gpus = raw.get("gpus", len(found))
     if gpus == 0 and "gpus" not in raw:
         raise ConfigError(f"{where}.gpus", "no GPU found on this host (NVML): set the node's GPU count")
-    gpus = _positive_int(gpus, f"{where}.gpus")
+    gpus = positive_int(gpus, f"{where}.gpus")
     memory = raw.get("gpu_memory_mb")
     if memory is None:
         if not found:
             raise ConfigError(f"{where}.gpu_memory_mb", "is required when NVML cannot read the GPUs' memory")
         memory = int(min(g.memory_mb for g in found) * 0.9)  # leave the driver and activations some room
     host = raw.get("host_memory_mb", int(psutil.virtual_memory().total * 0.5) >> 20)
-    return GpuNodeConfig(name=name, gpus=gpus, gpu_memory_mb=_positive_int(memory, f"{where}.gpu_memory_mb"),
-                         host_memory_mb=_positive_int(host, f"{where}.host_memory_mb"), device_type=device_type)
+    return GpuNodeConfig(name=name, gpus=gpus, gpu_memory_mb=positive_int(memory, f"{where}.gpu_memory_mb"),
+                         host_memory_mb=positive_int(host, f"{where}.host_memory_mb"), device_type=device_type)
 
 
 def _service(name: str, raw: Any) -> ServiceSpec:
     where = f"gpu.services.{name}"
-    if not isinstance(raw, dict):
-        raise ConfigError(where, "must be a table")
-    unknown = sorted(set(raw) - SERVICE_KEYS)
-    if unknown:
-        raise ConfigError(f"{where}.{unknown[0]}", f"unknown key; known keys are {sorted(SERVICE_KEYS)}")
+    check_table(raw, where, SERVICE_KEYS)
     backend = raw.get("backend")
     if backend not in BACKENDS:
         raise ConfigError(f"{where}.backend", f"must be one of {list(BACKENDS)}")
@@ -127,22 +116,6 @@ def _service(name: str, raw: Any) -> ServiceSpec:
     if not isinstance(options, dict):
         raise ConfigError(f"{where}.options", "must be a table")
     return ServiceSpec(name=name, backend=backend, model=model, task=task, dops=tuple(sorted(dops)),
-                       gpu_memory_mb=_positive_int(raw.get("gpu_memory_mb"), f"{where}.gpu_memory_mb"),
-                       host_memory_mb=_positive_int(raw.get("host_memory_mb"), f"{where}.host_memory_mb"),
+                       gpu_memory_mb=positive_int(raw.get("gpu_memory_mb"), f"{where}.gpu_memory_mb"),
+                       host_memory_mb=positive_int(raw.get("host_memory_mb"), f"{where}.host_memory_mb"),
                        options=options)
-
-
-def _limits(raw: Any) -> RewardLimits:
-    if not isinstance(raw, dict):
-        raise ConfigError("gpu.limits", "must be a table")
-    known = set(RewardLimits.__dataclass_fields__)
-    unknown = sorted(set(raw) - known)
-    if unknown:
-        raise ConfigError(f"gpu.limits.{unknown[0]}", f"unknown key; known keys are {sorted(known)}")
-    return RewardLimits(**{k: _positive_int(v, f"gpu.limits.{k}") for k, v in raw.items()})
-
-
-def _positive_int(value: Any, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(where, "must be a positive integer")
-    return value
