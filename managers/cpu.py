@@ -126,13 +126,16 @@ class CpuManager(ResourceManager):
             backend = await self._backend(node_config)
             numa = node_config.numa or (host_numa_nodes(node_config.cores) if node_config.engine.startswith("unix")
                                         else [node_config.cores])
-            node = CpuNode(node_config, backend, numa)
             reaped = await backend.reap(self.config.broker_id)
             if reaped:
-                log.warning("node %s: removed %d sandbox(es) a previous run of broker %r left behind", node.name,
-                            reaped, self.config.broker_id)
-            self.nodes[node.name] = node
+                log.warning("node %s: removed %d sandbox(es) a previous run of broker %r left behind",
+                            node_config.name, reaped, self.config.broker_id)
+            self.add_node(CpuNode(node_config, backend, numa))
         self._reaper = asyncio.create_task(self._reap_idle(), name="tangram-cpu-reaper")
+
+    def add_node(self, node: CpuNode) -> None:
+        """Put a node in service (``start`` does it for every configured node; the simulator, directly)."""
+        self.nodes[node.name] = node
 
     async def _backend(self, node: CpuNodeConfig) -> SandboxBackend:
         run_dir = Path(self.config.run_dir) / self.config.broker_id / node.name
@@ -335,15 +338,21 @@ class CpuManager(ResourceManager):
         return sandbox
 
     async def _destroy(self, env: Environment) -> None:
+        sandbox = self.detach(env)
+        if sandbox is not None:
+            await sandbox.destroy()
+
+    def detach(self, env: Environment) -> Sandbox | None:
+        """Forget ``env`` and free its memory reservation at once; returns its sandbox for the caller to destroy
+        (None if it had none or was already detached)."""
         if env.state is EnvState.DESTROYED:
-            return
+            return None
         env.state = EnvState.DESTROYED
         self.environments.pop(env.id, None)
         if env.trajectory is not None and self.by_trajectory.get((env.task, env.trajectory)) is env:
             del self.by_trajectory[(env.task, env.trajectory)]
         self.nodes[env.node].memory_reserved -= env.memory_mb
-        if env.sandbox is not None:
-            await env.sandbox.destroy()
+        return env.sandbox
 
     def _mark_lost(self, env: Environment, reason: str) -> None:
         log.warning("environment %s lost: %s", env.id, reason)

@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -38,6 +38,7 @@ from tangram.errors import ActionFailed, BadRequest, ConfigError, NotFound, Unpr
 log = logging.getLogger("tangram.gpu")
 
 RESOURCE = "gpu"
+BackendFactory = Callable[[str, GpuNodeConfig, GpuConfig], ServiceBackend]
 RESTORE_SECONDS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
@@ -121,7 +122,10 @@ class GpuManager(ResourceManager):
     name = "gpu"
     kinds = frozenset({Kind.REWARD})
 
-    def __init__(self, config: GpuConfig) -> None:
+    def __init__(self, config: GpuConfig, make_backend: BackendFactory | None = None) -> None:
+        """``make_backend(kind, node, config)`` builds a node's backend for a service kind (torch, sglang); the
+        simulator passes its own so that the manager's admission, chunks and residency run without GPUs."""
+        make_backend = make_backend or _make_backend
         self.config = config
         self.services: dict[str, ServiceSpec] = {spec.name: spec for spec in config.services}
         self.nodes: dict[str, GpuNode] = {}
@@ -129,7 +133,7 @@ class GpuManager(ResourceManager):
         self.evictions: Counter | None = None
         self.restore_seconds: Histogram | None = None
         for node_config in config.nodes:
-            backends = {spec.backend: _make_backend(spec.backend, node_config, config)
+            backends = {spec.backend: make_backend(spec.backend, node_config, config)
                         for spec in config.services}
             self.nodes[node_config.name] = GpuNode(node_config, backends)
         self._admit()

@@ -21,7 +21,7 @@ from tangram.durations import DurationModel
 from tangram.errors import ActionFailed, BadRequest, Conflict, NotFound, Unprocessable
 from tangram.metrics import Metrics
 from tangram.queue import make_queue
-from tangram.scheduler import Placement, Scheduler
+from tangram.scheduler import Placement, Scheduler, allocate_placement
 from tangram.store import Store
 
 log = logging.getLogger("tangram.broker")
@@ -254,18 +254,10 @@ class Broker:
 
     def _start(self, placement: Placement, now: float) -> None:
         action = placement.action
-        by_manager: dict[int, tuple[ResourceManager, dict[str, int]]] = {}
-        for resource, units in placement.units.items():
-            manager = self.owner[resource]
-            by_manager.setdefault(id(manager), (manager, {}))[1][resource] = units
-        allocations: list[tuple[ResourceManager, Allocation]] = []
         try:
-            for manager, units in by_manager.values():
-                allocations.append((manager, manager.allocate(action, units, placement.pools)))
+            allocations = allocate_placement(self.owner, placement)
         except Exception:
             log.exception("allocation of %s failed; it stays queued", action.id)
-            for manager, allocation in allocations:
-                manager.release(allocation)
             return
         self.queue.remove(action.id)
         action.state = State.RUNNING

@@ -1,4 +1,5 @@
-"""``tangram`` command line: ``serve`` runs the broker, ``status`` shows a running one."""
+"""``tangram`` command line: ``serve`` runs the broker, ``status`` shows a running one, ``image build`` makes the
+sandbox image, ``simulate`` and ``trace`` run the simulator."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from rich.table import Table
 
 from tangram.config import load_config
 from tangram.errors import ConfigError
+from tangram.sim.commands import add_commands as add_simulation_commands
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -147,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
                        "(and re-import everywhere)")
     build.add_argument("--force", action="store_true", help="import even into engines that already have the image")
     build.set_defaults(func=_image_build)
+    add_simulation_commands(commands)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

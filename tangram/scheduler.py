@@ -16,10 +16,10 @@ One pass:
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from managers.base import Fit, ResourceManager
+from managers.base import Allocation, Fit, ResourceManager
 from tangram.action import Action
 from tangram.dparrange import DPTable, dp_arrange
 from tangram.durations import DurationModel
@@ -33,6 +33,24 @@ class Placement:
     action: Action
     units: dict[str, int]
     pools: dict[str, str]
+
+
+def allocate_placement(owner: Mapping[str, ResourceManager],
+                       placement: Placement) -> list[tuple[ResourceManager, Allocation]]:
+    """Turn a placement into each owning manager's allocation; on failure release what was granted and raise."""
+    by_manager: dict[int, tuple[ResourceManager, dict[str, int]]] = {}
+    for resource, units in placement.units.items():
+        manager = owner[resource]
+        by_manager.setdefault(id(manager), (manager, {}))[1][resource] = units
+    allocations: list[tuple[ResourceManager, Allocation]] = []
+    try:
+        for manager, units in by_manager.values():
+            allocations.append((manager, manager.allocate(placement.action, units, placement.pools)))
+    except Exception:
+        for manager, allocation in allocations:
+            manager.release(allocation)
+        raise
+    return allocations
 
 
 @dataclass(slots=True)

@@ -1,0 +1,257 @@
+"""The broker on a virtual clock: its own queue, scheduler, duration model and managers; execution modelled.
+
+Calls become actions shaped as a client would send them (``action_for``). Each instant with news runs one
+scheduling pass; placements are allocated by the real managers (cores per node with memory for the trajectory's
+life, buddy GPU chunks, API quota windows on the virtual clock). Execution time is the call's true duration on the
+granted units; overhead is the dispatch cost and the sandbox creation on a trajectory's first exec (CPU), or the
+restore from host memory when the service is not resident on the chunk (GPU, using the manager's residency and
+its LRU eviction).
+"""
+
+from __future__ import annotations
+
+import heapq
+import statistics
+import time
+from typing import Any
+
+from managers.base import Allocation, ResourceManager
+from managers.basic import BasicManager, BasicResourceConfig
+from managers.cpu import CpuManager, CpuNode
+from managers.cpu_config import CpuConfig, CpuNodeConfig
+from managers.gpu import GpuManager, GpuNode
+from managers.gpu_config import GpuConfig, GpuNodeConfig
+from managers.residency import SlotState
+from reward_services.backend import ServiceBackend, ServiceInstance, ServiceSpec
+from sandboxes.backend import Sandbox, SandboxBackend, SandboxSpec
+from tangram.action import Action, Demand, Kind
+from tangram.durations import DurationModel
+from tangram.queue import FCFSQueue
+from tangram.scheduler import Scheduler, allocate_placement
+from tangram.sim.cluster import Cluster, Costs
+from tangram.sim.engine import CallRun
+from tangram.sim.trace import Trajectory
+
+TOOL_SIGNATURE = "exec|tool"
+
+
+class _NoSandboxes(SandboxBackend):
+    """The CPU nodes' backend in simulation: sandboxes exist only as the manager's records."""
+
+    async def create(self, spec: SandboxSpec) -> Sandbox:
+        raise RuntimeError("the simulator never creates sandboxes")
+
+    async def reap(self, broker_id: str) -> int:
+        return 0
+
+
+class _ModelledInstance(ServiceInstance):
+    """A service instance whose restores and inferences the station times itself."""
+
+    async def prepare(self) -> None: ...
+
+    async def restore(self) -> None: ...
+
+    async def evict(self) -> None: ...
+
+    async def infer(self, request: Any) -> dict[str, Any]:
+        raise RuntimeError("the simulator never runs inference")
+
+    async def close(self) -> None: ...
+
+
+class _ModelledBackend(ServiceBackend):
+    shares_host_copy = True  # like the torch worker: one pinned host copy per service per node
+
+    def instance(self, spec: ServiceSpec, devices: tuple[int, ...]) -> ServiceInstance:
+        return _ModelledInstance(spec, devices)
+
+
+def build_managers(cluster: Cluster, clock: Any) -> list[ResourceManager]:
+    """The real managers over the cluster's resources, with modelled sandboxes and services."""
+    managers: list[ResourceManager] = []
+    if cluster.cpu_nodes:
+        nodes = tuple(CpuNodeConfig(name=f"cpu{i}", cores=tuple(range(cluster.cores_per_node)),
+                                    memory_mb=cluster.node_memory_mb) for i in range(cluster.cpu_nodes))
+        cpu = CpuManager(CpuConfig(nodes=nodes, max_environments=1 << 30))
+        for config in nodes:
+            cpu.add_node(CpuNode(config, _NoSandboxes(), [config.cores]))
+        managers.append(cpu)
+    if cluster.gpu_node_sizes:
+        specs = tuple(ServiceSpec(name=s.name, backend="torch", model=s.name, task="similarity", dops=s.dops,
+                                  gpu_memory_mb=s.gpu_memory_mb, host_memory_mb=s.host_memory_mb)
+                      for s in cluster.services)
+        gpu_nodes = tuple(GpuNodeConfig(name=f"gpu{i}", gpus=n, gpu_memory_mb=cluster.gpu_memory_mb,
+                                        host_memory_mb=cluster.gpu_host_memory_mb)
+                          for i, n in enumerate(cluster.gpu_node_sizes))
+        managers.append(GpuManager(GpuConfig(enabled=True, nodes=gpu_nodes, services=specs),
+                                   make_backend=lambda *_: _ModelledBackend()))
+    if cluster.apis:
+        managers.append(BasicManager([BasicResourceConfig(a.name, concurrency=a.concurrency, quota=a.quota,
+                                                          period_s=a.period_s) for a in cluster.apis], clock=clock))
+    return managers
+
+
+ELASTIC_TEST = Demand.range(1, 32)  # §6.4: the DoP of a test run ranges from 1 to 32
+
+
+def action_for(run: CallRun, seq: int, now: float, test_demand: Demand = ELASTIC_TEST,
+               dops: tuple[int, ...] = (1, 2, 4, 8)) -> Action:
+    """The action a client sends for ``run.call``: tool calls on one core, test runs on ``test_demand`` cores
+    (elastic when it is a range), rewards on a GPU chunk of the service's DoPs, API calls on one quota unit."""
+    call = run.call
+    trajectory = run.trajectory
+    spec: dict[str, Any] = {"memory_mb": trajectory.memory_mb}
+    elasticity = None
+    if call.kind == "tool":
+        kind, demands, signature = Kind.EXEC, {"cpu": Demand.fixed(1)}, TOOL_SIGNATURE
+    elif call.kind == "test":
+        kind, signature = Kind.EXEC, "exec|test"
+        demands = {"cpu": test_demand}
+        elasticity = call.elasticity("cpu") if test_demand.elastic else None
+    elif call.kind == "reward":
+        kind, signature = Kind.REWARD, f"reward|{call.target}"
+        spec = {"service": call.target}
+        demands = {"gpu": Demand(dops)}
+        elasticity = call.elasticity("gpu")
+    else:
+        kind, signature = Kind.API, f"api|{call.target}"
+        spec = {}
+        demands = {str(call.target): Demand.fixed(1)}
+    action = Action(task=trajectory.task, kind=kind, demands=demands, spec=spec, trajectory=trajectory.id,
+                    elasticity=elasticity, signature=signature, id=f"a{seq}", seq=seq, submitted_at=now)
+    return action
+
+
+class BrokerStation:
+    def __init__(self, cluster: Cluster, *, test_demand: Demand = ELASTIC_TEST, depth: int = 2,
+                 horizon: int = 64) -> None:
+        self.cluster = cluster
+        self.costs: Costs = cluster.costs
+        self.test_demand = test_demand
+        self.now = 0.0
+        self.managers = build_managers(cluster, lambda: self.now)
+        self.owner: dict[str, ResourceManager] = {r: m for m in self.managers for r in m.resources}
+        self.cpu = next((m for m in self.managers if isinstance(m, CpuManager)), None)
+        self.gpu = next((m for m in self.managers if isinstance(m, GpuManager)), None)
+        self.dops = {s.name: s.dops for s in cluster.services}
+        self.durations = DurationModel()
+        self.scheduler = Scheduler(self.managers, self.durations, depth=depth, horizon=horizon)
+        self.queue = FCFSQueue()
+        self.calls: dict[str, CallRun] = {}
+        self.running: dict[str, tuple[Action, list[tuple[ResourceManager, Allocation]]]] = {}
+        self.finishing: list[tuple[float, int, str]] = []
+        self.sandboxes: set[str] = set()  # trajectories whose sandbox exists
+        self.seq = 0
+        self.dirty = False
+        self.wake_at: float | None = None
+        self.pass_ms: list[float] = []
+        self.restores = 0
+        self.evictions = 0
+
+    def submit(self, run: CallRun, now: float) -> None:
+        self.seq += 1
+        dops = self.dops.get(run.call.target or "", (1,))
+        action = action_for(run, self.seq, now, self.test_demand, dops)
+        self.calls[action.id] = run
+        self.queue.push(action)
+        self.dirty = True
+
+    def collect(self, now: float) -> list[CallRun]:
+        self.now = now
+        done = []
+        while self.finishing and self.finishing[0][0] <= now:
+            _, _, action_id = heapq.heappop(self.finishing)
+            action, allocations = self.running.pop(action_id)
+            for manager, allocation in allocations:
+                manager.release(allocation)
+            self.durations.observe(action)
+            done.append(self.calls.pop(action_id))
+            self.dirty = True
+        return done
+
+    def dispatch(self, now: float) -> None:
+        self.now = now
+        if not len(self.queue) or not (self.dirty or (self.wake_at is not None and now >= self.wake_at)):
+            return
+        self.dirty = False
+        started = time.perf_counter()
+        placements = self.scheduler.schedule(self.queue, (a for a, _ in self.running.values()), now)
+        self.pass_ms.append((time.perf_counter() - started) * 1e3)
+        for placement in placements:
+            action = placement.action
+            allocations = allocate_placement(self.owner, placement)
+            self.queue.remove(action.id)
+            action.started_at = now
+            action.units = dict(placement.units)
+            key = action.key_resource
+            action.expected_duration_s = self.durations.duration(action, placement.units.get(key) if key else None)
+            run = self.calls[action.id]
+            self._execute(run, action, allocations)
+            run.start_s = now
+            run.finish_s = now + run.exec_s + run.overhead_s
+            action.execution_s = run.exec_s + run.overhead_s
+            self.running[action.id] = (action, allocations)
+            heapq.heappush(self.finishing, (run.finish_s, action.seq, action.id))
+        hints = [h for m in self.managers if (h := m.next_change_in()) is not None]
+        self.wake_at = now + min(hints) if hints and len(self.queue) else None
+
+    def _execute(self, run: CallRun, action: Action, allocations: list[tuple[ResourceManager, Allocation]]) -> None:
+        call = run.call
+        if call.kind in ("tool", "test"):
+            run.units = action.units["cpu"]
+            run.exec_s = call.duration(run.units)
+            run.overhead_s = self.costs.dispatch_s
+            if run.trajectory.id not in self.sandboxes:
+                self.sandboxes.add(run.trajectory.id)
+                run.overhead_s += self.costs.env_create_s
+            run.pool = next(a for m, a in allocations if m is self.cpu).pools["cpu"]
+        elif call.kind == "reward":
+            run.units = action.units["gpu"]
+            run.exec_s = call.duration(run.units)
+            allocation = next(a for m, a in allocations if m is self.gpu)
+            node_name, chunk = allocation.handle
+            run.pool = f"{node_name}:{chunk.start}+{chunk.size}"
+            restore = self._make_resident(self.gpu.nodes[node_name], str(call.target), chunk)  # type: ignore[union-attr]
+            run.overhead_s = restore
+            action.restore_s = restore
+        else:
+            run.units = 1
+            run.exec_s = call.work_s
+            run.pool = str(call.target)
+
+    def _make_resident(self, node: GpuNode, service: str, chunk: Any) -> float:
+        """The manager's residency decision (LRU victims on the chunk's GPUs), timed by the cost model."""
+        slot = node.residency.slot(service, chunk)
+        assert slot is not None, "every service has a slot on every chunk of each DoP it supports"
+        node.residency.touch(slot)
+        if slot.state is SlotState.RESIDENT:
+            return 0.0
+        victims = node.residency.plan_restore(slot)
+        for victim, _ in victims:
+            victim.state = SlotState.PREPARED
+            victim.evictions += 1
+        slot.state = SlotState.RESIDENT
+        slot.restores += 1
+        self.restores += 1
+        self.evictions += len(victims)
+        shard_gb = slot.instance.spec.host_memory_mb / 1024 / chunk.size
+        return (self.costs.evict_s if victims else 0.0) + shard_gb / self.costs.h2d_gb_per_s
+
+    def next_event(self) -> float | None:
+        times = [t for t in (self.finishing[0][0] if self.finishing else None, self.wake_at) if t is not None]
+        return min(times, default=None)
+
+    def trajectory_done(self, trajectory: Trajectory, now: float) -> None:
+        if self.cpu is None:
+            return
+        env = self.cpu.by_trajectory.get((trajectory.task, trajectory.id))
+        if env is not None:
+            self.cpu.detach(env)
+        self.sandboxes.discard(trajectory.id)
+
+    def stats(self) -> dict[str, object]:
+        passes = self.pass_ms or [0.0]
+        return {"passes": len(self.pass_ms), "pass_ms_median": statistics.median(passes),
+                "pass_ms_p99": sorted(passes)[int(0.99 * (len(passes) - 1))], "restores": self.restores,
+                "evictions": self.evictions}

@@ -1,0 +1,71 @@
+"""The external resources a simulated run has: CPU nodes, GPU nodes with their reward services, rate-limited APIs,
+and the costs the simulator charges besides execution (all in seconds, each with where its figure comes from)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceModel:
+    """A reward service: its GPU footprint and how long a restore from host memory takes."""
+
+    name: str
+    dops: tuple[int, ...] = (1, 2, 4, 8)
+    gpu_memory_mb: int = 40_960  # per GPU while resident (weights + KV cache)
+    host_memory_mb: int = 16_384  # one host copy of the weights (an 8B model in bf16)
+    static_replicas: int = 1  # the static baseline's deployment: replicas of static_dop GPUs each (paper §6.1)
+    static_dop: int = 4
+
+
+@dataclass(frozen=True, slots=True)
+class ApiModel:
+    """An upstream API: the quota and concurrency it really enforces (the broker is configured with the same)."""
+
+    name: str
+    quota: int = 600  # calls per period (the paper's example: 600 calls/min)
+    period_s: float = 60.0
+    concurrency: int = 64  # calls in flight above which the upstream stops answering (they time out)
+
+
+@dataclass(frozen=True, slots=True)
+class Costs:
+    """Time charged besides execution."""
+
+    dispatch_s: float = 0.00141  # per exec action: cgroup writes + executor socket (docs/PERFORMANCE.md median)
+    env_create_s: float = 1.0  # an AOE sandbox on a trajectory's first exec (docker create + start; assumed)
+    h2d_gb_per_s: float = 25.0  # pinned host->GPU copy per GPU (PCIe 5 x16 in practice; assumed, unmeasured)
+    evict_s: float = 0.05  # freeing a victim's GPU memory before a restore (assumed)
+    pod_start_s: float = 2.0  # a Kubernetes pod from bound to running (image present; assumed)
+    pod_bind_per_s: float = 50.0  # pods the control plane binds per second (kube-scheduler's default API QPS)
+    api_error_s: float = 0.5  # an upstream's 429 answer
+    api_timeout_s: float = 600.0  # the client's timeout on an upstream call (paper §6.1)
+    api_retries: int = 3  # retries after an error or a timeout (paper §6.1)
+    api_backoff_s: float = 1.0  # wait before a retry
+
+
+@dataclass(frozen=True, slots=True)
+class Cluster:
+    cpu_nodes: int = 0
+    cores_per_node: int = 256
+    node_memory_mb: int = 2_400_000  # 2.4 TB per CPU node (paper §6.1)
+    gpu_node_sizes: tuple[int, ...] = ()  # GPUs per GPU node
+    gpu_memory_mb: int = 81_920  # per GPU
+    gpu_host_memory_mb: int = 3_000_000  # 3 TB per GPU node (paper §6.1)
+    services: tuple[ServiceModel, ...] = ()
+    apis: tuple[ApiModel, ...] = ()
+    costs: Costs = field(default_factory=Costs)
+
+    @property
+    def cores(self) -> int:
+        return self.cpu_nodes * self.cores_per_node
+
+    @property
+    def gpus(self) -> int:
+        return sum(self.gpu_node_sizes)
+
+
+def gpu_nodes(gpus: int, per_node: int = 8) -> tuple[int, ...]:
+    """``gpus`` GPUs as full nodes of ``per_node`` and one smaller node for the rest."""
+    full, rest = divmod(gpus, per_node)
+    return (per_node,) * full + ((rest,) if rest else ())

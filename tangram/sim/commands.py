@@ -1,0 +1,133 @@
+"""``tangram simulate`` and ``tangram trace``: the paper's scenarios, and saved traces run under any policy."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+from rich.console import Console
+from rich.table import Table
+
+from tangram.sim.cluster import ApiModel, Cluster, ServiceModel, gpu_nodes
+from tangram.sim.engine import simulate
+from tangram.sim.policies import POLICIES
+from tangram.sim.scenarios import JUDGE, SCENARIOS, Outcome
+from tangram.sim.trace import Trace
+from tangram.sim.workloads import CodingParams, MopdParams, SearchParams, ai_coding, deepsearch, mopd
+
+WORKLOADS = {"ai_coding": lambda batch, seed: ai_coding(CodingParams(batch=batch), seed),
+             "mopd": lambda batch, seed: mopd(MopdParams(batch=batch), seed),
+             "deepsearch": lambda batch, seed: deepsearch(SearchParams(batch=batch), seed)}
+
+
+def _show(outcome: Outcome, console: Console) -> None:
+    table = Table(title=outcome.title)
+    for column in ("figure", "paper", "ours", "ours / paper"):
+        table.add_column(column, justify="left" if column == "figure" else "right")
+    for f in outcome.figures:
+        ratio = f["ours_over_paper"]
+        table.add_row(f["name"], "-" if f["paper"] is None else str(f["paper"]), f"{f['ours']:.3g}",
+                      "-" if ratio is None else f"{ratio:.2f}")
+    console.print(table)
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    names = list(SCENARIOS) if args.scenario == "all" else [args.scenario]
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+    console = Console()
+    for name in names:
+        started = time.perf_counter()
+        outcome = SCENARIOS[name](args.scale, args.seed)
+        body: dict[str, Any] = {**outcome.to_json(), "scale": args.scale, "seed": args.seed,
+                                "wall_s": round(time.perf_counter() - started, 1)}
+        json_path = args.json if args.json and len(names) == 1 else (Path(args.out) / f"{name}.json"
+                                                                    if args.out else None)
+        plot_path = args.plot if args.plot and len(names) == 1 else (Path(args.out) / f"{name}.png"
+                                                                    if args.out else None)
+        if json_path:
+            Path(json_path).write_bytes(orjson.dumps(body, option=orjson.OPT_INDENT_2))
+        if plot_path:
+            from tangram.sim.plot import plot
+
+            plot(outcome, plot_path)
+        _show(outcome, console)
+        console.print(f"{name}: {body['wall_s']} s wall" + (f", {json_path}" if json_path else "")
+                      + (f", {plot_path}" if plot_path else ""))
+    return 0
+
+
+def _trace_make(args: argparse.Namespace) -> int:
+    trace = WORKLOADS[args.workload](args.batch, args.seed)
+    trace.save(args.out)
+    print(f"{args.out}: {len(trace.trajectories)} trajectories, {trace.calls} calls")
+    return 0
+
+
+def cluster_for(trace: Trace, cores: int, cpu_nodes: int, gpus: int) -> Cluster:
+    """A cluster serving every call of ``trace``: its reward services (the judge as in §6.1, teachers on four
+    GPUs each) and its APIs (the scenarios' quotas)."""
+    targets = {c.target for t in trace.trajectories for c in t.calls if c.target}
+    kinds = {c.kind for t in trace.trajectories for c in t.calls}
+    services = tuple(JUDGE if name == "judge" else ServiceModel(name) for name in sorted(targets)
+                     if not name.startswith("api."))
+    apis = tuple(ApiModel(name, quota=12_000, concurrency=256) for name in sorted(targets) if name.startswith("api."))
+    if {"tool", "test"} & kinds and cores < 1:
+        raise ValueError("the trace has CPU calls: give --cores")
+    if services and gpus < 1:
+        raise ValueError("the trace has reward calls: give --gpus")
+    return Cluster(cpu_nodes=cpu_nodes if cores else 0, cores_per_node=max(1, cores // max(1, cpu_nodes)),
+                   gpu_node_sizes=gpu_nodes(gpus) if services else (), services=services, apis=apis)
+
+
+def _trace_run(args: argparse.Namespace) -> int:
+    trace = Trace.load(args.trace)
+    try:
+        cluster = cluster_for(trace, args.cores, args.cpu_nodes, args.gpus)
+    except ValueError as error:
+        print(f"tangram: {error}", file=sys.stderr)
+        return 2
+    rows = []
+    for policy in args.policy or ["tangram", "baseline"]:
+        summary = simulate(trace, cluster, POLICIES[policy], policy).summary()
+        rows.append(summary)
+        print(f"{policy:>12}: mean ACT per trajectory {summary['mean_trajectory_act_s']:.2f} s, mean ACT "
+              f"{summary['mean_act_s']:.3f} s, failed {summary['failed_calls']}, {summary['wall_s']:.1f} s wall")
+    if args.json:
+        Path(args.json).write_bytes(orjson.dumps(rows, option=orjson.OPT_INDENT_2))
+    return 0
+
+
+def add_commands(commands: Any) -> None:
+    simulate_parser = commands.add_parser("simulate", help="reproduce one of the paper's evaluation scenarios in the "
+                                                           "simulator (or all of them)")
+    simulate_parser.add_argument("scenario", choices=[*SCENARIOS, "all"])
+    simulate_parser.add_argument("--scale", type=float, default=1.0,
+                                 help="multiply batch sizes and CPU capacity (0.1 for a quick look)")
+    simulate_parser.add_argument("--seed", type=int, default=1)
+    simulate_parser.add_argument("--json", help="write the figures and every point here")
+    simulate_parser.add_argument("--plot", help="write a PNG plot here")
+    simulate_parser.add_argument("--out", help="directory for SCENARIO.json and SCENARIO.png (with 'all')")
+    simulate_parser.set_defaults(func=_simulate)
+
+    trace = commands.add_parser("trace", help="make a workload trace, or run a saved one in the simulator")
+    trace_commands = trace.add_subparsers(dest="trace_command", required=True)
+    make = trace_commands.add_parser("make", help="generate a trace and save it as JSON")
+    make.add_argument("workload", choices=sorted(WORKLOADS))
+    make.add_argument("--batch", type=int, required=True)
+    make.add_argument("--seed", type=int, default=1)
+    make.add_argument("--out", required=True)
+    make.set_defaults(func=_trace_make)
+    run = trace_commands.add_parser("run", help="simulate a saved trace under some policies")
+    run.add_argument("trace")
+    run.add_argument("--policy", action="append", choices=sorted(POLICIES), help="repeatable (default: tangram and "
+                                                                                "baseline)")
+    run.add_argument("--cores", type=int, default=1280)
+    run.add_argument("--cpu-nodes", type=int, default=5)
+    run.add_argument("--gpus", type=int, default=40)
+    run.add_argument("--json")
+    run.set_defaults(func=_trace_run)

@@ -1,0 +1,64 @@
+"""PNG plots of a scenario's outcome (matplotlib, imported only when a plot is asked for)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+from tangram.sim.scenarios import Outcome
+
+COLORS = {"tangram": "#1f77b4", "baseline": "#d62728", "dop4": "#ff7f0e", "dop16": "#2ca02c",
+          "tangram-min4": "#9467bd"}
+LABELS = {"tangram": "ARL-Tangram (simulated)", "baseline": "baseline", "dop4": "fixed DoP 4",
+          "dop16": "fixed DoP 16", "tangram-min4": "elastic DoP 4-32"}
+
+
+def plot(outcome: Outcome, path: str | Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4.2), dpi=110)
+    if outcome.scenario in ("breakdown", "e2e"):
+        _bars(outcome, axes)
+    else:
+        series: dict[str, list[tuple[float, float]]] = defaultdict(list)
+        for point in outcome.points:
+            series[point.policy].append((point.x, point.summary["mean_trajectory_act_s"]))
+        for policy, values in series.items():
+            xs, ys = zip(*sorted(values))
+            axes.plot(xs, ys, marker="o", color=COLORS.get(policy), label=LABELS.get(policy, policy))
+        axes.set_xlabel(outcome.x_label)
+        axes.set_ylabel("mean ACT per trajectory (s)")
+        axes.set_yscale("log")
+        axes.legend()
+    axes.set_title(outcome.title, fontsize=10)
+    axes.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+
+
+def _bars(outcome: Outcome, axes: object) -> None:
+    if outcome.scenario == "breakdown":
+        names = [f"{'Coding' if i < 2 else 'MOPD'} ({int(p.x)})" for i, p in enumerate(outcome.points)]
+        bottom = [0.0] * len(names)
+        for key, label in (("mean_exec_s", "execution"), ("mean_queue_s", "queueing"),
+                           ("mean_overhead_s", "system overhead")):
+            values = [p.summary[key] for p in outcome.points]
+            axes.bar(names, values, bottom=bottom, label=label)  # type: ignore[attr-defined]
+            bottom = [b + v for b, v in zip(bottom, values)]
+        axes.set_ylabel("mean seconds per call")  # type: ignore[attr-defined]
+        axes.set_yscale("symlog", linthresh=1.0)  # type: ignore[attr-defined]
+    else:
+        labels = [note.split(": ", 1)[1] for note in outcome.notes]
+        width = 0.38
+        for offset, policy in ((-width / 2, "tangram"), (width / 2, "baseline")):
+            values = [outcome.act(policy, x) for x in range(len(labels))]
+            axes.bar([x + offset for x in range(len(labels))], values, width,  # type: ignore[attr-defined]
+                     color=COLORS[policy], label=LABELS[policy])
+        axes.set_xticks(range(len(labels)), labels)  # type: ignore[attr-defined]
+        axes.set_ylabel("mean ACT per trajectory (s)")  # type: ignore[attr-defined]
+        axes.set_yscale("log")  # type: ignore[attr-defined]
+    axes.legend()  # type: ignore[attr-defined]

@@ -1,0 +1,243 @@
+"""The paper's evaluation as runnable scenarios (§6): each sweeps a workload over batch size or capacity under
+the broker and its baselines, and reports the paper's figure, ours and their ratio.
+
+Figures are ratios measured in the same run on the same trace (the baseline's mean ACT per trajectory over the
+broker's), never absolute times against the paper's testbed.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from tangram.sim.cluster import ApiModel, Cluster, ServiceModel, gpu_nodes
+from tangram.sim.engine import simulate
+from tangram.sim.policies import POLICIES
+from tangram.sim.trace import Trace
+from tangram.sim.workloads import (CodingParams, MopdParams, SearchParams, ai_coding, deepsearch, merged, mopd,
+                                   teacher_names)
+
+CPU_NODES = 5  # §6.3: 1,280 cores over five nodes
+GPUS = 40  # §6.1: five nodes of eight GPUs
+
+
+@dataclass(frozen=True)
+class Point:
+    """One simulated run: a workload at one setting under one policy."""
+
+    x: float
+    policy: str
+    summary: dict[str, Any]
+
+
+@dataclass
+class Outcome:
+    scenario: str
+    title: str
+    x_label: str
+    points: list[Point]
+    figures: list[dict[str, Any]]  # {"name", "paper", "ours", "ratio"}; paper/ours are numbers or text
+    notes: list[str]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"scenario": self.scenario, "title": self.title, "x_label": self.x_label,
+                "figures": self.figures, "notes": self.notes,
+                "points": [{"x": p.x, "policy": p.policy, **p.summary} for p in self.points]}
+
+    def act(self, policy: str, x: float) -> float:
+        return next(p.summary["mean_trajectory_act_s"] for p in self.points if p.policy == policy and p.x == x)
+
+
+Progress = Callable[[str], None]
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _run(trace: Trace, cluster: Cluster, policies: tuple[str, ...], x: float, points: list[Point],
+         progress: Progress, label: str) -> None:
+    for policy in policies:
+        result = simulate(trace, cluster, POLICIES[policy], policy)
+        summary = result.summary()
+        points.append(Point(x, policy, summary))
+        progress(f"{label} {policy:>9}: mean ACT per trajectory {summary['mean_trajectory_act_s']:9.2f} s, "
+                 f"{summary['calls']} calls, {summary['wall_s']:.1f} s wall")
+
+
+def _figure(name: str, paper: float | str | None, ours: float, note: str = "") -> dict[str, Any]:
+    ratio = ours / paper if isinstance(paper, (int, float)) and paper else None
+    return {"name": name, "paper": paper, "ours": round(ours, 3), "ours_over_paper": None if ratio is None
+            else round(ratio, 3), "note": note}
+
+
+def _cpu(cores: int) -> Cluster:
+    """``cores`` over the five nodes; at least 16 per node (the largest fixed DoP) however small the scale."""
+    return Cluster(cpu_nodes=CPU_NODES, cores_per_node=max(16, cores // CPU_NODES))
+
+
+def _teachers(n: int) -> tuple[ServiceModel, ...]:
+    return tuple(ServiceModel(name) for name in teacher_names(n))
+
+
+def _search_apis() -> tuple[ApiModel, ...]:
+    """Search and page-fetch quotas (assumed: 200 calls/s each, 256 in flight), enforced by the upstream."""
+    return (ApiModel("api.search", quota=12_000, period_s=60.0, concurrency=256),
+            ApiModel("api.fetch", quota=12_000, period_s=60.0, concurrency=256))
+
+
+JUDGE = ServiceModel("judge", static_replicas=5, static_dop=8)  # §6.1: five replicas at TP 8
+
+
+def coding_batch(scale: float, seed: int, progress: Progress = _stderr) -> Outcome:
+    """Fig. 8(a) left: mean ACT per trajectory vs RL batch size, 1,280 cores, against pods."""
+    points: list[Point] = []
+    cluster = _cpu(round(1280 * scale))
+    batches = [max(2, round(b * scale)) for b in (128, 256, 512, 1024, 1280, 1536)]
+    for batch in batches:
+        trace = ai_coding(CodingParams(batch=batch), seed)
+        _run(trace, cluster, ("tangram", "baseline"), batch, points, progress, f"coding batch {batch:5d}")
+    out = Outcome("coding-batch", "AI coding: ACT vs batch size (Fig. 8a left)", "RL batch size", points, [], [])
+    ratios = [out.act("baseline", b) / out.act("tangram", b) for b in batches]
+    out.figures += [
+        _figure("pods / broker ACT, smallest batch", 3.1, ratios[0]),
+        _figure("pods / broker ACT, largest batch", 27.7, ratios[-1]),
+        _figure("broker ACT, largest / smallest batch", "< 2", out.act("tangram", batches[-1])
+                / out.act("tangram", batches[0])),
+    ]
+    return out
+
+
+def coding_capacity(scale: float, seed: int, progress: Progress = _stderr) -> Outcome:
+    """Fig. 8(a) right: mean ACT per trajectory vs CPU cores at batch 1,280, against pods."""
+    points: list[Point] = []
+    batch = max(2, round(1280 * scale))
+    trace = ai_coding(CodingParams(batch=batch), seed)
+    capacities = [round(c * scale) for c in (768, 1024, 1280, 1536, 2048)]
+    for cores in capacities:
+        _run(trace, _cpu(cores), ("tangram", "baseline"), cores, points, progress, f"coding cores {cores:5d}")
+    out = Outcome("coding-capacity", "AI coding: ACT vs CPU capacity at batch 1,280 (Fig. 8a right)", "CPU cores",
+                  points, [], [])
+    ratios = [out.act("baseline", c) / out.act("tangram", c) for c in capacities]
+    out.figures += [_figure("pods / broker ACT, fewest cores (768)", 1.89, ratios[0]),
+                    _figure("pods / broker ACT, most of the paper's (4.33x at best)", 4.33, max(ratios))]
+    return out
+
+
+def dop(scale: float, seed: int, progress: Progress = _stderr) -> Outcome:
+    """Fig. 9: elastic DoP (1-32) vs fixed DoP 4 and 16 for the test runs, over batch size, 1,280 cores."""
+    points: list[Point] = []
+    cluster = _cpu(round(1280 * scale))
+    batches = [max(2, round(b * scale)) for b in (128, 256, 512, 1024, 1280)]
+    for batch in batches:
+        trace = ai_coding(CodingParams(batch=batch), seed)
+        _run(trace, cluster, ("tangram", "dop4", "dop16"), batch, points, progress, f"dop batch {batch:5d}")
+    out = Outcome("dop", "AI coding: elastic vs fixed DoP (Fig. 9)", "RL batch size", points, [], [])
+    b256, b1280 = batches[1], batches[-1]
+    out.figures += [_figure("DoP 4 / elastic ACT at batch 256", 2.0, out.act("dop4", b256) / out.act("tangram", b256)),
+                    _figure("DoP 16 / elastic ACT at batch 1,280", 3.0,
+                            out.act("dop16", b1280) / out.act("tangram", b1280))]
+    return out
+
+
+def gpu_batch(scale: float, seed: int, progress: Progress = _stderr) -> Outcome:
+    """Fig. 8(b) left: MOPD with ten teachers on 40 GPUs vs a static deployment of four GPUs each."""
+    points: list[Point] = []
+    cluster = Cluster(gpu_node_sizes=gpu_nodes(GPUS), services=_teachers(10))
+    batches = [max(2, round(b * scale)) for b in (256, 512, 1024, 2048)]
+    for batch in batches:
+        trace = mopd(MopdParams(batch=batch, teachers=10), seed)
+        _run(trace, cluster, ("tangram", "baseline"), batch, points, progress, f"gpu batch {batch:5d}")
+    out = Outcome("gpu-batch", "MOPD, ten reward services: ACT vs batch size (Fig. 8b left)", "RL batch size",
+                  points, [], [])
+    out.figures += [_figure("static / broker ACT at batch 1,024", 3.4,
+                            out.act("baseline", batches[2]) / out.act("tangram", batches[2])),
+                    _figure("static / broker ACT at batch 2,048", 18.1,
+                            out.act("baseline", batches[3]) / out.act("tangram", batches[3]))]
+    return out
+
+
+def gpu_cost(scale: float, seed: int, progress: Progress = _stderr) -> Outcome:
+    """Fig. 8(b) right: the fewest GPUs with which the broker matches the static deployment's ACT (ten services
+    on four GPUs each = 40 GPUs), at batch 1,024."""
+    points: list[Point] = []
+    trace = mopd(MopdParams(batch=max(2, round(1024 * scale)), teachers=10), seed)
+    services = _teachers(10)
+    _run(trace, Cluster(gpu_node_sizes=gpu_nodes(GPUS), services=services), ("baseline",), GPUS, points, progress,
+         f"gpu-cost {GPUS:3d} GPUs")
+    target = points[0].summary["mean_trajectory_act_s"]
+    enough = GPUS
+    for gpus in (4, 8, 12, 16, 20, 24, 32, 40):
+        _run(trace, Cluster(gpu_node_sizes=gpu_nodes(gpus), services=services), ("tangram",), gpus, points, progress,
+             f"gpu-cost {gpus:3d} GPUs")
+        if points[-1].summary["mean_trajectory_act_s"] <= target:
+            enough = gpus
+            break
+    out = Outcome("gpu-cost", "MOPD, ten reward services: GPUs for the static deployment's ACT (Fig. 8b right)",
+                  "GPUs", points, [], [])
+    out.figures.append(_figure("broker's GPUs / static deployment's GPUs for the same ACT", 0.29, enough / GPUS,
+                               f"{enough} of {GPUS} GPUs (searched in steps of 4)"))
+    return out
+
+
+def breakdown(scale: float, seed: int, progress: Progress = _stderr) -> Outcome:
+    """Table 1: a call's ACT split into execution, queueing and system overhead under the broker."""
+    points: list[Point] = []
+    cpu = _cpu(round(1280 * scale))
+    for batch in (1280, 1536):
+        b = max(2, round(batch * scale))
+        _run(ai_coding(CodingParams(batch=b), seed), cpu, ("tangram",), b, points, progress, f"coding {b:5d}")
+    gpu = Cluster(gpu_node_sizes=gpu_nodes(GPUS), services=_teachers(9))
+    for batch in (2048, 3072):
+        b = max(2, round(batch * scale))
+        _run(mopd(MopdParams(batch=b), seed), gpu, ("tangram",), b, points, progress, f"mopd {b:5d}")
+    out = Outcome("breakdown", "ACT breakdown per call (Table 1)", "workload (batch)", points, [], [])
+    paper = {0: (0.975, 0.015, 0.024), 1: (1.206, 0.428, 0.036), 2: (0.621, 0.081, 0.201), 3: (0.705, 15.05, 0.240)}
+    names = ("Coding (1280)", "Coding (1536)", "MOPD (2048)", "MOPD (3072)")
+    for i, point in enumerate(points):
+        s = point.summary
+        for part, key, value in zip(("exec", "queue", "overhead"), ("mean_exec_s", "mean_queue_s", "mean_overhead_s"),
+                                    paper[i]):
+            out.figures.append(_figure(f"{names[i]} {part} s", value, s[key]))
+    return out
+
+
+def e2e(scale: float, seed: int, progress: Progress = _stderr) -> Outcome:
+    """Figs. 6-7: the four workloads against what users run today, on the same resources."""
+    points: list[Point] = []
+    size = {"coding": 1280, "mopd": 2048, "search": 2048, "both": 1024}
+    b = {k: max(2, round(v * scale)) for k, v in size.items()}
+    runs = [
+        (0, ai_coding(CodingParams(batch=b["coding"]), seed), _cpu(round(1280 * scale))),
+        (1, mopd(MopdParams(batch=b["mopd"]), seed),
+         Cluster(gpu_node_sizes=gpu_nodes(36), services=_teachers(9))),  # §6.1: nine teachers x 4 GPUs
+        (2, deepsearch(SearchParams(batch=b["search"]), seed),
+         Cluster(gpu_node_sizes=gpu_nodes(GPUS), services=(JUDGE,), apis=_search_apis())),
+        (3, merged("mopd+deepsearch", mopd(MopdParams(batch=b["both"]), seed),
+                   deepsearch(SearchParams(batch=b["both"]), seed)),
+         Cluster(gpu_node_sizes=gpu_nodes(GPUS), services=(*_teachers(9), replace(JUDGE, static_replicas=1,
+                                                                                   static_dop=4)),
+                 apis=_search_apis())),  # §6.1: ten services on four GPUs each
+    ]
+    labels = ("AI coding", "MOPD", "DeepSearch", "MOPD+DeepSearch")
+    for x, trace, cluster in runs:
+        _run(trace, cluster, ("tangram", "baseline"), x, points, progress, f"e2e {labels[x]:>15}")
+    out = Outcome("e2e", "End to end: the four workloads vs their baselines (Figs. 6-7)", "workload", points, [],
+                  [f"x = {i}: {label}" for i, label in enumerate(labels)])
+    for x, label in enumerate(labels):
+        out.figures.append(_figure(f"{label}: baseline / broker ACT per trajectory", 4.3 if x == 0 else None,
+                                   out.act("baseline", x) / out.act("tangram", x)))
+    coding = {p.policy: p.summary["by_kind"] for p in points if p.x == 0}
+    out.figures += [
+        _figure("AI coding: environment interaction (tool calls) ACT, pods / broker", 9.0,
+                coding["baseline"]["tool"]["mean_act_s"] / coding["tangram"]["tool"]["mean_act_s"]),
+        _figure("AI coding: reward (test run) ACT, pods / broker", 2.8,
+                coding["baseline"]["test"]["mean_act_s"] / coding["tangram"]["test"]["mean_act_s"])]
+    return out
+
+
+SCENARIOS: dict[str, Callable[..., Outcome]] = {
+    "coding-batch": coding_batch, "coding-capacity": coding_capacity, "dop": dop, "gpu-batch": gpu_batch,
+    "gpu-cost": gpu_cost, "breakdown": breakdown, "e2e": e2e}
