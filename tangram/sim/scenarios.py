@@ -16,8 +16,16 @@ from tangram.sim.cluster import ApiModel, Cluster, ServiceModel, gpu_nodes
 from tangram.sim.engine import simulate
 from tangram.sim.policies import POLICIES
 from tangram.sim.trace import Trace
-from tangram.sim.workloads import (CodingParams, MopdParams, SearchParams, ai_coding, deepsearch, merged, mopd,
-                                   teacher_names)
+from tangram.sim.workloads import (
+    CodingParams,
+    MopdParams,
+    SearchParams,
+    ai_coding,
+    deepsearch,
+    merged,
+    mopd,
+    teacher_names,
+)
 
 CPU_NODES = 5  # §6.3: 1,280 cores over five nodes
 GPUS = 40  # §6.1: five nodes of eight GPUs
