@@ -77,6 +77,12 @@ class Fit(abc.ABC):
     def free_before(self, resource: str, pool: str) -> int:
         """Free units of ``resource`` in ``pool`` before any candidate of this pass was placed."""
 
+    def holds_back(self, action: Action) -> bool:
+        """Whether ``action``, just refused by ``try_add``, keeps later actions off its resources this pass (FCFS).
+
+        False when what it lacks is something those actions do not need: then letting them go cannot delay it."""
+        return True
+
     def pools(self, resource: str) -> Sequence[str]:
         """Every pool that holds ``resource`` (one pool, ``default``, unless the topology has several)."""
         return ("default",)

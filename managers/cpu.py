@@ -64,6 +64,7 @@ class CpuFit(Fit):
         self.memory_free = {name: node.memory_mb - node.memory_reserved for name, node in manager.nodes.items()}
         self.new_trajectories: dict[tuple[str, str], str] = {}
         self.placed: dict[str, tuple[str, int, int]] = {}
+        self.short_of_memory: set[str] = set()  # refused new environments that only lacked memory
 
     def try_add(self, action: Action, units: Mapping[str, int]) -> bool:
         n = units.get(RESOURCE, 0)
@@ -74,6 +75,8 @@ class CpuFit(Fit):
             memory = self.manager.memory_for(action)
             candidates = [name for name in self.free if self.free[name] >= n and self.memory_free[name] >= memory]
             if not candidates:
+                if any(free >= n for free in self.free.values()):
+                    self.short_of_memory.add(action.id)
                 return False
             node = min(candidates, key=lambda name: (self.memory_load_after(name, memory), -self.free[name]))
             if key:
@@ -84,6 +87,11 @@ class CpuFit(Fit):
         self.memory_free[node] -= memory
         self.placed[action.id] = (node, n, memory)
         return True
+
+    def holds_back(self, action: Action) -> bool:
+        """A new trajectory waiting only for memory does not hold back actions of trajectories that have their
+        environment: memory comes back when trajectories end, and holding them back would keep theirs from ending."""
+        return action.id not in self.short_of_memory
 
     def memory_load_after(self, node: str, memory_mb: int) -> float:
         """Memory load of ``node`` if it also reserved ``memory_mb``, counting this pass's new trajectories."""

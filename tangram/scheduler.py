@@ -10,7 +10,8 @@ One pass:
    resource; the rest are selected at minimum units (Alg. 1 line 6).
 3. **Greedy eviction** per group with the approximated objective (Alg. 2): DPArrange per pool of the key resource
    gives the optimum of every FCFS prefix in one table; the remaining queue is estimated on a completion heap.
-   Evict the last member while the objective improves.
+   Evict the last member while the objective improves, keeping at least the first (so a pass on idle units
+   always starts something).
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ from tangram.action import Action
 from tangram.dparrange import DPTable, dp_arrange
 from tangram.durations import DurationModel
 from tangram.estimate import CompletionHeap, Waiting, estimate
+
+
+#: relative gain below which an eviction is not worth it (objectives that differ only by float rounding)
+IMPROVEMENT = 1e-9
 
 
 @dataclass(slots=True)
@@ -107,15 +112,18 @@ class Scheduler:
             names = action.demands.keys()
             if not blocked.isdisjoint(names):
                 blocked.update(names)
-            elif self._try_place(action, fits):
+                continue
+            refused_by = self._try_place(action, fits)
+            if refused_by is None:
                 candidates.append(action)
-            else:
+            elif refused_by.holds_back(action):
                 blocked.update(names)
             if blocked >= everything:
                 break
         return candidates
 
-    def _try_place(self, action: Action, fits: dict[int, Fit]) -> bool:
+    def _try_place(self, action: Action, fits: dict[int, Fit]) -> Fit | None:
+        """Place ``action`` at its minimum on every fit it needs; None if placed, else the fit that refused."""
         per_manager: dict[int, dict[str, int]] = defaultdict(dict)
         for resource, demand in action.demands.items():
             per_manager[id(self.owner[resource])][resource] = demand.min
@@ -125,9 +133,9 @@ class Scheduler:
             if not fit.try_add(action, units):
                 for done in placed:
                     done.remove(action)
-                return False
+                return fit
             placed.append(fit)
-        return True
+        return None
 
     def _placement(self, action: Action, units: dict[str, int], fits: dict[int, Fit]) -> Placement:
         pools = {r: fits[id(self.owner[r])].pool_of(action, r) for r in units}
@@ -193,11 +201,13 @@ class Scheduler:
             # the same actions at every t (members, then the first horizon of the rest), so objectives compare
             return exact + estimate(heap, waiting_group[t:] + waiting_rest, self.depth)
 
+        # Evict while the objective improves by more than rounding, but never the first member: the estimate
+        # pools units the fit could not give it, so "wait" might never end when nothing runs to trigger a pass.
         best_t = len(members)
         best_obj = objective(best_t)
-        for t in range(len(members) - 1, -1, -1):
+        for t in range(len(members) - 1, 0, -1):
             obj = objective(t)
-            if obj >= best_obj:
+            if obj >= best_obj - IMPROVEMENT * abs(best_obj):
                 break
             best_t, best_obj = t, obj
 

@@ -562,3 +562,17 @@ def test_tangram_work_conserving_on_one_gpu() -> None:
     result = run(trace, cluster, "tangram")
     assert len(result.records) == 3
     assert min(rec.start_s for rec in result.records) == 0.0
+
+
+def test_trajectories_holding_memory_go_on_while_a_new_one_waits_for_memory() -> None:
+    # One node, 4 cores, memory for two 4 GiB sandboxes; three trajectories of two 1 s tool calls each. The third
+    # cannot get a sandbox until one of the first two ends; their second calls must not wait behind it (that was a
+    # deadlock: memory comes back only when a trajectory ends).
+    cluster = Cluster(cpu_nodes=1, cores_per_node=4, node_memory_mb=8192)
+    calls = (Call("tool", 0.0, 1.0), Call("tool", 0.5, 1.0))
+    trace = hand_trace(*(Trajectory(f"t{i}", "task", 0.0, calls, memory_mb=4096) for i in range(3)))
+    records = by_key(run(trace, cluster, "tangram"))
+    assert len(records) == 6
+    first_end = min(records[(f"t{i}", 1)].finish_s for i in (0, 1))
+    assert records[("t0", 1)].start_s == pytest.approx(records[("t0", 0)].finish_s + 0.5)
+    assert records[("t2", 0)].start_s == pytest.approx(first_end)

@@ -30,6 +30,7 @@ from tangram.queue import FCFSQueue
 from tangram.scheduler import Scheduler, allocate_placement
 from tangram.sim.cluster import Cluster, Costs
 from tangram.sim.engine import CallRun
+from tangram.sim.records import percentile
 from tangram.sim.trace import Trajectory
 
 TOOL_SIGNATURE = "exec|tool"
@@ -253,5 +254,5 @@ class BrokerStation:
     def stats(self) -> dict[str, object]:
         passes = self.pass_ms or [0.0]
         return {"passes": len(self.pass_ms), "pass_ms_median": statistics.median(passes),
-                "pass_ms_p99": sorted(passes)[int(0.99 * (len(passes) - 1))], "restores": self.restores,
+                "pass_ms_p99": percentile(passes, 0.99), "restores": self.restores,
                 "evictions": self.evictions}
