@@ -6,6 +6,8 @@ One pass:
    scratch fits (topology-aware ``accommodate``). FCFS is kept *per resource type*: once an action cannot be
    placed, every resource it demands is blocked for the rest of the pass, so no later action overtakes it on any
    of those resources, while actions that need none of them (say, only API quota while CPUs are full) still go.
+   The refusing fit may waive this (``Fit.holds_back``) when what the action lacks is something later actions do
+   not need, such as a new sandbox's memory.
 2. **Groups.** Candidates that are scalable (elastic key resource and a known duration) are grouped by key
    resource; the rest are selected at minimum units (Alg. 1 line 6).
 3. **Greedy eviction** per group with the approximated objective (Alg. 2): DPArrange per pool of the key resource
