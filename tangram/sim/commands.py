@@ -12,10 +12,10 @@ import orjson
 from rich.console import Console
 from rich.table import Table
 
-from tangram.sim.cluster import ApiModel, Cluster, ServiceModel, gpu_nodes
+from tangram.sim.cluster import Cluster, ServiceModel, gpu_nodes
 from tangram.sim.engine import simulate
 from tangram.sim.policies import POLICIES
-from tangram.sim.scenarios import JUDGE, SCENARIOS, Outcome
+from tangram.sim.scenarios import JUDGE, SCENARIOS, Outcome, search_api
 from tangram.sim.trace import Trace
 from tangram.sim.workloads import CodingParams, MopdParams, SearchParams, ai_coding, deepsearch, mopd
 
@@ -75,7 +75,7 @@ def cluster_for(trace: Trace, cores: int, cpu_nodes: int, gpus: int) -> Cluster:
     kinds = {c.kind for t in trace.trajectories for c in t.calls}
     services = tuple(JUDGE if name == "judge" else ServiceModel(name) for name in sorted(targets)
                      if not name.startswith("api."))
-    apis = tuple(ApiModel(name, quota=12_000, concurrency=256) for name in sorted(targets) if name.startswith("api."))
+    apis = tuple(search_api(name) for name in sorted(targets) if name.startswith("api."))
     if {"tool", "test"} & kinds and cores < 1:
         raise ValueError("the trace has CPU calls: give --cores")
     if services and gpus < 1:

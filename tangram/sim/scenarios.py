@@ -90,10 +90,13 @@ def _teachers(n: int) -> tuple[ServiceModel, ...]:
     return tuple(ServiceModel(name) for name in teacher_names(n))
 
 
+def search_api(name: str) -> ApiModel:
+    """A search or page-fetch upstream (assumed: 200 calls/s, 256 in flight), enforcing its own limits."""
+    return ApiModel(name, quota=12_000, period_s=60.0, concurrency=256)
+
+
 def _search_apis() -> tuple[ApiModel, ...]:
-    """Search and page-fetch quotas (assumed: 200 calls/s each, 256 in flight), enforced by the upstream."""
-    return (ApiModel("api.search", quota=12_000, period_s=60.0, concurrency=256),
-            ApiModel("api.fetch", quota=12_000, period_s=60.0, concurrency=256))
+    return (search_api("api.search"), search_api("api.fetch"))
 
 
 JUDGE = ServiceModel("judge", static_replicas=5, static_dop=8)  # §6.1: five replicas at TP 8
