@@ -1,0 +1,23 @@
+"""Python clients of the ARL-Tangram broker: ``AsyncTangramClient`` (aiohttp) and its blocking twin
+``TangramClient``, with typed records and errors. The verl tool plugin and reward adapter live beside them."""
+
+from clients.client import AsyncTangramClient, unit_demand
+from clients.errors import (
+    ActionError,
+    ApiError,
+    BadRequestError,
+    BrokerUnreachable,
+    ConflictError,
+    NotFoundError,
+    OverloadedError,
+    TangramError,
+    TooLargeError,
+    UnprocessableError,
+    WaitTimeout,
+)
+from clients.records import ActionRecord
+from clients.sync_client import TangramClient
+
+__all__ = ["ActionError", "ActionRecord", "ApiError", "AsyncTangramClient", "BadRequestError", "BrokerUnreachable",
+           "ConflictError", "NotFoundError", "OverloadedError", "TangramClient", "TangramError", "TooLargeError",
+           "UnprocessableError", "WaitTimeout", "unit_demand"]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -151,14 +153,27 @@ def parse_config(raw: dict[str, Any]) -> Config:
     return config
 
 
-def load_config(path: str | Path | None) -> Config:
+#: environment variables that override the file, so secrets (the database password) stay out of ConfigMaps
+STORE_URL_ENV = "TANGRAM_STORE_URL"
+CONFIG_ENV = "TANGRAM_CONFIG"
+
+
+def load_config(path: str | Path | None, environ: Mapping[str, str] = os.environ) -> Config:
+    """Read the TOML file (``--config``, else ``$TANGRAM_CONFIG``, else the defaults), then apply
+    ``$TANGRAM_STORE_URL`` over ``store.url``."""
+    path = path or environ.get(CONFIG_ENV) or None
     if path is None:
-        return Config()
-    try:
-        with open(path, "rb") as handle:
-            raw = tomllib.load(handle)
-    except FileNotFoundError:
-        raise ConfigError("--config", f"file {path} does not exist") from None
-    except tomllib.TOMLDecodeError as error:
-        raise ConfigError("--config", f"{path} is not valid TOML: {error}") from None
-    return parse_config(raw)
+        config = Config()
+    else:
+        try:
+            with open(path, "rb") as handle:
+                raw = tomllib.load(handle)
+        except FileNotFoundError:
+            raise ConfigError("--config", f"file {path} does not exist") from None
+        except tomllib.TOMLDecodeError as error:
+            raise ConfigError("--config", f"{path} is not valid TOML: {error}") from None
+        config = parse_config(raw)
+    url = environ.get(STORE_URL_ENV)
+    if url:
+        config = replace(config, store=StoreConfig(url=url))
+    return config

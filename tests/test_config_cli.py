@@ -47,6 +47,19 @@ def test_defaults_serve_a_laptop_and_files_load(tmp_path):
         load_config(path)
 
 
+def test_environment_names_the_file_and_overrides_the_store_url(tmp_path):
+    """Deployments keep the database password in a Secret: $TANGRAM_STORE_URL wins over the file's store.url."""
+    path = tmp_path / "t.toml"
+    path.write_text('[server]\nport = 9001\n[store]\nurl = "sqlite+aiosqlite:///file.db"\n')
+    from_file = load_config(None, {"TANGRAM_CONFIG": str(path)})
+    assert from_file.server.port == 9001 and from_file.store.url == "sqlite+aiosqlite:///file.db"
+    secret = "postgresql+asyncpg://tangram:pw@db:5432/tangram"
+    overridden = load_config(None, {"TANGRAM_CONFIG": str(path), "TANGRAM_STORE_URL": secret})
+    assert overridden.server.port == 9001 and overridden.store.url == secret
+    assert load_config(path, {"TANGRAM_CONFIG": "/nonexistent.toml"}).server.port == 9001  # --config wins
+    assert load_config(None, {}).store.url.startswith("sqlite")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -1,0 +1,280 @@
+"""Async Python client of the broker's REST API (aiohttp).
+
+Every submit carries an idempotency key (generated when the caller gives none), so a submit retried after a lost
+connection or a 503 returns the same action instead of running it twice. Retries are bounded, back off
+exponentially with jitter, and honour ``Retry-After``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
+from typing import Any, Self
+
+import aiohttp
+import orjson
+
+from clients.errors import BrokerUnreachable, ConflictError, WaitTimeout, api_error
+from clients.records import ActionRecord
+
+#: statuses worth retrying: the broker is overloaded (queue full, over a cap) and says so
+RETRY_STATUSES = frozenset({429, 503})
+#: slack over a long poll's wait before the HTTP request itself counts as timed out
+POLL_SLACK_S = 30.0
+
+Demand = int | tuple[int, int] | Sequence[int] | Mapping[str, Any]
+
+
+def unit_demand(units: Demand) -> Any:
+    """A demand in the broker's JSON: ``2`` -> 2, ``(1, 8)`` -> a range, ``[1, 2, 4]`` -> a discrete set."""
+    if isinstance(units, bool):
+        raise TypeError("a demand is a unit count, a (min, max) range or a list of choices, not a bool")
+    if isinstance(units, (int, Mapping)):
+        return units
+    if isinstance(units, tuple) and len(units) == 2:
+        return {"min": units[0], "max": units[1]}
+    return {"choices": list(units)}
+
+
+class AsyncTangramClient:
+    """A session with one broker. Use as ``async with AsyncTangramClient(url, task="my-task") as client``."""
+
+    def __init__(self, base_url: str = "http://127.0.0.1:8300", *, task: str | None = None, retries: int = 3,
+                 backoff_s: float = 0.2, max_backoff_s: float = 10.0, request_timeout_s: float = 30.0,
+                 wait_chunk_s: float = 30.0, max_connections: int = 100, token: str | None = None) -> None:
+        """``wait_chunk_s`` is one long poll's length; longer waits take several. It must not exceed the broker's
+        ``server.max_wait_s`` (300 s by default)."""
+        if retries < 0:
+            raise ValueError("retries must be >= 0")
+        self.base_url = base_url.rstrip("/")
+        self.task = task
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.request_timeout_s = request_timeout_s
+        self.wait_chunk_s = wait_chunk_s
+        self.max_connections = max_connections
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _http(self) -> aiohttp.ClientSession:
+        """The session, made on first use so that it belongs to the loop the caller runs in."""
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=self.max_connections), headers=self.headers,
+                json_serialize=lambda value: orjson.dumps(value).decode())
+        return self._session
+
+    # -- transport ------------------------------------------------------------------------------------------
+
+    def _delay(self, attempt: int, retry_after: str | None) -> float:
+        if retry_after is not None:
+            try:
+                return min(max(float(retry_after), 0.0), self.max_backoff_s)
+            except ValueError:
+                pass
+        return random.uniform(0, min(self.max_backoff_s, self.backoff_s * 2 ** attempt))
+
+    async def _request(self, method: str, path: str, *, body: Any = None, params: dict[str, str] | None = None,
+                       timeout_s: float | None = None) -> tuple[int, Any]:
+        """One API call with bounded retries on connection errors and 429/503; returns (status, JSON body) or
+        raises the typed error of the broker's answer."""
+        timeout = aiohttp.ClientTimeout(total=timeout_s or self.request_timeout_s)
+        attempt = 0
+        while True:
+            try:
+                async with self._http().request(method, self.base_url + path, json=body, params=params,
+                                                timeout=timeout) as response:
+                    raw = await response.read()
+                    status, retry_after = response.status, response.headers.get("Retry-After")
+            except (aiohttp.ClientConnectionError, TimeoutError) as error:
+                if attempt >= self.retries:
+                    raise BrokerUnreachable(f"{method} {path}: {error!r} after {attempt + 1} attempts") from error
+                await asyncio.sleep(self._delay(attempt, None))
+                attempt += 1
+                continue
+            try:
+                payload = orjson.loads(raw) if raw else None
+            except orjson.JSONDecodeError:
+                payload = raw.decode(errors="replace")
+            if status < 400:
+                return status, payload
+            if status in RETRY_STATUSES and attempt < self.retries:
+                await asyncio.sleep(self._delay(attempt, retry_after))
+                attempt += 1
+                continue
+            raise api_error(status, payload, attempt + 1)
+
+    def _task(self, task: str | None) -> str:
+        task = task or self.task
+        if not task:
+            raise ValueError("no task: pass task= here or to the client")
+        return task
+
+    # -- actions --------------------------------------------------------------------------------------------
+
+    def action_body(self, kind: str, demand: Mapping[str, Demand], spec: Mapping[str, Any] | None = None, *,
+                    task: str | None = None, trajectory: str | None = None,
+                    elasticity: Mapping[str, Any] | None = None, timeout_s: float | None = None,
+                    idempotency_key: str | None = None, signature: str | None = None) -> dict[str, Any]:
+        """The JSON of one action, with an idempotency key generated when none is given."""
+        body: dict[str, Any] = {"task": self._task(task), "kind": kind,
+                                "demand": {name: unit_demand(units) for name, units in demand.items()},
+                                "spec": dict(spec or {}), "idempotency_key": idempotency_key or uuid.uuid4().hex}
+        optional = {"trajectory": trajectory, "elasticity": elasticity, "timeout_s": timeout_s,
+                    "signature": signature}
+        body.update({key: value for key, value in optional.items() if value is not None})
+        return body
+
+    async def submit(self, kind: str, demand: Mapping[str, Demand], spec: Mapping[str, Any] | None = None, *,
+                     task: str | None = None, trajectory: str | None = None,
+                     elasticity: Mapping[str, Any] | None = None, timeout_s: float | None = None,
+                     idempotency_key: str | None = None, signature: str | None = None,
+                     wait: bool = False) -> ActionRecord:
+        """Queue one action; with ``wait=True`` return only once it has ended (in any state)."""
+        body = self.action_body(kind, demand, spec, task=task, trajectory=trajectory, elasticity=elasticity,
+                                timeout_s=timeout_s, idempotency_key=idempotency_key, signature=signature)
+        if not wait:
+            _, payload = await self._request("POST", "/v1/actions", body=body)
+            return ActionRecord.from_json(payload)
+        _, payload = await self._request("POST", "/v1/actions", body=body, params=self._wait_params(self.wait_chunk_s),
+                                         timeout_s=self.wait_chunk_s + POLL_SLACK_S)
+        record = ActionRecord.from_json(payload)
+        return record if record.terminal else await self.wait(record.id)
+
+    async def submit_batch(self, actions: Sequence[Mapping[str, Any]]) -> list[ActionRecord]:
+        """Queue several actions in one request. Each item takes ``submit``'s arguments as keys (``kind``,
+        ``demand``, ``spec``, ``trajectory``, ...); the client's task and fresh idempotency keys fill the gaps."""
+        bodies = [self.action_body(**dict(item)) for item in actions]
+        _, payload = await self._request("POST", "/v1/actions:batch", body={"actions": bodies})
+        return [ActionRecord.from_json(item) for item in payload["actions"]]
+
+    @staticmethod
+    def _wait_params(seconds: float) -> dict[str, str]:
+        return {"wait": "true", "wait_timeout_s": f"{seconds:.3f}"}
+
+    async def get(self, action_id: str) -> ActionRecord:
+        _, payload = await self._request("GET", f"/v1/actions/{action_id}")
+        return ActionRecord.from_json(payload)
+
+    async def wait(self, action_id: str, timeout_s: float | None = None) -> ActionRecord:
+        """The action's record once it has ended; ``WaitTimeout`` if ``timeout_s`` passes first. Without a
+        timeout this waits as long as the action's own deadline allows."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            chunk = self.wait_chunk_s
+            if deadline is not None:
+                chunk = max(0.0, min(chunk, deadline - time.monotonic()))
+            _, payload = await self._request("GET", f"/v1/actions/{action_id}", params=self._wait_params(chunk),
+                                             timeout_s=chunk + POLL_SLACK_S)
+            record = ActionRecord.from_json(payload)
+            if record.terminal:
+                return record
+            if deadline is not None and time.monotonic() >= deadline:
+                raise WaitTimeout(record)
+
+    async def run(self, kind: str, demand: Mapping[str, Demand], spec: Mapping[str, Any] | None = None,
+                  **options: Any) -> ActionRecord:
+        """Submit, wait, and return the record of a succeeded action; ``ActionError`` for any other end."""
+        record = await self.submit(kind, demand, spec, wait=True, **options)
+        return record.raise_for_state()
+
+    async def cancel(self, action_id: str) -> ActionRecord:
+        """Cancel a queued or running action. A 409 (it had already ended) is raised as ``ConflictError``."""
+        _, payload = await self._request("DELETE", f"/v1/actions/{action_id}")
+        return ActionRecord.from_json(payload)
+
+    async def exec(self, command: str | Sequence[str], *, cores: Demand = 1, trajectory: str | None = None,
+                   task: str | None = None, elasticity: Mapping[str, Any] | None = None,
+                   timeout_s: float | None = None, idempotency_key: str | None = None,
+                   signature: str | None = None, **spec: Any) -> ActionRecord:
+        """Run a shell command (a string) or an argv list in the trajectory's sandbox and return the succeeded
+        record: ``result`` has ``exit_code``, ``stdout``, ``stderr``, ``environment``. A non-zero exit code is a
+        succeeded action; timeouts, lost sandboxes and memory kills raise ``ActionError``. Other keyword
+        arguments are spec fields (``files``, ``env``, ``cwd``, ``memory_mb``, ``image``, ``pytest_parallel``,
+        ``output_limit``, ``environment``)."""
+        command = command if isinstance(command, str) else list(command)
+        return await self.run("exec", {"cpu": cores}, {"command": command, **spec}, task=task,
+                              trajectory=trajectory, elasticity=elasticity, timeout_s=timeout_s,
+                              idempotency_key=idempotency_key, signature=signature)
+
+    # -- leases ---------------------------------------------------------------------------------------------
+
+    async def lease(self, demand: Mapping[str, Demand], *, ttl_s: float, task: str | None = None,
+                    timeout_s: float | None = None, idempotency_key: str | None = None) -> ActionRecord:
+        """Wait until the units are granted; they are held until ``release_lease`` or the TTL."""
+        return await self.run("lease", demand, {"ttl_s": ttl_s}, task=task, timeout_s=timeout_s,
+                              idempotency_key=idempotency_key)
+
+    async def release_lease(self, lease_id: str) -> ActionRecord:
+        """Give a lease's units back. Idempotent across retries: a lease found already returned is not an error
+        when this call's own earlier attempt may have returned it."""
+        try:
+            _, payload = await self._request("DELETE", f"/v1/leases/{lease_id}")
+        except ConflictError as error:
+            if error.attempts == 1:
+                raise
+            return await self.get(lease_id)
+        return ActionRecord.from_json(payload)
+
+    @asynccontextmanager
+    async def leased(self, demand: Mapping[str, Demand], *, ttl_s: float,
+                     task: str | None = None) -> AsyncIterator[ActionRecord]:
+        """Hold a lease for the body of an ``async with``; the units go back however the body ends."""
+        lease = await self.lease(demand, ttl_s=ttl_s, task=task)
+        try:
+            yield lease
+        finally:
+            await self.release_lease(lease.id)
+
+    # -- environments ---------------------------------------------------------------------------------------
+
+    async def create_environment(self, *, task: str | None = None, trajectory: str | None = None,
+                                 image: str | None = None, memory_mb: int | None = None,
+                                 files: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Make a sandbox now (instead of on a trajectory's first exec); ``exec(..., environment=id)`` uses it."""
+        body: dict[str, Any] = {"task": self._task(task)}
+        optional = {"trajectory": trajectory, "image": image, "memory_mb": memory_mb, "files": files}
+        body.update({key: value for key, value in optional.items() if value is not None})
+        _, payload = await self._request("POST", "/v1/environments", body=body)
+        return payload
+
+    async def environments(self, *, task: str | None = None) -> list[dict[str, Any]]:
+        """The environments of a task (the client's by default)."""
+        _, payload = await self._request("GET", "/v1/environments", params={"task": self._task(task)})
+        return payload["environments"]
+
+    async def get_environment(self, environment_id: str) -> dict[str, Any]:
+        _, payload = await self._request("GET", f"/v1/environments/{environment_id}")
+        return payload
+
+    async def delete_environment(self, environment_id: str) -> dict[str, Any]:
+        _, payload = await self._request("DELETE", f"/v1/environments/{environment_id}")
+        return payload
+
+    # -- broker ---------------------------------------------------------------------------------------------
+
+    async def resources(self) -> dict[str, Any]:
+        """Every resource's capacity, use and queue, and recent ACT percentiles."""
+        _, payload = await self._request("GET", "/v1/resources")
+        return payload
+
+    async def health(self) -> dict[str, Any]:
+        _, payload = await self._request("GET", "/healthz")
+        return payload
+
