@@ -8,12 +8,15 @@ import dataclasses
 import json
 import logging
 import sys
+import time
 import urllib.error
 import urllib.request
 from typing import Any
 
-from rich.console import Console
+from rich.console import Console, Group
+from rich.live import Live
 from rich.table import Table
+from rich.text import Text
 
 from tangram.config import load_config
 from tangram.errors import ConfigError
@@ -44,25 +47,53 @@ def _fmt(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1000:.1f} ms" if seconds < 1 else f"{seconds:.2f} s"
 
 
+def _utilization(in_use: int, capacity: int) -> Text:
+    """A ten-cell bar and percentage, green below 70 %, yellow below 90 %, red above."""
+    share = in_use / capacity if capacity else 0.0
+    cells = round(share * 10)
+    style = "green" if share < 0.7 else "yellow" if share < 0.9 else "red"
+    return Text.assemble(("█" * cells, style), ("░" * (10 - cells), "dim"), f" {share:4.0%}")
+
+
+def status_view(url: str, body: dict[str, Any]) -> Group:
+    """What ``tangram status`` shows: a table of resources and a line of queue and ACT figures."""
+    table = Table(title=f"ARL-Tangram at {url}", title_justify="left")
+    for column in ("resource", "pool", "manager", "utilization", "in use", "capacity", "queued"):
+        table.add_column(column, justify="left" if column in ("resource", "pool", "manager", "utilization")
+                         else "right")
+    for row in body["resources"]:
+        queued = Text(str(row["queued"]), style="bold yellow" if row["queued"] else "")
+        table.add_row(row["resource"], row["pool"], row["manager"], _utilization(row["in_use"], row["capacity"]),
+                      str(row["in_use"]), str(row["capacity"]), queued)
+    stats = body["stats"]
+    summary = Text.assemble(("queued ", "dim"), str(stats["queued"]), ("  running ", "dim"), str(stats["running"]),
+                            ("  leases held ", "dim"), str(stats["leases"]),
+                            (f"  ACT over the last {stats['recent']} actions: ", "dim"),
+                            f"p50 {_fmt(stats['act_p50_s'])}  p90 {_fmt(stats['act_p90_s'])}  "
+                            f"p99 {_fmt(stats['act_p99_s'])}")
+    return Group(table, summary, Text(f"status page: {url}/ui", style="dim"))
+
+
 def _status(args: argparse.Namespace) -> int:
     console = Console()
+    url = args.url.rstrip("/")
+
+    def view() -> Group:
+        return status_view(url, _fetch(url + "/v1/resources"))
+
     try:
-        body = _fetch(args.url.rstrip("/") + "/v1/resources")
+        if not args.watch:
+            console.print(view())
+            return 0
+        with Live(view(), console=console, auto_refresh=False) as live:
+            while True:
+                time.sleep(args.watch)
+                live.update(view(), refresh=True)
     except (urllib.error.URLError, OSError) as error:
-        console.print(f"[red]cannot reach the broker at {args.url}: {error}[/red]")
+        console.print(f"[red]cannot reach the broker at {url}: {error}[/red]")
         return 1
-    table = Table(title=f"ARL-Tangram at {args.url}")
-    for column in ("resource", "pool", "manager", "capacity", "in use", "queued"):
-        table.add_column(column, justify="left" if column in ("resource", "pool", "manager") else "right")
-    for row in body["resources"]:
-        table.add_row(row["resource"], row["pool"], row["manager"], str(row["capacity"]), str(row["in_use"]),
-                      str(row["queued"]))
-    console.print(table)
-    stats = body["stats"]
-    console.print(f"queued {stats['queued']}  running {stats['running']}  leases held {stats['leases']}  "
-                  f"recent ACT over {stats['recent']} actions: p50 {_fmt(stats['act_p50_s'])}  "
-                  f"p90 {_fmt(stats['act_p90_s'])}  p99 {_fmt(stats['act_p99_s'])}")
-    return 0
+    except KeyboardInterrupt:
+        return 0
 
 
 def _image_build(args: argparse.Namespace) -> int:
@@ -134,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.set_defaults(func=_serve)
     status = commands.add_parser("status", help="show resources, queues and recent ACT of a running broker")
     status.add_argument("--url", default="http://127.0.0.1:8300")
+    status.add_argument("--watch", type=float, metavar="SECONDS", help="refresh every SECONDS until Ctrl-C")
     status.set_defaults(func=_status)
     image = commands.add_parser("image", help="build the default sandbox image offline and import it into engines")
     image_commands = image.add_subparsers(dest="image_command", required=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -89,6 +90,14 @@ def test_serve_and_status_end_to_end(tmp_path):
                                 capture_output=True, text=True, timeout=30, env={**os.environ, "COLUMNS": "200"})
         assert status.returncode == 0, status.stderr
         assert "lease.local" in status.stdout and "64" in status.stdout and "leases held 1" in status.stdout
+        row = next(line for line in status.stdout.splitlines() if "lease.local" in line)
+        assert "░░░░░░░░░░   5%" in row  # 3 of 64 units: 5 %, under half a cell
+        watch = subprocess.Popen([sys.executable, "-m", "tangram.cli", "status", "--url", url, "--watch", "0.1"],
+                                 stdout=subprocess.PIPE, text=True, env={**os.environ, "COLUMNS": "200"})
+        time.sleep(2)
+        watch.send_signal(signal.SIGINT)
+        watched, _ = watch.communicate(timeout=30)
+        assert watch.returncode == 0 and "leases held 1" in watched
     finally:
         server.terminate()
         output, _ = server.communicate(timeout=30)

@@ -10,7 +10,8 @@ from typing import Any
 
 import orjson
 from rich.console import Console
-from rich.table import Table
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Column, Table
 
 from tangram.sim.cluster import Cluster, ServiceModel, gpu_nodes
 from tangram.sim.engine import simulate
@@ -24,7 +25,7 @@ WORKLOADS = {"ai_coding": lambda batch, seed: ai_coding(CodingParams(batch=batch
              "deepsearch": lambda batch, seed: deepsearch(SearchParams(batch=batch), seed)}
 
 
-def _show(outcome: Outcome, console: Console) -> None:
+def _table(outcome: Outcome) -> Table:
     table = Table(title=outcome.title)
     for column in ("figure", "paper", "ours", "ours / paper"):
         table.add_column(column, justify="left" if column == "figure" else "right")
@@ -32,32 +33,49 @@ def _show(outcome: Outcome, console: Console) -> None:
         ratio = f["ours_over_paper"]
         table.add_row(f["name"], "-" if f["paper"] is None else str(f["paper"]), f"{f['ours']:.3g}",
                       "-" if ratio is None else f"{ratio:.2f}")
-    console.print(table)
+    return table
 
 
 def _simulate(args: argparse.Namespace) -> int:
+    """Run the scenarios with a progress bar over them (each run's summary line under it); on a console that is
+    not a terminal (CI logs) the lines are printed instead."""
     names = list(SCENARIOS) if args.scenario == "all" else [args.scenario]
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
     console = Console()
-    for name in names:
-        started = time.perf_counter()
-        outcome = SCENARIOS[name](args.scale, args.seed)
-        body: dict[str, Any] = {**outcome.to_json(), "scale": args.scale, "seed": args.seed,
-                                "wall_s": round(time.perf_counter() - started, 1)}
-        json_path = args.json if args.json and len(names) == 1 else (Path(args.out) / f"{name}.json"
-                                                                    if args.out else None)
-        plot_path = args.plot if args.plot and len(names) == 1 else (Path(args.out) / f"{name}.png"
-                                                                    if args.out else None)
-        if json_path:
-            Path(json_path).write_bytes(orjson.dumps(body, option=orjson.OPT_INDENT_2))
-        if plot_path:
-            from tangram.sim.plot import plot
+    columns = (SpinnerColumn(), TextColumn("[bold]{task.description}", table_column=Column(min_width=15)),
+               BarColumn(bar_width=20), MofNCompleteColumn(), TimeElapsedColumn(),
+               TextColumn("{task.fields[line]}", style="dim",
+                          table_column=Column(no_wrap=True, overflow="ellipsis", ratio=1)))
+    with Progress(*columns, console=console, disable=not console.is_terminal) as bar:
+        overall = bar.add_task("simulating", total=len(names), line="")
 
-            plot(outcome, plot_path)
-        _show(outcome, console)
-        console.print(f"{name}: {body['wall_s']} s wall" + (f", {json_path}" if json_path else "")
-                      + (f", {plot_path}" if plot_path else ""))
+        def on_run(line: str) -> None:
+            if console.is_terminal:
+                bar.update(overall, line=line)
+            else:
+                print(line, file=sys.stderr, flush=True)
+
+        for name in names:
+            bar.update(overall, description=name)
+            started = time.perf_counter()
+            outcome = SCENARIOS[name](args.scale, args.seed, on_run)
+            body: dict[str, Any] = {**outcome.to_json(), "scale": args.scale, "seed": args.seed,
+                                    "wall_s": round(time.perf_counter() - started, 1)}
+            json_path = args.json if args.json and len(names) == 1 else (Path(args.out) / f"{name}.json"
+                                                                        if args.out else None)
+            plot_path = args.plot if args.plot and len(names) == 1 else (Path(args.out) / f"{name}.png"
+                                                                        if args.out else None)
+            if json_path:
+                Path(json_path).write_bytes(orjson.dumps(body, option=orjson.OPT_INDENT_2))
+            if plot_path:
+                from tangram.sim.plot import plot
+
+                plot(outcome, plot_path)
+            bar.console.print(_table(outcome))
+            bar.console.print(f"{name}: {body['wall_s']} s wall" + (f", {json_path}" if json_path else "")
+                              + (f", {plot_path}" if plot_path else ""))
+            bar.advance(overall)
     return 0
 
 
