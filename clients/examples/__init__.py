@@ -1,0 +1,1 @@
+"""Runnable examples of the clients (see each module's docstring)."""
