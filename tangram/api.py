@@ -13,10 +13,11 @@ from tangram.api_common import BROKER, LIMITS, SERVER, json_response, read_json
 from tangram.broker import Broker
 from tangram.config import ServerConfig
 from tangram.environments_api import add_environment_routes
-from tangram.services_api import add_service_routes
 from tangram.errors import BadRequest
 from tangram.openapi import openapi_document
 from tangram.parse import Limits, parse_action
+from tangram.services_api import add_service_routes
+from tangram.status_page import add_status_routes
 
 log = logging.getLogger("tangram.api")
 
@@ -143,6 +144,7 @@ def build_app(broker: Broker, server: ServerConfig, limits: Limits) -> web.Appli
     app.router.add_get("/v1/resources", resources)
     add_environment_routes(app)
     add_service_routes(app)
+    add_status_routes(app, interval_s=server.status_interval_s, keep_s=server.status_keep_s)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/openapi.json", openapi)

@@ -25,6 +25,9 @@ class ServerConfig:
     max_body_bytes: int = 8 << 20
     max_batch: int = 2000
     max_wait_s: float = 300.0
+    #: the status page's sampling interval and how much history it keeps
+    status_interval_s: float = 2.0
+    status_keep_s: float = 900.0
 
 
 @dataclass(frozen=True)
@@ -146,6 +149,10 @@ def parse_config(raw: dict[str, Any]) -> Config:
     duplicate = next((n for n in names if names.count(n) > 1), None)
     if duplicate:
         raise ConfigError(duplicate, "resource is declared twice")
+    if config.server.status_interval_s <= 0:
+        raise ConfigError("server.status_interval_s", "must be a positive number of seconds")
+    if config.server.status_keep_s < config.server.status_interval_s:
+        raise ConfigError("server.status_keep_s", "must be at least server.status_interval_s")
     if config.scheduler.depth < 1:
         raise ConfigError("scheduler.depth", "must be at least 1")
     if not 0 < config.scheduler.ewma_alpha <= 1:

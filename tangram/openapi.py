@@ -120,6 +120,25 @@ def openapi_document(server: ServerConfig, limits: Limits) -> dict[str, Any]:
                 "gpu_memory_mb": {"type": "integer"}, "host_memory_mb": {"type": "integer"},
                 "nodes": {"type": "array", "items": {"type": "string"}}, "instances": {"type": "integer"},
                 "resident": {"type": "array", "items": {"type": "object"}}}},
+        "StatusSample": {
+            "type": "object",
+            "required": ["t", "utilization", "queued", "queued_total", "running", "leases", "finished",
+                         "act_p50_s", "act_p90_s", "act_p99_s"],
+            "properties": {
+                "t": {"type": "number", "description": "seconds since the epoch; covers (previous t, t]"},
+                "utilization": {"type": "object", "additionalProperties": {"type": "number", "minimum": 0,
+                                                                           "maximum": 1},
+                                "description": "in use / capacity per resource, summed over its pools"},
+                "queued": {"type": "object", "additionalProperties": {"type": "integer"},
+                           "description": "queued actions demanding each resource"},
+                "queued_total": {"type": "integer"}, "running": {"type": "integer"}, "leases": {"type": "integer"},
+                "finished": {"type": "integer", "description": "actions that ended during the interval"},
+                **{f"act_{p}_s": {"type": ["number", "null"],
+                                  "description": f"ACT {p} of the actions that ended during the interval"}
+                   for p in ("p50", "p90", "p99")}}},
+        "StatusHistory": {"type": "object", "required": ["interval_s", "keep_s", "samples"], "properties": {
+            "interval_s": {"type": "number"}, "keep_s": {"type": "number"},
+            "samples": {"type": "array", "items": _ref("StatusSample"), "description": "oldest first"}}},
         "Resources": {"type": "object", "required": ["resources", "stats"], "properties": {
             "resources": {"type": "array", "items": {"type": "object", "required": [
                 "resource", "pool", "manager", "capacity", "in_use", "queued"]}},
@@ -194,6 +213,17 @@ def openapi_document(server: ServerConfig, limits: Limits) -> dict[str, Any]:
                 "responses": {"200": _json(_ref("Service"), "the service"), "404": _error("unknown service")}}},
             "/v1/resources": {"get": {"summary": "Capacity, use and queue per resource and pool",
                                       "responses": {"200": _json(_ref("Resources"), "resources")}}},
+            "/v1/status/history": {"get": {
+                "summary": "The sampled time series the status page draws",
+                "parameters": [{"name": "since", "in": "query", "required": False,
+                                "schema": {"type": "number", "minimum": 0},
+                                "description": "only samples taken after this time (seconds since the epoch)"}],
+                "responses": {"200": _json(_ref("StatusHistory"), "samples"), "400": _error("bad since")}}},
+            "/ui": {"get": {"summary": "The status page (HTML; polls /v1/status/history and /v1/resources)",
+                            "responses": {"200": {"description": "the page",
+                                                  "content": {"text/html": {"schema": {"type": "string"}}}}}}},
+            "/": {"get": {"summary": "Redirects to the status page",
+                          "responses": {"302": {"description": "Location: /ui"}}}},
             "/healthz": {"get": {"summary": "Liveness", "responses": {"200": _json({"type": "object"}, "ok")}}},
             "/metrics": {"get": {"summary": "Prometheus metrics",
                                  "responses": {"200": {"description": "text exposition format",

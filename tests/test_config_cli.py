@@ -20,6 +20,8 @@ from tangram.errors import ConfigError
     ({"server": {"prot": 1}}, "server.prot"),
     ({"server": {"port": "80"}}, "server.port"),
     ({"scheduler": {"depth": 0}}, "scheduler.depth"),
+    ({"server": {"status_interval_s": 0}}, "server.status_interval_s"),
+    ({"server": {"status_interval_s": 5, "status_keep_s": 1}}, "server.status_keep_s"),
     ({"scheduler": {"horizon": -1}}, "scheduler.horizon"),
     ({"basic": {"api.x": {}}}, "basic.api.x"),
     ({"basic": {"api.x": {"concurrency": 0}}}, "basic.api.x.concurrency"),

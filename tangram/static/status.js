@@ -1,0 +1,350 @@
+// The broker's status page: polls /v1/status/history (the sampled time series) and /v1/resources (the state now)
+// and draws SVG line charts. Plain browser JavaScript, no libraries, nothing loaded from elsewhere.
+"use strict";
+
+(() => {
+  const SVG_NS = "http://www.w3.org/2000/svg";
+  const HEIGHT = 240;  // the chart's CSS height; its width follows the page, so text keeps its size
+  const MARGIN = { left: 60, right: 14, top: 12, bottom: 42 };
+  // Okabe-Ito colours: distinguishable with the common colour-vision deficiencies
+  const PALETTE = ["#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00", "#000000", "#999999"];
+  const ACT_SERIES = [
+    { key: "act_p50_s", name: "p50", colour: "#0072B2" },
+    { key: "act_p90_s", name: "p90", colour: "#E69F00" },
+    { key: "act_p99_s", name: "p99", colour: "#D55E00" },
+  ];
+  const TIME_STEPS_S = [1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600];
+
+  const state = {
+    samples: [], lastT: null, intervalS: 2, keepS: 900, colours: new Map(), lastUpdate: null, now: null,
+  };
+
+  // -- formatting -------------------------------------------------------------------------------------------
+
+  const clock = (t) => new Date(t * 1000).toLocaleTimeString([], { hour12: false });
+
+  function seconds(value) {
+    if (value === null || value === undefined) return "–";
+    if (value < 1) return `${Number((value * 1000).toPrecision(3))} ms`;
+    return `${Number(value.toPrecision(3))} s`;
+  }
+
+  const plain = (value) => String(Number(value.toPrecision(4)));
+  const percent = (fraction) => `${Math.round(fraction * 100)}%`;
+
+  function niceStep(rough) {
+    const power = 10 ** Math.floor(Math.log10(rough));
+    const fraction = rough / power;
+    return (fraction <= 1 ? 1 : fraction <= 2 ? 2 : fraction <= 5 ? 5 : 10) * power;
+  }
+
+  // Ticks from 0 to a round top at or above `max`; `integer` keeps the step at 1 or more (counts of actions).
+  function ticksUpTo(max, integer) {
+    const step = integer ? Math.max(1, niceStep(Math.max(max, 1) / 4)) : niceStep(max > 0 ? max / 4 : 0.001);
+    const top = Math.max(step, Math.ceil(max / step - 1e-9) * step);
+    const ticks = [];
+    for (let value = 0; value <= top + step / 2; value += step) ticks.push(Number(value.toPrecision(12)));
+    return ticks;
+  }
+
+  // -- SVG drawing --------------------------------------------------------------------------------------------
+
+  function element(name, attributes, text) {
+    const node = document.createElementNS(SVG_NS, name);
+    for (const [key, value] of Object.entries(attributes)) node.setAttribute(key, String(value));
+    if (text !== undefined) node.textContent = text;
+    return node;
+  }
+
+  function timeTicks(tMin, tMax) {
+    const span = tMax - tMin;
+    const step = TIME_STEPS_S.find((s) => span / s <= 6) ?? TIME_STEPS_S[TIME_STEPS_S.length - 1];
+    const ticks = [];
+    for (let t = Math.ceil(tMin / step) * step; t <= tMax; t += step) ticks.push(t);
+    return ticks;
+  }
+
+  // Draw `series` ([{name, colour, points: [[t, value or null]], total?}]) into `svg`, replacing what was there;
+  // the first series is drawn on top. A null value, or a gap of more than `gapS` between samples (the broker was
+  // away), breaks the line. The plot area carries its geometry as data attributes, so a test can read a plotted
+  // value back from the path's coordinates.
+  function drawChart(svg, { series, yTicks, yTitle, formatTick, tMin, tMax, gapS, empty }) {
+    for (const child of Array.from(svg.children)) if (child.tagName !== "desc") child.remove();
+    const width = Math.max(320, Math.round(svg.getBoundingClientRect().width));
+    svg.setAttribute("viewBox", `0 0 ${width} ${HEIGHT}`);
+    const bottom = HEIGHT - MARGIN.bottom;
+    const right = width - MARGIN.right;
+    const yMax = yTicks[yTicks.length - 1];
+    const x = (t) => MARGIN.left + ((t - tMin) / (tMax - tMin)) * (right - MARGIN.left);
+    const y = (v) => bottom - (Math.min(v, yMax) / yMax) * (bottom - MARGIN.top);
+
+    const axes = element("g", { class: "axes", "aria-hidden": "true" });
+    for (const tick of yTicks) {
+      axes.append(element("line", { class: "grid", x1: MARGIN.left, x2: right, y1: y(tick), y2: y(tick) }));
+      axes.append(element("text", { x: MARGIN.left - 6, y: y(tick) + 4, "text-anchor": "end" }, formatTick(tick)));
+    }
+    if (!empty) {
+      for (const t of timeTicks(tMin, tMax)) {
+        axes.append(element("line", { class: "axis", x1: x(t), x2: x(t), y1: bottom, y2: bottom + 4 }));
+        axes.append(element("text", { x: x(t), y: bottom + 16, "text-anchor": "middle" }, clock(t)));
+      }
+    }
+    axes.append(element("line", { class: "axis", x1: MARGIN.left, x2: right, y1: bottom, y2: bottom }));
+    axes.append(element("line", { class: "axis", x1: MARGIN.left, x2: MARGIN.left, y1: MARGIN.top, y2: bottom }));
+    axes.append(element("text", {
+      class: "axis-title", x: -(MARGIN.top + bottom) / 2, y: 14, transform: "rotate(-90)", "text-anchor": "middle",
+    }, yTitle));
+    axes.append(element("text", { class: "axis-title", x: (MARGIN.left + right) / 2, y: HEIGHT - 6,
+      "text-anchor": "middle" }, "time (local clock)"));
+    svg.append(axes);
+
+    const plot = element("g", { class: "plot", "data-top": MARGIN.top, "data-bottom": bottom, "data-ymax": yMax });
+    if (empty) {
+      plot.append(element("text", { class: "empty", x: (MARGIN.left + right) / 2, y: (MARGIN.top + bottom) / 2,
+        "text-anchor": "middle" }, empty));
+    }
+    for (const line of [...series].reverse()) {
+      const segments = [];
+      let previousT = null;
+      for (const [t, value] of line.points) {
+        if (value === null) {
+          previousT = null;
+          continue;
+        }
+        if (previousT === null || t - previousT > gapS) segments.push([]);
+        segments[segments.length - 1].push([x(t), y(value)]);
+        previousT = t;
+      }
+      const d = segments.map((segment) => segment.map(([px, py], i) => `${i ? "L" : "M"}${px.toFixed(2)},${
+        py.toFixed(2)}`).join(" ")).join(" ");
+      const path = element("path", { class: line.total ? "series total" : "series", d, stroke: line.colour,
+        "data-series": line.name });
+      path.append(element("title", {}, line.name));
+      plot.append(path);
+      for (const segment of segments.filter((points) => points.length === 1)) {
+        const [[cx, cy]] = segment;  // a lone point draws no line: mark it
+        plot.append(element("circle", { class: "marker", cx, cy, r: 2.5, fill: line.colour }));
+      }
+    }
+    svg.append(plot);
+  }
+
+  function drawLegend(list, entries) {
+    list.replaceChildren(...entries.map(({ name, colour, value, total }) => {
+      const item = document.createElement("li");
+      item.dataset.series = name;
+      const swatch = document.createElement("span");
+      swatch.className = total ? "swatch total" : "swatch";
+      swatch.style.borderTopColor = colour;
+      swatch.setAttribute("aria-hidden", "true");
+      const label = document.createElement("span");
+      label.textContent = name;
+      const latest = document.createElement("span");
+      latest.className = "value";
+      latest.textContent = value;
+      item.append(swatch, label, latest);
+      return item;
+    }));
+  }
+
+  // -- the three charts -----------------------------------------------------------------------------------
+
+  function colourOf(resource) {
+    if (!state.colours.has(resource)) state.colours.set(resource, PALETTE[state.colours.size % PALETTE.length]);
+    return state.colours.get(resource);
+  }
+
+  function resourcesSeen() {
+    const names = new Set();
+    for (const sample of state.samples) for (const name of Object.keys(sample.utilization)) names.add(name);
+    return Array.from(names).sort();
+  }
+
+  function timeRange() {
+    const samples = state.samples;
+    if (!samples.length) {
+      const empty = `No samples yet: the broker samples every ${plain(state.intervalS)} s.`;
+      return { tMin: 0, tMax: 1, gapS: 0, empty };
+    }
+    const tMax = samples[samples.length - 1].t;
+    return { tMin: Math.min(samples[0].t, tMax - state.intervalS), tMax, gapS: 3 * state.intervalS, empty: null };
+  }
+
+  function describe(id, latest, parts) {
+    document.getElementById(id).textContent = latest
+      ? `Latest sample at ${clock(latest.t)}: ${parts.join(", ")}.` : "No samples yet.";
+  }
+
+  function drawUtilization(range, latest) {
+    const series = resourcesSeen().map((name) => ({
+      name, colour: colourOf(name), points: state.samples.map((s) => [s.t, name in s.utilization
+        ? s.utilization[name] * 100 : null]),
+    }));
+    drawChart(document.getElementById("chart-utilization"), { ...range, series, yTicks: [0, 25, 50, 75, 100],
+      yTitle: "utilization (%)", formatTick: (v) => `${v}%` });
+    const values = series.map((s) => (latest && s.name in latest.utilization ? percent(latest.utilization[s.name])
+      : "–"));
+    drawLegend(document.getElementById("legend-utilization"),
+      series.map((s, i) => ({ name: s.name, colour: s.colour, value: values[i] })));
+    describe("utilization-desc", latest, series.map((s, i) => `${s.name} ${values[i]}`));
+  }
+
+  function drawQueue(range, latest) {
+    const perResource = resourcesSeen().map((name) => ({
+      name, colour: colourOf(name), points: state.samples.map((s) => [s.t, name in s.queued ? s.queued[name] : null]),
+    }));
+    const total = { name: "total", colour: "#1f2328", total: true,
+      points: state.samples.map((s) => [s.t, s.queued_total]) };
+    const series = [total, ...perResource];
+    const highest = Math.max(0, ...state.samples.map((s) => s.queued_total),
+      ...state.samples.flatMap((s) => Object.values(s.queued)));
+    drawChart(document.getElementById("chart-queue"), { ...range, series, yTicks: ticksUpTo(highest, true),
+      yTitle: "queued actions", formatTick: plain });
+    const valueOf = (s) => (latest ? String(s.total ? latest.queued_total : latest.queued[s.name] ?? "–") : "–");
+    drawLegend(document.getElementById("legend-queue"),
+      series.map((s) => ({ name: s.name, colour: s.colour, total: s.total, value: valueOf(s) })));
+    describe("queue-desc", latest, series.map((s) => `${s.name} ${valueOf(s)}`));
+  }
+
+  function drawAct(range, latest) {
+    const series = ACT_SERIES.map(({ key, name, colour }) => ({
+      name, colour, points: state.samples.map((s) => [s.t, s[key]]),
+    }));
+    const highest = Math.max(0, ...state.samples.map((s) => s.act_p99_s ?? 0));
+    drawChart(document.getElementById("chart-act"), { ...range, series, yTicks: ticksUpTo(highest, false),
+      yTitle: "ACT (s)", formatTick: plain });
+    const lastFinished = [...state.samples].reverse().find((s) => s.finished > 0);
+    const valueOf = (key) => (lastFinished ? seconds(lastFinished[key]) : "–");
+    drawLegend(document.getElementById("legend-act"),
+      ACT_SERIES.map(({ key, name, colour }) => ({ name, colour, value: valueOf(key) })));
+    const parts = ACT_SERIES.map(({ key, name }) => `${name} ${valueOf(key)}`);
+    describe("act-desc", latest, lastFinished
+      ? [`${lastFinished.finished} actions finished in the interval ending ${clock(lastFinished.t)}`, ...parts]
+      : ["no action finished yet"]);
+  }
+
+  // -- the state now: header and table --------------------------------------------------------------------
+
+  function cell(row, text, className) {
+    const td = document.createElement("td");
+    if (className) td.className = className;
+    td.textContent = text;
+    row.append(td);
+    return td;
+  }
+
+  function drawNow(now) {
+    const stats = now.stats;
+    document.getElementById("total-queued").textContent = String(stats.queued);
+    document.getElementById("total-running").textContent = String(stats.running);
+    document.getElementById("total-leases").textContent = String(stats.leases);
+    document.getElementById("total-act-p50").textContent = seconds(stats.act_p50_s);
+    const rows = now.resources.map((r) => {
+      const row = document.createElement("tr");
+      row.dataset.resource = r.resource;
+      row.dataset.pool = r.pool;
+      cell(row, r.resource);
+      cell(row, r.pool);
+      cell(row, r.manager);
+      cell(row, String(r.in_use), "num in-use");
+      cell(row, String(r.capacity), "num capacity");
+      const usage = cell(row, "");
+      const meter = document.createElement("meter");
+      Object.assign(meter, { min: 0, max: Math.max(r.capacity, 1), value: r.in_use });
+      meter.setAttribute("aria-label", `${r.resource} ${r.pool} utilization`);
+      const pct = document.createElement("span");
+      pct.className = "pct";
+      pct.textContent = r.capacity ? percent(r.in_use / r.capacity) : "–";
+      usage.append(meter, pct);
+      cell(row, String(r.queued), "num queued");
+      return row;
+    });
+    if (!rows.length) {
+      const row = document.createElement("tr");
+      row.className = "empty";
+      cell(row, "This broker has no resources.").colSpan = 7;
+      rows.push(row);
+    }
+    document.querySelector("#resources tbody").replaceChildren(...rows);
+  }
+
+  // -- polling --------------------------------------------------------------------------------------------
+
+  const pollDelayMs = () => Math.min(3000, Math.max(500, state.intervalS * 1000));
+
+  function absorb(history) {
+    state.intervalS = history.interval_s;
+    state.keepS = history.keep_s;
+    for (const sample of history.samples) {
+      if (state.lastT === null || sample.t > state.lastT) {
+        state.samples.push(sample);
+        state.lastT = sample.t;
+      }
+    }
+    // the same bound as the broker's ring buffer, so the page shows what the broker still holds
+    const keep = Math.ceil(state.keepS / state.intervalS);
+    if (state.samples.length > keep) state.samples.splice(0, state.samples.length - keep);
+  }
+
+  function render(now) {
+    const range = timeRange();
+    const latest = state.samples.length ? state.samples[state.samples.length - 1] : null;
+    drawUtilization(range, latest);
+    drawQueue(range, latest);
+    drawAct(range, latest);
+    drawNow(now);
+    const footer = document.getElementById("footer");
+    footer.dataset.samples = String(state.samples.length);
+    footer.dataset.lastT = state.lastT === null ? "" : String(state.lastT);
+    footer.textContent = `Sampled every ${plain(state.intervalS)} s, keeping ${plain(state.keepS / 60)} min; `
+      + `${state.samples.length} samples shown. Updated ${clock(state.lastUpdate)}.`;
+  }
+
+  function showConnection(live, reason) {
+    const badge = document.getElementById("connection");
+    badge.dataset.state = live ? "live" : "disconnected";
+    document.body.classList.toggle("stale", !live);
+    if (live) {
+      badge.textContent = "live";
+      badge.title = "";
+    } else {
+      const since = state.lastUpdate === null ? "no data yet" : `showing data from ${clock(state.lastUpdate)}`;
+      badge.textContent = `disconnected (${since}); retrying`;
+      badge.title = String(reason);
+    }
+  }
+
+  async function getJSON(path) {
+    const response = await fetch(path, { cache: "no-store", headers: { accept: "application/json" } });
+    if (!response.ok) throw new Error(`${path} answered HTTP ${response.status}`);
+    return response.json();
+  }
+
+  async function poll() {
+    let replies;
+    try {
+      const since = state.lastT === null ? "" : `?since=${state.lastT}`;
+      replies = await Promise.all([getJSON(`/v1/status/history${since}`), getJSON("/v1/resources")]);
+    } catch (error) {
+      showConnection(false, error);  // keep drawing what we have; try again
+      setTimeout(poll, pollDelayMs());
+      return;
+    }
+    try {
+      state.lastUpdate = Date.now() / 1000;
+      absorb(replies[0]);
+      state.now = replies[1];
+      render(state.now);
+      showConnection(true);
+    } finally {
+      setTimeout(poll, pollDelayMs());
+    }
+  }
+
+  let resizing = null;
+  window.addEventListener("resize", () => {  // charts are drawn at the page's width: redraw at the new one
+    clearTimeout(resizing);
+    resizing = setTimeout(() => state.now !== null && render(state.now), 150);
+  });
+  document.addEventListener("DOMContentLoaded", poll);
+})();
