@@ -10,8 +10,9 @@ import pytest
 import pytest_asyncio
 from sqlalchemy.ext.asyncio import create_async_engine
 
+from sandboxes.backend import LABEL_BROKER
 from tangram.store import Base, Store
-from tests.docker_nodes import configured_engines, labelled_containers
+from tests.docker_nodes import SESSION_BROKER_PREFIX, configured_engines, labelled_containers
 
 # ---------------------------------------------------------------------------------------------------------------
 # Store fixtures: every store test runs on real SQLite (a file under tmp_path) and on real PostgreSQL.
@@ -62,11 +63,13 @@ async def store(store_url: str) -> AsyncIterator[Store]:
 
 @pytest.fixture(scope="session", autouse=True)
 def no_sandbox_outlives_the_suite() -> Iterator[None]:
-    """After the whole suite, no container with the broker's labels may remain on any test engine."""
+    """After the whole suite, no sandbox of a broker this session made may remain on any test engine (another
+    session's, on shared engines, is left alone)."""
     yield
-    leftovers = {engine: [c.name for c in labelled_containers(engine)] for engine in configured_engines()}
-    leftovers = {engine: names for engine, names in leftovers.items() if names}
-    for engine in leftovers:
+    leftovers: dict[str, list[str]] = {}
+    for engine in configured_engines():
         for container in labelled_containers(engine):
-            container.remove(force=True)
+            if container.labels.get(LABEL_BROKER, "").startswith(SESSION_BROKER_PREFIX):
+                leftovers.setdefault(engine, []).append(container.name)
+                container.remove(force=True)
     assert not leftovers, f"sandbox containers outlived the suite: {leftovers}"

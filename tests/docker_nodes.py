@@ -33,9 +33,18 @@ def docker_engines() -> list[str]:
     return engines
 
 
+#: every broker id this pytest process makes starts with it, so the end-of-suite check looks at this session's
+#: sandboxes only, never at those of another session sharing the engines
+SESSION_BROKER_PREFIX = f"test-{uuid.uuid4().hex[:6]}-"
+
+
+def new_broker_id() -> str:
+    return SESSION_BROKER_PREFIX + uuid.uuid4().hex[:8]
+
+
 def cpu_config(nodes: dict[str, dict[str, Any]], **extra: Any) -> dict[str, Any]:
     """A broker config with only the CPU manager's nodes, under a broker id unique to the test."""
-    return {"cpu": {"broker_id": f"test-{uuid.uuid4().hex[:8]}", "run_dir": "/run/tangram/test-sandboxes",
+    return {"cpu": {"broker_id": new_broker_id(), "run_dir": "/run/tangram/test-sandboxes",
                     "nodes": nodes, **extra}}
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -16,6 +15,7 @@ from aiohttp.test_utils import TestServer
 from tangram.broker import Broker
 from tangram.config import parse_config
 from tangram.service import running_broker
+from tests.docker_nodes import new_broker_id
 
 
 @dataclass
@@ -35,7 +35,7 @@ class Live:
 async def live_broker(raw: dict[str, Any], db_path: str) -> AsyncIterator[Live]:
     raw = {**raw, "store": {"url": f"sqlite+aiosqlite:///{db_path}"}}
     # the default CPU manager reaps its broker id's sandboxes at start: never a developer's running broker's
-    raw.setdefault("cpu", {"broker_id": f"test-{uuid.uuid4().hex[:8]}"})
+    raw.setdefault("cpu", {"broker_id": new_broker_id()})
     async with running_broker(parse_config(raw)) as (broker, app):
         server = TestServer(app, host="127.0.0.1")
         await server.start_server()
