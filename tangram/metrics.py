@@ -22,16 +22,19 @@ class _StateCollector(Collector):
         self.units = units
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
-        queued = GaugeMetricFamily("tangram_queue_length", "Queued actions demanding each resource",
-                                   labels=["resource"])
-        for resource, depth in sorted(self.queue_depth().items()):
-            queued.add_metric([resource], depth)
         in_use = GaugeMetricFamily("tangram_units_in_use", "Units held by running actions and leases",
                                    labels=["resource", "pool"])
         capacity = GaugeMetricFamily("tangram_units_capacity", "Units a pool has", labels=["resource", "pool"])
+        resources: set[str] = set()
         for resource, pool, cap, used in self.units():
             in_use.add_metric([resource, pool], used)
             capacity.add_metric([resource, pool], cap)
+            resources.add(resource)
+        queued = GaugeMetricFamily("tangram_queue_length", "Queued actions demanding each resource",
+                                   labels=["resource"])
+        depth = self.queue_depth()
+        for resource in sorted(resources | set(depth)):  # 0 for an idle resource: a series, not a gap
+            queued.add_metric([resource], depth.get(resource, 0))
         yield queued
         yield in_use
         yield capacity

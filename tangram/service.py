@@ -10,6 +10,7 @@ from contextlib import asynccontextmanager
 
 import uvloop
 from aiohttp import web
+from sqlalchemy.engine import make_url
 
 from managers.base import ResourceManager
 from managers.basic import BasicManager
@@ -60,7 +61,7 @@ async def serve(config: Config) -> None:
         site = web.TCPSite(runner, config.server.host, config.server.port)
         await site.start()
         log.info("ARL-Tangram broker listening on http://%s:%d (store %s)", config.server.host,
-                 config.server.port, config.store.url)
+                 config.server.port, make_url(config.store.url).render_as_string(hide_password=True))
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):

@@ -168,7 +168,8 @@ async def test_metrics_openapi_health_and_resources(db):
         code, text = await live.call("GET", "/metrics")
         assert code == 200
         for name in ("tangram_action_completion_seconds_bucket", "tangram_schedule_pass_seconds_count",
-                     'tangram_units_in_use{pool="default",resource="lease.gpu-quota"} 1.0', "tangram_queue_length"):
+                     'tangram_units_in_use{pool="default",resource="lease.gpu-quota"} 1.0',
+                     'tangram_queue_length{resource="lease.gpu-quota"} 0.0'):  # idle resources export a 0
             assert name in text
         code, doc = await live.call("GET", "/openapi.json")
         assert code == 200 and doc["openapi"].startswith("3.")

