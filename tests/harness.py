@@ -69,14 +69,20 @@ class Upstream:
 
 
 @asynccontextmanager
-async def live_upstream(**settings: Any) -> AsyncIterator[Upstream]:
-    upstream = Upstream(**settings)
+async def serving(handler: Any) -> AsyncIterator[str]:
+    """Serve every method and path with ``handler`` on a loopback port; yields the base URL."""
     app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", upstream.handle)
+    app.router.add_route("*", "/{tail:.*}", handler)
     server = TestServer(app, host="127.0.0.1")
     await server.start_server()
-    upstream.url = str(server.make_url("")).rstrip("/")
     try:
-        yield upstream
+        yield str(server.make_url("")).rstrip("/")
     finally:
         await server.close()
+
+
+@asynccontextmanager
+async def live_upstream(**settings: Any) -> AsyncIterator[Upstream]:
+    upstream = Upstream(**settings)
+    async with serving(upstream.handle) as upstream.url:
+        yield upstream

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 import aiohttp
 import pytest
 from aiohttp import web
-from aiohttp.test_utils import TestServer
 
 from clients import (
     ActionError,
@@ -29,7 +28,7 @@ from clients import (
     unit_demand,
 )
 from tests.docker_nodes import cpu_config, docker_engines
-from tests.harness import live_broker
+from tests.harness import live_broker, serving
 
 LEASES = {"basic": {"lease.local": {"concurrency": 2}}}
 
@@ -71,15 +70,8 @@ class Front:
 @asynccontextmanager
 async def front(target: str, **faults: int) -> AsyncIterator[Front]:
     proxy = Front(target, **faults)
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", proxy.handle)
-    server = TestServer(app, host="127.0.0.1")
-    await server.start_server()
-    proxy.url = str(server.make_url("")).rstrip("/")
-    try:
+    async with serving(proxy.handle) as proxy.url:
         yield proxy
-    finally:
-        await server.close()
 
 
 def test_unit_demand_shapes():
