@@ -88,8 +88,42 @@ class Broker:
         self._seq = await self.store.max_seq()
         for manager in self.managers:
             await manager.start()
+        await self._recover()
         self._tasks = [asyncio.create_task(self._schedule_loop(), name="tangram-schedule"),
                        asyncio.create_task(self._tick_loop(), name="tangram-tick")]
+
+    async def _recover(self) -> None:
+        """Take over what a previous run of this broker left unfinished in the store (after a crash or ``kill -9``,
+        or the queue a clean stop left): queued actions queue again in their old order, under their deadlines and
+        idempotency keys; actions that were running cannot be re-attached (their results went to the dead
+        process), so they end ``failed`` with ``broker_restarted``, which tells the client that their effects
+        are unknown."""
+        resumed = failed = 0
+        for action in await self.store.load_unfinished():
+            self.actions[action.id] = action
+            if action.idempotency_key is not None:
+                self.idempotency[(action.task, action.idempotency_key)] = action.id
+            if action.state is State.RUNNING:
+                action.units, action.placement = {}, {}  # nothing is held in this process
+                self._finish(action, State.FAILED, error={
+                    "code": "broker_restarted",
+                    "message": "the broker restarted while this action ran; whether it took effect is unknown. "
+                               "Resubmit under a new idempotency_key if running it again is safe"})
+                failed += 1
+                continue
+            try:
+                self._validate(action, "")
+            except BadRequest as error:  # the config changed under it: it could never run here
+                self._finish(action, State.FAILED, error={"code": "not_runnable", "message": "after a restart: "
+                                                          f"{error.field}: {error.reason}"})
+                failed += 1
+                continue
+            self.queue.push(action)
+            resumed += 1
+        self.kick()
+        if resumed or failed:
+            log.warning("recovered from the store: %d queued actions resumed, %d unfinished ones ended failed",
+                        resumed, failed)
 
     async def close(self) -> None:
         self._closing = True
