@@ -79,6 +79,7 @@ class Broker:
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._closing = False
+        self.draining = False
 
     # -- lifecycle ----------------------------------------------------------------------------------------
 
@@ -125,6 +126,24 @@ class Broker:
             log.warning("recovered from the store: %d queued actions resumed, %d unfinished ones ended failed",
                         resumed, failed)
 
+    async def drain(self, timeout_s: float) -> int:
+        """Stop taking and starting actions and give the running ones up to ``timeout_s`` to finish; the queued ones
+        stay in the store for the next start. Returns how many were still running at the bound (``close``
+        cancels them)."""
+        self.draining = True
+        deadline = time.monotonic() + timeout_s
+        while self.running and time.monotonic() < deadline:
+            tasks = [r.task for r in self.running.values() if r.task is not None]
+            if not tasks:
+                break
+            await asyncio.wait(tasks, timeout=max(0.0, deadline - time.monotonic()))
+        for event in self._waiters.values():  # long polls on queued actions answer now (202), not at their timeout
+            event.set()
+        if self.running or len(self.queue):
+            log.warning("drained: %d actions still running at the %.0f s bound, %d queued ones kept for the next "
+                        "start", len(self.running), timeout_s, len(self.queue))
+        return len(self.running)
+
     async def close(self) -> None:
         self._closing = True
         for task in self._tasks:
@@ -143,6 +162,9 @@ class Broker:
 
     async def submit(self, actions: Sequence[Action]) -> list[tuple[Action, bool]]:
         """Queue actions (all or none are validated first). Returns each record and whether it is new."""
+        if self.draining:
+            raise BadRequest("actions", "the broker is shutting down; submit again in a moment (to its successor)",
+                             status=503)
         for index, action in enumerate(actions):
             self._validate(action, f"actions[{index}]." if len(actions) > 1 else "")
         if len(self.queue) + len(actions) > self.max_queue:
@@ -221,9 +243,10 @@ class Broker:
         return action
 
     async def wait(self, action_id: str, timeout_s: float) -> Action:
-        """The record once terminal, or as it stands after ``timeout_s``."""
+        """The record once terminal, or as it stands after ``timeout_s`` (at once while draining, for an action that
+        will not run in this process)."""
         action = await self.get(action_id)
-        if action.state.terminal:
+        if action.state.terminal or (self.draining and action_id not in self.running):
             return action
         event = self._waiters.setdefault(action_id, asyncio.Event())
         try:
@@ -275,7 +298,7 @@ class Broker:
             await asyncio.sleep(0)  # let completions and submits of this moment coalesce into the next pass
 
     def schedule_once(self) -> int:
-        if not len(self.queue):
+        if not len(self.queue) or self.draining:
             return 0
         self.passes += 1
         started = time.perf_counter()

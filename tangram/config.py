@@ -28,6 +28,8 @@ class ServerConfig:
     #: the status page's sampling interval and how much history it keeps
     status_interval_s: float = 2.0
     status_keep_s: float = 900.0
+    #: on SIGTERM, how long running actions may take to finish before they are cancelled
+    drain_s: float = 30.0
 
 
 @dataclass(frozen=True)

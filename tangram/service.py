@@ -55,7 +55,7 @@ async def running_broker(config: Config) -> AsyncIterator[tuple[Broker, web.Appl
 
 
 async def serve(config: Config) -> None:
-    async with running_broker(config) as (_, app):
+    async with running_broker(config) as (broker, app):
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, config.server.host, config.server.port)
@@ -67,8 +67,11 @@ async def serve(config: Config) -> None:
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, stop.set)
         try:
-            await stop.wait()  # then stop serving, and the broker and store close (pending records flushed)
-            log.info("stopping")
+            await stop.wait()
+            # drain while still serving, so clients waiting on running actions get their results; then stop
+            # serving, and the broker and store close (queued actions stay in the store for the next start)
+            log.info("stopping: draining for at most %.0f s", config.server.drain_s)
+            await broker.drain(config.server.drain_s)
         finally:
             await runner.cleanup()
 

@@ -101,3 +101,67 @@ async def test_sigkill_then_restart_resumes_queued_and_fails_running_actions(tmp
             finally:
                 broker.terminate()
                 await broker.wait()
+
+
+async def test_sigterm_drains_running_actions_keeps_the_queue_and_exits_within_the_bound(tmp_path):
+    db = tmp_path / "tangram.db"
+    async with live_upstream(delay_s=1.5) as upstream:
+        config = tmp_path / "tangram.toml"
+        config.write_text(f'[store]\nurl = "sqlite+aiosqlite:///{db}"\n[server]\ndrain_s = 20.0\n'
+                          f'[basic."api.slow"]\nconcurrency = 1\nupstream = {{base_url = "{upstream.url}"}}\n')
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        broker = await start_broker(config, port)
+        call = {"task": "t", "kind": "api", "demand": {"api.slow": 1},
+                "spec": {"method": "POST", "path": "/slow", "body": {}}}
+        async with aiohttp.ClientSession() as http:
+            async with http.post(f"{url}/v1/actions", json=call) as response:
+                running = await response.json()
+            async with http.post(f"{url}/v1/actions", json=call) as response:
+                queued = await response.json()
+            while upstream.in_flight == 0:
+                await asyncio.sleep(0.02)
+            waiter = asyncio.ensure_future(http.get(f"{url}/v1/actions/{running['id']}?wait=true"))
+            await asyncio.sleep(0.1)
+            began = time.monotonic()
+            broker.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.3)
+            async with http.post(f"{url}/v1/actions", json=call) as response:  # refused while draining
+                assert response.status == 503
+                assert (await response.json())["error"]["reason"].startswith("the broker is shutting down")
+            async with await waiter as response:  # the client waiting on the running call gets its result
+                assert (await response.json())["state"] == "succeeded"
+            assert await broker.wait() == 0
+            assert time.monotonic() - began < 15  # the drain ended with the running call, not at its bound
+            assert len(upstream.seen) == 1  # the queued call was not started
+            assert stored_state(db, queued["id"]) == "queued"
+
+            broker = await start_broker(config, port)  # the next start runs what was queued
+            try:
+                async with http.get(f"{url}/v1/actions/{queued['id']}?wait=true&wait_timeout_s=20") as response:
+                    assert (await response.json())["state"] == "succeeded"
+            finally:
+                broker.terminate()
+                await broker.wait()
+
+
+async def test_drain_cancels_what_is_still_running_at_its_bound(tmp_path):
+    db = tmp_path / "tangram.db"
+    async with live_upstream(delay_s=60.0) as upstream:
+        config = tmp_path / "tangram.toml"
+        config.write_text(f'[store]\nurl = "sqlite+aiosqlite:///{db}"\n[server]\ndrain_s = 0.5\n'
+                          f'[basic."api.slow"]\nconcurrency = 1\nupstream = {{base_url = "{upstream.url}"}}\n')
+        port = free_port()
+        broker = await start_broker(config, port)
+        call = {"task": "t", "kind": "api", "demand": {"api.slow": 1},
+                "spec": {"method": "POST", "path": "/slow", "body": {}}}
+        async with aiohttp.ClientSession() as http, http.post(f"http://127.0.0.1:{port}/v1/actions",
+                                                              json=call) as response:
+            running = await response.json()
+        while upstream.in_flight == 0:
+            await asyncio.sleep(0.02)
+        began = time.monotonic()
+        broker.send_signal(signal.SIGTERM)
+        assert await broker.wait() == 0
+        assert time.monotonic() - began < 10
+        assert stored_state(db, running["id"]) == "cancelled"
