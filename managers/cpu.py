@@ -36,7 +36,8 @@ from tangram.errors import ActionFailed, BadRequest, Conflict, NotFound, Unproce
 log = logging.getLogger("tangram.cpu")
 
 RESOURCE = "cpu"
-DEADLINE_MARGIN_S = 0.05  # the executor kills at the deadline minus this, so partial output comes back
+DEADLINE_MARGIN_S = 0.25  # the executor kills at the deadline minus this, so partial output comes back even
+# when killing a large process tree (a fork bomb) takes a while
 
 
 class CpuNode:
@@ -329,7 +330,7 @@ class CpuManager(ResourceManager):
         node = self.nodes[env.node]
         spec = SandboxSpec(env_id=env.id, task=env.task, trajectory=env.trajectory, image=env.image,
                            memory_mb=env.memory_mb, pids_limit=self.config.pids_limit, files=env.files,
-                           broker_id=self.config.broker_id)
+                           broker_id=self.config.broker_id, read_only_root=self.config.read_only_root)
         try:
             sandbox = await node.backend.create(spec)
         except BaseException:

@@ -53,11 +53,13 @@ class CpuConfig:
     #: where the broker keeps executor sockets and local environments' directories
     run_dir: str = "/run/tangram/sandboxes" if os.geteuid() == 0 else f"/tmp/tangram-{os.geteuid()}/sandboxes"
     limits: ExecLimits = field(default_factory=ExecLimits)
+    #: Docker sandboxes get a read-only root filesystem; /workspace and a 64 MiB tmpfs /tmp stay writable
+    read_only_root: bool = False
 
 
 NODE_KEYS = {"backend", "engine", "tls_ca", "tls_cert", "tls_key", "cores", "numa", "memory_mb", "fast_path"}
 TOP_KEYS = {"enabled", "nodes", "broker_id", "default_image", "default_memory_mb", "pids_limit", "idle_ttl_s",
-            "max_environments", "run_dir", "limits"}
+            "max_environments", "run_dir", "limits", "read_only_root"}
 
 
 def parse_cpu_config(raw: Any) -> CpuConfig:
@@ -77,10 +79,11 @@ def parse_cpu_config(raw: Any) -> CpuConfig:
         if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or ttl <= 0:
             raise ConfigError("cpu.idle_ttl_s", "must be a positive number of seconds")
         values["idle_ttl_s"] = float(ttl)
-    if "enabled" in raw:
-        if not isinstance(raw["enabled"], bool):
-            raise ConfigError("cpu.enabled", "must be true or false")
-        values["enabled"] = raw["enabled"]
+    for key in ("enabled", "read_only_root"):
+        if key in raw:
+            if not isinstance(raw[key], bool):
+                raise ConfigError(f"cpu.{key}", "must be true or false")
+            values[key] = raw[key]
     if "limits" in raw:
         values["limits"] = int_limits(ExecLimits, raw["limits"], "cpu.limits")
     nodes = raw.get("nodes", {"local": {}})
@@ -88,6 +91,10 @@ def parse_cpu_config(raw: Any) -> CpuConfig:
         raise ConfigError("cpu.nodes", "must be a table of at least one node")
     values["nodes"] = tuple(_node(name, spec) for name, spec in nodes.items())
     config = CpuConfig(**{**{k: getattr(defaults, k) for k in TOP_KEYS}, **values})
+    local = [node.name for node in config.nodes if node.backend == "local"]
+    if config.read_only_root and local:
+        raise ConfigError("cpu.read_only_root", f"needs Docker sandboxes, but node {local[0]!r} has backend "
+                                                f"\"local\" (its commands share this host's filesystem)")
     longest = max(len(node.name) for node in config.nodes)
     socket_length = len(config.run_dir) + len(config.broker_id) + longest + len("/x/x/env-act_/exec.sock") + 24
     if socket_length > UNIX_PATH_MAX:

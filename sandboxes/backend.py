@@ -43,6 +43,8 @@ class SandboxSpec:
     pids_limit: int
     files: Mapping[str, bytes] = field(default_factory=dict)
     broker_id: str = "tangram"
+    #: mount the root filesystem read-only (writable: the work dir and a small /tmp); Docker sandboxes only
+    read_only_root: bool = False
 
     def labels(self) -> dict[str, str]:
         labels = {LABEL_MANAGED: "1", LABEL_BROKER: self.broker_id, LABEL_ENV: self.env_id, LABEL_TASK: self.task,

@@ -8,6 +8,9 @@ Two paths per action, chosen per node:
 * **engine path** (remote engines): ``docker update`` for cpuset and quota, ``docker pause``/``unpause`` for
   idling, and ``docker exec`` of the same executor in one-shot mode.
 
+With ``read_only_root`` the container's root filesystem is mounted read-only; the work dir and the executor's
+directory are anonymous volumes (removed with the container) and ``/tmp`` is a size-capped tmpfs.
+
 The Docker SDK is synchronous; its calls run in worker threads.
 """
 
@@ -27,6 +30,7 @@ import docker.errors
 import orjson
 from docker.models.containers import Container
 from docker.tls import TLSConfig
+from docker.types import Mount
 
 from sandboxes.backend import LABEL_BROKER, LABEL_MANAGED, Sandbox, SandboxBackend, SandboxError, SandboxSpec
 from sandboxes.cgroup import CFS_PERIOD_US, ContainerCgroup, cpu_list
@@ -34,20 +38,24 @@ from sandboxes.executor_client import EXECUTOR_PATH, ExecutorUnavailable, call, 
 
 log = logging.getLogger("tangram.sandboxes.docker")
 
-EXECUTOR_IN_CONTAINER = "/opt/tangram/executor.py"
+EXECUTOR_DIR = "/opt/tangram"
+EXECUTOR_IN_CONTAINER = f"{EXECUTOR_DIR}/executor.py"
 SOCKET_DIR_IN_CONTAINER = "/run/tangram"
 WORKDIR = "/workspace"
 READY_TIMEOUT_S = 30.0
+#: /tmp of a read-only-root sandbox: writable, executable, and counted against the container's memory limit
+READ_ONLY_ROOT_TMPFS = {"/tmp": "rw,exec,nosuid,nodev,size=64m,mode=1777"}
 
 
-def _archive(files: dict[str, bytes]) -> bytes:
-    """A tar of ``files`` (paths relative to /), for ``put_archive`` (works on remote engines too)."""
+def _archive(files: dict[str, bytes], executable: str | None = None) -> bytes:
+    """A tar of ``files`` (paths relative to the extraction directory), for ``put_archive`` (works on remote
+    engines too); the file at ``executable`` gets mode 755, the others 644."""
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w") as tar:
         for path, data in files.items():
             info = tarfile.TarInfo(path)
             info.size = len(data)
-            info.mode = 0o755 if path == EXECUTOR_IN_CONTAINER.lstrip("/") else 0o644
+            info.mode = 0o755 if path == executable else 0o644
             info.mtime = int(time.time())
             tar.addfile(info, io.BytesIO(data))
     return buffer.getvalue()
@@ -156,7 +164,7 @@ class DockerBackend(SandboxBackend):
             return client
         try:
             self.client = await asyncio.to_thread(connect)
-        except Exception as error:  # the SDK raises several families for an unreachable engine
+        except Exception as error:  # noqa: BLE001 - the SDK raises several families for an unreachable engine
             raise SandboxError("engine_unavailable", f"Docker engine {self.engine} does not answer: {error}") \
                 from None
         if self.fast_path:
@@ -197,15 +205,20 @@ class DockerBackend(SandboxBackend):
         socket_dir = SOCKET_DIR_IN_CONTAINER if host_dir is not None else "/tmp"
         command = ["python3", EXECUTOR_IN_CONTAINER, "serve", "--socket", f"{socket_dir}/exec.sock",
                    "--oom-counter", "auto"]
-        options: dict[str, Any] = dict(
-            image=spec.image, command=command, name=f"tangram-{spec.env_id}", labels=spec.labels(),
-            network_mode="none", security_opt=["no-new-privileges"], cap_drop=["ALL"],
-            pids_limit=spec.pids_limit, mem_limit=f"{spec.memory_mb}m", memswap_limit=f"{spec.memory_mb}m",
-            cpuset_cpus=cpu_list(self.cores), init=True, working_dir=WORKDIR, detach=True,
-            environment={"PYTHONUNBUFFERED": "1", "TANGRAM_ENVIRONMENT": spec.env_id})
+        options: dict[str, Any] = {
+            "image": spec.image, "command": command, "name": f"tangram-{spec.env_id}", "labels": spec.labels(),
+            "network_mode": "none", "security_opt": ["no-new-privileges"], "cap_drop": ["ALL"],
+            "pids_limit": spec.pids_limit, "mem_limit": f"{spec.memory_mb}m",
+            "memswap_limit": f"{spec.memory_mb}m", "cpuset_cpus": cpu_list(self.cores), "init": True,
+            "working_dir": WORKDIR, "detach": True,
+            "environment": {"PYTHONUNBUFFERED": "1", "TANGRAM_ENVIRONMENT": spec.env_id}}
         if host_dir is not None:
             host_dir.mkdir(mode=0o700, exist_ok=True)
             options["volumes"] = {str(host_dir): {"bind": SOCKET_DIR_IN_CONTAINER, "mode": "rw"}}
+        if spec.read_only_root:
+            # The engine extracts archives into a read-only-root container only inside its volumes.
+            options.update(read_only=True, tmpfs=READ_ONLY_ROOT_TMPFS,
+                           mounts=[Mount(WORKDIR, None), Mount(EXECUTOR_DIR, None)])
         try:
             container = self.client.containers.create(**options)
         except docker.errors.ImageNotFound:
@@ -218,9 +231,7 @@ class DockerBackend(SandboxBackend):
             raise SandboxError("sandbox_create_failed", f"engine {self.engine} refused the container: "
                                                         f"{error.explanation or error}") from None
         try:
-            files = {EXECUTOR_IN_CONTAINER.lstrip("/"): Path(EXECUTOR_PATH).read_bytes()}
-            files.update({f"{WORKDIR.lstrip('/')}/{path}": data for path, data in spec.files.items()})
-            container.put_archive("/", _archive(files))
+            self._copy_in(container, spec)
             container.start()
             container.reload()
             cgroup = ContainerCgroup.of_pid(container.attrs["State"]["Pid"]) if self.fast_path else None
@@ -232,6 +243,19 @@ class DockerBackend(SandboxBackend):
             raise SandboxError(code, f"container from {spec.image!r} did not start its executor "
                                      f"(the image needs python3): {explanation}") from None
         return DockerSandbox(self, container, host_dir, cgroup)
+
+    @staticmethod
+    def _copy_in(container: Container, spec: SandboxSpec) -> None:
+        """Put the executor and the spec's files in the created container, before it starts."""
+        executor = Path(EXECUTOR_PATH).read_bytes()
+        if spec.read_only_root:  # one archive per volume: the root itself refuses them
+            container.put_archive(EXECUTOR_DIR, _archive({"executor.py": executor}, "executor.py"))
+            if spec.files:
+                container.put_archive(WORKDIR, _archive(dict(spec.files)))
+            return
+        files = {EXECUTOR_IN_CONTAINER.lstrip("/"): executor}
+        files.update({f"{WORKDIR.lstrip('/')}/{path}": data for path, data in spec.files.items()})
+        container.put_archive("/", _archive(files, EXECUTOR_IN_CONTAINER.lstrip("/")))
 
     def _check_running(self, container: Container) -> None:
         container.reload()

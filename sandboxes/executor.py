@@ -43,6 +43,10 @@ POLL_INTERVAL_S = 0.005  # only used when os.pidfd_open is unavailable (python <
 # After the main process exits, read at most this much more: a background process that keeps writing
 # into the inherited pipes must not keep the response from coming back.
 DRAIN_LIMIT_BYTES = 16 * 1024 * 1024
+# A fork or thread start that fails with EAGAIN is retried this long: right after a process tree is killed at its
+# deadline, its processes hold their slots under the container's pids limit until they are reaped.
+PIDS_RETRY_S = 1.0
+REFUSE_READ_TIMEOUT_S = 1.0  # reading a request the executor has no thread for blocks the accept loop this long
 CGROUP_V2_EVENTS = "/sys/fs/cgroup/memory.events"
 CGROUP_V1_OOM_CONTROL = "/sys/fs/cgroup/memory/memory.oom_control"
 
@@ -272,6 +276,18 @@ def _validate(request):
     return argv, env, cwd, timeout_s, output_limit, cpus, memory_bytes
 
 
+def _while_pids_full(start, exceptions):
+    """``start()``, retried for up to PIDS_RETRY_S while it raises ``exceptions`` (no pid to be had)."""
+    deadline = time.monotonic() + PIDS_RETRY_S
+    while True:
+        try:
+            return start()
+        except exceptions:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(POLL_INTERVAL_S)
+
+
 def _spawn(argv, env, cwd, cpus, memory_bytes):
     """Start the child in a new session with stdin=/dev/null and piped stdout/stderr.
 
@@ -295,18 +311,24 @@ def _spawn(argv, env, cwd, cpus, memory_bytes):
             os.sched_setaffinity(0, cpus)
         except OSError as exc:
             raise RequestError(f"cpus: cannot set affinity to {cpus!r}: {exc.strerror or exc}")
-    try:
-        lock = _children_lock if _reaper_enabled else None
+    def start():
+        lock = _children_lock if _reaper_enabled else None  # never held while waiting: the reaper frees pids
         if lock is not None:
             lock.acquire()
         try:
-            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    cwd=cwd, env=full_env, start_new_session=True, close_fds=True,
-                                    preexec_fn=preexec)  # noqa: PLW1509 - only setrlimit, see docstring
-            _register(proc)
+            started = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                       stderr=subprocess.PIPE, cwd=cwd, env=full_env, start_new_session=True,
+                                       close_fds=True, preexec_fn=preexec)  # noqa: PLW1509 - see docstring
+            _register(started)
+            return started
         finally:
             if lock is not None:
                 lock.release()
+
+    try:
+        proc = _while_pids_full(start, BlockingIOError)
+    except BlockingIOError:
+        raise RequestError("spawn failed: the sandbox is at its pids limit (fork: EAGAIN)")
     except FileNotFoundError as exc:
         if cwd is not None and not os.path.isdir(cwd):
             raise RequestError(f"cwd: directory does not exist: {cwd}")
@@ -574,6 +596,21 @@ def _serve_connection(conn, oom_counter):
             pass
 
 
+def _refuse(conn, message):
+    """Answer one connection's request with an error instead of running it, and close it. The request is read
+    first: closing a unix socket with unread data resets it, and the client would see no answer at all."""
+    try:
+        conn.settimeout(REFUSE_READ_TIMEOUT_S)
+        header = _recv_exact(conn, _HEADER.size)
+        if header is not None and _HEADER.unpack(header)[0] <= MAX_REQUEST_BYTES:
+            _recv_exact(conn, _HEADER.unpack(header)[0])
+        _send(conn, _empty_response(message))
+    except OSError:
+        pass
+    finally:
+        conn.close()
+
+
 class _Shutdown(Exception):
     pass
 
@@ -616,7 +653,11 @@ def serve(socket_path, oom_setting):
                     time.sleep(0.05)  # out of descriptors: back off instead of spinning
                     continue
                 raise
-            threading.Thread(target=_serve_connection, args=(conn, oom_counter), daemon=True).start()
+            worker = threading.Thread(target=_serve_connection, args=(conn, oom_counter), daemon=True)
+            try:
+                _while_pids_full(worker.start, RuntimeError)
+            except RuntimeError as exc:  # still no thread to be had: the sandbox is at its pids limit
+                _refuse(conn, f"executor: cannot serve the request ({exc}): the sandbox is at its pids limit")
     except _Shutdown:
         pass
     finally:
