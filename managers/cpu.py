@@ -181,6 +181,10 @@ class CpuManager(ResourceManager):
         await asyncio.gather(*(self._destroy(env) for env in list(self.environments.values())),
                              return_exceptions=True)
         for node in self.nodes.values():
+            try:  # also the containers no environment knows any more (a removal the engine missed while down)
+                await node.backend.reap(self.config.broker_id)
+            except SandboxError as error:
+                log.warning("node %s: leftover sandboxes not reaped at stop (%s)", node.name, error)
             await node.backend.close()
 
     async def _reap_idle(self) -> None:
@@ -312,7 +316,7 @@ class CpuManager(ResourceManager):
 
     async def _sandbox(self, env: Environment) -> Sandbox:
         """The environment's sandbox, created on first use; concurrent first actions share one creation."""
-        if env.sandbox is not None:
+        if env.sandbox is not None and env.state is EnvState.READY:
             return env.sandbox
         if env.state is EnvState.LOST:
             raise ActionFailed("environment_lost", f"environment {env.id} is lost: {env.lost_reason}; delete it "
@@ -347,9 +351,14 @@ class CpuManager(ResourceManager):
         return sandbox
 
     async def _destroy(self, env: Environment) -> None:
+        """Forget the environment (its memory and cores return at once) and remove its sandbox. A sandbox the
+        engine cannot remove now (the engine is down) is logged; the next start's reaping removes it."""
         sandbox = self.detach(env)
         if sandbox is not None:
-            await sandbox.destroy()
+            try:
+                await sandbox.destroy()
+            except SandboxError as error:
+                log.warning("environment %s: sandbox not removed (%s); the next start reaps it", env.id, error)
 
     def detach(self, env: Environment) -> Sandbox | None:
         """Forget ``env`` and free its memory reservation at once; returns its sandbox for the caller to destroy

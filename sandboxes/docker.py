@@ -28,6 +28,7 @@ from typing import Any
 import docker
 import docker.errors
 import orjson
+import requests.exceptions
 from docker.models.containers import Container
 from docker.tls import TLSConfig
 from docker.types import Mount
@@ -85,7 +86,7 @@ class DockerSandbox(Sandbox):
                                    lost=True) from None
             self.frozen = not cores
             return
-        await asyncio.to_thread(self._update_via_engine, cores)
+        await self.backend.off_loop(self._update_via_engine, cores)
 
     def _update_via_engine(self, cores: frozenset[int]) -> None:
         try:
@@ -99,15 +100,18 @@ class DockerSandbox(Sandbox):
         except docker.errors.NotFound:
             raise SandboxError("environment_lost", f"container {self.container.short_id} is gone",
                                lost=True) from None
+        except docker.errors.APIError as error:  # e.g. not running any more: its cores cannot be managed
+            raise SandboxError("environment_lost", f"container {self.container.short_id} cannot take its cores: "
+                                                   f"{error.explanation or error}", lost=True) from None
         self.frozen = not cores
 
     async def run(self, request: dict[str, Any]) -> dict[str, Any]:
         try:
             if self.socket is not None:
                 return await call(self.socket, request)
-            return await asyncio.to_thread(self._run_via_engine, request)
+            return await self.backend.off_loop(self._run_via_engine, request)
         except ExecutorUnavailable as error:
-            state = await asyncio.to_thread(self._state)
+            state = await self.backend.off_loop(self._state)
             raise SandboxError("environment_lost", f"the sandbox died under the command ({error}); container "
                                                    f"state: {state}", lost=True) from None
 
@@ -137,7 +141,7 @@ class DockerSandbox(Sandbox):
         if self.destroyed:
             return
         self.destroyed = True
-        await asyncio.to_thread(self.backend.remove, self.container, self.cgroup)
+        await self.backend.off_loop(self.backend.remove, self.container, self.cgroup)
         if self.host_dir is not None:
             shutil.rmtree(self.host_dir, ignore_errors=True)
 
@@ -156,6 +160,17 @@ class DockerBackend(SandboxBackend):
         self.fast_path = fast_path
         self.tls = tls
         self.client: docker.DockerClient | None = None
+
+    async def off_loop(self, call: Any, *args: Any) -> Any:
+        """``call(*args)`` on a worker thread; an engine that stopped answering (restarting, gone) becomes the
+        ``engine_unavailable`` SandboxError, which clients can act on, instead of the SDK's transport errors."""
+        try:
+            return await asyncio.to_thread(call, *args)
+        except docker.errors.APIError:
+            raise
+        except (requests.exceptions.ConnectionError, docker.errors.DockerException) as error:
+            raise SandboxError("engine_unavailable", f"the Docker engine {self.engine} does not answer: {error}") \
+                from None
 
     async def start(self) -> None:
         def connect() -> docker.DockerClient:
@@ -184,15 +199,15 @@ class DockerBackend(SandboxBackend):
             return False
 
     async def create(self, spec: SandboxSpec) -> Sandbox:
-        sandbox = await asyncio.to_thread(self._start_container, spec)
+        sandbox = await self.off_loop(self._start_container, spec)
         try:
             if sandbox.socket is not None:
                 await wait_ready(sandbox.socket, READY_TIMEOUT_S)
             else:
-                await asyncio.to_thread(self._check_running, sandbox.container)
+                await self.off_loop(self._check_running, sandbox.container)
             await sandbox.set_cores(frozenset())  # born idle
         except (ExecutorUnavailable, SandboxError) as error:
-            logs = await asyncio.to_thread(self._logs, sandbox.container)
+            logs = await self.off_loop(self._logs, sandbox.container)
             await sandbox.destroy()
             raise SandboxError("sandbox_create_failed", f"the executor in the container from {spec.image!r} never "
                                                         f"answered ({error}); container log: {logs}") from None
@@ -306,7 +321,7 @@ class DockerBackend(SandboxBackend):
                         cgroup = None
                 self.remove(container, cgroup)
             return len(found)
-        count = await asyncio.to_thread(reap_all)
+        count = await self.off_loop(reap_all)
         if self.fast_path and self.run_dir.is_dir():
             for leftover in self.run_dir.iterdir():
                 shutil.rmtree(leftover, ignore_errors=True)
