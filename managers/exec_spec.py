@@ -13,7 +13,7 @@ from typing import Any
 from tangram.errors import BadRequest
 from tangram.parse import NAME
 
-ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}\Z")  # \Z: "$" would let a final newline through
 #: a plain pytest invocation at the start of a command or after a shell separator, not already given -n
 PYTEST = re.compile(r"(^|[;&|(]\s*|\s)((?:python3?\s+-m\s+)?pytest)(?=\s|$)(?![^;&|]*\s-n\s)")
 SPEC_FIELDS = frozenset({"command", "env", "cwd", "environment", "image", "memory_mb", "files", "pytest_parallel",

@@ -36,7 +36,7 @@ RESULT_HEADERS = frozenset({"content-type", "content-language", "etag", "last-mo
                             "location", "retry-after"})
 MAX_RETRY_AFTER_S = 60.0
 MAX_PATH_CHARS = 2048
-HEADER_NAME = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
+HEADER_NAME = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+\Z")  # \Z: "$" would let a final newline through
 READ_CHUNK = 64 * 1024
 
 

@@ -33,7 +33,9 @@ async def errors_as_json(request: web.Request, handler: Any) -> web.StreamRespon
             raise
         field = "body" if error.status == 413 else "path" if error.status in (404, 405) else "request"
         reason = error.reason if error.status != 413 else error.text or "request body too large"
-        return json_response({"error": {"field": field, "reason": reason}}, status=error.status)
+        # a 405 must keep aiohttp's Allow header naming the methods the path takes (RFC 9110 15.5.6)
+        kept = {name: error.headers[name] for name in ("Allow",) if name in error.headers}
+        return json_response({"error": {"field": field, "reason": reason}}, status=error.status, headers=kept)
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
         return json_response({"error": {"field": "server", "reason": "internal error; see broker log"}}, 500)
@@ -63,7 +65,7 @@ def _wait_timeout(request: web.Request) -> float:
 async def submit_action(request: web.Request) -> web.Response:
     broker = request.app[BROKER]
     wait = _flag(request, "wait")
-    timeout = _wait_timeout(request) if wait else 0.0
+    timeout = _wait_timeout(request)  # checked even without wait: a bad query is an error, never ignored
     action = parse_action(await read_json(request), request.app[LIMITS])
     [(record, created)] = await broker.submit([action])
     if wait:
@@ -95,8 +97,9 @@ async def submit_batch(request: web.Request) -> web.Response:
 async def get_action(request: web.Request) -> web.Response:
     broker = request.app[BROKER]
     action_id = request.match_info["id"]
+    timeout = _wait_timeout(request)
     if _flag(request, "wait"):
-        action = await broker.wait(action_id, _wait_timeout(request))
+        action = await broker.wait(action_id, timeout)
     else:
         action = await broker.get(action_id)
     return json_response(action.to_json())
@@ -128,7 +131,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def openapi(request: web.Request) -> web.Response:
-    return json_response(openapi_document(request.app[SERVER], request.app[LIMITS]))
+    return json_response(openapi_document(request.app[SERVER], request.app[LIMITS], list(request.app[BROKER].owner)))
 
 
 def build_app(broker: Broker, server: ServerConfig, limits: Limits) -> web.Application:

@@ -9,7 +9,7 @@ from managers.exec_spec import parse_files, parse_image, parse_memory_mb
 from tangram.action import Kind
 from tangram.api_common import BROKER, json_response, read_json
 from tangram.errors import BadRequest, Unprocessable
-from tangram.parse import parse_name
+from tangram.parse import parse_name, without_nulls
 
 FIELDS = frozenset({"task", "trajectory", "image", "memory_mb", "files"})
 
@@ -26,6 +26,7 @@ async def create_environment(request: web.Request) -> web.Response:
     body = await read_json(request)
     if not isinstance(body, dict):
         raise BadRequest("body", "must be a JSON object")
+    body = without_nulls(body)
     unknown = sorted(set(body) - FIELDS)
     if unknown:
         raise BadRequest(unknown[0], f"unknown field; environments take {sorted(FIELDS)}")

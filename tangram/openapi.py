@@ -2,26 +2,64 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from tangram.action import Kind, State
 from tangram.config import ServerConfig
 from tangram.parse import Limits
 
+#: what a record answered by a submit leads to; the fuzzer's stateful runs follow these (submit -> get -> cancel)
+ACTION_LINKS = {name: {"operationId": operation, "parameters": {"id": "$response.body#/id"}}
+                for name, operation in (("GetAction", "getAction"), ("CancelAction", "cancelAction"),
+                                        ("ReleaseLease", "releaseLease"))}
+#: request examples, on the default config's resources: shown where this broker has every resource one demands
+ACTION_EXAMPLES = {
+    "lease": {"summary": "two units of a quota until DELETE /v1/leases/{id}, or 1 s",
+              "value": {"task": "demo", "kind": "lease", "demand": {"lease.local": 2}, "spec": {"ttl_s": 1}}},
+    "exec": {"summary": "a shell command in the trajectory's sandbox",
+             "value": {"task": "demo", "trajectory": "traj-1", "kind": "exec", "demand": {"cpu": 1},
+                       "spec": {"command": "echo hello"}, "timeout_s": 60}},
+    "elastic-exec": {"summary": "1 or 2 cores, durations by the efficiency curve",
+                     "value": {"task": "demo", "trajectory": "traj-1", "kind": "exec",
+                               "demand": {"cpu": {"min": 1, "max": 2}},
+                               "elasticity": {"resource": "cpu", "t1": 1.0, "efficiency": {"1": 1.0, "2": 0.9}},
+                               "spec": {"command": "echo {parallel_num}"}, "timeout_s": 60}},
+    "api": {"summary": "a call proxied to the resource's upstream",
+            "value": {"task": "demo", "kind": "api", "demand": {"api.search": 1},
+                      "spec": {"method": "GET", "path": "/search", "query": {"q": "x"}}}},
+}
+ENVIRONMENT_LINKS = {name: {"operationId": operation, "parameters": {"id": "$response.body#/id"}}
+                     for name, operation in (("GetEnvironment", "getEnvironment"),
+                                             ("DeleteEnvironment", "deleteEnvironment"))}
+
 
 def _ref(name: str) -> dict[str, str]:
     return {"$ref": f"#/components/schemas/{name}"}
 
 
-def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
-    return {"description": description, "content": {"application/json": {"schema": schema}}}
+def _json(schema: dict[str, Any], description: str, links: dict[str, Any] | None = None) -> dict[str, Any]:
+    response: dict[str, Any] = {"description": description, "content": {"application/json": {"schema": schema}}}
+    if links:
+        response["links"] = links
+    return response
+
+
+def _body(schema: dict[str, Any], examples: dict[str, Any]) -> dict[str, Any]:
+    return {"schema": schema, "examples": examples} if examples else {"schema": schema}
+
+
+def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
+    """An optional request field: null is the same as leaving it out."""
+    return {"anyOf": [schema, {"type": "null"}]}
 
 
 def _error(description: str) -> dict[str, Any]:
     return _json(_ref("Error"), description)
 
 
-def openapi_document(server: ServerConfig, limits: Limits) -> dict[str, Any]:
+def openapi_document(server: ServerConfig, limits: Limits, resources: Sequence[str] = ()) -> dict[str, Any]:
+    """``resources``: the names this broker has; a demand naming another is a 400, so the document lists them."""
     units = {"type": "integer", "minimum": 1, "maximum": limits.max_units}
     demand_entry = {"oneOf": [
         units,
@@ -32,6 +70,7 @@ def openapi_document(server: ServerConfig, limits: Limits) -> dict[str, Any]:
                                     "maxItems": limits.max_choices}}},
     ]}
     name = {"type": "string", "pattern": r"^[A-Za-z0-9][A-Za-z0-9._:\-/]{0,127}$"}
+    resource_name = {"type": "string", "pattern": r"^[a-z][a-z0-9_]*(\.[A-Za-z0-9_\-]+)*$"}
     id_param = {"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}
     wait_params = [
         {"name": "wait", "in": "query", "schema": {"type": "string", "enum": ["true", "false", "1", "0"]},
@@ -47,27 +86,31 @@ def openapi_document(server: ServerConfig, limits: Limits) -> dict[str, Any]:
             "type": "object", "required": ["resource", "efficiency"], "additionalProperties": False,
             "properties": {
                 "resource": {"type": "string", "description": "key elasticity resource; must be in demand"},
-                "t1": {"type": "number", "exclusiveMinimum": 0, "description": "seconds on one unit; learned if absent"},
+                "t1": _nullable({"type": "number", "exclusiveMinimum": 0,
+                                 "description": "seconds on one unit; learned if absent"}),
                 "efficiency": {"type": "object", "minProperties": 1,
+                               "propertyNames": {"pattern": "^[1-9][0-9]{0,8}$"},
                                "additionalProperties": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
                                "description": "E(m) by unit count m; getDur(m) = t1 / (E(m) * m)"}}},
         "Action": {
             "type": "object", "required": ["task", "kind", "demand"], "additionalProperties": False,
             "properties": {
                 "task": name,
-                "trajectory": name,
+                "trajectory": _nullable(name),
                 "kind": {"type": "string", "enum": [k.value for k in Kind]},
                 "demand": {"type": "object", "minProperties": 1, "maxProperties": limits.max_resources,
+                           "propertyNames": {"enum": sorted(resources)} if resources else resource_name,
                            "additionalProperties": demand_entry},
-                "elasticity": _ref("Elasticity"),
-                "spec": {"type": "object", "description": "kind-specific; for api: method, path, query, headers, "
-                                                          "body; for lease: ttl_s"},
-                "timeout_s": {"type": "number", "exclusiveMinimum": 0, "maximum": limits.max_timeout_s,
-                              "default": limits.default_timeout_s,
-                              "description": "deadline from submission, queueing included"},
-                "idempotency_key": {"type": "string", "minLength": 1, "maxLength": 256},
-                "signature": {"type": "string", "maxLength": 256,
-                              "description": "actions sharing (task, signature) share a learned duration"}}},
+                "elasticity": _nullable(_ref("Elasticity")),
+                "spec": _nullable({"type": "object", "description": "kind-specific; for api: method, path, query, "
+                                                                    "headers, body; for lease: ttl_s"}),
+                "timeout_s": _nullable({"type": "number", "exclusiveMinimum": 0, "maximum": limits.max_timeout_s,
+                                        "default": limits.default_timeout_s,
+                                        "description": "deadline from submission, queueing included"}),
+                "idempotency_key": _nullable({"type": "string", "minLength": 1, "maxLength": 256}),
+                "signature": _nullable({"type": "string", "maxLength": 256,
+                                        "description": "actions sharing (task, signature) share a learned "
+                                                       "duration"})}},
         "ActionRecord": {
             "type": "object",
             "required": ["id", "task", "kind", "state", "demand", "timings", "submitted_at"],
@@ -93,14 +136,14 @@ def openapi_document(server: ServerConfig, limits: Limits) -> dict[str, Any]:
         "EnvironmentRequest": {
             "type": "object", "required": ["task"], "additionalProperties": False,
             "properties": {
-                "task": name, "trajectory": name,
-                "image": {"type": "string", "minLength": 1, "maxLength": 256},
-                "memory_mb": {"type": "integer", "minimum": 16},
-                "files": {"type": "object", "description": 'relative path -> text or {"base64": "..."}',
-                          "additionalProperties": {"oneOf": [
-                              {"type": "string"},
-                              {"type": "object", "required": ["base64"], "additionalProperties": False,
-                               "properties": {"base64": {"type": "string"}}}]}}}},
+                "task": name, "trajectory": _nullable(name),
+                "image": _nullable({"type": "string", "minLength": 1, "maxLength": 256}),
+                "memory_mb": _nullable({"type": "integer", "minimum": 16}),
+                "files": _nullable({"type": "object", "description": 'relative path -> text or {"base64": "..."}',
+                                    "additionalProperties": {"oneOf": [
+                                        {"type": "string"},
+                                        {"type": "object", "required": ["base64"], "additionalProperties": False,
+                                         "properties": {"base64": {"type": "string"}}}]}})}},
         "Environment": {
             "type": "object", "required": ["id", "task", "node", "image", "memory_mb", "state"],
             "properties": {
@@ -145,90 +188,105 @@ def openapi_document(server: ServerConfig, limits: Limits) -> dict[str, Any]:
             "stats": {"type": "object"}}},
     }
     record = _json(_ref("ActionRecord"), "the action record")
+    examples = {name: example for name, example in ACTION_EXAMPLES.items()
+                if set(example["value"]["demand"]) <= set(resources)}
+    batch_examples = {"batch": {"summary": "every example above in one request", "value": {
+        "actions": [example["value"] for example in examples.values()]}}} if examples else {}
+    environment_examples = {"sandbox": {"summary": "a sandbox for a trajectory, with a file", "value": {
+        "task": "demo", "trajectory": "traj-2", "files": {"notes.txt": "hello"}}}} if "cpu" in resources else {}
+    submit_errors = {"400": _error("invalid action"), "404": _error("unknown spec.environment or reward service"),
+                     "409": _error("spec.environment is lost"),
+                     "413": _error("body, command or files too large"), "422": _error("can never run here"),
+                     "429": _error("a new sandbox would exceed cpu.max_environments"),
+                     "503": _error("queue full, or the broker is shutting down")}
     return {
         "openapi": "3.1.0",
         "info": {"title": "ARL-Tangram broker", "version": "0.1.0",
                  "description": "Action-level resource broker for agentic RL."},
         "paths": {
             "/v1/actions": {"post": {
-                "summary": "Submit one action", "parameters": wait_params,
-                "requestBody": {"required": True, "content": {"application/json": {"schema": _ref("Action")}}},
-                "responses": {"201": record, "200": _json(_ref("ActionRecord"),
-                                                          "terminal record (wait) or idempotent replay"),
-                              "202": _json(_ref("ActionRecord"), "wait timed out; record as it stands"),
-                              "400": _error("invalid action"), "413": _error("body too large"),
-                              "422": _error("can never run here"), "503": _error("queue full")}}},
+                "operationId": "submitAction", "summary": "Submit one action", "parameters": wait_params,
+                "requestBody": {"required": True, "content": {"application/json": _body(_ref("Action"), examples)}},
+                "responses": {"201": _json(_ref("ActionRecord"), "queued", ACTION_LINKS),
+                              "200": _json(_ref("ActionRecord"), "terminal record (wait) or idempotent replay",
+                                           ACTION_LINKS),
+                              "202": _json(_ref("ActionRecord"), "wait timed out; record as it stands", ACTION_LINKS),
+                              **submit_errors}}},
             "/v1/actions:batch": {"post": {
+                "operationId": "submitBatch",
                 "summary": "Submit many actions; all are validated before any is queued",
-                "requestBody": {"required": True, "content": {"application/json": {"schema": {
-                    "type": "object", "required": ["actions"], "additionalProperties": False,
-                    "properties": {"actions": {"type": "array", "minItems": 1, "maxItems": server.max_batch,
-                                               "items": _ref("Action")}}}}}},
+                "requestBody": {"required": True, "content": {"application/json": _body(
+                    {"type": "object", "required": ["actions"], "additionalProperties": False,
+                     "properties": {"actions": {"type": "array", "minItems": 1, "maxItems": server.max_batch,
+                                                "items": _ref("Action")}}}, batch_examples)}},
                 "responses": {"200": _json({"type": "object", "required": ["actions", "created"], "properties": {
                     "actions": {"type": "array", "items": _ref("ActionRecord")},
                     "created": {"type": "integer"}}}, "records in request order"),
-                    "400": _error("invalid action, field prefixed actions[i]."), "413": _error("too large"),
-                    "422": _error("can never run here"), "503": _error("queue full")}}},
+                    **submit_errors, "400": _error("invalid action, field prefixed actions[i]."),
+                    "413": _error("more than max_batch actions, or a body, command or files too large")}}},
             "/v1/actions/{id}": {
-                "get": {"summary": "Get an action record", "parameters": [id_param, *wait_params],
+                "get": {"operationId": "getAction", "summary": "Get an action record",
+                        "parameters": [id_param, *wait_params],
                         "responses": {"200": record, "400": _error("bad query"), "404": _error("unknown id")}},
-                "delete": {"summary": "Cancel a queued or running action", "parameters": [id_param],
+                "delete": {"operationId": "cancelAction", "summary": "Cancel a queued or running action",
+                           "parameters": [id_param],
                            "responses": {"200": record, "404": _error("unknown id"),
                                          "409": _error("already terminal")}}},
             "/v1/leases/{id}": {"delete": {
-                "summary": "Return a granted lease's units", "parameters": [id_param],
+                "operationId": "releaseLease", "summary": "Return a granted lease's units", "parameters": [id_param],
                 "responses": {"200": record, "400": _error("not a lease"), "404": _error("unknown id"),
                               "409": _error("not held")}}},
             "/v1/environments": {
-                "post": {"summary": "Create a trajectory environment (sandbox) now",
-                         "requestBody": {"required": True, "content": {"application/json": {
-                             "schema": _ref("EnvironmentRequest")}}},
-                         "responses": {"201": _json(_ref("Environment"), "created"),
+                "post": {"operationId": "createEnvironment", "summary": "Create a trajectory environment (sandbox) now",
+                         "requestBody": {"required": True, "content": {"application/json": _body(
+                             _ref("EnvironmentRequest"), environment_examples)}},
+                         "responses": {"201": _json(_ref("Environment"), "created", ENVIRONMENT_LINKS),
                                        "400": _error("invalid request"), "409": _error("trajectory has one"),
                                        "413": _error("files too large"),
                                        "422": _error("unknown image, memory beyond any node, no CPU manager"),
                                        "429": _error("too many environments"),
                                        "503": _error("no node has the memory now, or the engine failed")}},
-                "get": {"summary": "List environments",
+                "get": {"operationId": "listEnvironments", "summary": "List environments",
                         "parameters": [{"name": "task", "in": "query", "required": False,
                                         "schema": {"type": "string"}}],
                         "responses": {"200": _json({"type": "object", "required": ["environments"], "properties": {
                             "environments": {"type": "array", "items": _ref("Environment")}}}, "environments"),
                             "422": _error("no CPU manager")}}},
             "/v1/environments/{id}": {
-                "get": {"summary": "Get an environment", "parameters": [id_param],
+                "get": {"operationId": "getEnvironment", "summary": "Get an environment", "parameters": [id_param],
                         "responses": {"200": _json(_ref("Environment"), "the environment"),
                                       "404": _error("unknown id"), "422": _error("no CPU manager")}},
-                "delete": {"summary": "Destroy an environment", "parameters": [id_param],
+                "delete": {"operationId": "deleteEnvironment", "summary": "Destroy an environment",
+                           "parameters": [id_param],
                            "responses": {"200": _json(_ref("Environment"), "destroyed"),
                                          "404": _error("unknown id"), "409": _error("actions run in it"),
                                          "422": _error("no CPU manager")}}},
             "/v1/services": {"get": {
-                "summary": "Reward services the GPU manager hosts, and where each is resident",
+                "operationId": "listServices", "summary": "Reward services the GPU manager hosts, and where each is resident",
                 "responses": {"200": _json({"type": "object", "required": ["services"], "properties": {
                     "services": {"type": "array", "items": _ref("Service")}}}, "services")}}},
             "/v1/services/{name}": {"get": {
-                "summary": "One reward service",
+                "operationId": "getService", "summary": "One reward service",
                 "parameters": [{"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}],
                 "responses": {"200": _json(_ref("Service"), "the service"), "404": _error("unknown service")}}},
-            "/v1/resources": {"get": {"summary": "Capacity, use and queue per resource and pool",
+            "/v1/resources": {"get": {"operationId": "getResources", "summary": "Capacity, use and queue per resource and pool",
                                       "responses": {"200": _json(_ref("Resources"), "resources")}}},
             "/v1/status/history": {"get": {
-                "summary": "The sampled time series the status page draws",
+                "operationId": "getStatusHistory", "summary": "The sampled time series the status page draws",
                 "parameters": [{"name": "since", "in": "query", "required": False,
                                 "schema": {"type": "number", "minimum": 0},
                                 "description": "only samples taken after this time (seconds since the epoch)"}],
                 "responses": {"200": _json(_ref("StatusHistory"), "samples"), "400": _error("bad since")}}},
-            "/ui": {"get": {"summary": "The status page (HTML; polls /v1/status/history and /v1/resources)",
+            "/ui": {"get": {"operationId": "statusPage", "summary": "The status page (HTML; polls /v1/status/history and /v1/resources)",
                             "responses": {"200": {"description": "the page",
                                                   "content": {"text/html": {"schema": {"type": "string"}}}}}}},
-            "/": {"get": {"summary": "Redirects to the status page",
+            "/": {"get": {"operationId": "root", "summary": "Redirects to the status page",
                           "responses": {"302": {"description": "Location: /ui"}}}},
-            "/healthz": {"get": {"summary": "Liveness", "responses": {"200": _json({"type": "object"}, "ok")}}},
-            "/metrics": {"get": {"summary": "Prometheus metrics",
+            "/healthz": {"get": {"operationId": "health", "summary": "Liveness", "responses": {"200": _json({"type": "object"}, "ok")}}},
+            "/metrics": {"get": {"operationId": "metrics", "summary": "Prometheus metrics",
                                  "responses": {"200": {"description": "text exposition format",
                                                        "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
-            "/openapi.json": {"get": {"summary": "This document",
+            "/openapi.json": {"get": {"operationId": "openapi", "summary": "This document",
                                       "responses": {"200": _json({"type": "object"}, "OpenAPI document")}}},
         },
         "components": {"schemas": schemas},

@@ -10,8 +10,11 @@ from typing import Any
 from tangram.action import Action, Demand, Elasticity, Kind
 from tangram.errors import BadRequest
 
-NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:\-/]{0,127}$")
-RESOURCE = re.compile(r"^[a-z][a-z0-9_]*(\.[A-Za-z0-9_\-]+)*$")
+# \Z, not $: Python's $ also matches before a trailing newline, which would let "task\n" through
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:\-/]{0,127}\Z")
+RESOURCE = re.compile(r"^[a-z][a-z0-9_]*(\.[A-Za-z0-9_\-]+)*\Z")
+#: a unit count as an efficiency key: "8", never "08", " 8", "+8" or "8_0", which int() would also take
+COUNT = re.compile(r"^[1-9][0-9]{0,8}\Z")
 KNOWN_FIELDS = frozenset({"task", "trajectory", "kind", "demand", "elasticity", "spec", "timeout_s",
                           "idempotency_key", "signature"})
 
@@ -31,6 +34,7 @@ def parse_action(body: Any, limits: Limits = Limits(), where: str = "") -> Actio
     """Validate one action object. ``where`` prefixes field names (e.g. ``actions[3].``) in batch errors."""
     if not isinstance(body, dict):
         raise BadRequest(where.rstrip(".") or "body", "must be a JSON object")
+    body = without_nulls(body)
     unknown = sorted(set(body) - KNOWN_FIELDS)
     if unknown:
         raise BadRequest(where + unknown[0], "unknown field")
@@ -57,6 +61,11 @@ def parse_action(body: Any, limits: Limits = Limits(), where: str = "") -> Actio
         raise BadRequest(where + "signature", "must be a string of at most 256 characters, without NUL")
     return Action(task=task, kind=kind, demands=demands, spec=spec, trajectory=trajectory,
                   elasticity=elasticity, timeout_s=float(timeout), idempotency_key=key, signature=signature)
+
+
+def without_nulls(body: dict[str, Any]) -> dict[str, Any]:
+    """A field given as null is a field not given, for every field (records show absent ones as null)."""
+    return {key: value for key, value in body.items() if value is not None}
 
 
 def _number(value: Any) -> bool:
@@ -125,11 +134,12 @@ def _elasticity(value: Any, field: str, demands: dict[str, Demand]) -> Elasticit
         return None
     if not isinstance(value, dict):
         raise BadRequest(field, "must be an object with resource, efficiency and optional t1")
+    value = without_nulls(value)
     unknown = sorted(set(value) - {"resource", "efficiency", "t1"})
     if unknown:
         raise BadRequest(f"{field}.{unknown[0]}", "unknown field")
     resource = value.get("resource")
-    if resource not in demands:
+    if not isinstance(resource, str) or resource not in demands:
         raise BadRequest(field + ".resource", "must name a resource in demand")
     t1 = value.get("t1")
     if t1 is not None and (not _number(t1) or t1 <= 0):
@@ -139,14 +149,11 @@ def _elasticity(value: Any, field: str, demands: dict[str, Demand]) -> Elasticit
         raise BadRequest(field + ".efficiency", "must be a non-empty object mapping unit counts to E in (0, 1]")
     points: list[tuple[int, float]] = []
     for count, eff in raw.items():
-        try:
-            m = int(count)
-        except (TypeError, ValueError):
-            raise BadRequest(f"{field}.efficiency.{count}", "key must be a unit count") from None
-        if m <= 0:
-            raise BadRequest(f"{field}.efficiency.{count}", "unit count must be at least 1")
+        if not isinstance(count, str) or not COUNT.match(count):
+            raise BadRequest(f"{field}.efficiency.{count}", "key must be a unit count: digits, at least 1, no "
+                                                            "leading zero")
         if not _number(eff) or not 0 < eff <= 1:
             raise BadRequest(f"{field}.efficiency.{count}", "E(m) must be in (0, 1]")
-        points.append((m, float(eff)))
+        points.append((int(count), float(eff)))
     return Elasticity(resource=resource, efficiency=tuple(sorted(points)),
                       t1=None if t1 is None else float(t1))

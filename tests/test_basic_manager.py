@@ -289,6 +289,7 @@ def test_paths_that_could_leave_the_upstream_are_rejected(checker: BasicManager,
     ({"headers": {"X-A": 1}}, "spec.headers.X-A"),
     ({"headers": {"X-A": "a\r\nInjected: 1"}}, "spec.headers.X-A"),
     ({"headers": {"bad name": "v"}}, "spec.headers.bad name"),
+    ({"headers": {"X-A\n": "v"}}, "spec.headers.X-A\n"),
     ({"body": {}, "body_text": "x"}, "spec.body_text"),
     ({"url": "http://evil"}, "spec.url"),
 ])

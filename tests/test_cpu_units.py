@@ -68,6 +68,7 @@ def test_executor_request_substitutes_parallelism():
     ({"command": ""}, "spec.command"),
     ({"command": ["ls", 3]}, "spec.command"),
     ({"command": "ls", "env": {"1BAD": "x"}}, "spec.env.1BAD"),
+    ({"command": "ls", "env": {"A\n": "x"}}, "spec.env.A\n"),
     ({"command": "ls", "cwd": "relative"}, "spec.cwd"),
     ({"command": "ls", "memory_mb": 1}, "spec.memory_mb"),
     ({"command": "ls", "files": {"/etc/passwd": "x"}}, "spec.files./etc/passwd"),
