@@ -169,7 +169,13 @@ class Broker:
             self._validate(action, f"actions[{index}]." if len(actions) > 1 else "")
         if len(self.queue) + len(actions) > self.max_queue:
             raise BadRequest("actions", f"the queue is full ({self.max_queue} actions); retry later", status=503)
-        stored = await self._stored_idempotent(actions)
+        try:
+            stored = await self._stored_idempotent(actions)
+        except Exception as error:  # noqa: BLE001 - any driver error: the database cannot answer now
+            log.error("idempotency lookup failed: %r", error)
+            raise BadRequest("store", "the database is unavailable, so this broker cannot tell whether these "
+                                      "idempotency keys were used before; retry with the same keys", status=503) \
+                from None
         results: list[tuple[Action, bool]] = []
         fresh: list[Action] = []
         for action in actions:

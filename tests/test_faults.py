@@ -11,8 +11,12 @@ import time
 from pathlib import Path
 
 import docker
+from sqlalchemy import text
+from sqlalchemy.engine import make_url
 
 from sandboxes.backend import LABEL_ENV
+from tangram.store import Store
+from tests.conftest import PG_URL_ENV, reset_database
 from tests.docker_nodes import cpu_config, docker_engines
 from tests.harness import Live, live_broker
 
@@ -115,3 +119,95 @@ async def test_docker_engine_restarted_mid_exec(tmp_path):
         assert back["state"] == "succeeded" and back["result"]["stdout"] == "back\n"
         _, old = await live.call("POST", "/v1/actions?wait=true", json=exec_body("echo old"))
         assert old["state"] == "failed" and old["error"]["code"] == "environment_lost", old
+
+
+class OutageProxy:
+    """A TCP proxy in front of PostgreSQL that can drop every connection and refuse new ones: the database 'goes
+    away' for the broker while the server itself keeps running for the rest of the suite."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.target = (host, port)
+        self.down = False
+        self.links: set[asyncio.StreamWriter] = set()
+        self.server: asyncio.Server | None = None
+
+    async def start(self) -> int:
+        self.server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
+        return self.server.sockets[0].getsockname()[1]
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.down:
+            writer.close()
+            return
+        up_reader, up_writer = await asyncio.open_connection(*self.target)
+        self.links |= {writer, up_writer}
+
+        async def pipe(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+            try:
+                while data := await source.read(65536):
+                    sink.write(data)
+                    await sink.drain()
+            except (ConnectionError, OSError):
+                pass
+            finally:
+                sink.close()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+    def cut(self) -> None:
+        self.down = True
+        for writer in self.links:
+            writer.close()
+        self.links.clear()
+
+    async def close(self) -> None:
+        self.cut()
+        assert self.server is not None
+        self.server.close()
+        await self.server.wait_closed()
+
+
+async def test_database_briefly_unavailable(tmp_path):
+    """PostgreSQL goes away under a running broker. A submit with an idempotency key is refused with 503 (the
+    broker cannot tell whether the key was used before) and nothing is queued; one without a key is queued and runs
+    but answers 503 "not yet durable". Reads keep working from memory. Once the database is back, the retried
+    submit is accepted and every record, including the one accepted during the outage, reaches the database."""
+    url = make_url(os.environ[PG_URL_ENV])
+    await reset_database(url.render_as_string(hide_password=False))
+    proxy = OutageProxy(url.host or "127.0.0.1", url.port or 5432)
+    port = await proxy.start()
+    store_url = url.set(host="127.0.0.1", port=port).render_as_string(hide_password=False)
+    leases = {"basic": {"lease.local": {"concurrency": 4}}}
+    body = {"task": "t", "kind": "lease", "demand": {"lease.local": 1}, "spec": {"ttl_s": 60}}
+    try:
+        async with live_broker(leases, str(tmp_path / "unused.db"), store_url=store_url) as live:
+            status, before = await live.call("POST", "/v1/actions?wait=true", json={**body, "idempotency_key": "a"})
+            assert status == 200 and before["state"] == "succeeded"
+            proxy.cut()
+            status, keyed = await live.call("POST", "/v1/actions", json={**body, "idempotency_key": "b"})
+            assert status == 503 and keyed["error"]["reason"].startswith("the database is unavailable"), keyed
+            assert not len(live.broker.queue) and ("t", "b") not in live.broker.idempotency  # nothing taken
+            status, unkeyed = await live.call("POST", "/v1/actions", json={**body, "task": "u"})
+            assert status == 503 and "not yet durable" in unkeyed["error"]["reason"], unkeyed
+            status, read = await live.call("GET", f"/v1/actions/{before['id']}")
+            assert status == 200 and read["state"] == "succeeded"  # reads are served from memory meanwhile
+            proxy.down = False
+            for _ in range(200):  # the client retries under the same key, as AsyncTangramClient does
+                status, again = await live.call("POST", "/v1/actions?wait=true",
+                                                json={**body, "idempotency_key": "b"})
+                if status < 500:
+                    break
+                await asyncio.sleep(0.1)
+            assert status == 200 and again["state"] == "succeeded", again
+            await live.broker.store.flush()
+        store = await Store.open(store_url)
+        try:
+            stored = await store.find_by_idempotency("t", "b")
+            assert stored is not None and stored.id == again["id"] and stored.state.value == "succeeded"
+            async with store.engine.connect() as conn:
+                rows = (await conn.execute(text("SELECT task, state FROM actions ORDER BY seq"))).all()
+            assert [tuple(row) for row in rows] == [("t", "succeeded"), ("u", "succeeded"), ("t", "succeeded")]
+        finally:
+            await store.close()
+    finally:
+        await proxy.close()
