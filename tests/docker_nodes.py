@@ -52,6 +52,7 @@ def labelled_containers(engine: str, broker_id: str | None = None) -> list[Any]:
     labels = [f"{LABEL_MANAGED}=1"] + ([f"{LABEL_BROKER}={broker_id}"] if broker_id else [])
     client = docker.DockerClient(base_url=engine)
     try:
-        return client.containers.list(all=True, filters={"label": labels})
+        # ignore_removed: another session sharing the engine may remove a container between list and inspect
+        return client.containers.list(all=True, filters={"label": labels}, ignore_removed=True)
     finally:
         client.close()
