@@ -8,10 +8,12 @@ from clients.errors import (
     BadRequestError,
     BrokerUnreachable,
     ConflictError,
+    ForbiddenError,
     NotFoundError,
     OverloadedError,
     TangramError,
     TooLargeError,
+    UnauthorizedError,
     UnprocessableError,
     WaitTimeout,
 )
@@ -19,5 +21,5 @@ from clients.records import ActionRecord
 from clients.sync_client import TangramClient
 
 __all__ = ["ActionError", "ActionRecord", "ApiError", "AsyncTangramClient", "BadRequestError", "BrokerUnreachable",
-           "ConflictError", "NotFoundError", "OverloadedError", "TangramClient", "TangramError", "TooLargeError",
-           "UnprocessableError", "WaitTimeout", "unit_demand"]
+           "ConflictError", "ForbiddenError", "NotFoundError", "OverloadedError", "TangramClient", "TangramError",
+           "TooLargeError", "UnauthorizedError", "UnprocessableError", "WaitTimeout", "unit_demand"]

@@ -33,6 +33,14 @@ class BadRequestError(ApiError):
     """400: a malformed request; ``field`` names the offending part."""
 
 
+class UnauthorizedError(ApiError):
+    """401: no token, or one the broker does not know (or revoked)."""
+
+
+class ForbiddenError(ApiError):
+    """403: the token is valid but not for this (another task's name, an admin route)."""
+
+
 class NotFoundError(ApiError):
     """404: no such action, lease or environment."""
 
@@ -53,7 +61,8 @@ class OverloadedError(ApiError):
     """429 or 503: the broker asks to come back later; raised once the retries are spent."""
 
 
-_BY_STATUS: dict[int, type[ApiError]] = {400: BadRequestError, 404: NotFoundError, 409: ConflictError,
+_BY_STATUS: dict[int, type[ApiError]] = {400: BadRequestError, 401: UnauthorizedError, 403: ForbiddenError,
+                                         404: NotFoundError, 409: ConflictError,
                                          413: TooLargeError, 422: UnprocessableError, 429: OverloadedError,
                                          503: OverloadedError}
 

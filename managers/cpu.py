@@ -16,7 +16,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -126,6 +127,9 @@ class CpuManager(ResourceManager):
         self.nodes: dict[str, CpuNode] = {}
         self.environments: dict[str, Environment] = {}
         self.by_trajectory: dict[tuple[str, str], Environment] = {}
+        #: per task: its environments and the MiB they reserve (for per-task caps, tangram.tenants)
+        self._task_environments: Counter[str] = Counter()
+        self._task_memory_mb: Counter[str] = Counter()
         self._reaper: asyncio.Task[None] | None = None
 
     # -- lifecycle ------------------------------------------------------------------------------------------
@@ -233,6 +237,17 @@ class CpuManager(ResourceManager):
     def memory_for(self, action: Action) -> int:
         return action.spec.get("memory_mb") or self.config.default_memory_mb
 
+    def environment_demand(self, action: Action) -> int | None:
+        """MiB of the environment ``action`` would create if it started now; None if it runs in an existing one (or
+        names one, which must exist)."""
+        if action.kind is not Kind.EXEC or action.spec.get("environment") is not None:
+            return None
+        return self.memory_for(action) if self.environment_of(action) is None else None
+
+    def task_usage(self, task: str) -> tuple[int, int]:
+        """The task's environments and the MiB they reserve."""
+        return self._task_environments[task], self._task_memory_mb[task]
+
     def validate(self, action: Action) -> None:
         if action.kind is not Kind.EXEC:
             return
@@ -310,6 +325,8 @@ class CpuManager(ResourceManager):
                           image=image, memory_mb=memory_mb, files=files, ephemeral=ephemeral)
         node.memory_reserved += memory_mb
         self.environments[env.id] = env
+        self._task_environments[task] += 1
+        self._task_memory_mb[task] += memory_mb
         if trajectory is not None:
             self.by_trajectory[(task, trajectory)] = env
         return env
@@ -370,6 +387,10 @@ class CpuManager(ResourceManager):
         if env.trajectory is not None and self.by_trajectory.get((env.task, env.trajectory)) is env:
             del self.by_trajectory[(env.task, env.trajectory)]
         self.nodes[env.node].memory_reserved -= env.memory_mb
+        self._task_environments[env.task] -= 1
+        self._task_memory_mb[env.task] -= env.memory_mb
+        if not self._task_environments[env.task]:
+            del self._task_environments[env.task], self._task_memory_mb[env.task]
         return env.sandbox
 
     def _mark_lost(self, env: Environment, reason: str) -> None:
@@ -378,14 +399,19 @@ class CpuManager(ResourceManager):
         env.lost_reason = reason
 
     async def create_environment(self, task: str, trajectory: str | None, image: str | None,
-                                 memory_mb: int | None, files: dict[str, bytes]) -> Environment:
-        """``POST /v1/environments``: place by memory load, create the sandbox now, report errors as 4xx."""
+                                 memory_mb: int | None, files: dict[str, bytes],
+                                 admit: Callable[[int], None] | None = None) -> Environment:
+        """``POST /v1/environments``: place by memory load, create the sandbox now, report errors as 4xx.
+        ``admit(memory_mb)`` may refuse (raise) once the request is known to be valid, before anything is reserved
+        (the per-task caps)."""
         if trajectory is not None and (task, trajectory) in self.by_trajectory:
             existing = self.by_trajectory[(task, trajectory)]
             raise Conflict("trajectory", f"trajectory {trajectory!r} of task {task!r} already has environment "
                                          f"{existing.id}")
         self._check_room("environments")
         memory = self._check_memory(memory_mb, "memory_mb")
+        if admit is not None:
+            admit(memory)
         fitting = [n for n in self.nodes.values() if n.memory_reserved + memory <= n.memory_mb]
         if not fitting:
             raise BadRequest("memory_mb", f"no node has {memory} MiB unreserved now; retry later", status=503)

@@ -1,4 +1,9 @@
-"""REST API (aiohttp + orjson). Every client error is a 4xx whose JSON body names the field and the reason."""
+"""REST API (aiohttp + orjson). Every client error is a 4xx whose JSON body names the field and the reason.
+
+Requests are authenticated by ``tangram.auth`` (bearer tokens, when auth is on): a task's token sees and changes
+only its task's actions, leases and environments (another task's ids are 404, as if they did not exist); the
+admin's sees everything and alone may drain the broker and reload its tokens and caps.
+"""
 
 from __future__ import annotations
 
@@ -10,10 +15,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from tangram.action import Action
 from tangram.api_common import BROKER, LIMITS, SERVER, json_response, read_json
+from tangram.auth import AUTH, add_auth, authenticate, claim_task, principal_of
 from tangram.broker import Broker
-from tangram.config import ServerConfig
+from tangram.config import AccessConfig, ServerConfig, load_config
 from tangram.environments_api import add_environment_routes
-from tangram.errors import BadRequest
+from tangram.errors import BadRequest, ConfigError
 from tangram.openapi import openapi_document
 from tangram.parse import Limits, parse_action
 from tangram.services_api import add_service_routes
@@ -26,8 +32,8 @@ log = logging.getLogger("tangram.api")
 async def errors_as_json(request: web.Request, handler: Any) -> web.StreamResponse:
     try:
         return await handler(request)
-    except BadRequest as error:
-        return json_response(error.to_json(), status=error.status)
+    except BadRequest as error:  # 401 and 429 carry headers (WWW-Authenticate, Retry-After)
+        return json_response(error.to_json(), status=error.status, headers=getattr(error, "headers", None))
     except web.HTTPException as error:
         if error.status < 400:
             raise
@@ -66,7 +72,8 @@ async def submit_action(request: web.Request) -> web.Response:
     broker = request.app[BROKER]
     wait = _flag(request, "wait")
     timeout = _wait_timeout(request)  # checked even without wait: a bad query is an error, never ignored
-    action = parse_action(await read_json(request), request.app[LIMITS])
+    body = claim_task(await read_json(request), principal_of(request))
+    action = parse_action(body, request.app[LIMITS])
     [(record, created)] = await broker.submit([action])
     if wait:
         record = await broker.wait(record.id, timeout)
@@ -88,7 +95,9 @@ async def submit_batch(request: web.Request) -> web.Response:
     if len(items) > limit:
         raise BadRequest("actions", f"has {len(items)} actions; at most {limit} per batch", status=413)
     limits = request.app[LIMITS]
-    actions = [parse_action(item, limits, where=f"actions[{i}].") for i, item in enumerate(items)]
+    principal = principal_of(request)
+    actions = [parse_action(claim_task(item, principal, f"actions[{i}]."), limits, where=f"actions[{i}].")
+               for i, item in enumerate(items)]
     results = await broker.submit(actions)
     return json_response({"actions": [record.to_json() for record, _ in results],
                           "created": sum(created for _, created in results)}, status=200)
@@ -98,20 +107,24 @@ async def get_action(request: web.Request) -> web.Response:
     broker = request.app[BROKER]
     action_id = request.match_info["id"]
     timeout = _wait_timeout(request)
-    if _flag(request, "wait"):
+    wait = _flag(request, "wait")
+    action = await broker.get(action_id, principal_of(request).task)
+    if wait:
         action = await broker.wait(action_id, timeout)
-    else:
-        action = await broker.get(action_id)
     return json_response(action.to_json())
 
 
 async def cancel_action(request: web.Request) -> web.Response:
-    action: Action = await request.app[BROKER].cancel(request.match_info["id"])
+    broker = request.app[BROKER]
+    await broker.get(request.match_info["id"], principal_of(request).task)
+    action: Action = await broker.cancel(request.match_info["id"])
     return json_response(action.to_json())
 
 
 async def release_lease(request: web.Request) -> web.Response:
-    action = await request.app[BROKER].release_lease(request.match_info["id"])
+    broker = request.app[BROKER]
+    await broker.get(request.match_info["id"], principal_of(request).task)
+    action = await broker.release_lease(request.match_info["id"])
     return json_response(action.to_json())
 
 
@@ -131,14 +144,69 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def openapi(request: web.Request) -> web.Response:
-    return json_response(openapi_document(request.app[SERVER], request.app[LIMITS], list(request.app[BROKER].owner)))
+    auth = request.app[AUTH]
+    return json_response(openapi_document(request.app[SERVER], request.app[LIMITS], list(request.app[BROKER].owner),
+                                          secured=auth.enabled, public_status=auth.access.auth.public_status))
 
 
-def build_app(broker: Broker, server: ServerConfig, limits: Limits) -> web.Application:
-    app = web.Application(middlewares=[errors_as_json], client_max_size=server.max_body_bytes)
+async def _optional_json(request: web.Request) -> dict[str, Any]:
+    """An optional JSON object body: an empty body is ``{}``."""
+    if not await request.read():
+        return {}
+    body = await read_json(request)
+    if not isinstance(body, dict):
+        raise BadRequest("body", "must be a JSON object")
+    return body
+
+
+async def drain(request: web.Request) -> web.Response:
+    """Stop taking and starting actions for good (until a restart), give the running ones ``timeout_s`` (default
+    ``server.drain_s``; 0 answers at once) to finish, and say what is left."""
+    broker = request.app[BROKER]
+    server = request.app[SERVER]
+    body = await _optional_json(request)
+    unknown = sorted(set(body) - {"timeout_s"})
+    if unknown:
+        raise BadRequest(unknown[0], "unknown field; drain takes timeout_s")
+    timeout = body.get("timeout_s", server.drain_s)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout <= server.max_wait_s:
+        raise BadRequest("timeout_s", f"must be a number of seconds between 0 and {server.max_wait_s}")
+    still_running = await broker.drain(float(timeout))
+    return json_response({"draining": True, "running": still_running, "queued": len(broker.queue)})
+
+
+async def reload(request: web.Request) -> web.Response:
+    """Re-read tokens and per-task caps ([auth], [tasks]) from the config file and the store, without a restart.
+    Nothing else is reloaded: other sections (resources, managers, the store) need a restart. A file that no
+    longer parses changes nothing (422)."""
+    auth = request.app[AUTH]
+    source = auth.access.source
+    access = auth.access
+    if source is not None:
+        try:
+            access = load_config(source).access
+        except ConfigError as error:
+            raise BadRequest("config", f"{source}: {error}; nothing was reloaded", status=422) from None
+    await auth.refresh()
+    auth.configure(access)
+    request.app[BROKER].set_tenancy(access.tenancy)
+    return json_response({"config": source, "reloaded": ["auth", "tasks", "store tokens"],
+                          "needs_restart": "every other section", "auth": auth.enabled,
+                          "tokens": sum(1 for token in auth.describe() if token["revoked_at"] is None)})
+
+
+def build_app(broker: Broker, server: ServerConfig, limits: Limits,
+              access: AccessConfig | None = None) -> web.Application:
+    """The REST app; ``access`` (tokens and per-task caps) defaults to none: open, no caps."""
+    access = access or AccessConfig()
+    app = web.Application(middlewares=[errors_as_json, authenticate], client_max_size=server.max_body_bytes)
     app[BROKER] = broker
     app[SERVER] = server
     app[LIMITS] = limits
+    broker.set_tenancy(access.tenancy)
+    add_auth(app, access)
+    app.router.add_post("/v1/admin/drain", drain)
+    app.router.add_post("/v1/admin/reload", reload)
     app.router.add_post("/v1/actions", submit_action)
     app.router.add_post("/v1/actions:batch", submit_batch)
     app.router.add_get("/v1/actions/{id}", get_action)

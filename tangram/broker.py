@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import math
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -23,6 +24,7 @@ from tangram.metrics import Metrics
 from tangram.queue import make_queue
 from tangram.scheduler import Placement, Scheduler, allocate_placement
 from tangram.store import Store
+from tangram.tenants import MAX_RETRY_S, EnvironmentHost, TaskLedger, Tenancy
 
 log = logging.getLogger("tangram.broker")
 
@@ -65,6 +67,7 @@ class Broker:
         for manager in self.managers:
             manager.register_metrics(self.metrics.registry)
         self.max_queue = max_queue
+        self.ledger = TaskLedger()  # per-task caps: none until set_tenancy
         self.retain_s = retain_s
         self.tick_s = tick_s
         self.actions: dict[str, Action] = {}
@@ -119,7 +122,7 @@ class Broker:
                                                           f"{error.field}: {error.reason}"})
                 failed += 1
                 continue
-            self.queue.push(action)
+            self._enqueue(action)
             resumed += 1
         self.kick()
         if resumed or failed:
@@ -176,6 +179,8 @@ class Broker:
             raise BadRequest("store", "the database is unavailable, so this broker cannot tell whether these "
                                       "idempotency keys were used before; retry with the same keys", status=503) \
                 from None
+        if self.ledger.tenancy.limited:  # after the last await: nothing is queued between the check and the pushes
+            self._check_caps(actions, stored)
         results: list[tuple[Action, bool]] = []
         fresh: list[Action] = []
         for action in actions:
@@ -189,7 +194,7 @@ class Broker:
             self.actions[action.id] = action
             if action.idempotency_key is not None:
                 self.idempotency[(action.task, action.idempotency_key)] = action.id
-            self.queue.push(action)
+            self._enqueue(action)
             self.metrics.count_submit(action)
             results.append((action, True))
             fresh.append(action)
@@ -202,6 +207,52 @@ class Broker:
                 raise BadRequest("store", "accepted but not yet durable (database unavailable); resubmit with "
                                           "the same idempotency_key to learn its fate", status=503) from None
         return results
+
+    def _check_caps(self, actions: Sequence[Action], stored: dict[tuple[str, str], Action]) -> None:
+        """The per-task caps on what this submit would newly queue (idempotent replays and repeated keys within
+        the submit count once); raises ``OverCap`` (429) before anything is queued."""
+        fresh: list[Action] = []
+        keys: set[tuple[str, str]] = set()
+        for action in actions:
+            if self._idempotent(action, stored) is not None:
+                continue
+            if action.idempotency_key is not None:
+                if (action.task, action.idempotency_key) in keys:
+                    continue
+                keys.add((action.task, action.idempotency_key))
+            fresh.append(action)
+        self.ledger.check_submit(fresh, self.environment_host, self._retry_after)
+
+    def _retry_after(self, task: str) -> int:
+        """Seconds until one of ``task``'s queued actions can expect to start: the soonest expected end among its
+        running ones (at least 1 s, at most ``MAX_RETRY_S``; 1 s when none runs)."""
+        now = time.time()
+        ends = [(r.action.started_at or now) + (r.action.expected_duration_s or self.durations.default_s) - now
+                for r in self.running.values() if r.action.task == task]
+        return min(MAX_RETRY_S, max(1, math.ceil(min(ends)))) if ends else 1
+
+    @property
+    def environment_host(self) -> EnvironmentHost | None:
+        """The manager keeping per-task environments (the CPU manager), if this broker has one."""
+        for manager in self.managers:
+            if isinstance(manager, EnvironmentHost):
+                return manager
+        return None
+
+    def set_tenancy(self, tenancy: Tenancy) -> None:
+        """New per-task caps, from now on (a lowered cap takes nothing away; it stops what would pass it)."""
+        self.ledger.tenancy = tenancy
+        self.kick()
+
+    def _enqueue(self, action: Action) -> None:
+        self.queue.push(action)
+        self.ledger.queue(action)
+
+    def _dequeue(self, action_id: str) -> Action | None:
+        action = self.queue.remove(action_id)
+        if action is not None:
+            self.ledger.unqueue(action)
+        return action
 
     def _validate(self, action: Action, where: str) -> None:
         if action.kind not in self.executor:
@@ -240,11 +291,12 @@ class Broker:
             return self.actions[known]
         return stored.get(ident)
 
-    async def get(self, action_id: str) -> Action:
+    async def get(self, action_id: str, task: str | None = None) -> Action:
+        """The action's record; with ``task``, another task's action is as missing as one that never was."""
         action = self.actions.get(action_id)
         if action is None:
             action = await self.store.get(action_id)
-        if action is None:
+        if action is None or (task is not None and action.task != task):
             raise NotFound("id", f"no action {action_id!r}")
         return action
 
@@ -265,7 +317,7 @@ class Broker:
         action = await self.get(action_id)
         if action.state.terminal:
             raise Conflict("id", f"action is already {action.state.value}")
-        if self.queue.remove(action_id) is not None:
+        if self._dequeue(action_id) is not None:
             self._finish(action, State.CANCELLED, error={"code": "cancelled", "message": "cancelled by client"})
         else:
             running = self.running.get(action_id)
@@ -309,7 +361,8 @@ class Broker:
         self.passes += 1
         started = time.perf_counter()
         now = time.time()
-        placements = self.scheduler.schedule(self.queue, (r.action for r in self.running.values()), now)
+        queue = self.ledger.admissible(self.queue, self.environment_host) if self.ledger.tenancy.limited else self.queue
+        placements = self.scheduler.schedule(queue, (r.action for r in self.running.values()), now)
         self.metrics.schedule_pass.observe(time.perf_counter() - started)
         for placement in placements:
             self._start(placement, now)
@@ -322,7 +375,7 @@ class Broker:
         except Exception:
             log.exception("allocation of %s failed; it stays queued", action.id)
             return
-        self.queue.remove(action.id)
+        self._dequeue(action.id)
         action.state = State.RUNNING
         action.started_at = now
         action.units = dict(placement.units)
@@ -334,12 +387,15 @@ class Broker:
         outcome = executor.complete_now(action, own)
         if outcome is not None:
             action.execution_s = 0.0
+            if outcome.hold:
+                self.ledger.hold(action)
             self._finish(action, State.SUCCEEDED, result=outcome.result, keep=allocations if outcome.hold else None)
             if not outcome.hold:
                 self._release(allocations)
             return
         running = _Running(action, allocations, own)
         self.running[action.id] = running
+        self.ledger.hold(action)
         self.store.save(action)
         running.task = asyncio.create_task(self._execute(running), name=f"tangram-{action.id}")
 
@@ -378,6 +434,7 @@ class Broker:
             self.running.pop(action.id, None)
             if not hold:
                 self._release(running.allocations)
+                self.ledger.unhold(action)
             self.kick()
 
     @staticmethod
@@ -405,6 +462,7 @@ class Broker:
 
     def _return_lease(self, action: Action, how: str) -> None:
         self._release(self.leases.pop(action.id))
+        self.ledger.unhold(action)
         result = dict(action.result or {})
         result["returned"] = how
         result["returned_at"] = time.time()
@@ -438,7 +496,7 @@ class Broker:
                         self._return_lease(action, "expired")
         for action in list(self.queue):
             if action.submitted_at + action.timeout_s <= now:
-                self.queue.remove(action.id)
+                self._dequeue(action.id)
                 self._finish(action, State.TIMED_OUT, error={
                     "code": "timed_out", "message": f"still queued when its deadline of {action.timeout_s} s passed"})
         while self._forget and self._forget[0][0] + self.retain_s < now:

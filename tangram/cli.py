@@ -1,12 +1,14 @@
-"""``tangram`` command line: ``serve`` runs the broker, ``status`` shows a running one, ``image build`` makes the
-sandbox image, ``simulate`` and ``trace`` run the simulator."""
+"""``tangram`` command line: ``serve`` runs the broker, ``status`` shows a running one, ``token`` manages API tokens,
+``image build`` makes the sandbox image, ``simulate`` and ``trace`` run the simulator."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import json
 import logging
+import os
 import sys
 import time
 import urllib.error
@@ -38,8 +40,9 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _fetch(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=5) as response:
+def _fetch(url: str, token: str | None = None) -> Any:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=5) as response:
         return json.loads(response.read())
 
 
@@ -79,7 +82,7 @@ def _status(args: argparse.Namespace) -> int:
     url = args.url.rstrip("/")
 
     def view() -> Group:
-        return status_view(url, _fetch(url + "/v1/resources"))
+        return status_view(url, _fetch(url + "/v1/resources", args.token))
 
     try:
         if not args.watch:
@@ -96,10 +99,81 @@ def _status(args: argparse.Namespace) -> int:
         return 0
 
 
+async def _with_store(args: argparse.Namespace, work: Any) -> Any:
+    """Run ``work(store)`` on the store of the config (``--config``, ``$TANGRAM_CONFIG``, ``$TANGRAM_STORE_URL``)."""
+    from tangram.store import Store
+
+    store = await Store.open(load_config(args.config).store.url)
+    try:
+        return await work(store)
+    finally:
+        await store.close()
+
+
+def _token_create(args: argparse.Namespace) -> int:
+    """A token for a task or the admin into the store: the token on stdout (only here, once), the rest on stderr."""
+    from tangram.auth import mint
+    from tangram.parse import NAME
+
+    if (args.task is None) == (not args.admin):
+        print("tangram: give a TASK or --admin (a token belongs to exactly one of them)", file=sys.stderr)
+        return 2
+    if args.task is not None and not NAME.match(args.task):
+        print(f"tangram: {args.task!r} is not a valid task name", file=sys.stderr)
+        return 2
+    row, token = mint(args.task, args.note or "")
+    asyncio.run(_with_store(args, lambda store: store.add_token(row)))
+    print(token)
+    owner = "the admin" if args.task is None else f"task {args.task!r}"
+    print(f"token {row.id} for {owner}; it is shown only now (the store keeps its SHA-256). A running broker "
+          f"accepts it within [auth] refresh_s, or at once after POST /v1/admin/reload", file=sys.stderr)
+    return 0
+
+
+def _token_list(args: argparse.Namespace) -> int:
+    from tangram.auth import token_json
+
+    tokens = asyncio.run(_with_store(args, lambda store: store.load_tokens()))
+    table = Table(title="tokens in the store", title_justify="left")
+    for column in ("id", "owner", "note", "created", "revoked"):
+        table.add_column(column)
+    for token in map(token_json, tokens):
+        when = [time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
+                for t in (token["created_at"], token["revoked_at"])]
+        table.add_row(token["id"], "admin" if token["admin"] else token["task"], token["note"], *when)
+    Console().print(table)
+    return 0
+
+
+def _token_revoke(args: argparse.Namespace) -> int:
+    revoked = asyncio.run(_with_store(args, lambda store: store.revoke_token(args.id, time.time())))
+    if revoked is None:
+        print(f"tangram: no token {args.id!r} in the store", file=sys.stderr)
+        return 1
+    print(f"token {args.id} revoked; a running broker refuses it within [auth] refresh_s, or at once after "
+          f"POST /v1/admin/reload", file=sys.stderr)
+    return 0
+
+
+def _token_hash(args: argparse.Namespace) -> int:
+    """The SHA-256 that config files name a token by; the token comes from stdin (never from the command line,
+    which other users and shell histories see), or ``--new`` makes one and prints it first."""
+    from tangram.auth import new_token, token_sha256
+
+    if args.new:
+        token = new_token()
+        print(token)
+    else:
+        token = sys.stdin.readline().strip()
+        if not token:
+            print("tangram: give the token on stdin (or --new to make one)", file=sys.stderr)
+            return 2
+    print(token_sha256(token))
+    return 0
+
+
 def _image_build(args: argparse.Namespace) -> int:
     """Build (once) and import the default sandbox image into every engine, with a progress bar for debootstrap."""
-    import os
-
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Column
 
@@ -166,7 +240,27 @@ def main(argv: list[str] | None = None) -> int:
     status = commands.add_parser("status", help="show resources, queues and recent ACT of a running broker")
     status.add_argument("--url", default="http://127.0.0.1:8300")
     status.add_argument("--watch", type=float, metavar="SECONDS", help="refresh every SECONDS until Ctrl-C")
+    status.add_argument("--token", default=os.environ.get("TANGRAM_TOKEN"),
+                        help="API token, when the broker's status is not public (default $TANGRAM_TOKEN)")
     status.set_defaults(func=_status)
+    token = commands.add_parser("token", help="API tokens in the store (hashed), and hashes for the config file")
+    token_commands = token.add_subparsers(dest="token_command", required=True)
+    create = token_commands.add_parser("create", help="make a token for TASK (or --admin) in the store; prints it "
+                                       "once on stdout")
+    create.add_argument("task", nargs="?", help="the RL task the token belongs to")
+    create.add_argument("--admin", action="store_true", help="an admin token instead")
+    create.add_argument("--note", help="who or what it is for (shown by list)")
+    listing = token_commands.add_parser("list", help="the store's tokens (never their hashes)")
+    revoke = token_commands.add_parser("revoke", help="revoke a token in the store by its id")
+    revoke.add_argument("id")
+    for sub, func in ((create, _token_create), (listing, _token_list), (revoke, _token_revoke)):
+        sub.add_argument("--config", help="TOML config file naming the store (default $TANGRAM_CONFIG, "
+                         "$TANGRAM_STORE_URL or ./tangram.db)")
+        sub.set_defaults(func=func)
+    hashing = token_commands.add_parser("hash", help="print the SHA-256 of the token on stdin, for token_sha256 "
+                                        "in the config")
+    hashing.add_argument("--new", action="store_true", help="make a token, print it, then its hash")
+    hashing.set_defaults(func=_token_hash)
     image = commands.add_parser("image", help="build the default sandbox image offline and import it into engines")
     image_commands = image.add_subparsers(dest="image_command", required=True)
     build = image_commands.add_parser("build", help="debootstrap the sandbox root filesystem (cached) and "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
@@ -13,9 +14,40 @@ from managers.basic import BasicResourceConfig, UpstreamConfig
 from managers.cpu_config import CpuConfig, parse_cpu_config
 from managers.gpu_config import GpuConfig, parse_gpu_config
 from tangram.errors import ConfigError
-from tangram.parse import Limits
+from tangram.parse import NAME, Limits
+from tangram.tenants import CAP_NAMES, TaskCaps, Tenancy
 
 DEFAULT_DB = "sqlite+aiosqlite:///tangram.db"
+
+
+SHA256_HEX = re.compile(r"^[0-9a-f]{64}\Z")
+
+
+@dataclass(frozen=True)
+class AuthConfig:
+    """``[auth]``: bearer tokens on the REST API."""
+
+    #: True: every /v1 route needs a token; False: nothing is checked (development); None ("auto"): on as soon as
+    #: a token exists, in this file or in the store (a store that ever held one stays closed)
+    required: bool | None = None
+    #: SHA-256 (hex) of the admin tokens; never the tokens themselves
+    admin_token_sha256: tuple[str, ...] = ()
+    #: the status page, its history, GET /v1/resources and /metrics answer without a token (aggregate figures only)
+    public_status: bool = True
+    #: how often tokens another process made or revoked in the store (``tangram token``) are picked up
+    refresh_s: float = 5.0
+
+
+@dataclass(frozen=True)
+class AccessConfig:
+    """Who may call the API and how much each task may ask: ``[auth]``, ``[tasks]`` and ``[tasks.NAME]``."""
+
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    #: task -> SHA-256 (hex) of its tokens
+    task_tokens: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    tenancy: Tenancy = field(default_factory=Tenancy)
+    #: the file these were read from, which ``POST /v1/admin/reload`` reads again (None: built-in defaults)
+    source: str | None = None
 
 
 @dataclass(frozen=True)
@@ -58,6 +90,8 @@ class Config:
     pools: dict[str, dict[str, int]] = field(default_factory=dict)
     cpu: CpuConfig = field(default_factory=lambda: parse_cpu_config({}))
     gpu: GpuConfig = field(default_factory=lambda: parse_gpu_config({}))
+    #: authentication and per-task caps: the [auth] and [tasks] sections
+    access: AccessConfig = field(default_factory=AccessConfig)
 
 
 def _section(cls: type, raw: Any, where: str) -> Any:
@@ -128,13 +162,88 @@ def _pools(raw: Any) -> dict[str, dict[str, int]]:
     return pools
 
 
+def _token_hashes(raw: Any, where: str) -> tuple[str, ...]:
+    """One SHA-256 hex digest or a list of them (two while a token is rotated), lowercased."""
+    values = [raw] if isinstance(raw, str) else raw
+    if not isinstance(values, list) or not values:
+        raise ConfigError(where, "must be a SHA-256 hex digest or a non-empty list of them")
+    digests = []
+    for value in values:
+        digest = value.lower() if isinstance(value, str) else None
+        if digest is None or not SHA256_HEX.match(digest):
+            raise ConfigError(where, "must be the SHA-256 of a token as 64 hex digits (`tangram token hash` prints "
+                                     "it), never the token itself")
+        digests.append(digest)
+    return tuple(digests)
+
+
+def _auth(raw: Any) -> AuthConfig:
+    if not isinstance(raw, dict):
+        raise ConfigError("auth", "must be a table")
+    raw = dict(raw)
+    required = raw.pop("required", "auto")
+    if required not in (True, False, "auto"):
+        raise ConfigError("auth.required", 'must be true, false or "auto"')
+    admins = _token_hashes(raw.pop("admin_token_sha256"), "auth.admin_token_sha256") \
+        if "admin_token_sha256" in raw else ()
+    rest = _section(AuthConfig, raw, "auth")
+    if rest.refresh_s <= 0:
+        raise ConfigError("auth.refresh_s", "must be a positive number of seconds")
+    return replace(rest, required=None if required == "auto" else required, admin_token_sha256=admins)
+
+
+def _caps(raw: dict[str, Any], where: str) -> TaskCaps:
+    for key, value in raw.items():
+        if key not in CAP_NAMES:
+            raise ConfigError(f"{where}.{key}", f"unknown key; known keys are {sorted(CAP_NAMES)}")
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ConfigError(f"{where}.{key}", "must be a non-negative integer (0 stops the task)")
+    return TaskCaps(**raw)
+
+
+def _tasks(raw: Any) -> tuple[dict[str, tuple[str, ...]], Tenancy]:
+    """``[tasks]``: caps for every task as plain keys, one task's tokens and caps as a ``[tasks.NAME]`` table."""
+    if not isinstance(raw, dict):
+        raise ConfigError("tasks", "must be a table")
+    tokens: dict[str, tuple[str, ...]] = {}
+    per_task: dict[str, TaskCaps] = {}
+    for name, value in raw.items():
+        if not isinstance(value, dict):
+            continue
+        where = f"tasks.{name}"
+        if not NAME.match(name):
+            raise ConfigError(where, "is not a valid task name (letters, digits and ._:-/, at most 128)")
+        value = dict(value)
+        if "token_sha256" in value:
+            tokens[name] = _token_hashes(value.pop("token_sha256"), f"{where}.token_sha256")
+        per_task[name] = _caps(value, where)
+    defaults = _caps({k: v for k, v in raw.items() if not isinstance(v, dict)}, "tasks")
+    return tokens, Tenancy(defaults, per_task)
+
+
+def parse_access(raw: Mapping[str, Any]) -> AccessConfig:
+    """The ``[auth]`` and ``[tasks]`` sections of a config; a token hash names one task or the admin, never two."""
+    auth = _auth(raw.get("auth", {}))
+    tokens, tenancy = _tasks(raw.get("tasks", {}))
+    owners: dict[str, str] = {}
+    for owner, digests in [("auth.admin_token_sha256", auth.admin_token_sha256),
+                           *((f"tasks.{task}.token_sha256", d) for task, d in tokens.items())]:
+        for digest in digests:
+            if digest in owners:
+                raise ConfigError(owner, f"a token belongs to one task or to the admin; this one is also in "
+                                         f"{owners[digest]}")
+            owners[digest] = owner
+    return AccessConfig(auth=auth, task_tokens=tokens, tenancy=tenancy)
+
+
 def parse_config(raw: dict[str, Any]) -> Config:
-    sections = {"server", "scheduler", "store", "limits", "basic", "pools", "cpu", "gpu"}
+    sections = {"server", "scheduler", "store", "limits", "basic", "pools", "cpu", "gpu", "auth", "tasks"}
     for key in raw:
         if key not in sections:
             raise ConfigError(key, f"unknown section; known sections are {sorted(sections)}")
     config = Config(
         server=_section(ServerConfig, raw.get("server", {}), "server"),
+        access=parse_access(raw),
         scheduler=_section(SchedulerConfig, raw.get("scheduler", {}), "scheduler"),
         store=_section(StoreConfig, raw.get("store", {}), "store"),
         limits=_section(Limits, raw.get("limits", {}), "limits"),
@@ -182,6 +291,7 @@ def load_config(path: str | Path | None, environ: Mapping[str, str] = os.environ
         except tomllib.TOMLDecodeError as error:
             raise ConfigError("--config", f"{path} is not valid TOML: {error}") from None
         config = parse_config(raw)
+        config = replace(config, access=replace(config.access, source=str(path)))
     url = environ.get(STORE_URL_ENV)
     if url:
         config = replace(config, store=StoreConfig(url=url))

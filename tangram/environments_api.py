@@ -1,14 +1,17 @@
-"""REST endpoints for trajectory environments (``/v1/environments``), served by the CPU manager."""
+"""REST endpoints for trajectory environments (``/v1/environments``), served by the CPU manager. A task's token sees
+only its task's environments; another task's are 404, as if they did not exist."""
 
 from __future__ import annotations
 
 from aiohttp import web
 
 from managers.cpu import CpuManager
+from managers.environment import Environment
 from managers.exec_spec import parse_files, parse_image, parse_memory_mb
 from tangram.action import Kind
 from tangram.api_common import BROKER, json_response, read_json
-from tangram.errors import BadRequest, Unprocessable
+from tangram.auth import Forbidden, claim_task, principal_of
+from tangram.errors import BadRequest, NotFound, Unprocessable
 from tangram.parse import parse_name, without_nulls
 
 FIELDS = frozenset({"task", "trajectory", "image", "memory_mb", "files"})
@@ -23,7 +26,7 @@ def _manager(request: web.Request) -> CpuManager:
 
 async def create_environment(request: web.Request) -> web.Response:
     manager = _manager(request)
-    body = await read_json(request)
+    body = claim_task(await read_json(request), principal_of(request))
     if not isinstance(body, dict):
         raise BadRequest("body", "must be a JSON object")
     body = without_nulls(body)
@@ -36,23 +39,41 @@ async def create_environment(request: web.Request) -> web.Response:
     memory = parse_memory_mb(body.get("memory_mb"), "memory_mb")
     files = parse_files(body.get("files", {}), "files", manager.config.limits)
     assert task is not None
-    env = await manager.create_environment(task, trajectory, image, memory, files)
+    ledger = request.app[BROKER].ledger
+    env = await manager.create_environment(task, trajectory, image, memory, files,
+                                           admit=lambda mb: ledger.check_environment(task, trajectory, mb, manager))
     return json_response(env.to_json(), status=201, headers={"Location": f"/v1/environments/{env.id}"})
 
 
 async def list_environments(request: web.Request) -> web.Response:
     manager = _manager(request)
     task = request.query.get("task")
+    own = principal_of(request).task
+    if own is not None:
+        if task not in (None, own):
+            raise Forbidden("task", f"this token belongs to task {own!r}")
+        task = own
     envs = [e.to_json() for e in manager.environments.values() if task is None or e.task == task]
     return json_response({"environments": envs})
 
 
+def _environment(request: web.Request, manager: CpuManager) -> Environment:
+    """The environment the path names, if the caller may see it; 404 otherwise."""
+    env_id = request.match_info["id"]
+    env = manager.get_environment(env_id)
+    own = principal_of(request).task
+    if own is not None and env.task != own:
+        raise NotFound("id", f"no environment {env_id!r}")
+    return env
+
+
 async def get_environment(request: web.Request) -> web.Response:
-    return json_response(_manager(request).get_environment(request.match_info["id"]).to_json())
+    return json_response(_environment(request, _manager(request)).to_json())
 
 
 async def delete_environment(request: web.Request) -> web.Response:
-    env = await _manager(request).delete_environment(request.match_info["id"])
+    manager = _manager(request)
+    env = await manager.delete_environment(_environment(request, manager).id)
     return json_response(env.to_json())
 
 

@@ -58,8 +58,86 @@ def _error(description: str) -> dict[str, Any]:
     return _json(_ref("Error"), description)
 
 
-def openapi_document(server: ServerConfig, limits: Limits, resources: Sequence[str] = ()) -> dict[str, Any]:
-    """``resources``: the names this broker has; a demand naming another is a 400, so the document lists them."""
+def _over_cap(description: str) -> dict[str, Any]:
+    """A 429: the body names the cap; ``Retry-After`` says when to try again."""
+    response = _error(description)
+    response["headers"] = {"Retry-After": {"description": "seconds to wait before trying again",
+                                           "schema": {"type": "string", "pattern": "^[0-9]+$"}}}
+    return response
+
+
+def _secure(paths: dict[str, Any], public_status: bool) -> None:
+    """Bearer auth on every operation but the open ones, with its 401 and, where a token may not do it, 403."""
+    open_paths = {"/healthz", "/openapi.json"} | (STATUS_PATHS if public_status else set())
+    forbidden = {("/v1/actions", "post"): "task names another task than the token's",
+                 ("/v1/actions:batch", "post"): "an action's task names another task than the token's",
+                 ("/v1/environments", "post"): "task names another task than the token's",
+                 ("/v1/environments", "get"): "task names another task than the token's"}
+    for path, operations in paths.items():
+        for method, operation in operations.items():
+            if path in open_paths:
+                operation["security"] = []
+                continue
+            operation["responses"]["401"] = {**_error("no token, or one the broker does not know"), "headers": {
+                "WWW-Authenticate": {"schema": {"type": "string"}, "description": "Bearer"}}}
+            if path.startswith("/v1/admin/") or path == "/metrics":
+                operation["responses"]["403"] = _error("needs an admin token")
+            elif (path, method) in forbidden:
+                operation["responses"]["403"] = _error(forbidden[(path, method)])
+
+
+def _admin_paths(server: ServerConfig) -> dict[str, Any]:
+    token = {"type": "object", "required": ["id", "task", "admin", "source"], "properties": {
+        "id": {"type": "string"}, "task": {"type": ["string", "null"]}, "admin": {"type": "boolean"},
+        "source": {"type": "string", "enum": ["config", "store"]}, "note": {"type": "string"},
+        "created_at": {"type": ["number", "null"]}, "revoked_at": {"type": ["number", "null"]}}}
+    created = {**token, "required": [*token["required"], "token"],
+               "properties": {**token["properties"], "token": {"type": "string", "description": "shown only here"}}}
+    return {
+        "/v1/admin/drain": {"post": {
+            "operationId": "drain", "summary": "Stop taking and starting actions until a restart; wait for running ones",
+            "requestBody": {"required": False, "content": {"application/json": {"schema": {
+                "type": "object", "additionalProperties": False, "properties": {
+                    "timeout_s": {"type": "number", "minimum": 0, "maximum": server.max_wait_s,
+                                  "default": server.drain_s}}}}}},
+            "responses": {"200": _json({"type": "object", "required": ["draining", "running", "queued"],
+                                        "properties": {"draining": {"type": "boolean"},
+                                                       "running": {"type": "integer"},
+                                                       "queued": {"type": "integer"}}},
+                                       "still running at the bound, and queued (kept for the next start)"),
+                          "400": _error("bad timeout_s")}}},
+        "/v1/admin/reload": {"post": {
+            "operationId": "reload", "summary": "Re-read tokens and per-task caps ([auth], [tasks]) from the config "
+                                                "file and the store",
+            "responses": {"200": _json({"type": "object"}, "what was reloaded"),
+                          "422": _error("the config file does not parse; nothing changed")}}},
+        "/v1/admin/tokens": {
+            "post": {"operationId": "createToken", "summary": "Make a token for a task or the admin (shown once)",
+                     "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                         "type": "object", "additionalProperties": False, "properties": {
+                             "task": {"type": "string"}, "admin": {"type": "boolean"},
+                             "note": {"type": "string", "maxLength": 256}}}}}},
+                     "responses": {"201": _json(created, "the token, which is kept only as its SHA-256"),
+                                   "400": _error("neither or both of task and admin")}},
+            "get": {"operationId": "listTokens", "summary": "Tokens from the config and the store (never a hash)",
+                    "responses": {"200": _json({"type": "object", "required": ["tokens"], "properties": {
+                        "tokens": {"type": "array", "items": token}}}, "tokens")}}},
+        "/v1/admin/tokens/{id}": {"delete": {
+            "operationId": "revokeToken", "summary": "Revoke a stored token at once",
+            "parameters": [{"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}],
+            "responses": {"200": _json(token, "the revoked token"), "404": _error("unknown id"),
+                          "409": _error("a config token: remove it from the file and reload")}}},
+    }
+
+
+#: status routes, open without a token while ``[auth] public_status`` is true
+STATUS_PATHS = {"/", "/ui", "/v1/status/history", "/v1/resources", "/metrics"}
+
+
+def openapi_document(server: ServerConfig, limits: Limits, resources: Sequence[str] = (), *, secured: bool = False,
+                     public_status: bool = True) -> dict[str, Any]:
+    """``resources``: the names this broker has; a demand naming another is a 400, so the document lists them.
+    ``secured``: auth is on, so the document has bearer auth, its 401/403 answers and the admin endpoints."""
     units = {"type": "integer", "minimum": 1, "maximum": limits.max_units}
     demand_entry = {"oneOf": [
         units,
@@ -197,9 +275,10 @@ def openapi_document(server: ServerConfig, limits: Limits, resources: Sequence[s
     submit_errors = {"400": _error("invalid action"), "404": _error("unknown spec.environment or reward service"),
                      "409": _error("spec.environment is lost"),
                      "413": _error("body, command or files too large"), "422": _error("can never run here"),
-                     "429": _error("a new sandbox would exceed cpu.max_environments"),
+                     "429": _over_cap("the task is at a cap (max_queued, max_environments, max_memory_mb; the "
+                                      "body's cap names it), or a new sandbox would exceed cpu.max_environments"),
                      "503": _error("queue full, or the broker is shutting down")}
-    return {
+    document = {
         "openapi": "3.1.0",
         "info": {"title": "ARL-Tangram broker", "version": "0.1.0",
                  "description": "Action-level resource broker for agentic RL."},
@@ -244,7 +323,8 @@ def openapi_document(server: ServerConfig, limits: Limits, resources: Sequence[s
                                        "400": _error("invalid request"), "409": _error("trajectory has one"),
                                        "413": _error("files too large"),
                                        "422": _error("unknown image, memory beyond any node, no CPU manager"),
-                                       "429": _error("too many environments"),
+                                       "429": _over_cap("too many environments: the task's max_environments "
+                                                        "or max_memory_mb (named by cap), or cpu.max_environments"),
                                        "503": _error("no node has the memory now, or the engine failed")}},
                 "get": {"operationId": "listEnvironments", "summary": "List environments",
                         "parameters": [{"name": "task", "in": "query", "required": False,
@@ -291,3 +371,10 @@ def openapi_document(server: ServerConfig, limits: Limits, resources: Sequence[s
         },
         "components": {"schemas": schemas},
     }
+    if secured:
+        document["paths"].update(_admin_paths(server))
+        _secure(document["paths"], public_status)
+        document["components"]["securitySchemes"] = {"bearer": {
+            "type": "http", "scheme": "bearer", "description": "a task's or the admin's token (tangram token create)"}}
+        document["security"] = [{"bearer": []}]
+    return document

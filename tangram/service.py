@@ -48,7 +48,7 @@ async def running_broker(config: Config) -> AsyncIterator[tuple[Broker, web.Appl
                     ewma_alpha=scheduler.ewma_alpha, max_queue=scheduler.max_queue, retain_s=scheduler.retain_s)
     try:
         await broker.start()
-        yield broker, build_app(broker, config.server, config.limits)
+        yield broker, build_app(broker, config.server, config.limits, config.access)
     finally:
         await broker.close()
         await store.close()

@@ -22,8 +22,20 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-from sqlalchemy import (BigInteger, Double, Index, Integer, String, Text, UniqueConstraint, bindparam, event, func,
-                        select)
+from sqlalchemy import (
+    BigInteger,
+    Double,
+    Index,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+    bindparam,
+    event,
+    func,
+    select,
+    update,
+)
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DataError, DBAPIError, IntegrityError
@@ -90,6 +102,31 @@ class ProfileRow(Base):
     signature: Mapped[str] = mapped_column(String, primary_key=True)
     t1: Mapped[float] = mapped_column(Double)
     samples: Mapped[int] = mapped_column(_BIG)
+
+
+class TokenRow(Base):
+    """An API token made by ``tangram token create`` or ``POST /v1/admin/tokens``: only its SHA-256 is kept."""
+
+    __tablename__ = "tokens"
+
+    id: Mapped[str] = mapped_column(String, primary_key=True)
+    sha256: Mapped[str] = mapped_column(String(64), unique=True)
+    task: Mapped[str | None] = mapped_column(String)  # None: an admin token
+    note: Mapped[str] = mapped_column(String)
+    created_at: Mapped[float] = mapped_column(Double)
+    revoked_at: Mapped[float | None] = mapped_column(Double)
+
+
+@dataclass(frozen=True, slots=True)
+class StoredToken:
+    """A token row; ``task`` None is the admin."""
+
+    id: str
+    sha256: str
+    task: str | None
+    note: str
+    created_at: float
+    revoked_at: float | None = None
 
 
 # Built once: constructing a statement costs more than running it on the submit path.
@@ -481,6 +518,28 @@ class Store:
         async with self.engine.connect() as conn:
             return [(task, signature, t1, samples) for task, signature, t1, samples in await conn.execute(query)]
 
+    # -- tokens: rare writes, committed at once (not write-behind) ------------------------------------------------
+
+    async def add_token(self, token: StoredToken) -> None:
+        async with self.engine.begin() as conn:
+            await conn.execute(TokenRow.__table__.insert().values(
+                id=token.id, sha256=token.sha256, task=token.task, note=token.note, created_at=token.created_at,
+                revoked_at=token.revoked_at))
+
+    async def revoke_token(self, token_id: str, at: float) -> StoredToken | None:
+        """Mark the token revoked at ``at`` (kept if it already was); None if there is no such token."""
+        async with self.engine.begin() as conn:
+            await conn.execute(update(TokenRow).where(TokenRow.id == token_id, TokenRow.revoked_at.is_(None))
+                               .values(revoked_at=at))
+            row = (await conn.execute(select(TokenRow).where(TokenRow.id == token_id))).first()
+        return None if row is None else _stored_token(row)
+
+    async def load_tokens(self) -> list[StoredToken]:
+        """Every token, revoked ones included, oldest first."""
+        async with self.engine.connect() as conn:
+            rows = await conn.execute(select(TokenRow).order_by(TokenRow.created_at, TokenRow.id))
+            return [_stored_token(row) for row in rows]
+
     async def _load(self, query: Any) -> list[Action]:
         await self.flush()
         async with self.engine.connect() as conn:
@@ -535,6 +594,11 @@ class _Bulk:
 
     async def run(self, conn: AsyncConnection, rows: list[dict[str, Any]]) -> None:
         await conn.exec_driver_sql(self.sql, [self.values(row) for row in rows])
+
+
+def _stored_token(row: Any) -> StoredToken:
+    return StoredToken(id=row.id, sha256=row.sha256, task=row.task, note=row.note, created_at=row.created_at,
+                       revoked_at=row.revoked_at)
 
 
 def _refused(exc: DBAPIError) -> bool:
