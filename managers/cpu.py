@@ -342,6 +342,8 @@ class CpuManager(ResourceManager):
             raise ActionFailed("environment_destroyed", f"environment {env.id} was destroyed")
         if env.creating is None:
             env.creating = asyncio.create_task(self._create(env), name=f"tangram-create-{env.id}")
+            # its error is read by every waiter; when all were cancelled, nobody would, and asyncio would log it
+            env.creating.add_done_callback(lambda task: task.cancelled() or task.exception())
         try:
             return await asyncio.shield(env.creating)
         except SandboxError as error:

@@ -168,7 +168,7 @@ class DockerBackend(SandboxBackend):
             return await asyncio.to_thread(call, *args)
         except docker.errors.APIError:
             raise
-        except (requests.exceptions.ConnectionError, docker.errors.DockerException) as error:
+        except (requests.exceptions.RequestException, docker.errors.DockerException) as error:  # also timeouts
             raise SandboxError("engine_unavailable", f"the Docker engine {self.engine} does not answer: {error}") \
                 from None
 
@@ -299,7 +299,10 @@ class DockerBackend(SandboxBackend):
                     pass
             container.reload()
             if container.status == "paused":
-                container.unpause()
+                try:
+                    container.unpause()
+                except docker.errors.APIError:  # killed meanwhile ("not paused", "stopped"): remove it anyway
+                    pass
             container.remove(force=True, v=True)
         except docker.errors.NotFound:
             pass

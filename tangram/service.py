@@ -50,8 +50,10 @@ async def running_broker(config: Config) -> AsyncIterator[tuple[Broker, web.Appl
         await broker.start()
         yield broker, build_app(broker, config.server, config.limits, config.access)
     finally:
-        await broker.close()
-        await store.close()
+        try:
+            await broker.close()
+        finally:  # whatever a manager's close raised, pending records still reach the database
+            await store.close()
 
 
 async def serve(config: Config) -> None:
