@@ -32,7 +32,7 @@ from aiohttp import web
 from tangram.api_common import BROKER, json_response, read_json
 from tangram.config import AccessConfig
 from tangram.errors import BadRequest, Conflict, NotFound
-from tangram.parse import parse_name, without_nulls
+from tangram.parse import known_fields, parse_name
 from tangram.store import Store, StoredToken
 
 log = logging.getLogger("tangram.auth")
@@ -269,13 +269,8 @@ TOKEN_FIELDS = frozenset({"task", "admin", "note"})
 
 
 async def create_token(request: web.Request) -> web.Response:
-    body = await read_json(request)
-    if not isinstance(body, dict):
-        raise BadRequest("body", 'must be a JSON object: {"task": NAME} or {"admin": true}, and an optional "note"')
-    body = without_nulls(body)
-    unknown = sorted(set(body) - TOKEN_FIELDS)
-    if unknown:
-        raise BadRequest(unknown[0], f"unknown field; tokens take {sorted(TOKEN_FIELDS)}")
+    body = known_fields(await read_json(request), TOKEN_FIELDS, "tokens",
+                        'must be a JSON object: {"task": NAME} or {"admin": true}, and an optional "note"')
     admin = body.get("admin", False)
     if not isinstance(admin, bool):
         raise BadRequest("admin", "must be true or false")

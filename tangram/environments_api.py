@@ -11,8 +11,8 @@ from managers.exec_spec import parse_files, parse_image, parse_memory_mb
 from tangram.action import Kind
 from tangram.api_common import BROKER, json_response, read_json
 from tangram.auth import Forbidden, claim_task, principal_of
-from tangram.errors import BadRequest, NotFound, Unprocessable
-from tangram.parse import parse_name, without_nulls
+from tangram.errors import NotFound, Unprocessable
+from tangram.parse import known_fields, parse_name
 
 FIELDS = frozenset({"task", "trajectory", "image", "memory_mb", "files"})
 
@@ -26,13 +26,7 @@ def _manager(request: web.Request) -> CpuManager:
 
 async def create_environment(request: web.Request) -> web.Response:
     manager = _manager(request)
-    body = claim_task(await read_json(request), principal_of(request))
-    if not isinstance(body, dict):
-        raise BadRequest("body", "must be a JSON object")
-    body = without_nulls(body)
-    unknown = sorted(set(body) - FIELDS)
-    if unknown:
-        raise BadRequest(unknown[0], f"unknown field; environments take {sorted(FIELDS)}")
+    body = known_fields(claim_task(await read_json(request), principal_of(request)), FIELDS, "environments")
     task = parse_name(body.get("task"), "task", required=True)
     trajectory = parse_name(body.get("trajectory"), "trajectory", required=False)
     image = parse_image(body.get("image"), "image")

@@ -68,6 +68,18 @@ def without_nulls(body: dict[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in body.items() if value is not None}
 
 
+def known_fields(body: Any, fields: frozenset[str], what: str, shape: str = "must be a JSON object") -> dict[str, Any]:
+    """A request body that must be a JSON object of ``fields`` only (``what`` names its kind in the error), with
+    null fields dropped."""
+    if not isinstance(body, dict):
+        raise BadRequest("body", shape)
+    body = without_nulls(body)
+    unknown = sorted(set(body) - fields)
+    if unknown:
+        raise BadRequest(unknown[0], f"unknown field; {what} take {sorted(fields)}")
+    return body
+
+
 def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 

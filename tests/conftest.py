@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -59,6 +60,13 @@ async def store(store_url: str) -> AsyncIterator[Store]:
         await opened.close()
 
 # ------------------------------------------------- end of store fixtures ---------------------------------------
+
+
+@pytest.fixture
+def run_dir() -> Iterator[str]:
+    """A short directory for local sandboxes: their executor socket paths must fit in 107 bytes."""
+    with tempfile.TemporaryDirectory(prefix="tg-") as path:
+        yield path
 
 
 @pytest.fixture(scope="session", autouse=True)

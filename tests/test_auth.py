@@ -5,11 +5,9 @@ by the admin API or the CLI, kept only as SHA-256, revocable), drain and reload 
 from __future__ import annotations
 
 import asyncio
-import os
 import subprocess
 import sys
-import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -28,7 +26,7 @@ from tangram.config import load_config, parse_config
 from tangram.errors import ConfigError
 from tangram.service import running_broker
 from tangram.store import Store, StoredToken, TokenRow
-from tests.docker_nodes import new_broker_id
+from tests.docker_nodes import local_cpu
 from tests.harness import Live, live_broker
 
 ADMIN, TOKEN_A, TOKEN_B = new_token(), new_token(), new_token()
@@ -54,18 +52,6 @@ def db(tmp_path: Path) -> str:
     return str(tmp_path / "tangram.db")
 
 
-@pytest.fixture
-def run_dir() -> Iterator[str]:
-    """Short: the local sandboxes' executor socket paths must fit in 107 bytes."""
-    with tempfile.TemporaryDirectory(prefix="ta-") as path:
-        yield path
-
-
-def local_cpu(run_dir: str) -> dict[str, Any]:
-    """The CPU manager on local processes (one core), so environments exist without Docker."""
-    core = min(os.sched_getaffinity(0))
-    return {"broker_id": new_broker_id(), "run_dir": run_dir, "default_memory_mb": 64,
-            "nodes": {"here": {"backend": "local", "cores": [core], "memory_mb": 4096}}}
 
 
 @asynccontextmanager

@@ -5,9 +5,6 @@ it in the FCFS queue; a full per-task queue, or a task out of environments or me
 from __future__ import annotations
 
 import asyncio
-import os
-import tempfile
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -15,7 +12,7 @@ import pytest
 from clients import AsyncTangramClient
 from clients.errors import OverloadedError
 from tangram.tenants import TaskCaps, Tenancy
-from tests.docker_nodes import new_broker_id
+from tests.docker_nodes import local_cpu
 from tests.harness import Live, live_broker, live_upstream
 
 
@@ -24,17 +21,6 @@ def db(tmp_path) -> str:
     return str(tmp_path / "tangram.db")
 
 
-@pytest.fixture
-def run_dir() -> Iterator[str]:
-    """Short: the local sandboxes' executor socket paths must fit in 107 bytes."""
-    with tempfile.TemporaryDirectory(prefix="tc-") as path:
-        yield path
-
-
-def local_cpu(run_dir: str) -> dict[str, Any]:
-    """The CPU manager on local processes with one core, so one exec at a time runs."""
-    return {"broker_id": new_broker_id(), "run_dir": run_dir, "default_memory_mb": 64,
-            "nodes": {"here": {"backend": "local", "cores": [min(os.sched_getaffinity(0))], "memory_mb": 4096}}}
 
 
 def lease(task: str, **extra: Any) -> dict[str, Any]:
