@@ -16,7 +16,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from prometheus_client import CollectorRegistry
 
@@ -151,3 +151,21 @@ class ResourceManager(abc.ABC):
 
     async def close(self) -> None:
         """Stop background work and free what ``start`` opened."""
+
+
+@runtime_checkable
+class Lessor(Protocol):
+    """A manager whose ``lease`` actions hold units after they succeed (``Outcome.hold``) until returned or expired.
+
+    The broker asks it which leases expired, and after a restart has it hold again the leases a previous process
+    granted and nobody returned: the clients still use those units."""
+
+    def expired_leases(self, now: float | None = None) -> list[str]:
+        """Ids of the leases whose TTL has passed and that are not released yet."""
+
+    def longest_lease_s(self) -> float:
+        """The longest TTL a lease can have here: older grants cannot be held any more."""
+
+    def regrant(self, action: Action, remaining_s: float) -> Allocation | None:
+        """Hold ``action.units`` again for the ``remaining_s`` of the lease's TTL, even past today's capacity (the
+        units are in use whatever the config says now); None if a resource it holds no longer exists here."""

@@ -256,12 +256,30 @@ class BasicManager(ResourceManager):
 
     def _grant(self, action: Action, allocation: Allocation) -> Outcome:
         ttl = self._lease_ttl(action)
-        expiry = self._clock() + ttl
-        self._leases[action.id] = expiry
-        heapq.heappush(self._lease_heap, (expiry, action.id))
+        self._hold_lease(allocation, ttl)
+        return Outcome({"lease_id": action.id, "expires_in_s": ttl, "units": dict(allocation.units)}, hold=True)
+
+    def _hold_lease(self, allocation: Allocation, ttl_s: float) -> None:
+        expiry = self._clock() + ttl_s
+        self._leases[allocation.action_id] = expiry
+        heapq.heappush(self._lease_heap, (expiry, allocation.action_id))
         for resource in allocation.units:
             self._res[resource].leases += 1
-        return Outcome({"lease_id": action.id, "expires_in_s": ttl, "units": dict(allocation.units)}, hold=True)
+
+    def longest_lease_s(self) -> float:
+        return max((r.config.lease_ttl_s for r in self._res.values()), default=0.0)
+
+    def regrant(self, action: Action, remaining_s: float) -> Allocation | None:
+        """Hold a lease a previous process granted for the rest of its TTL. Its units count as held even if the
+        config shrank meanwhile; its quota is not taken again (the quota windows of a new process start empty)."""
+        if not action.units or any(name not in self._res for name in action.units):
+            return None
+        for resource, n in action.units.items():
+            self._res[resource].held += n
+        allocation = Allocation(action.id, dict(action.units), dict.fromkeys(action.units, POOL),
+                                placement={"resource": dict(action.units)})
+        self._hold_lease(allocation, remaining_s)
+        return allocation
 
     # -- time-driven changes ------------------------------------------------------------------------------
 

@@ -28,7 +28,7 @@ from managers.cores import CorePool, host_numa_nodes
 from managers.cpu_config import CpuConfig, CpuNodeConfig
 from managers.environment import Environment, EnvState
 from managers.exec_spec import executor_request, parse_exec_spec, parse_files
-from sandboxes.backend import Sandbox, SandboxBackend, SandboxError, SandboxSpec
+from sandboxes.backend import Leftover, Sandbox, SandboxBackend, SandboxError, SandboxSpec
 from sandboxes.docker import DockerBackend
 from sandboxes.local import LocalProcessBackend
 from tangram.action import Action, Kind, new_action_id
@@ -139,11 +139,15 @@ class CpuManager(ResourceManager):
             backend = await self._backend(node_config)
             numa = node_config.numa or (host_numa_nodes(node_config.cores) if node_config.engine.startswith("unix")
                                         else [node_config.cores])
-            reaped = await backend.reap(self.config.broker_id)
-            if reaped:
-                log.warning("node %s: removed %d sandbox(es) a previous run of broker %r left behind",
-                            node_config.name, reaped, self.config.broker_id)
-            self.add_node(CpuNode(node_config, backend, numa))
+            leftovers = await backend.adopt(self.config.broker_id)
+            node = CpuNode(node_config, backend, numa)
+            self.add_node(node)
+            for leftover in leftovers:
+                await self._take_over(node, leftover)
+            if leftovers:
+                lost = sum(1 for leftover in leftovers if leftover.sandbox is None)
+                log.warning("node %s: took over %d environment(s) a previous run of broker %r left (%d of them "
+                            "lost)", node.name, len(leftovers), self.config.broker_id, lost)
         self._reaper = asyncio.create_task(self._reap_idle(), name="tangram-cpu-reaper")
 
     def add_node(self, node: CpuNode) -> None:
@@ -182,13 +186,20 @@ class CpuManager(ResourceManager):
             self._reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reaper
-        await asyncio.gather(*(self._destroy(env) for env in list(self.environments.values())),
+        keep = self.config.keep_sandboxes_on_stop
+        kept = [env for env in self.environments.values() if keep and env.state is EnvState.READY
+                and not env.ephemeral]
+        await asyncio.gather(*(self._destroy(env) for env in list(self.environments.values()) if env not in kept),
                              return_exceptions=True)
+        if kept:
+            log.warning("%d sandboxes kept for the next start of broker %r to adopt (cpu.keep_sandboxes_on_stop)",
+                        len(kept), self.config.broker_id)
         for node in self.nodes.values():
-            try:  # also the containers no environment knows any more (a removal the engine missed while down)
-                await node.backend.reap(self.config.broker_id)
-            except SandboxError as error:
-                log.warning("node %s: leftover sandboxes not reaped at stop (%s)", node.name, error)
+            if not keep:
+                try:  # also the containers no environment knows any more (a removal the engine missed while down)
+                    await node.backend.reap(self.config.broker_id)
+                except SandboxError as error:
+                    log.warning("node %s: leftover sandboxes not reaped at stop (%s)", node.name, error)
             await node.backend.close()
 
     async def _reap_idle(self) -> None:
@@ -323,13 +334,34 @@ class CpuManager(ResourceManager):
                  files: dict[str, bytes], *, ephemeral: bool) -> Environment:
         env = Environment(id="env-" + new_action_id(), task=task, trajectory=trajectory, node=node.name,
                           image=image, memory_mb=memory_mb, files=files, ephemeral=ephemeral)
-        node.memory_reserved += memory_mb
-        self.environments[env.id] = env
-        self._task_environments[task] += 1
-        self._task_memory_mb[task] += memory_mb
-        if trajectory is not None:
-            self.by_trajectory[(task, trajectory)] = env
+        self._register(env)
         return env
+
+    def _register(self, env: Environment) -> None:
+        self.nodes[env.node].memory_reserved += env.memory_mb
+        self.environments[env.id] = env
+        self._task_environments[env.task] += 1
+        self._task_memory_mb[env.task] += env.memory_mb
+        if env.trajectory is not None:
+            self.by_trajectory[(env.task, env.trajectory)] = env
+
+    async def _take_over(self, node: CpuNode, leftover: Leftover) -> None:
+        """A previous run's environment becomes this run's under its old id: its trajectory's next action finds
+        its files and processes, or, if it was lost, an ``environment_lost`` error saying why. Its memory counts
+        even past today's node size: the sandbox uses it whatever the config says now."""
+        key = (leftover.task, leftover.trajectory) if leftover.trajectory is not None else None
+        if leftover.env_id in self.environments or (key is not None and key in self.by_trajectory):
+            if leftover.sandbox is not None:  # two sandboxes claim one trajectory: keep the first
+                await leftover.sandbox.destroy()
+            return
+        env = Environment(id=leftover.env_id, task=leftover.task, trajectory=leftover.trajectory, node=node.name,
+                          image=leftover.image, memory_mb=leftover.memory_mb, created_at=leftover.created_at,
+                          sandbox=leftover.sandbox)
+        if leftover.sandbox is not None:
+            env.state = EnvState.READY
+        else:
+            self._mark_lost(env, leftover.lost_reason or "the broker restarted and the sandbox was gone")
+        self._register(env)
 
     async def _sandbox(self, env: Environment) -> Sandbox:
         """The environment's sandbox, created on first use; concurrent first actions share one creation."""
@@ -353,7 +385,8 @@ class CpuManager(ResourceManager):
         node = self.nodes[env.node]
         spec = SandboxSpec(env_id=env.id, task=env.task, trajectory=env.trajectory, image=env.image,
                            memory_mb=env.memory_mb, pids_limit=self.config.pids_limit, files=env.files,
-                           broker_id=self.config.broker_id, read_only_root=self.config.read_only_root)
+                           broker_id=self.config.broker_id, read_only_root=self.config.read_only_root,
+                           ephemeral=env.ephemeral, created_at=env.created_at)
         try:
             sandbox = await node.backend.create(spec)
         except BaseException:

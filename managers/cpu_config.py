@@ -43,7 +43,7 @@ class CpuConfig:
     enabled: bool = True
     #: resolved by ``parse_cpu_config``: without a ``[cpu.nodes]`` table, one local node named "local"
     nodes: tuple[CpuNodeConfig, ...] = ()
-    #: label value that marks this broker's containers (reaped at start)
+    #: label value that marks this broker's sandboxes (adopted at start); keep it across restarts
     broker_id: str = "tangram"
     default_image: str = DEFAULT_IMAGE
     default_memory_mb: int = 1024
@@ -55,11 +55,14 @@ class CpuConfig:
     limits: ExecLimits = field(default_factory=ExecLimits)
     #: Docker sandboxes get a read-only root filesystem; /workspace and a 64 MiB tmpfs /tmp stay writable
     read_only_root: bool = False
+    #: a stopping broker leaves trajectory sandboxes running (idle) for the next start to adopt, so a restart or an
+    #: upgrade does not cost trajectories their state; off: a stop removes every sandbox
+    keep_sandboxes_on_stop: bool = False
 
 
 NODE_KEYS = {"backend", "engine", "tls_ca", "tls_cert", "tls_key", "cores", "numa", "memory_mb", "fast_path"}
 TOP_KEYS = {"enabled", "nodes", "broker_id", "default_image", "default_memory_mb", "pids_limit", "idle_ttl_s",
-            "max_environments", "run_dir", "limits", "read_only_root"}
+            "max_environments", "run_dir", "limits", "read_only_root", "keep_sandboxes_on_stop"}
 
 
 def parse_cpu_config(raw: Any) -> CpuConfig:
@@ -79,7 +82,7 @@ def parse_cpu_config(raw: Any) -> CpuConfig:
         if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or ttl <= 0:
             raise ConfigError("cpu.idle_ttl_s", "must be a positive number of seconds")
         values["idle_ttl_s"] = float(ttl)
-    for key in ("enabled", "read_only_root"):
+    for key in ("enabled", "read_only_root", "keep_sandboxes_on_stop"):
         if key in raw:
             if not isinstance(raw[key], bool):
                 raise ConfigError(f"cpu.{key}", "must be true or false")

@@ -19,6 +19,9 @@ LABEL_ENV = "org.arl-tangram.environment"
 LABEL_TASK = "org.arl-tangram.task"
 LABEL_TRAJECTORY = "org.arl-tangram.trajectory"
 LABEL_MEMORY = "org.arl-tangram.memory-mb"
+LABEL_IMAGE = "org.arl-tangram.image"
+LABEL_CREATED = "org.arl-tangram.created-at"
+LABEL_EPHEMERAL = "org.arl-tangram.ephemeral"
 
 
 class SandboxError(Exception):
@@ -45,13 +48,42 @@ class SandboxSpec:
     broker_id: str = "tangram"
     #: mount the root filesystem read-only (writable: the work dir and a small /tmp); Docker sandboxes only
     read_only_root: bool = False
+    #: made for one action only: a restarted broker removes it instead of adopting it
+    ephemeral: bool = False
+    created_at: float = 0.0
 
     def labels(self) -> dict[str, str]:
+        """Everything a restarted broker needs to adopt the sandbox as the same environment."""
         labels = {LABEL_MANAGED: "1", LABEL_BROKER: self.broker_id, LABEL_ENV: self.env_id, LABEL_TASK: self.task,
-                  LABEL_MEMORY: str(self.memory_mb)}
+                  LABEL_MEMORY: str(self.memory_mb), LABEL_IMAGE: self.image, LABEL_CREATED: repr(self.created_at)}
         if self.trajectory is not None:
             labels[LABEL_TRAJECTORY] = self.trajectory
+        if self.ephemeral:
+            labels[LABEL_EPHEMERAL] = "1"
         return labels
+
+
+@dataclass(frozen=True)
+class Leftover:
+    """A trajectory environment a previous run of this broker left on a node, as its labels describe it:
+    ``sandbox`` when it can be used again, else None with ``lost_reason`` (its sandbox is removed already)."""
+
+    env_id: str
+    task: str
+    trajectory: str | None
+    image: str
+    memory_mb: int
+    created_at: float
+    sandbox: Sandbox | None
+    lost_reason: str | None = None
+
+    @classmethod
+    def from_labels(cls, labels: Mapping[str, str], sandbox: Sandbox | None,
+                    lost_reason: str | None = None) -> Leftover:
+        """Raises KeyError or ValueError on labels this version did not write."""
+        return cls(env_id=labels[LABEL_ENV], task=labels[LABEL_TASK], trajectory=labels.get(LABEL_TRAJECTORY),
+                   image=labels[LABEL_IMAGE], memory_mb=int(labels[LABEL_MEMORY]),
+                   created_at=float(labels[LABEL_CREATED]), sandbox=sandbox, lost_reason=lost_reason)
 
 
 class Sandbox(abc.ABC):
@@ -89,6 +121,12 @@ class SandboxBackend(abc.ABC):
     async def create(self, spec: SandboxSpec) -> Sandbox:
         """Create and start a sandbox, ready for ``run``; it starts idle. Raise ``SandboxError`` with a code
         (``image_not_found``, ``engine_unavailable``, ``no_python``...) a client can act on."""
+
+    @abc.abstractmethod
+    async def adopt(self, broker_id: str) -> list[Leftover]:
+        """Take over the sandboxes a previous run of this broker left (it crashed): each trajectory environment that
+        still runs comes back idle with its files and processes; one that died comes back as lost (and is removed),
+        so its trajectory is told instead of silently starting afresh. One-action sandboxes are removed."""
 
     @abc.abstractmethod
     async def reap(self, broker_id: str) -> int:

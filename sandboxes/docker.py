@@ -33,7 +33,17 @@ from docker.models.containers import Container
 from docker.tls import TLSConfig
 from docker.types import Mount
 
-from sandboxes.backend import LABEL_BROKER, LABEL_MANAGED, Sandbox, SandboxBackend, SandboxError, SandboxSpec
+from sandboxes.backend import (
+    LABEL_BROKER,
+    LABEL_ENV,
+    LABEL_EPHEMERAL,
+    LABEL_MANAGED,
+    Leftover,
+    Sandbox,
+    SandboxBackend,
+    SandboxError,
+    SandboxSpec,
+)
 from sandboxes.cgroup import CFS_PERIOD_US, ContainerCgroup, cpu_list
 from sandboxes.executor_client import EXECUTOR_PATH, ExecutorUnavailable, call, encode_once, wait_ready
 
@@ -44,6 +54,8 @@ EXECUTOR_IN_CONTAINER = f"{EXECUTOR_DIR}/executor.py"
 SOCKET_DIR_IN_CONTAINER = "/run/tangram"
 WORKDIR = "/workspace"
 READY_TIMEOUT_S = 30.0
+#: how long an adopted sandbox's executor may take to answer once thawed
+ADOPT_TIMEOUT_S = 5.0
 #: /tmp of a read-only-root sandbox: writable, executable, and counted against the container's memory limit
 READ_ONLY_ROOT_TMPFS = {"/tmp": "rw,exec,nosuid,nodev,size=64m,mode=1777"}
 
@@ -309,20 +321,84 @@ class DockerBackend(SandboxBackend):
         except docker.errors.APIError as error:
             log.warning("could not remove container %s: %s", container.short_id, error)
 
+    def _labelled(self, broker_id: str) -> list[Container]:
+        assert self.client is not None
+        return self.client.containers.list(
+            all=True, ignore_removed=True, filters={"label": [f"{LABEL_MANAGED}=1", f"{LABEL_BROKER}={broker_id}"]})
+
+    def _cgroup(self, container: Container) -> ContainerCgroup | None:
+        """The container's cgroup on the fast path, None otherwise or when its process is gone."""
+        pid = container.attrs.get("State", {}).get("Pid")
+        if not (self.fast_path and pid):
+            return None
+        try:
+            return ContainerCgroup.of_pid(pid)
+        except OSError:
+            return None
+
+    async def adopt(self, broker_id: str) -> list[Leftover]:
+        leftovers = []
+        for container in await self.off_loop(self._labelled, broker_id):
+            leftover = await self._adopt(container)
+            if leftover is not None:
+                leftovers.append(leftover)
+        if self.fast_path and self.run_dir.is_dir():  # socket directories of sandboxes no longer there
+            adopted = {leftover.env_id for leftover in leftovers if leftover.sandbox is not None}
+            for path in self.run_dir.iterdir():
+                if path.name not in adopted:
+                    shutil.rmtree(path, ignore_errors=True)
+        return leftovers
+
+    async def _adopt(self, container: Container) -> Leftover | None:
+        """The container as the same environment, idle; lost (and removed) if it stopped or its executor does not
+        answer; None (removed) if it served one action only or has labels this version did not write."""
+        labels = container.labels
+        cgroup = self._cgroup(container)
+        try:
+            Leftover.from_labels(labels, None)
+        except (KeyError, ValueError):
+            log.warning("container %s has labels this version did not write: removed", container.short_id)
+            await self.off_loop(self.remove, container, cgroup)
+            return None
+        if labels.get(LABEL_EPHEMERAL) == "1":
+            await self.off_loop(self.remove, container, cgroup)
+            return None
+        state = container.attrs.get("State", {})
+        problem = None
+        if container.status not in ("running", "paused"):
+            problem = "it stopped while the broker was down" + (
+                " (killed for exceeding its memory limit)" if state.get("OOMKilled")
+                else f" (exit code {state.get('ExitCode')})")
+        elif self.fast_path and cgroup is None:
+            problem = "its cgroup is gone"
+        if problem is None:
+            host_dir = self.run_dir / labels[LABEL_ENV] if self.fast_path else None
+            sandbox = DockerSandbox(self, container, host_dir, cgroup)
+            try:
+                await self._wake(sandbox)
+                return Leftover.from_labels(labels, sandbox)
+            except (ExecutorUnavailable, SandboxError, docker.errors.APIError, OSError) as error:
+                problem = f"its executor did not answer after the restart ({error})"
+        await self.off_loop(self.remove, container, cgroup)
+        return Leftover.from_labels(labels, None, f"the broker restarted and the sandbox was gone: {problem}")
+
+    async def _wake(self, sandbox: DockerSandbox) -> None:
+        """Thaw an adopted sandbox, check that its executor serves, and idle it again (frozen, no cores)."""
+        if sandbox.cgroup is not None:
+            sandbox.cgroup.set_frozen(False)
+            assert sandbox.socket is not None
+            await wait_ready(sandbox.socket, ADOPT_TIMEOUT_S)
+        else:
+            if sandbox.container.status == "paused":
+                await self.off_loop(sandbox.container.unpause)
+            await self.off_loop(self._check_running, sandbox.container)
+        await sandbox.set_cores(frozenset())
+
     async def reap(self, broker_id: str) -> int:
         def reap_all() -> int:
-            assert self.client is not None
-            found = self.client.containers.list(
-                all=True, filters={"label": [f"{LABEL_MANAGED}=1", f"{LABEL_BROKER}={broker_id}"]})
+            found = self._labelled(broker_id)
             for container in found:
-                cgroup = None
-                pid = container.attrs.get("State", {}).get("Pid")
-                if self.fast_path and pid:
-                    try:
-                        cgroup = ContainerCgroup.of_pid(pid)
-                    except OSError:
-                        cgroup = None
-                self.remove(container, cgroup)
+                self.remove(container, self._cgroup(container))
             return len(found)
         count = await self.off_loop(reap_all)
         if self.fast_path and self.run_dir.is_dir():

@@ -17,13 +17,36 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import orjson
 import psutil
 
-from sandboxes.backend import Sandbox, SandboxBackend, SandboxError, SandboxSpec
+from sandboxes.backend import (
+    LABEL_EPHEMERAL,
+    LABEL_MEMORY,
+    Leftover,
+    Sandbox,
+    SandboxBackend,
+    SandboxError,
+    SandboxSpec,
+)
 from sandboxes.executor_client import EXECUTOR_PATH, ExecutorUnavailable, call, wait_ready
 
 READY_TIMEOUT_S = 15.0
+ADOPT_TIMEOUT_S = 5.0
 MARKER = "TANGRAM_ENVIRONMENT"
+#: the environment's SandboxSpec labels, so that a restarted broker can adopt it
+LABELS_FILE = "labels.json"
+
+
+def _executor_of(env_id: str) -> psutil.Process | None:
+    """The environment's serving executor, found by the marker it carries."""
+    for process in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if "serve" in (process.info["cmdline"] or []) and process.environ().get(MARKER) == env_id:
+                return process
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return None
 
 
 def kill_marked(env_ids: set[str]) -> None:
@@ -37,7 +60,7 @@ def kill_marked(env_ids: set[str]) -> None:
 
 
 class LocalSandbox(Sandbox):
-    def __init__(self, env_id: str, root: Path, process: subprocess.Popen[bytes], memory_mb: int) -> None:
+    def __init__(self, env_id: str, root: Path, process: psutil.Process, memory_mb: int) -> None:
         self.env_id = env_id
         self.root = root
         self.workdir = str(root / "workspace")
@@ -65,12 +88,15 @@ class LocalSandbox(Sandbox):
 
     def _kill_all(self) -> None:
         """The executor, and every process a command left behind (they carry the environment's marker)."""
-        self.process.terminate()
         try:
-            self.process.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=5)
+            except psutil.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        except psutil.NoSuchProcess:
+            pass
         kill_marked({self.env_id})
 
     def describe(self) -> dict[str, Any]:
@@ -94,12 +120,13 @@ class LocalProcessBackend(SandboxBackend):
             target = workspace / path
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_bytes(data)
+        (root / LABELS_FILE).write_bytes(orjson.dumps(spec.labels()))
         env = {**os.environ, MARKER: spec.env_id, "PYTHONUNBUFFERED": "1"}
         log = open(root / "executor.log", "wb")
         try:
-            process = subprocess.Popen([sys.executable, EXECUTOR_PATH, "serve", "--socket", str(root / "exec.sock")],
-                                       cwd=workspace, env=env, stdin=subprocess.DEVNULL, stdout=log,
-                                       stderr=subprocess.STDOUT, start_new_session=True)
+            process = psutil.Popen([sys.executable, EXECUTOR_PATH, "serve", "--socket", str(root / "exec.sock")],
+                                   cwd=workspace, env=env, stdin=subprocess.DEVNULL, stdout=log,
+                                   stderr=subprocess.STDOUT, start_new_session=True)
         finally:
             log.close()
         sandbox = LocalSandbox(spec.env_id, root, process, spec.memory_mb)
@@ -109,6 +136,43 @@ class LocalProcessBackend(SandboxBackend):
             await sandbox.destroy()
             raise SandboxError("sandbox_create_failed", f"local executor never answered: {error}") from None
         return sandbox
+
+    async def adopt(self, broker_id: str) -> list[Leftover]:
+        """Executors outlive a killed broker (they run in their own session), so a trajectory environment whose
+        executor still answers is adopted as it is."""
+        if not self.run_dir.is_dir():
+            return []
+        leftovers = []
+        for root in self.run_dir.iterdir():
+            try:
+                labels = orjson.loads((root / LABELS_FILE).read_bytes())
+                Leftover.from_labels(labels, None)
+            except (OSError, orjson.JSONDecodeError, KeyError, ValueError, TypeError):
+                await self._remove(root)  # not a trajectory environment this version made
+                continue
+            if labels.get(LABEL_EPHEMERAL) == "1":
+                await self._remove(root)
+                continue
+            process = await asyncio.to_thread(_executor_of, root.name)
+            problem = "its executor is gone" if process is None else None
+            if process is not None:
+                try:
+                    await wait_ready(str(root / "exec.sock"), ADOPT_TIMEOUT_S)
+                except ExecutorUnavailable as error:
+                    problem = f"its executor does not answer ({error.reason})"
+            if problem is None:
+                assert process is not None
+                sandbox = LocalSandbox(root.name, root, process, int(labels[LABEL_MEMORY]))
+                leftovers.append(Leftover.from_labels(labels, sandbox))
+            else:
+                await self._remove(root)
+                leftovers.append(Leftover.from_labels(
+                    labels, None, f"the broker restarted and the sandbox was gone: {problem}"))
+        return leftovers
+
+    async def _remove(self, root: Path) -> None:
+        await asyncio.to_thread(kill_marked, {root.name})
+        shutil.rmtree(root, ignore_errors=True)
 
     async def reap(self, broker_id: str) -> int:
         """Kill processes of environments a previous run of this broker left, and remove their directories."""

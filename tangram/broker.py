@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from managers.base import Allocation, ResourceManager
+from managers.base import Allocation, Lessor, ResourceManager
 from tangram.action import Action, Kind, State
 from tangram.durations import DurationModel
 from tangram.errors import ActionFailed, BadRequest, Conflict, NotFound, Unprocessable
@@ -124,10 +124,38 @@ class Broker:
                 continue
             self._enqueue(action)
             resumed += 1
+        held = await self._regrant_leases()
         self.kick()
-        if resumed or failed:
-            log.warning("recovered from the store: %d queued actions resumed, %d unfinished ones ended failed",
-                        resumed, failed)
+        if resumed or failed or held:
+            log.warning("recovered from the store: %d queued actions resumed, %d unfinished ones ended failed, "
+                        "%d leases held again", resumed, failed, held)
+
+    async def _regrant_leases(self) -> int:
+        """Leases a previous run granted and nobody returned hold their units again until their original expiry:
+        their clients still use the units, and a lease forgotten here would hand them to someone else. Those that
+        expired meanwhile are recorded as expired; those whose resource is gone, as ``resource_removed``."""
+        lessor = self.executor.get(Kind.LEASE)
+        if not isinstance(lessor, Lessor):
+            return 0
+        now = time.time()
+        held = 0
+        for action in await self.store.load_granted_leases(since=now - lessor.longest_lease_s()):
+            grant = action.result or {}
+            if "returned" in grant or action.id in self.leases or action.finished_at is None:
+                continue
+            expires_at = action.finished_at + float(grant.get("expires_in_s", 0.0))
+            allocation = lessor.regrant(action, expires_at - now) if expires_at > now else None
+            if allocation is None:
+                self._record_return(action, "expired" if expires_at <= now else "resource_removed",
+                                    min(expires_at, now))
+                continue
+            self.actions[action.id] = action
+            if action.idempotency_key is not None:
+                self.idempotency[(action.task, action.idempotency_key)] = action.id
+            self.leases[action.id] = [(lessor, allocation)]
+            self.ledger.hold(action)
+            held += 1
+        return held
 
     async def drain(self, timeout_s: float) -> int:
         """Stop taking and starting actions and give the running ones up to ``timeout_s`` to finish; the queued ones
@@ -463,12 +491,16 @@ class Broker:
     def _return_lease(self, action: Action, how: str) -> None:
         self._release(self.leases.pop(action.id))
         self.ledger.unhold(action)
+        self._record_return(action, how, time.time())
+        self._forget.append((time.time(), action.id))  # memory kept it past ``retain_s`` while it was held
+        self.kick()
+
+    def _record_return(self, action: Action, how: str, at: float) -> None:
         result = dict(action.result or {})
         result["returned"] = how
-        result["returned_at"] = time.time()
+        result["returned_at"] = at
         action.result = result
         self.store.save(action)
-        self.kick()
 
     # -- time-driven work -----------------------------------------------------------------------------
 
@@ -488,9 +520,8 @@ class Broker:
     def tick(self) -> None:
         now = time.time()
         for manager in self.managers:
-            expired = getattr(manager, "expired_leases", None)
-            if expired is not None:
-                for action_id in expired():
+            if isinstance(manager, Lessor):
+                for action_id in manager.expired_leases():
                     action = self.actions.get(action_id)
                     if action is not None and action_id in self.leases:
                         self._return_lease(action, "expired")

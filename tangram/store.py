@@ -64,6 +64,13 @@ class Base(DeclarativeBase):
     """Metadata of the broker's tables; other persistent state can declare its tables on it too."""
 
 
+def _create_missing_indexes(conn: Any) -> None:
+    """``create_all`` makes indexes only with their table: a database from an older version gets new ones here."""
+    for table in Base.metadata.sorted_tables:
+        for index in table.indexes:
+            index.create(conn, checkfirst=True)
+
+
 class ActionRow(Base):
     __tablename__ = "actions"
 
@@ -81,7 +88,9 @@ class ActionRow(Base):
     record: Mapped[str] = mapped_column(Text)
 
     # NULL keys never collide (NULLs are distinct on both databases), so only keyed actions are constrained.
-    __table_args__ = (UniqueConstraint("task", "idempotency_key", name="uq_actions_task_idempotency_key"),)
+    __table_args__ = (UniqueConstraint("task", "idempotency_key", name="uq_actions_task_idempotency_key"),
+                      # a restart's search for leases still held (``load_granted_leases``)
+                      Index("ix_actions_kind_state_finished_at", "kind", "state", "finished_at"))
 
 
 class TransitionRow(Base):
@@ -259,6 +268,7 @@ class Store:
             event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
         async with engine.begin() as conn:
             await conn.run_sync(Base.metadata.create_all)
+            await conn.run_sync(_create_missing_indexes)
         return cls(engine, **settings)
 
     async def close(self) -> None:
@@ -499,6 +509,12 @@ class Store:
         """Queued and running actions in submission order, to resume after a restart."""
         return await self._load(select(ActionRow.record).where(ActionRow.state.in_(_UNFINISHED))
                                 .order_by(ActionRow.seq))
+
+    async def load_granted_leases(self, since: float) -> list[Action]:
+        """Lease actions granted (succeeded) at ``since`` or later, returned or not: the caller reads their result."""
+        return await self._load(select(ActionRow.record).where(
+            ActionRow.kind == "lease", ActionRow.state == State.SUCCEEDED.value, ActionRow.finished_at >= since)
+            .order_by(ActionRow.seq))
 
     async def max_seq(self) -> int:
         await self.flush()

@@ -35,7 +35,7 @@ class Live:
 async def live_broker(raw: dict[str, Any], db_path: str, store_url: str | None = None) -> AsyncIterator[Live]:
     """A broker on a loopback port; its store is SQLite at ``db_path`` unless ``store_url`` names another."""
     raw = {**raw, "store": {"url": store_url or f"sqlite+aiosqlite:///{db_path}"}}
-    # the default CPU manager reaps its broker id's sandboxes at start: never a developer's running broker's
+    # the default CPU manager adopts its broker id's sandboxes at start: never a developer's running broker's
     raw.setdefault("cpu", {"broker_id": new_broker_id()})
     async with running_broker(parse_config(raw)) as (broker, app):
         server = TestServer(app, host="127.0.0.1")

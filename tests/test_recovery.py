@@ -1,5 +1,6 @@
 """Crash recovery: a broker killed with SIGKILL and started again on the same store resumes the queued actions in
-order, under their idempotency keys, and ends the ones that were running with a reason a client can act on."""
+order, under their idempotency keys, ends the ones that were running with a reason a client can act on, holds
+again the leases its clients still hold, and adopts the sandboxes it left; and graceful drain on SIGTERM."""
 
 from __future__ import annotations
 
@@ -13,8 +14,14 @@ import time
 from pathlib import Path
 
 import aiohttp
+import docker
+import pytest
 
-from tests.harness import live_upstream
+from sandboxes.backend import LABEL_ENV
+from sandboxes.cgroup import ContainerCgroup
+from sandboxes.local import kill_marked
+from tests.docker_nodes import cpu_config, docker_engines, labelled_containers, new_broker_id
+from tests.harness import live_broker, live_upstream
 
 
 def free_port() -> int:
@@ -80,24 +87,27 @@ async def test_sigkill_then_restart_resumes_queued_and_fails_running_actions(tmp
                 async with http.get(f"{url}/v1/actions/{running['id']}") as response:
                     ended = await response.json()
                 assert ended["state"] == "failed" and ended["error"]["code"] == "broker_restarted", ended
-                # the queue resumed in order: the first waiter is granted the unit at once, the others wait
+                # the holder's lease is held again, so the resumed queue waits behind it
                 states = []
                 for w in waiting:
                     async with http.get(f"{url}/v1/actions/{w['id']}?wait=true&wait_timeout_s=0.5") as response:
                         states.append((await response.json())["state"])
-                assert states == ["succeeded", "queued", "queued"]
+                assert states == ["queued", "queued", "queued"]
                 # resubmission under the same key returns the same action (200, not a new one)
                 status, again = await submit(lease, "waiting-1")
                 assert status == 200 and again["id"] == waiting[1]["id"]
                 async with http.get(f"{url}/v1/resources") as response:
                     rows = {r["resource"]: r for r in (await response.json())["resources"]}
-                assert rows["lease.local"]["in_use"] == 1 and rows["lease.local"]["queued"] == 2
+                assert rows["lease.local"]["in_use"] == 1 and rows["lease.local"]["queued"] == 3
                 assert rows["api.slow"]["in_use"] == 0  # the dead process's call holds nothing here
-                async with http.delete(f"{url}/v1/leases/{waiting[0]['id']}") as response:
-                    assert response.status == 200
-                async with http.get(f"{url}/v1/actions/{waiting[1]['id']}?wait=true&wait_timeout_s=10") as response:
-                    assert (await response.json())["state"] == "succeeded"
-                assert holder["state"] == "succeeded"
+                # returning the old lease lets the queue go on, in its old order
+                for returned, granted in ((holder, waiting[0]), (waiting[0], waiting[1])):
+                    async with http.delete(f"{url}/v1/leases/{returned['id']}") as response:
+                        assert response.status == 200
+                    async with http.get(f"{url}/v1/actions/{granted['id']}?wait=true&wait_timeout_s=10") as response:
+                        assert (await response.json())["state"] == "succeeded"
+                async with http.get(f"{url}/v1/actions/{waiting[2]['id']}") as response:
+                    assert (await response.json())["state"] == "queued"
             finally:
                 broker.terminate()
                 await broker.wait()
@@ -165,3 +175,219 @@ async def test_drain_cancels_what_is_still_running_at_its_bound(tmp_path):
         assert await broker.wait() == 0
         assert time.monotonic() - began < 10
         assert stored_state(db, running["id"]) == "cancelled"
+
+
+async def wait_stored(db: Path, action_id: str, state: str) -> None:
+    """Until the write-behind store holds ``state`` for the action, so that a kill cannot outrun it."""
+    for _ in range(400):
+        if stored_state(db, action_id) == state:
+            return
+        await asyncio.sleep(0.025)
+    raise AssertionError(f"{action_id} never stored as {state}")
+
+
+async def test_leases_are_held_again_after_a_crash_until_their_original_expiry(tmp_path):
+    """A lease granted by a killed process still holds its units in the next one (its client still uses them) until
+    the expiry it was granted with. One whose TTL passed while the broker was down, or whose resource the new config
+    lacks, is recorded as returned, saying how."""
+    db = tmp_path / "tangram.db"
+    kept = f'[store]\nurl = "sqlite+aiosqlite:///{db}"\n' \
+           '[basic."lease.a"]\nconcurrency = 1\n[basic."lease.b"]\nconcurrency = 1\n'
+    config = tmp_path / "tangram.toml"
+    config.write_text(kept + '[basic."lease.gone"]\nconcurrency = 1\n')
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    broker = await start_broker(config, port)
+    async with aiohttp.ClientSession() as http:
+        async def call(method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
+            async with http.request(method, url + path, json=body) as response:
+                return response.status, await response.json()
+
+        async def lease(resource: str, ttl_s: float) -> dict:
+            _, record = await call("POST", "/v1/actions?wait=true", {
+                "task": "t", "kind": "lease", "demand": {resource: 1}, "spec": {"ttl_s": ttl_s}})
+            assert record["state"] == "succeeded", record
+            await wait_stored(db, record["id"], "succeeded")
+            return record
+
+        async def in_use() -> dict[str, int]:
+            _, body = await call("GET", "/v1/resources")
+            return {row["resource"]: row["in_use"] for row in body["resources"] if row["resource"].startswith("lease.")}
+
+        held = await lease("lease.a", 10)  # outlives the restart
+        lapsed = await lease("lease.b", 1)  # expires while the broker is down
+        orphaned = await lease("lease.gone", 60)  # its resource is not in the next config
+        os.kill(broker.pid, signal.SIGKILL)
+        await broker.wait()
+        while time.time() < lapsed["finished_at"] + lapsed["result"]["expires_in_s"]:
+            await asyncio.sleep(0.05)
+        config.write_text(kept)
+        broker = await start_broker(config, port)
+        try:
+            assert await in_use() == {"lease.a": 1, "lease.b": 0}
+            _, record = await call("GET", f"/v1/actions/{held['id']}")
+            assert "returned" not in record["result"], record
+            _, record = await call("GET", f"/v1/actions/{lapsed['id']}")
+            assert record["result"]["returned"] == "expired", record
+            assert (await call("DELETE", f"/v1/leases/{lapsed['id']}"))[0] == 409
+            _, record = await call("GET", f"/v1/actions/{orphaned['id']}")
+            assert record["result"]["returned"] == "resource_removed", record
+
+            # another client's lease on lease.a is granted once the old one expires, at the time it was granted for
+            _, waiter = await call("POST", "/v1/actions", {"task": "u", "kind": "lease", "demand": {"lease.a": 1}})
+            assert waiter["state"] == "queued"
+            _, waiter = await call("GET", f"/v1/actions/{waiter['id']}?wait=true&wait_timeout_s=30")
+            assert waiter["state"] == "succeeded", waiter
+            expiry = held["finished_at"] + held["result"]["expires_in_s"]
+            assert waiter["started_at"] >= expiry - 0.05  # not one moment earlier (wall and monotonic clocks)
+            _, record = await call("GET", f"/v1/actions/{held['id']}")
+            assert record["result"]["returned"] == "expired", record
+        finally:
+            broker.terminate()
+            await broker.wait()
+
+
+def stop_container(engine: str, env_id: str) -> None:
+    """Kill the environment's container while no broker watches it, as a node's OOM killer or an operator would."""
+    client = docker.DockerClient(base_url=engine)
+    try:
+        [container] = client.containers.list(filters={"label": f"{LABEL_ENV}={env_id}"})
+        if container.status == "paused":  # the docker-exec path idles containers so
+            container.unpause()
+        ContainerCgroup.of_pid(container.attrs["State"]["Pid"]).set_frozen(False)  # the fast path, so
+        container.kill()
+        container.wait(timeout=30)
+    finally:
+        client.close()
+
+
+def exec_body(command: str, trajectory: str | None) -> dict:
+    body = {"task": "t", "kind": "exec", "demand": {"cpu": 1}, "spec": {"command": command}}
+    return body if trajectory is None else {**body, "trajectory": trajectory}
+
+
+@pytest.mark.parametrize("fast_path", [True, False], ids=["fast-path", "docker-exec"])
+async def test_sandboxes_outlive_a_crash_and_are_adopted_or_reported_lost(tmp_path, fast_path):
+    """After ``kill -9`` and a restart, a trajectory's sandbox is the same environment (same id, container, files);
+    one whose container stopped meanwhile is reported lost with why, so its trajectory is told rather than silently
+    given a fresh one; a one-action sandbox is removed. No core is held and no container outlives the broker."""
+    engine = docker_engines()[0 if fast_path else 1]
+    broker_id = new_broker_id()
+    db = tmp_path / "tangram.db"
+    config = tmp_path / "tangram.toml"
+    config.write_text(f'[store]\nurl = "sqlite+aiosqlite:///{db}"\n'
+                      f'[cpu]\nbroker_id = "{broker_id}"\nrun_dir = "/run/tangram/test-sandboxes"\n'
+                      f'[cpu.nodes.n1]\nbackend = "docker"\nengine = "{engine}"\ncores = "0-1"\nmemory_mb = 8192\n'
+                      f'fast_path = {str(fast_path).lower()}\n')
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    broker = await start_broker(config, port)
+    try:
+        async with aiohttp.ClientSession() as http:
+            async def call(method: str, path: str, body: dict | None = None) -> dict:
+                async with http.request(method, url + path, json=body) as response:
+                    return await response.json()
+
+            first = await call("POST", "/v1/actions?wait=true", exec_body("echo kept > note; hostname", "kept"))
+            assert first["state"] == "succeeded", first
+            kept_env, host = first["result"]["environment"], first["result"]["stdout"]
+            doomed = await call("POST", "/v1/actions?wait=true", exec_body("echo doomed > note", "doomed"))
+            doomed_env = doomed["result"]["environment"]
+            # at the crash, a command runs in the kept sandbox and a one-action sandbox exists
+            interrupted = await call("POST", "/v1/actions", exec_body("sleep 30", "kept"))
+            one_off = await call("POST", "/v1/actions", exec_body("sleep 30", None))
+            for action in (interrupted, one_off):
+                await wait_stored(db, action["id"], "running")
+            while len(labelled_containers(engine, broker_id)) < 3:
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.5)  # the one-off command has started
+            os.kill(broker.pid, signal.SIGKILL)
+            await broker.wait()
+            await asyncio.to_thread(stop_container, engine, doomed_env)
+
+            broker = await start_broker(config, port)
+            environments = {env["id"]: env for env in (await call("GET", "/v1/environments"))["environments"]}
+            assert environments.keys() == {kept_env, doomed_env}
+            assert environments[kept_env]["state"] == "ready"
+            assert environments[doomed_env]["state"] == "lost"
+            assert "stopped while the broker was down" in environments[doomed_env]["lost_reason"]
+            assert [c.labels[LABEL_ENV] for c in labelled_containers(engine, broker_id)] == [kept_env]
+            record = await call("GET", f"/v1/actions/{interrupted['id']}")
+            assert record["error"]["code"] == "broker_restarted", record
+
+            again = await call("POST", "/v1/actions?wait=true", exec_body("cat note; hostname", "kept"))
+            assert again["state"] == "succeeded", again
+            assert again["result"]["environment"] == kept_env and again["result"]["stdout"] == "kept\n" + host
+            told = await call("POST", "/v1/actions?wait=true", exec_body("cat note", "doomed"))
+            assert told["state"] == "failed" and told["error"]["code"] == "environment_lost", told
+            assert "stopped while the broker was down" in told["error"]["message"]
+            await call("DELETE", f"/v1/environments/{doomed_env}")
+            fresh = await call("POST", "/v1/actions?wait=true", exec_body("cat note 2>/dev/null || echo none",
+                                                                         "doomed"))
+            assert fresh["state"] == "succeeded" and fresh["result"]["stdout"] == "none\n", fresh
+            assert fresh["result"]["environment"] != doomed_env
+            rows = (await call("GET", "/v1/resources"))["resources"]
+            assert sum(row["in_use"] for row in rows if row["resource"] == "cpu") == 0
+    finally:
+        broker.terminate()
+        await broker.wait()
+    assert labelled_containers(engine, broker_id) == []
+
+
+async def test_local_sandboxes_are_adopted_or_reported_lost(tmp_path, run_dir):
+    """The local-process backend keeps the same promise: its executors outlive a killed broker and are adopted;
+    an environment whose executor died meanwhile is reported lost."""
+    db = tmp_path / "tangram.db"
+    config = tmp_path / "tangram.toml"
+    config.write_text(f'[store]\nurl = "sqlite+aiosqlite:///{db}"\n'
+                      f'[cpu]\nbroker_id = "{new_broker_id()}"\nrun_dir = "{run_dir}"\ndefault_memory_mb = 64\n'
+                      f'[cpu.nodes.here]\nbackend = "local"\ncores = [{min(os.sched_getaffinity(0))}]\n'
+                      'memory_mb = 4096\n')
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    broker = await start_broker(config, port)
+    try:
+        async with aiohttp.ClientSession() as http:
+            async def call(method: str, path: str, body: dict | None = None) -> dict:
+                async with http.request(method, url + path, json=body) as response:
+                    return await response.json()
+
+            envs = {}
+            for trajectory in ("kept", "doomed"):
+                record = await call("POST", "/v1/actions?wait=true", exec_body(f"echo {trajectory} > note",
+                                                                               trajectory))
+                envs[trajectory] = record["result"]["environment"]
+            os.kill(broker.pid, signal.SIGKILL)
+            await broker.wait()
+            await asyncio.to_thread(kill_marked, {envs["doomed"]})
+
+            broker = await start_broker(config, port)
+            listed = {env["id"]: env["state"] for env in (await call("GET", "/v1/environments"))["environments"]}
+            assert listed == {envs["kept"]: "ready", envs["doomed"]: "lost"}
+            again = await call("POST", "/v1/actions?wait=true", exec_body("cat note", "kept"))
+            assert again["result"]["stdout"] == "kept\n" and again["result"]["environment"] == envs["kept"], again
+            told = await call("POST", "/v1/actions?wait=true", exec_body("cat note", "doomed"))
+            assert told["error"]["code"] == "environment_lost" and "executor is gone" in told["error"]["message"]
+    finally:
+        broker.terminate()
+        await broker.wait()
+    assert not any(Path(run_dir).rglob("exec.sock"))  # the stop removed every environment
+
+
+async def test_a_stop_can_keep_sandboxes_for_the_next_start(tmp_path):
+    """With ``cpu.keep_sandboxes_on_stop`` a clean stop (an upgrade) leaves trajectory sandboxes idle, and the next
+    start carries on in them; without it, a stop removes them."""
+    engine = docker_engines()[0]
+    raw = cpu_config({"n1": {"backend": "docker", "engine": engine, "cores": "0-1", "memory_mb": 4096}},
+                     keep_sandboxes_on_stop=True)
+    broker_id = raw["cpu"]["broker_id"]
+    async with live_broker(raw, str(tmp_path / "t.db")) as live:
+        _, first = await live.call("POST", "/v1/actions?wait=true", json=exec_body("echo kept > note", "traj"))
+        await live.call("POST", "/v1/actions?wait=true", json=exec_body("true", None))  # a one-action sandbox
+    assert [c.labels[LABEL_ENV] for c in labelled_containers(engine, broker_id)] == [first["result"]["environment"]]
+    raw["cpu"]["keep_sandboxes_on_stop"] = False
+    async with live_broker(raw, str(tmp_path / "t.db")) as live:
+        _, again = await live.call("POST", "/v1/actions?wait=true", json=exec_body("cat note", "traj"))
+        assert again["result"]["stdout"] == "kept\n" and again["result"]["environment"] == \
+            first["result"]["environment"], again
+    assert labelled_containers(engine, broker_id) == []

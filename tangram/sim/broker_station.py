@@ -23,7 +23,7 @@ from managers.gpu import GpuManager, GpuNode
 from managers.gpu_config import GpuConfig, GpuNodeConfig
 from managers.residency import SlotState
 from reward_services.backend import ServiceBackend, ServiceInstance, ServiceSpec
-from sandboxes.backend import Sandbox, SandboxBackend, SandboxSpec
+from sandboxes.backend import Leftover, Sandbox, SandboxBackend, SandboxSpec
 from tangram.action import Action, Demand, Kind
 from tangram.durations import DurationModel
 from tangram.queue import FCFSQueue
@@ -41,6 +41,9 @@ class _NoSandboxes(SandboxBackend):
 
     async def create(self, spec: SandboxSpec) -> Sandbox:
         raise RuntimeError("the simulator never creates sandboxes")
+
+    async def adopt(self, broker_id: str) -> list[Leftover]:
+        return []
 
     async def reap(self, broker_id: str) -> int:
         return 0
