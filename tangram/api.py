@@ -138,6 +138,15 @@ async def healthz(request: web.Request) -> web.Response:
     return json_response({"status": "ok", "queued": len(broker.queue), "running": len(broker.running)})
 
 
+async def readyz(request: web.Request) -> web.Response:
+    """Readiness, apart from liveness: a draining broker still serves its running actions' results (alive) but
+    takes no new work, so a load balancer should stop sending it any."""
+    broker = request.app[BROKER]
+    if broker.draining:
+        return json_response({"status": "draining"}, status=503)
+    return json_response({"status": "ready"})
+
+
 async def metrics(request: web.Request) -> web.Response:
     body = generate_latest(request.app[BROKER].metrics.registry)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -217,6 +226,7 @@ def build_app(broker: Broker, server: ServerConfig, limits: Limits,
     add_service_routes(app)
     add_status_routes(app, interval_s=server.status_interval_s, keep_s=server.status_keep_s)
     app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/openapi.json", openapi)
     return app

@@ -8,10 +8,10 @@ manages the broker (``/v1/admin/*``).
 
 Auth is on when ``[auth] required = true``, or, by default ("auto"), as soon as a token exists in the config or
 in the store; otherwise nothing is checked and the broker is as open as it always was. Open in every case:
-``/healthz`` and ``/openapi.json``. With ``[auth] public_status = true`` (the default) also the status page, its
-history, ``GET /v1/resources`` and ``/metrics``: aggregate figures (units, queue depths, ACT), never an action's
-id, spec or result, that dashboards and scrapers read without credentials. Otherwise those need a token, and
-``/metrics``, which labels figures by task, the admin's.
+``/healthz``, ``/readyz`` and ``/openapi.json``. With ``[auth] public_status = true`` (the default) also the status
+page, its history, ``GET /v1/resources`` and ``/metrics``: aggregate figures (units, queue depths, ACT), never an
+action's id, spec or result, that dashboards and scrapers read without credentials. Otherwise those need a token,
+and ``/metrics``, which labels figures by task, the admin's.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ log = logging.getLogger("tangram.auth")
 
 TOKEN_PREFIX = "tgm_"
 #: routes that answer everyone, auth on or off
-ALWAYS_OPEN = frozenset({"/healthz", "/openapi.json"})
+ALWAYS_OPEN = frozenset({"/healthz", "/readyz", "/openapi.json"})
 #: routes of aggregate status, open while ``public_status``
 STATUS = frozenset({"/", "/ui", "/ui/{asset}", "/v1/status/history", "/v1/resources", "/metrics"})
 #: routes only the admin may call (``/metrics`` only while status is not public)
@@ -172,7 +172,8 @@ class Authenticator:
     async def revoke(self, token_id: str) -> StoredToken:
         """Revoke a stored token at once; a config token is removed from the file instead."""
         if token_id in self._config_ids():
-            raise Conflict("id", "this token is in the config file: remove its hash there and POST /v1/admin/reload")
+            raise Conflict("id", "this token is in the config (the file, or $TANGRAM_ADMIN_TOKEN_SHA256 for an admin): "
+                                 "remove its hash there, then restart or POST /v1/admin/reload")
         row = await self.store.revoke_token(token_id, time.time())
         if row is None:
             raise NotFound("id", f"no token {token_id!r}")

@@ -274,11 +274,15 @@ def parse_config(raw: dict[str, Any]) -> Config:
 #: environment variables that override the file, so secrets (the database password) stay out of ConfigMaps
 STORE_URL_ENV = "TANGRAM_STORE_URL"
 CONFIG_ENV = "TANGRAM_CONFIG"
+#: SHA-256 (hex, comma-separated) of admin tokens, added to the file's ``[auth] admin_token_sha256``: a deployment's
+#: secret names the admin without writing the config file; ``POST /v1/admin/reload`` reads it again with the file
+ADMIN_TOKEN_ENV = "TANGRAM_ADMIN_TOKEN_SHA256"
 
 
 def load_config(path: str | Path | None, environ: Mapping[str, str] = os.environ) -> Config:
     """Read the TOML file (``--config``, else ``$TANGRAM_CONFIG``, else the defaults), then apply
-    ``$TANGRAM_STORE_URL`` over ``store.url``."""
+    ``$TANGRAM_STORE_URL`` over ``store.url`` and add ``$TANGRAM_ADMIN_TOKEN_SHA256`` to the admin hashes (an
+    empty variable counts as unset, as Compose's ``${VAR:-}`` leaves it)."""
     path = path or environ.get(CONFIG_ENV) or None
     if path is None:
         config = Config()
@@ -295,4 +299,14 @@ def load_config(path: str | Path | None, environ: Mapping[str, str] = os.environ
     url = environ.get(STORE_URL_ENV)
     if url:
         config = replace(config, store=StoreConfig(url=url))
+    admins = environ.get(ADMIN_TOKEN_ENV, "").strip()
+    if admins:
+        access = config.access
+        digests = _token_hashes([item.strip() for item in admins.split(",")], ADMIN_TOKEN_ENV)
+        for task, task_digests in access.task_tokens.items():
+            if set(digests) & set(task_digests):
+                raise ConfigError(ADMIN_TOKEN_ENV, f"a token belongs to one task or to the admin; this one is also "
+                                                   f"in tasks.{task}.token_sha256")
+        merged = tuple(dict.fromkeys(access.auth.admin_token_sha256 + digests))  # the file's first, each once
+        config = replace(config, access=replace(access, auth=replace(access.auth, admin_token_sha256=merged)))
     return config

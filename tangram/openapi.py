@@ -68,7 +68,7 @@ def _over_cap(description: str) -> dict[str, Any]:
 
 def _secure(paths: dict[str, Any], public_status: bool) -> None:
     """Bearer auth on every operation but the open ones, with its 401 and, where a token may not do it, 403."""
-    open_paths = {"/healthz", "/openapi.json"} | (STATUS_PATHS if public_status else set())
+    open_paths = {"/healthz", "/readyz", "/openapi.json"} | (STATUS_PATHS if public_status else set())
     forbidden = {("/v1/actions", "post"): "task names another task than the token's",
                  ("/v1/actions:batch", "post"): "an action's task names another task than the token's",
                  ("/v1/environments", "post"): "task names another task than the token's",
@@ -363,6 +363,9 @@ def openapi_document(server: ServerConfig, limits: Limits, resources: Sequence[s
             "/": {"get": {"operationId": "root", "summary": "Redirects to the status page",
                           "responses": {"302": {"description": "Location: /ui"}}}},
             "/healthz": {"get": {"operationId": "health", "summary": "Liveness", "responses": {"200": _json({"type": "object"}, "ok")}}},
+            "/readyz": {"get": {"operationId": "ready", "summary": "Readiness: 503 while draining",
+                                "responses": {"200": _json({"type": "object"}, "takes new work"),
+                                              "503": _json({"type": "object"}, "draining: send new work elsewhere")}}},
             "/metrics": {"get": {"operationId": "metrics", "summary": "Prometheus metrics",
                                  "responses": {"200": {"description": "text exposition format",
                                                        "content": {"text/plain": {"schema": {"type": "string"}}}}}}},

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
+from typing import Any
 
 import pytest
 
-from tangram.config import load_config, parse_config
+from tangram.auth import new_token, token_sha256
+from tangram.config import ADMIN_TOKEN_ENV, load_config, parse_config
 from tangram.errors import ConfigError
 
 
@@ -110,3 +114,97 @@ def test_serve_and_status_end_to_end(tmp_path):
     down = subprocess.run([sys.executable, "-m", "tangram.cli", "status", "--url", f"http://127.0.0.1:{free_port()}"],
                           capture_output=True, text=True, timeout=30)
     assert down.returncode == 1 and "cannot reach" in down.stdout
+
+
+# -- the admin named by $TANGRAM_ADMIN_TOKEN_SHA256 -------------------------------------------------------------
+
+
+def test_admin_token_hashes_from_the_environment_add_to_the_files(tmp_path):
+    """A deployment's Secret names the admin without touching the config file: the variable's hashes (comma-
+    separated while a token is rotated, case and spaces forgiven) come after the file's, each once; empty is unset,
+    as Compose's ``${VAR:-}`` leaves it."""
+    in_file, first, second = (token_sha256(new_token()) for _ in range(3))
+    path = tmp_path / "t.toml"
+    path.write_text(f'[auth]\nrequired = true\nadmin_token_sha256 = "{in_file}"\n')
+    config = load_config(path, {ADMIN_TOKEN_ENV: f" {first.upper()} ,{second},{in_file}"})
+    assert config.access.auth.admin_token_sha256 == (in_file, first, second)
+    assert config.access.auth.required is True and config.access.source == str(path)
+    for unset in ({}, {ADMIN_TOKEN_ENV: ""}, {ADMIN_TOKEN_ENV: "  "}):
+        assert load_config(path, unset).access.auth.admin_token_sha256 == (in_file,)
+    assert load_config(None, {ADMIN_TOKEN_ENV: first}).access.auth.admin_token_sha256 == (first,)
+
+
+DIGEST = token_sha256(new_token())
+MALFORMED_ADMIN_VALUES = {"the token itself": new_token(), "63 digits": DIGEST[:-1], "not hex": "g" + DIGEST[1:],
+                          "trailing comma": f"{DIGEST},", "semicolon": f"{DIGEST};{DIGEST}",
+                          "space": f"{DIGEST} {DIGEST}"}
+
+
+@pytest.mark.parametrize("value", MALFORMED_ADMIN_VALUES.values(), ids=MALFORMED_ADMIN_VALUES.keys())
+def test_malformed_admin_hash_in_the_environment_names_the_variable(value):
+    """A token pasted where its hash belongs, a truncated digest or a bad separator stops the broker with an
+    error naming the variable; the error never repeats the value, which may be the token itself."""
+    with pytest.raises(ConfigError) as error:
+        load_config(None, {ADMIN_TOKEN_ENV: value})
+    assert error.value.key == ADMIN_TOKEN_ENV and "tangram token hash" in str(error.value)
+    assert value not in str(error.value)
+
+
+def test_admin_hash_in_the_environment_cannot_also_be_a_tasks_token(tmp_path):
+    """A token belongs to one task or to the admin: the environment cannot promote a task's token to admin."""
+    path = tmp_path / "t.toml"
+    path.write_text(f'[tasks.rl]\ntoken_sha256 = "{DIGEST}"\n')
+    with pytest.raises(ConfigError) as error:
+        load_config(path, {ADMIN_TOKEN_ENV: DIGEST})
+    assert error.value.key == ADMIN_TOKEN_ENV and "tasks.rl.token_sha256" in str(error.value)
+
+
+def call(url: str, method: str, token: str | None = None, body: dict[str, Any] | None = None) -> tuple[int, Any]:
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
+    request = urllib.request.Request(url, method=method, headers=headers,
+                                     data=None if body is None else json.dumps(body).encode())
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def test_reload_keeps_the_admin_named_by_the_environment(tmp_path):
+    """``POST /v1/admin/reload`` reads the config file again; the admin that only $TANGRAM_ADMIN_TOKEN_SHA256 names
+    stays the admin (else a reload would lock the operator out), and the file's new task token applies."""
+    admin, rl_token = new_token(), new_token()
+    db, config = tmp_path / "t.db", tmp_path / "tangram.toml"
+    closed = f'[store]\nurl = "sqlite+aiosqlite:///{db}"\n[cpu]\nenabled = false\n[auth]\nrequired = true\n'
+    config.write_text(closed)
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "tangram.cli", "serve", "--config", str(config),
+                               "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              env={**os.environ, ADMIN_TOKEN_ENV: token_sha256(admin), "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        end = time.monotonic() + 120
+        while True:
+            assert server.poll() is None and time.monotonic() < end, "the broker did not start"
+            try:
+                urllib.request.urlopen(url + "/healthz", timeout=1)
+                break
+            except OSError:
+                time.sleep(0.1)
+        lease = {"task": "rl", "kind": "lease", "demand": {"lease.local": 1}}
+        assert call(url + "/v1/actions?wait=true", "POST", body=lease)[0] == 401
+        status, listing = call(url + "/v1/admin/tokens", "GET", admin)
+        assert status == 200 and [t["admin"] for t in listing["tokens"]] == [True]
+        config.write_text(closed + f'[tasks.rl]\ntoken_sha256 = "{token_sha256(rl_token)}"\n')
+        status, reloaded = call(url + "/v1/admin/reload", "POST", admin)
+        assert status == 200 and reloaded["auth"] is True and reloaded["tokens"] == 2, reloaded
+        assert call(url + "/v1/admin/tokens", "GET", admin)[0] == 200
+        status, record = call(url + "/v1/actions?wait=true", "POST", rl_token, lease)
+        assert status == 200 and record["state"] == "succeeded", record
+    finally:
+        server.terminate()
+        output, _ = server.communicate(timeout=30)
+    assert server.returncode == 0, output
+    bad = subprocess.run([sys.executable, "-m", "tangram.cli", "serve", "--config", str(config)], check=False,
+                         capture_output=True, text=True, timeout=60, env={**os.environ, ADMIN_TOKEN_ENV: admin})
+    assert bad.returncode == 2 and ADMIN_TOKEN_ENV in bad.stderr and admin not in bad.stderr

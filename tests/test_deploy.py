@@ -1,6 +1,8 @@
 """deploy/: the broker's image, built offline and run for real, and the Compose, Prometheus, Grafana and Kubernetes
 files, checked against each other and against the broker itself (its config parser, the environment variables it
 reads, a live broker's /metrics), so that a renamed key, port or metric breaks a test instead of a deployment.
+Every shipped config is closed (``[auth] required = true``), with the admin named by a token hash from the
+environment (``TANGRAM_ADMIN_TOKEN_SHA256``): the image is run that way and its API used with real tokens.
 
 Prometheus comes from Debian's package (`prometheus` on PATH); Docker from scripts/start-docker.sh.
 """
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import importlib.util
 import json
 import os
@@ -31,8 +34,11 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy.engine import make_url
 
+from sandboxes.backend import LABEL_ENV
 from sandboxes.image import DEFAULT_IMAGE as SANDBOX_IMAGE
-from tangram.config import CONFIG_ENV, STORE_URL_ENV, Config, ServerConfig, load_config, parse_config
+from tangram.auth import new_token, token_sha256
+from tangram.config import ADMIN_TOKEN_ENV, CONFIG_ENV, STORE_URL_ENV, Config, ServerConfig, load_config, parse_config
+from tangram.errors import ConfigError
 from tests.docker_nodes import docker_engines, labelled_containers
 from tests.harness import Live, live_broker
 
@@ -47,8 +53,6 @@ DASHBOARD = DEPLOY / "grafana" / "dashboards" / "tangram.json"
 DATASOURCES = DEPLOY / "grafana" / "provisioning" / "datasources" / "prometheus.yaml"
 DASHBOARD_PROVIDERS = DEPLOY / "grafana" / "provisioning" / "dashboards" / "tangram.yaml"
 PROMETHEUS_CONFIG = DEPLOY / "prometheus" / "prometheus.yml"
-#: the only environment variables the broker reads (tangram.config.load_config)
-BROKER_ENV = {CONFIG_ENV, STORE_URL_ENV}
 #: what the dashboard must chart: queue depth, ACT percentiles, utilization, GPU restores and restore time,
 #: finished actions by state, scheduling pass time
 CHARTED = {"tangram_queue_length", "tangram_action_completion_seconds_bucket", "tangram_units_in_use",
@@ -122,13 +126,38 @@ def host_path(service: dict[str, Any], container_path: str) -> Path:
     raise AssertionError(f"nothing is mounted at {container_path}: {service.get('volumes')}")
 
 
+class RecordingEnviron(dict[str, str]):
+    """An environment that remembers which variables were looked up in it."""
+
+    def __init__(self, values: dict[str, str]) -> None:
+        super().__init__(values)
+        self.read: set[str] = set()
+
+    def get(self, key: str, default: Any = None) -> Any:
+        self.read.add(key)
+        return super().get(key, default)
+
+    def __getitem__(self, key: str) -> str:
+        self.read.add(key)
+        return super().__getitem__(key)
+
+
+def broker_config(environment: dict[str, str], config_file: Path) -> Config:
+    """What load_config makes of a manifest's environment for the broker (its config file at its path on this
+    machine); a variable the manifest sets that load_config never reads fails: it would configure nothing."""
+    environ = RecordingEnviron({**environment, CONFIG_ENV: str(config_file)})
+    config = load_config(None, environ=environ)
+    assert set(environment) <= environ.read, f"the broker never reads {sorted(set(environment) - environ.read)}"
+    return config
+
+
 def compose_broker(variant: str, variables: dict[str, str] | None = None) -> tuple[dict[str, Any], Config, Path]:
     """The broker service of a compose variant, the config it runs with (read by load_config from the file it
     mounts and the environment it sets), and that file."""
     service = compose_project(COMPOSE_VARIANTS[variant], variables)["services"]["broker"]
     environment = service["environment"]
     path = host_path(service, environment[CONFIG_ENV])
-    return service, load_config(None, environ={**environment, CONFIG_ENV: str(path)}), path
+    return service, broker_config(environment, path), path
 
 
 def flags(command: list[str]) -> dict[str, str]:
@@ -173,9 +202,11 @@ def env_values(container: dict[str, Any], objects: dict[tuple[str, str], dict[st
             secret_value(objects, item["valueFrom"]["secretKeyRef"]) for item in container["env"]}
 
 
-def k8s_broker_config(tmp_path: Path) -> tuple[Config, dict[str, str]]:
-    """The broker Deployment's config: its ConfigMap's file, read by load_config with the Deployment's env."""
-    objects = k8s_objects()
+def k8s_broker_config(tmp_path: Path, objects: dict[tuple[str, str], dict[str, Any]] | None = None,
+                      ) -> tuple[Config, dict[str, str]]:
+    """The broker Deployment's config: its ConfigMap's file, read by load_config with the Deployment's env (the
+    manifests' objects, or ``objects`` as an operator changed them)."""
+    objects = objects or k8s_objects()
     deployment = objects[("Deployment", "tangram-broker")]
     container = only_container(deployment)
     environment = env_values(container, objects)
@@ -186,7 +217,7 @@ def k8s_broker_config(tmp_path: Path) -> tuple[Config, dict[str, str]]:
     key = config_path[len(mount["mountPath"]):].lstrip("/")
     assert key in config_map["data"], f"the ConfigMap has no key {key} for {CONFIG_ENV}={config_path}"
     (tmp_path / key).write_text(config_map["data"][key])
-    return load_config(None, environ={**environment, CONFIG_ENV: str(tmp_path / key)}), environment
+    return broker_config(environment, tmp_path / key), environment
 
 
 # -- the image's own files ------------------------------------------------------------------------------------------
@@ -226,9 +257,9 @@ def test_every_deploy_file_parses() -> None:
     for path in files:
         if path.suffix == ".json":
             assert isinstance(json.loads(path.read_text()), dict)
-        elif path.suffix == ".toml":  # every TOML file here is a broker config
+        elif path.suffix == ".toml":  # every TOML file here is a broker config, and a closed one
             with open(path, "rb") as handle:
-                parse_config(tomllib.load(handle))
+                assert parse_config(tomllib.load(handle)).access.auth.required is True, path
         else:
             documents = list(yaml.safe_load_all(path.read_text()))
             assert documents and all(isinstance(d, dict) for d in documents), path
@@ -238,7 +269,6 @@ def test_every_deploy_file_parses() -> None:
 def test_compose_broker_port_env_and_config_agree(variant: str) -> None:
     service, config, config_file = compose_broker(variant)
     assert service["image"] == broker_image_name()
-    assert set(service["environment"]) <= BROKER_ENV
     assert config.store.url == service["environment"][STORE_URL_ENV]  # the env var wins over the file
     assert config.server.host == "0.0.0.0"  # reachable through the published port
     assert [p.rsplit(":", 1)[1] for p in service["ports"]] == [str(config.server.port)]
@@ -267,6 +297,21 @@ def test_compose_sandboxes_overlay_gives_the_cpu_manager_the_mounted_socket() ->
         compose_project(COMPOSE_VARIANTS["compose+sandboxes"], variables={})
 
 
+@pytest.mark.parametrize("variant", sorted(COMPOSE_VARIANTS))
+def test_compose_broker_is_closed_and_its_admin_is_the_operators_hash(variant: str) -> None:
+    """The admin token's hash comes from the operator's shell or deploy/.env; a broker started without one is
+    closed (required = true), never open, and one started with the token itself instead of its hash stops with
+    an error naming the variable."""
+    _, unset, _ = compose_broker(variant)
+    assert unset.access.auth.required is True and unset.access.auth.admin_token_sha256 == ()
+    digest = token_sha256(new_token())
+    _, config, _ = compose_broker(variant, {**OVERLAY_VARIABLES, ADMIN_TOKEN_ENV: digest})
+    assert config.access.auth.required is True and config.access.auth.admin_token_sha256 == (digest,)
+    with pytest.raises(ConfigError) as error:
+        compose_broker(variant, {**OVERLAY_VARIABLES, ADMIN_TOKEN_ENV: new_token()})
+    assert error.value.key == ADMIN_TOKEN_ENV
+
+
 @pytest.mark.parametrize("password", [None, "s3cret-pw"])
 def test_compose_postgres_credentials_match_the_store_url(password: str | None) -> None:
     variables = {"TANGRAM_DB_PASSWORD": password} if password else {}
@@ -292,6 +337,8 @@ def test_prometheus_scrapes_the_broker_service() -> None:
     assert job["metrics_path"] == "/metrics"
     assert [t for group in job["static_configs"] for t in group["targets"]] == [f"broker:{config.server.port}"]
     assert "broker" in services
+    # /metrics is public, so Prometheus scrapes it holding no token: the only one /metrics would take is the admin's
+    assert config.access.auth.public_status is True and "authorization" not in job
 
 
 def test_grafana_reads_prometheus_and_the_provisioned_dashboard() -> None:
@@ -324,7 +371,6 @@ def test_kustomization_lists_every_manifest() -> None:
 def test_k8s_broker_reads_its_configmap_and_secret(tmp_path: Path) -> None:
     objects = k8s_objects()
     container = only_container(objects[("Deployment", "tangram-broker")])
-    assert {item["name"] for item in container["env"]} <= BROKER_ENV
     config, environment = k8s_broker_config(tmp_path)
     assert config.store.url == environment[STORE_URL_ENV]
     assert make_url(config.store.url).drivername == "postgresql+asyncpg"
@@ -339,6 +385,27 @@ def test_k8s_broker_reads_its_configmap_and_secret(tmp_path: Path) -> None:
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
 
 
+def test_k8s_admin_hash_comes_from_a_secret_and_the_api_is_closed(tmp_path: Path) -> None:
+    """The Deployment takes the admin token's hash from a Secret key that exists (never a literal in the manifest,
+    never the token); as shipped the hash is empty and the broker closed; the hash an operator puts there names
+    the admin, and the token itself put there by mistake stops the broker with an error naming the variable."""
+    objects = k8s_objects()
+    container = only_container(objects[("Deployment", "tangram-broker")])
+    [item] = [item for item in container["env"] if item["name"] == ADMIN_TOKEN_ENV]
+    reference = item["valueFrom"]["secretKeyRef"]
+    assert secret_value(objects, reference) == ""
+    shipped, _ = k8s_broker_config(tmp_path)
+    assert shipped.access.auth.required is True and shipped.access.auth.admin_token_sha256 == ()
+    token = new_token()
+    objects[("Secret", reference["name"])]["stringData"][reference["key"]] = token_sha256(token)
+    operated, _ = k8s_broker_config(tmp_path, objects)
+    assert operated.access.auth.admin_token_sha256 == (token_sha256(token),)
+    objects[("Secret", reference["name"])]["stringData"][reference["key"]] = token
+    with pytest.raises(ConfigError) as error:
+        k8s_broker_config(tmp_path, objects)
+    assert error.value.key == ADMIN_TOKEN_ENV
+
+
 def test_k8s_ports_agree_with_the_broker_config(tmp_path: Path) -> None:
     objects = k8s_objects()
     deployment = objects[("Deployment", "tangram-broker")]
@@ -350,11 +417,14 @@ def test_k8s_ports_agree_with_the_broker_config(tmp_path: Path) -> None:
     [port] = service["spec"]["ports"]
     assert container_port(container, port["targetPort"]) == config.server.port
     annotations = service["metadata"]["annotations"]
+    # discovery through these annotations scrapes with no credentials: /metrics must be public
+    assert annotations["prometheus.io/scrape"] == "true" and config.access.auth.public_status is True
     assert annotations["prometheus.io/port"] == str(config.server.port)
     assert annotations["prometheus.io/path"] == "/metrics"
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+    # readiness is /readyz (503 while draining: the Service stops routing new work there), liveness /healthz
+    for probe, path in (("startupProbe", "/healthz"), ("readinessProbe", "/readyz"), ("livenessProbe", "/healthz")):
         check = container[probe]["httpGet"]
-        assert check["path"] == "/healthz" and container_port(container, check["port"]) == config.server.port
+        assert check["path"] == path and container_port(container, check["port"]) == config.server.port
 
 
 def test_k8s_postgres_volume_and_credentials_match_the_store_url() -> None:
@@ -422,10 +492,7 @@ async def test_dashboard_queries_return_data_from_a_live_broker(tmp_path: Path) 
     """Every metric the dashboard names is in a live broker's /metrics (with the GPU manager on CPU virtual GPUs, so
     the GPU metrics exist), and a real Prometheus scraping that broker with the shipped scrape job evaluates every
     dashboard query to a non-empty result."""
-    binary = shutil.which("prometheus")
-    if binary is None:
-        pytest.fail("no prometheus on PATH: install Debian's package (apt-get install --no-install-recommends "
-                    "prometheus); scripts/test.sh should")
+    binary = prometheus_binary()
     async with live_broker(GPU_BROKER, str(tmp_path / "tangram.db")) as live:
         await exercise(live)
         status, exposition = await live.call("GET", "/metrics")
@@ -433,15 +500,54 @@ async def test_dashboard_queries_return_data_from_a_live_broker(tmp_path: Path) 
         exposed = {sample.name for family in text_string_to_metric_families(exposition) for sample in family.samples}
         assert dashboard_metrics() - exposed == set()
 
-        config = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
-        config["global"]["scrape_interval"] = "1s"
-        job = next(j for j in config["scrape_configs"] if j["job_name"] == "tangram")
-        job["static_configs"] = [{"targets": [live.url.removeprefix("http://")]}]
+        config, _ = shipped_scrape_config(live)
         (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
         with running_prometheus(binary, tmp_path) as (url, process):
             queries = [q.replace("$__rate_interval", "30s") for q in dashboard_queries()]
             empty = await queries_without_data(live.http, url, queries, process)
     assert empty == [], f"no data for {empty}; Prometheus log:\n{(tmp_path / 'prometheus.log').read_text()[-3000:]}"
+
+
+async def test_prometheus_reads_closed_metrics_with_the_admin_token_file(tmp_path: Path) -> None:
+    """The way deploy/README.md gives to close /metrics (public_status = false) and still scrape it: the shipped
+    job plus ``authorization`` with the admin token in a ``credentials_file`` is scraped by a real Prometheus,
+    and the same job without it is refused."""
+    binary = prometheus_binary()
+    admin = new_token()
+    closed = {"cpu": {"enabled": False}, "basic": {"lease.local": {"concurrency": 4}},
+              "auth": {"required": True, "public_status": False, "admin_token_sha256": token_sha256(admin)}}
+    async with live_broker(closed, str(tmp_path / "tangram.db")) as live:
+        assert (await live.call("GET", "/metrics"))[0] == 401
+        token_file = tmp_path / "tangram-admin-token"
+        token_file.write_text(admin + "\n")  # as `sed -n 1p` of `tangram token hash --new` writes it
+        config, job = shipped_scrape_config(live)
+        anonymous = copy.deepcopy(job)
+        anonymous["job_name"] = "anonymous"
+        config["scrape_configs"].append(anonymous)
+        job["authorization"] = {"type": "Bearer", "credentials_file": str(token_file)}
+        (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
+        with running_prometheus(binary, tmp_path) as (url, process):
+            queries = ['up{job="tangram"} == 1', 'tangram_units_capacity{job="tangram", resource="lease.local"}',
+                       'up{job="anonymous"} == 0']
+            empty = await queries_without_data(live.http, url, queries, process)
+    assert empty == [], f"no data for {empty}; Prometheus log:\n{(tmp_path / 'prometheus.log').read_text()[-3000:]}"
+
+
+def prometheus_binary() -> str:
+    binary = shutil.which("prometheus")
+    if binary is None:
+        pytest.fail("no prometheus on PATH: install Debian's package (apt-get install --no-install-recommends "
+                    "prometheus); scripts/test.sh should")
+    return binary
+
+
+def shipped_scrape_config(live: Live) -> tuple[dict[str, Any], dict[str, Any]]:
+    """deploy/prometheus/prometheus.yml aimed at ``live`` and scraping every second; the config and its job."""
+    config = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
+    config["global"]["scrape_interval"] = "1s"
+    job = next(j for j in config["scrape_configs"] if j["job_name"] == "tangram")
+    job["static_configs"] = [{"targets": [live.url.removeprefix("http://")]}]
+    return config, job
 
 
 @contextlib.contextmanager
@@ -479,9 +585,9 @@ async def queries_without_data(http: aiohttp.ClientSession, url: str, queries: l
 
 HTTP_IN_CONTAINER = """
 import json, sys, urllib.error, urllib.request
-method, url, body = sys.argv[1:4]
-request = urllib.request.Request(url, method=method, data=body.encode() or None,
-                                 headers={"content-type": "application/json"})
+method, url, body, token = sys.argv[1:5]
+headers = {"content-type": "application/json", **({"authorization": "Bearer " + token} if token else {})}
+request = urllib.request.Request(url, method=method, data=body.encode() or None, headers=headers)
 try:
     with urllib.request.urlopen(request, timeout=120) as response:
         status, text = response.status, response.read().decode()
@@ -528,10 +634,11 @@ def client(engine: str) -> Iterator[docker.DockerClient]:
     client.close()
 
 
-def http(container: Any, method: str, path: str, body: Any = None) -> tuple[int, Any]:
-    """An HTTP request to the broker from inside its container (the test engine may have no bridge network)."""
+def http(container: Any, method: str, path: str, body: Any = None, token: str | None = None) -> tuple[int, Any]:
+    """An HTTP request to the broker from inside its container (the test engine may have no bridge network), with
+    ``token`` as its bearer token."""
     code, output = container.exec_run(["python3", "-c", HTTP_IN_CONTAINER, method, f"http://127.0.0.1:8300{path}",
-                                       "" if body is None else json.dumps(body)])
+                                       "" if body is None else json.dumps(body), token or ""])
     assert code == 0, output.decode(errors="replace")
     answer = json.loads(output)
     try:
@@ -567,6 +674,22 @@ def wait_healthy(container: Any, deadline_s: float = 180.0) -> None:
         time.sleep(1)
 
 
+def new_admin_token(client: docker.DockerClient, image: str) -> tuple[str, str]:
+    """An admin token and its SHA-256, made the way deploy/README.md says: the image's `tangram token hash --new`."""
+    output = client.containers.run(image, ["token", "hash", "--new"], entrypoint=["tangram"], network_mode="none",
+                                   remove=True, stderr=False)
+    token, digest = output.decode().split()
+    assert token_sha256(token) == digest
+    return token, digest
+
+
+def task_token(container: Any, admin: str, task: str) -> str:
+    """A token for ``task`` from the admin API, which answers it once."""
+    status, made = http(container, "POST", "/v1/admin/tokens", {"task": task, "note": "deploy test"}, admin)
+    assert status == 201 and made["task"] == task, made
+    return str(made["token"])
+
+
 def expected_package_files() -> dict[str, set[str]]:
     """Every module of the packages, and every data file of those the broker runs (the client's examples aside)."""
     with open(ROOT / "pyproject.toml", "rb") as handle:
@@ -586,6 +709,7 @@ def test_image_is_configured_as_the_manifests_expect(broker_image: str, client: 
     assert config["User"] == f"{uid}:{gid}" and uid != 0
     with open(DEPLOY / "image" / "tangram.toml", "rb") as handle:
         default = parse_config(tomllib.load(handle))
+    assert default.access.auth.required is True  # a plain `docker run` is closed too
     assert set(config["ExposedPorts"]) == {f"{default.server.port}/tcp"}
     assert config["Entrypoint"] == ["tangram", "serve"] and not config["Cmd"]
     assert f"{CONFIG_ENV}=/etc/tangram/tangram.toml" in config["Env"]
@@ -603,13 +727,23 @@ def test_second_build_is_cached(broker_image: str, engine: str, client: docker.D
 
 @pytest.mark.timeout(900)
 def test_container_serves_leases_with_the_compose_config(broker_image: str, client: docker.DockerClient) -> None:
-    service, _, _ = compose_broker("compose")
+    """The compose service as an operator runs it: the admin named by the hash in TANGRAM_ADMIN_TOKEN_SHA256, the
+    API closed without a token (the health check still passing), a task token made through the admin API, a lease
+    taken and returned with it, and /metrics (public) counting it."""
+    admin, digest = new_admin_token(client, broker_image)
+    service, _, _ = compose_broker("compose", {**OVERLAY_VARIABLES, ADMIN_TOKEN_ENV: digest})
     container = run_compose_broker(client, service, "sqlite+aiosqlite:////tmp/tangram.db")
     try:
         wait_healthy(container)
-        status, record = http(container, "POST", "/v1/actions?wait=true", LEASE)
+        assert http(container, "GET", "/healthz")[0] == 200
+        assert http(container, "GET", "/readyz") == (200, {"status": "ready"})  # the k8s readiness probe, open
+        status, refused = http(container, "POST", "/v1/actions?wait=true", LEASE)
+        assert status == 401 and refused["error"]["field"] == "authorization", refused
+        token = task_token(container, admin, LEASE["task"])
+        assert http(container, "GET", "/v1/admin/tokens", token=token)[0] == 403  # a task's token is no admin
+        status, record = http(container, "POST", "/v1/actions?wait=true", LEASE, token)
         assert status == 200 and record["state"] == "succeeded", record
-        status, released = http(container, "DELETE", f"/v1/leases/{record['id']}")
+        status, released = http(container, "DELETE", f"/v1/leases/{record['id']}", token=token)
         assert status == 200, released
         status, exposition = http(container, "GET", "/metrics")
         finished = {(s.labels["kind"], s.labels["state"]): s.value for f in text_string_to_metric_families(exposition)
@@ -630,25 +764,71 @@ def test_container_serves_leases_with_the_compose_config(broker_image: str, clie
 
 
 @pytest.mark.timeout(900)
-def test_container_runs_exec_actions_on_the_mounted_docker_socket(broker_image: str, engine: str,
-                                                                   client: docker.DockerClient) -> None:
-    """The sandboxes overlay for real: the broker in its container, as uid 10001 with the socket's group, creates
-    a sandbox on the host's engine, runs a command in it, and removes it when stopped."""
-    socket_path = engine.removeprefix("unix://")
-    service, config, _ = compose_broker("compose+sandboxes", {"DOCKER_GID": str(os.stat(socket_path).st_gid)})
-    assert bind_mounts(service)[config.cpu.nodes[0].engine.removeprefix("unix://")][0] == Path(socket_path)
+def test_container_without_an_admin_hash_is_closed_until_the_cli_makes_an_admin(broker_image: str,
+                                                                               client: docker.DockerClient) -> None:
+    """An operator who forgot TANGRAM_ADMIN_TOKEN_SHA256 gets a closed broker, not an open one, and makes the first
+    admin token as deploy/README.md says (`docker compose exec broker tangram token create --admin`): the running
+    broker picks it up from the store, and it makes task tokens that work."""
+    service, _, _ = compose_broker("compose")
+    assert service["environment"][ADMIN_TOKEN_ENV] == ""
     container = run_compose_broker(client, service, "sqlite+aiosqlite:////tmp/tangram.db")
     try:
         wait_healthy(container)
-        body = {"task": "deploy-test", "kind": "exec", "demand": {"cpu": 1},
-                "spec": {"command": "echo sandboxed on $(hostname)"}}
-        status, record = http(container, "POST", "/v1/actions?wait=true", body)
+        assert http(container, "POST", "/v1/actions?wait=true", LEASE)[0] == 401
+        assert http(container, "GET", "/v1/admin/tokens")[0] == 401
+        code, (stdout, stderr) = container.exec_run(["tangram", "token", "create", "--admin", "--note", "first"],
+                                                    demux=True)
+        assert code == 0, stderr
+        admin = stdout.decode().strip()
+        end = time.monotonic() + 120  # the broker re-reads the store every [auth] refresh_s (5 s)
+        while http(container, "GET", "/v1/admin/tokens", token=admin)[0] != 200:
+            assert time.monotonic() < end, "the broker never accepted the admin token the CLI made in its store"
+            time.sleep(1)
+        status, record = http(container, "POST", "/v1/actions?wait=true", LEASE,
+                              task_token(container, admin, LEASE["task"]))
         assert status == 200 and record["state"] == "succeeded", record
-        assert record["result"]["exit_code"] == 0 and record["result"]["stdout"].startswith("sandboxed on ")
-        assert record["result"]["node"] == config.cpu.nodes[0].name
-        container.stop(timeout=60)  # SIGTERM: the broker removes its sandboxes
-        assert labelled_containers(engine, config.cpu.broker_id) == []
     finally:
         container.remove(force=True)
+
+
+@pytest.mark.timeout(900)
+def test_container_runs_exec_actions_on_the_mounted_docker_socket(broker_image: str, engine: str,
+                                                                   client: docker.DockerClient) -> None:
+    """The sandboxes overlay for real: the broker in its container, as uid 10001 with the socket's group, creates
+    sandboxes on the host's engine and runs commands in them for a task token's task. Stopped (an upgrade), it
+    removes the one-action sandbox and keeps the trajectory's, which the next broker container adopts."""
+    socket_path = engine.removeprefix("unix://")
+    admin, digest = new_admin_token(client, broker_image)
+    service, config, _ = compose_broker("compose+sandboxes", {"DOCKER_GID": str(os.stat(socket_path).st_gid),
+                                                              ADMIN_TOKEN_ENV: digest})
+    assert bind_mounts(service)[config.cpu.nodes[0].engine.removeprefix("unix://")][0] == Path(socket_path)
+    assert config.cpu.keep_sandboxes_on_stop
+    containers = [run_compose_broker(client, service, "sqlite+aiosqlite:////tmp/tangram.db")]
+    try:
+        wait_healthy(containers[0])
+        token = task_token(containers[0], admin, "deploy-test")
+        body = {"kind": "exec", "demand": {"cpu": 1}, "spec": {"command": "echo sandboxed on $(hostname)"}}
+        status, record = http(containers[0], "POST", "/v1/actions?wait=true", body, token)
+        assert status == 200 and record["state"] == "succeeded", record
+        assert record["task"] == "deploy-test"  # the task token named the task the body left out
+        assert record["result"]["exit_code"] == 0 and record["result"]["stdout"].startswith("sandboxed on ")
+        assert record["result"]["node"] == config.cpu.nodes[0].name
+        keep = {"kind": "exec", "trajectory": "traj", "demand": {"cpu": 1}, "spec": {"command": "echo 1 > note"}}
+        status, kept = http(containers[0], "POST", "/v1/actions?wait=true", keep, token)
+        assert status == 200 and kept["state"] == "succeeded", kept
+        containers[0].stop(timeout=60)  # SIGTERM: the one-action sandbox goes, the trajectory's stays
+        [left] = labelled_containers(engine, config.cpu.broker_id)
+        assert left.labels[LABEL_ENV] == kept["result"]["environment"]
+
+        containers.append(run_compose_broker(client, service, "sqlite+aiosqlite:////tmp/tangram.db"))
+        wait_healthy(containers[1])
+        token = task_token(containers[1], admin, "deploy-test")
+        again = {**keep, "spec": {"command": "cat note"}}
+        status, record = http(containers[1], "POST", "/v1/actions?wait=true", again, token)
+        assert status == 200 and record["result"]["stdout"] == "1\n", record
+        assert record["result"]["environment"] == kept["result"]["environment"]
+    finally:
+        for container in containers:
+            container.remove(force=True)
         for leftover in labelled_containers(engine, config.cpu.broker_id):
             leftover.remove(force=True)

@@ -134,11 +134,17 @@ async def test_sigterm_drains_running_actions_keeps_the_queue_and_exits_within_t
             waiter = asyncio.ensure_future(http.get(f"{url}/v1/actions/{running['id']}?wait=true"))
             await asyncio.sleep(0.1)
             began = time.monotonic()
+            async with http.get(f"{url}/readyz") as response:
+                assert response.status == 200
             broker.send_signal(signal.SIGTERM)
             await asyncio.sleep(0.3)
             async with http.post(f"{url}/v1/actions", json=call) as response:  # refused while draining
                 assert response.status == 503
                 assert (await response.json())["error"]["reason"].startswith("the broker is shutting down")
+            async with http.get(f"{url}/readyz") as response:  # alive, but not ready: send new work elsewhere
+                assert response.status == 503 and (await response.json())["status"] == "draining"
+            async with http.get(f"{url}/healthz") as response:
+                assert response.status == 200
             async with await waiter as response:  # the client waiting on the running call gets its result
                 assert (await response.json())["state"] == "succeeded"
             assert await broker.wait() == 0
