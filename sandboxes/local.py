@@ -154,20 +154,17 @@ class LocalProcessBackend(SandboxBackend):
                 await self._remove(root)
                 continue
             process = await asyncio.to_thread(_executor_of, root.name)
-            problem = "its executor is gone" if process is None else None
-            if process is not None:
-                try:
-                    await wait_ready(str(root / "exec.sock"), ADOPT_TIMEOUT_S)
-                except ExecutorUnavailable as error:
-                    problem = f"its executor does not answer ({error.reason})"
-            if problem is None:
-                assert process is not None
-                sandbox = LocalSandbox(root.name, root, process, int(labels[LABEL_MEMORY]))
-                leftovers.append(Leftover.from_labels(labels, sandbox))
-            else:
+            try:
+                if process is None:
+                    raise ExecutorUnavailable(str(root / "exec.sock"), "its executor is gone")
+                await wait_ready(str(root / "exec.sock"), ADOPT_TIMEOUT_S)
+            except ExecutorUnavailable as error:
                 await self._remove(root)
                 leftovers.append(Leftover.from_labels(
-                    labels, None, f"the broker restarted and the sandbox was gone: {problem}"))
+                    labels, None, f"the broker restarted and the sandbox was gone: {error.reason}"))
+                continue
+            sandbox = LocalSandbox(root.name, root, process, int(labels[LABEL_MEMORY]))
+            leftovers.append(Leftover.from_labels(labels, sandbox))
         return leftovers
 
     async def _remove(self, root: Path) -> None:

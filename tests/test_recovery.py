@@ -5,12 +5,14 @@ again the leases its clients still hold, and adopts the sandboxes it left; and g
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
 import sqlite3
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
@@ -192,6 +194,49 @@ async def wait_stored(db: Path, action_id: str, state: str) -> None:
     raise AssertionError(f"{action_id} never stored as {state}")
 
 
+class BrokerProcess:
+    """``tangram serve`` as a subprocess on a fixed port, so that it can be killed and started again at the same
+    address, with a client session for calls to it."""
+
+    def __init__(self, config: Path, http: aiohttp.ClientSession) -> None:
+        self.config = config
+        self.http = http
+        self.port = free_port()
+        self.process: asyncio.subprocess.Process | None = None
+
+    async def start(self) -> None:
+        self.process = await start_broker(self.config, self.port)
+
+    async def kill(self) -> None:
+        assert self.process is not None
+        os.kill(self.process.pid, signal.SIGKILL)
+        await self.process.wait()
+
+    async def stop(self) -> None:
+        if self.process is not None and self.process.returncode is None:
+            self.process.terminate()
+            await self.process.wait()
+
+    async def call(self, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
+        async with self.http.request(method, f"http://127.0.0.1:{self.port}{path}", json=body) as response:
+            return response.status, await response.json()
+
+    async def record(self, method: str, path: str, body: dict | None = None) -> dict:
+        return (await self.call(method, path, body))[1]
+
+
+@contextlib.asynccontextmanager
+async def broker_process(config: Path) -> AsyncIterator[BrokerProcess]:
+    """A started broker subprocess, stopped (SIGTERM) at the end whatever happened."""
+    async with aiohttp.ClientSession() as http:
+        broker = BrokerProcess(config, http)
+        await broker.start()
+        try:
+            yield broker
+        finally:
+            await broker.stop()
+
+
 async def test_leases_are_held_again_after_a_crash_until_their_original_expiry(tmp_path):
     """A lease granted by a killed process still holds its units in the next one (its client still uses them) until
     the expiry it was granted with. One whose TTL passed while the broker was down, or whose resource the new config
@@ -201,56 +246,44 @@ async def test_leases_are_held_again_after_a_crash_until_their_original_expiry(t
            '[basic."lease.a"]\nconcurrency = 1\n[basic."lease.b"]\nconcurrency = 1\n'
     config = tmp_path / "tangram.toml"
     config.write_text(kept + '[basic."lease.gone"]\nconcurrency = 1\n')
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    broker = await start_broker(config, port)
-    async with aiohttp.ClientSession() as http:
-        async def call(method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
-            async with http.request(method, url + path, json=body) as response:
-                return response.status, await response.json()
-
+    async with broker_process(config) as broker:
         async def lease(resource: str, ttl_s: float) -> dict:
-            _, record = await call("POST", "/v1/actions?wait=true", {
+            record = await broker.record("POST", "/v1/actions?wait=true", {
                 "task": "t", "kind": "lease", "demand": {resource: 1}, "spec": {"ttl_s": ttl_s}})
             assert record["state"] == "succeeded", record
             await wait_stored(db, record["id"], "succeeded")
             return record
 
         async def in_use() -> dict[str, int]:
-            _, body = await call("GET", "/v1/resources")
-            return {row["resource"]: row["in_use"] for row in body["resources"] if row["resource"].startswith("lease.")}
+            rows = (await broker.record("GET", "/v1/resources"))["resources"]
+            return {row["resource"]: row["in_use"] for row in rows if row["resource"].startswith("lease.")}
 
         held = await lease("lease.a", 10)  # outlives the restart
         lapsed = await lease("lease.b", 1)  # expires while the broker is down
         orphaned = await lease("lease.gone", 60)  # its resource is not in the next config
-        os.kill(broker.pid, signal.SIGKILL)
-        await broker.wait()
+        await broker.kill()
         while time.time() < lapsed["finished_at"] + lapsed["result"]["expires_in_s"]:
             await asyncio.sleep(0.05)
         config.write_text(kept)
-        broker = await start_broker(config, port)
-        try:
-            assert await in_use() == {"lease.a": 1, "lease.b": 0}
-            _, record = await call("GET", f"/v1/actions/{held['id']}")
-            assert "returned" not in record["result"], record
-            _, record = await call("GET", f"/v1/actions/{lapsed['id']}")
-            assert record["result"]["returned"] == "expired", record
-            assert (await call("DELETE", f"/v1/leases/{lapsed['id']}"))[0] == 409
-            _, record = await call("GET", f"/v1/actions/{orphaned['id']}")
-            assert record["result"]["returned"] == "resource_removed", record
+        await broker.start()
 
-            # another client's lease on lease.a is granted once the old one expires, at the time it was granted for
-            _, waiter = await call("POST", "/v1/actions", {"task": "u", "kind": "lease", "demand": {"lease.a": 1}})
-            assert waiter["state"] == "queued"
-            _, waiter = await call("GET", f"/v1/actions/{waiter['id']}?wait=true&wait_timeout_s=30")
-            assert waiter["state"] == "succeeded", waiter
-            expiry = held["finished_at"] + held["result"]["expires_in_s"]
-            assert waiter["started_at"] >= expiry - 0.05  # not one moment earlier (wall and monotonic clocks)
-            _, record = await call("GET", f"/v1/actions/{held['id']}")
-            assert record["result"]["returned"] == "expired", record
-        finally:
-            broker.terminate()
-            await broker.wait()
+        assert await in_use() == {"lease.a": 1, "lease.b": 0}
+        assert "returned" not in (await broker.record("GET", f"/v1/actions/{held['id']}"))["result"]
+        record = await broker.record("GET", f"/v1/actions/{lapsed['id']}")
+        assert record["result"]["returned"] == "expired", record
+        assert (await broker.call("DELETE", f"/v1/leases/{lapsed['id']}"))[0] == 409
+        record = await broker.record("GET", f"/v1/actions/{orphaned['id']}")
+        assert record["result"]["returned"] == "resource_removed", record
+
+        # another client's lease on lease.a is granted once the old one expires, at the time it was granted for
+        waiter = await broker.record("POST", "/v1/actions", {"task": "u", "kind": "lease", "demand": {"lease.a": 1}})
+        assert waiter["state"] == "queued"
+        waiter = await broker.record("GET", f"/v1/actions/{waiter['id']}?wait=true&wait_timeout_s=30")
+        assert waiter["state"] == "succeeded", waiter
+        expiry = held["finished_at"] + held["result"]["expires_in_s"]
+        assert waiter["started_at"] >= expiry - 0.05  # not one moment earlier (wall and monotonic clocks)
+        record = await broker.record("GET", f"/v1/actions/{held['id']}")
+        assert record["result"]["returned"] == "expired", record
 
 
 def stop_container(engine: str, env_id: str) -> None:
@@ -285,58 +318,45 @@ async def test_sandboxes_outlive_a_crash_and_are_adopted_or_reported_lost(tmp_pa
                       f'[cpu]\nbroker_id = "{broker_id}"\nrun_dir = "/run/tangram/test-sandboxes"\n'
                       f'[cpu.nodes.n1]\nbackend = "docker"\nengine = "{engine}"\ncores = "0-1"\nmemory_mb = 8192\n'
                       f'fast_path = {str(fast_path).lower()}\n')
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    broker = await start_broker(config, port)
-    try:
-        async with aiohttp.ClientSession() as http:
-            async def call(method: str, path: str, body: dict | None = None) -> dict:
-                async with http.request(method, url + path, json=body) as response:
-                    return await response.json()
+    async with broker_process(config) as broker:
+        first = await broker.record("POST", "/v1/actions?wait=true", exec_body("echo kept > note; hostname", "kept"))
+        assert first["state"] == "succeeded", first
+        kept_env, host = first["result"]["environment"], first["result"]["stdout"]
+        doomed = await broker.record("POST", "/v1/actions?wait=true", exec_body("echo doomed > note", "doomed"))
+        doomed_env = doomed["result"]["environment"]
+        # at the crash, a command runs in the kept sandbox and a one-action sandbox exists
+        interrupted = await broker.record("POST", "/v1/actions", exec_body("sleep 30", "kept"))
+        one_off = await broker.record("POST", "/v1/actions", exec_body("sleep 30", None))
+        for action in (interrupted, one_off):
+            await wait_stored(db, action["id"], "running")
+        while len(labelled_containers(engine, broker_id)) < 3:
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.5)  # the one-off command has started
+        await broker.kill()
+        await asyncio.to_thread(stop_container, engine, doomed_env)
+        await broker.start()
 
-            first = await call("POST", "/v1/actions?wait=true", exec_body("echo kept > note; hostname", "kept"))
-            assert first["state"] == "succeeded", first
-            kept_env, host = first["result"]["environment"], first["result"]["stdout"]
-            doomed = await call("POST", "/v1/actions?wait=true", exec_body("echo doomed > note", "doomed"))
-            doomed_env = doomed["result"]["environment"]
-            # at the crash, a command runs in the kept sandbox and a one-action sandbox exists
-            interrupted = await call("POST", "/v1/actions", exec_body("sleep 30", "kept"))
-            one_off = await call("POST", "/v1/actions", exec_body("sleep 30", None))
-            for action in (interrupted, one_off):
-                await wait_stored(db, action["id"], "running")
-            while len(labelled_containers(engine, broker_id)) < 3:
-                await asyncio.sleep(0.05)
-            await asyncio.sleep(0.5)  # the one-off command has started
-            os.kill(broker.pid, signal.SIGKILL)
-            await broker.wait()
-            await asyncio.to_thread(stop_container, engine, doomed_env)
+        listed = {env["id"]: env for env in (await broker.record("GET", "/v1/environments"))["environments"]}
+        assert listed.keys() == {kept_env, doomed_env}
+        assert listed[kept_env]["state"] == "ready" and listed[doomed_env]["state"] == "lost"
+        assert "stopped while the broker was down" in listed[doomed_env]["lost_reason"]
+        assert [c.labels[LABEL_ENV] for c in labelled_containers(engine, broker_id)] == [kept_env]
+        record = await broker.record("GET", f"/v1/actions/{interrupted['id']}")
+        assert record["error"]["code"] == "broker_restarted", record
 
-            broker = await start_broker(config, port)
-            environments = {env["id"]: env for env in (await call("GET", "/v1/environments"))["environments"]}
-            assert environments.keys() == {kept_env, doomed_env}
-            assert environments[kept_env]["state"] == "ready"
-            assert environments[doomed_env]["state"] == "lost"
-            assert "stopped while the broker was down" in environments[doomed_env]["lost_reason"]
-            assert [c.labels[LABEL_ENV] for c in labelled_containers(engine, broker_id)] == [kept_env]
-            record = await call("GET", f"/v1/actions/{interrupted['id']}")
-            assert record["error"]["code"] == "broker_restarted", record
-
-            again = await call("POST", "/v1/actions?wait=true", exec_body("cat note; hostname", "kept"))
-            assert again["state"] == "succeeded", again
-            assert again["result"]["environment"] == kept_env and again["result"]["stdout"] == "kept\n" + host
-            told = await call("POST", "/v1/actions?wait=true", exec_body("cat note", "doomed"))
-            assert told["state"] == "failed" and told["error"]["code"] == "environment_lost", told
-            assert "stopped while the broker was down" in told["error"]["message"]
-            await call("DELETE", f"/v1/environments/{doomed_env}")
-            fresh = await call("POST", "/v1/actions?wait=true", exec_body("cat note 2>/dev/null || echo none",
-                                                                         "doomed"))
-            assert fresh["state"] == "succeeded" and fresh["result"]["stdout"] == "none\n", fresh
-            assert fresh["result"]["environment"] != doomed_env
-            rows = (await call("GET", "/v1/resources"))["resources"]
-            assert sum(row["in_use"] for row in rows if row["resource"] == "cpu") == 0
-    finally:
-        broker.terminate()
-        await broker.wait()
+        again = await broker.record("POST", "/v1/actions?wait=true", exec_body("cat note; hostname", "kept"))
+        assert again["state"] == "succeeded", again
+        assert again["result"]["environment"] == kept_env and again["result"]["stdout"] == "kept\n" + host
+        told = await broker.record("POST", "/v1/actions?wait=true", exec_body("cat note", "doomed"))
+        assert told["state"] == "failed" and told["error"]["code"] == "environment_lost", told
+        assert "stopped while the broker was down" in told["error"]["message"]
+        assert (await broker.call("DELETE", f"/v1/environments/{doomed_env}"))[0] == 200
+        fresh = await broker.record("POST", "/v1/actions?wait=true",
+                                    exec_body("cat note 2>/dev/null || echo none", "doomed"))
+        assert fresh["state"] == "succeeded" and fresh["result"]["stdout"] == "none\n", fresh
+        assert fresh["result"]["environment"] != doomed_env
+        rows = (await broker.record("GET", "/v1/resources"))["resources"]
+        assert sum(row["in_use"] for row in rows if row["resource"] == "cpu") == 0
     assert labelled_containers(engine, broker_id) == []
 
 
@@ -349,34 +369,22 @@ async def test_local_sandboxes_are_adopted_or_reported_lost(tmp_path, run_dir):
                       f'[cpu]\nbroker_id = "{new_broker_id()}"\nrun_dir = "{run_dir}"\ndefault_memory_mb = 64\n'
                       f'[cpu.nodes.here]\nbackend = "local"\ncores = [{min(os.sched_getaffinity(0))}]\n'
                       'memory_mb = 4096\n')
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    broker = await start_broker(config, port)
-    try:
-        async with aiohttp.ClientSession() as http:
-            async def call(method: str, path: str, body: dict | None = None) -> dict:
-                async with http.request(method, url + path, json=body) as response:
-                    return await response.json()
+    async with broker_process(config) as broker:
+        envs = {}
+        for trajectory in ("kept", "doomed"):
+            record = await broker.record("POST", "/v1/actions?wait=true",
+                                         exec_body(f"echo {trajectory} > note", trajectory))
+            envs[trajectory] = record["result"]["environment"]
+        await broker.kill()
+        await asyncio.to_thread(kill_marked, {envs["doomed"]})
+        await broker.start()
 
-            envs = {}
-            for trajectory in ("kept", "doomed"):
-                record = await call("POST", "/v1/actions?wait=true", exec_body(f"echo {trajectory} > note",
-                                                                               trajectory))
-                envs[trajectory] = record["result"]["environment"]
-            os.kill(broker.pid, signal.SIGKILL)
-            await broker.wait()
-            await asyncio.to_thread(kill_marked, {envs["doomed"]})
-
-            broker = await start_broker(config, port)
-            listed = {env["id"]: env["state"] for env in (await call("GET", "/v1/environments"))["environments"]}
-            assert listed == {envs["kept"]: "ready", envs["doomed"]: "lost"}
-            again = await call("POST", "/v1/actions?wait=true", exec_body("cat note", "kept"))
-            assert again["result"]["stdout"] == "kept\n" and again["result"]["environment"] == envs["kept"], again
-            told = await call("POST", "/v1/actions?wait=true", exec_body("cat note", "doomed"))
-            assert told["error"]["code"] == "environment_lost" and "executor is gone" in told["error"]["message"]
-    finally:
-        broker.terminate()
-        await broker.wait()
+        listed = {env["id"]: env["state"] for env in (await broker.record("GET", "/v1/environments"))["environments"]}
+        assert listed == {envs["kept"]: "ready", envs["doomed"]: "lost"}
+        again = await broker.record("POST", "/v1/actions?wait=true", exec_body("cat note", "kept"))
+        assert again["result"]["stdout"] == "kept\n" and again["result"]["environment"] == envs["kept"], again
+        told = await broker.record("POST", "/v1/actions?wait=true", exec_body("cat note", "doomed"))
+        assert told["error"]["code"] == "environment_lost" and "executor is gone" in told["error"]["message"]
     assert not any(Path(run_dir).rglob("exec.sock"))  # the stop removed every environment
 
 
