@@ -359,3 +359,26 @@ async def test_failed_writes_are_kept_and_retried(store_url: str) -> None:
     finally:
         store.engine = healthy
         await store.close()
+
+
+async def test_a_database_from_an_older_version_gets_new_indexes_at_open(tmp_path):
+    """``create_all`` leaves existing tables alone, indexes included: an upgraded broker must add its new indexes
+    itself, or the restart's search for held leases scans every action ever stored."""
+    db = tmp_path / "old.db"
+    await (await Store.open(f"sqlite+aiosqlite:///{db}")).close()
+    with contextlib.closing(sqlite3.connect(db)) as conn:
+        conn.execute("DROP INDEX ix_actions_kind_state_finished_at")  # as an older version left the database
+        conn.commit()
+    store = await Store.open(f"sqlite+aiosqlite:///{db}")
+    try:
+        lease = make_action(kind="lease", demand={"lease.a": 1})
+        lease.state, lease.finished_at, lease.result = State.SUCCEEDED, time.time(), {"expires_in_s": 60}
+        store.save(lease)
+        assert [a.id for a in await store.load_granted_leases(since=time.time() - 60)] == [lease.id]
+        assert await store.load_granted_leases(since=time.time() + 1) == []
+    finally:
+        await store.close()
+    with contextlib.closing(sqlite3.connect(db)) as conn:
+        plan = conn.execute("EXPLAIN QUERY PLAN SELECT record FROM actions WHERE kind = 'lease' "
+                            "AND state = 'succeeded' AND finished_at >= 0").fetchall()
+    assert "ix_actions_kind_state_finished_at" in str(plan)
