@@ -164,7 +164,7 @@ class BasicManager(ResourceManager):
             r.held += n
             if r.window is not None:
                 r.window.take(n, now)
-        return Allocation(action.id, dict(units), dict.fromkeys(units, POOL), placement={"resource": dict(units)})
+        return _allocation(action.id, units)
 
     def release(self, allocation: Allocation) -> None:
         if allocation.released:
@@ -276,8 +276,7 @@ class BasicManager(ResourceManager):
             return None
         for resource, n in action.units.items():
             self._res[resource].held += n
-        allocation = Allocation(action.id, dict(action.units), dict.fromkeys(action.units, POOL),
-                                placement={"resource": dict(action.units)})
+        allocation = _allocation(action.id, action.units)
         self._hold_lease(allocation, remaining_s)
         return allocation
 
@@ -328,6 +327,10 @@ class BasicManager(ResourceManager):
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+
+def _allocation(action_id: str, units: Mapping[str, int]) -> Allocation:
+    return Allocation(action_id, dict(units), dict.fromkeys(units, POOL), placement={"resource": dict(units)})
 
 
 def _check_config(config: BasicResourceConfig) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 #: labels every broker-made container carries, so a restarted broker can find, adopt or reap them
@@ -78,12 +78,18 @@ class Leftover:
     lost_reason: str | None = None
 
     @classmethod
-    def from_labels(cls, labels: Mapping[str, str], sandbox: Sandbox | None,
-                    lost_reason: str | None = None) -> Leftover:
-        """Raises KeyError or ValueError on labels this version did not write."""
+    def from_labels(cls, labels: Mapping[str, str]) -> Leftover:
+        """The environment the labels describe, with no sandbox yet (``adopted`` or ``lost`` says which).
+        Raises KeyError or ValueError on labels this version did not write."""
         return cls(env_id=labels[LABEL_ENV], task=labels[LABEL_TASK], trajectory=labels.get(LABEL_TRAJECTORY),
                    image=labels[LABEL_IMAGE], memory_mb=int(labels[LABEL_MEMORY]),
-                   created_at=float(labels[LABEL_CREATED]), sandbox=sandbox, lost_reason=lost_reason)
+                   created_at=float(labels[LABEL_CREATED]), sandbox=None)
+
+    def adopted(self, sandbox: Sandbox) -> Leftover:
+        return replace(self, sandbox=sandbox)
+
+    def lost(self, problem: str) -> Leftover:
+        return replace(self, lost_reason=f"the broker restarted and the sandbox was gone: {problem}")
 
 
 class Sandbox(abc.ABC):

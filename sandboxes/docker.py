@@ -35,7 +35,6 @@ from docker.types import Mount
 
 from sandboxes.backend import (
     LABEL_BROKER,
-    LABEL_ENV,
     LABEL_EPHEMERAL,
     LABEL_MANAGED,
     Leftover,
@@ -355,7 +354,7 @@ class DockerBackend(SandboxBackend):
         labels = container.labels
         cgroup = self._cgroup(container)
         try:
-            Leftover.from_labels(labels, None)
+            leftover = Leftover.from_labels(labels)
         except (KeyError, ValueError):
             log.warning("container %s has labels this version did not write: removed", container.short_id)
             await self.off_loop(self.remove, container, cgroup)
@@ -372,15 +371,15 @@ class DockerBackend(SandboxBackend):
         elif self.fast_path and cgroup is None:
             problem = "its cgroup is gone"
         if problem is None:
-            host_dir = self.run_dir / labels[LABEL_ENV] if self.fast_path else None
+            host_dir = self.run_dir / leftover.env_id if self.fast_path else None
             sandbox = DockerSandbox(self, container, host_dir, cgroup)
             try:
                 await self._wake(sandbox)
-                return Leftover.from_labels(labels, sandbox)
+                return leftover.adopted(sandbox)
             except (ExecutorUnavailable, SandboxError, docker.errors.APIError, OSError) as error:
                 problem = f"its executor did not answer after the restart ({error})"
         await self.off_loop(self.remove, container, cgroup)
-        return Leftover.from_labels(labels, None, f"the broker restarted and the sandbox was gone: {problem}")
+        return leftover.lost(problem)
 
     async def _wake(self, sandbox: DockerSandbox) -> None:
         """Thaw an adopted sandbox, check that its executor serves, and idle it again (frozen, no cores)."""

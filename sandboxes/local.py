@@ -22,7 +22,6 @@ import psutil
 
 from sandboxes.backend import (
     LABEL_EPHEMERAL,
-    LABEL_MEMORY,
     Leftover,
     Sandbox,
     SandboxBackend,
@@ -146,7 +145,7 @@ class LocalProcessBackend(SandboxBackend):
         for root in self.run_dir.iterdir():
             try:
                 labels = orjson.loads((root / LABELS_FILE).read_bytes())
-                Leftover.from_labels(labels, None)
+                leftover = Leftover.from_labels(labels)
             except (OSError, orjson.JSONDecodeError, KeyError, ValueError, TypeError):
                 await self._remove(root)  # not a trajectory environment this version made
                 continue
@@ -160,11 +159,9 @@ class LocalProcessBackend(SandboxBackend):
                 await wait_ready(str(root / "exec.sock"), ADOPT_TIMEOUT_S)
             except ExecutorUnavailable as error:
                 await self._remove(root)
-                leftovers.append(Leftover.from_labels(
-                    labels, None, f"the broker restarted and the sandbox was gone: {error.reason}"))
+                leftovers.append(leftover.lost(error.reason))
                 continue
-            sandbox = LocalSandbox(root.name, root, process, int(labels[LABEL_MEMORY]))
-            leftovers.append(Leftover.from_labels(labels, sandbox))
+            leftovers.append(leftover.adopted(LocalSandbox(root.name, root, process, leftover.memory_mb)))
         return leftovers
 
     async def _remove(self, root: Path) -> None:

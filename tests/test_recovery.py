@@ -115,21 +115,30 @@ async def test_sigkill_then_restart_resumes_queued_and_fails_running_actions(tmp
                 await broker.wait()
 
 
+#: a call to the upstream's slow endpoint, through a resource of one unit
+SLOW_CALL = {"task": "t", "kind": "api", "demand": {"api.slow": 1},
+             "spec": {"method": "POST", "path": "/slow", "body": {}}}
+
+
+def slow_api_config(tmp_path: Path, upstream_url: str, drain_s: float) -> Path:
+    """A broker config with SQLite in ``tmp_path``, the drain bound and ``api.slow`` (one unit) on the upstream."""
+    config = tmp_path / "tangram.toml"
+    config.write_text(f'[store]\nurl = "sqlite+aiosqlite:///{tmp_path / "tangram.db"}"\n[server]\ndrain_s = {drain_s}\n'
+                      f'[basic."api.slow"]\nconcurrency = 1\nupstream = {{base_url = "{upstream_url}"}}\n')
+    return config
+
+
 async def test_sigterm_drains_running_actions_keeps_the_queue_and_exits_within_the_bound(tmp_path):
     db = tmp_path / "tangram.db"
     async with live_upstream(delay_s=1.5) as upstream:
-        config = tmp_path / "tangram.toml"
-        config.write_text(f'[store]\nurl = "sqlite+aiosqlite:///{db}"\n[server]\ndrain_s = 20.0\n'
-                          f'[basic."api.slow"]\nconcurrency = 1\nupstream = {{base_url = "{upstream.url}"}}\n')
+        config = slow_api_config(tmp_path, upstream.url, drain_s=20.0)
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         broker = await start_broker(config, port)
-        call = {"task": "t", "kind": "api", "demand": {"api.slow": 1},
-                "spec": {"method": "POST", "path": "/slow", "body": {}}}
         async with aiohttp.ClientSession() as http:
-            async with http.post(f"{url}/v1/actions", json=call) as response:
+            async with http.post(f"{url}/v1/actions", json=SLOW_CALL) as response:
                 running = await response.json()
-            async with http.post(f"{url}/v1/actions", json=call) as response:
+            async with http.post(f"{url}/v1/actions", json=SLOW_CALL) as response:
                 queued = await response.json()
             while upstream.in_flight == 0:
                 await asyncio.sleep(0.02)
@@ -140,7 +149,7 @@ async def test_sigterm_drains_running_actions_keeps_the_queue_and_exits_within_t
                 assert response.status == 200
             broker.send_signal(signal.SIGTERM)
             await asyncio.sleep(0.3)
-            async with http.post(f"{url}/v1/actions", json=call) as response:  # refused while draining
+            async with http.post(f"{url}/v1/actions", json=SLOW_CALL) as response:  # refused while draining
                 assert response.status == 503
                 assert (await response.json())["error"]["reason"].startswith("the broker is shutting down")
             async with http.get(f"{url}/readyz") as response:  # alive, but not ready: send new work elsewhere
@@ -166,15 +175,11 @@ async def test_sigterm_drains_running_actions_keeps_the_queue_and_exits_within_t
 async def test_drain_cancels_what_is_still_running_at_its_bound(tmp_path):
     db = tmp_path / "tangram.db"
     async with live_upstream(delay_s=60.0) as upstream:
-        config = tmp_path / "tangram.toml"
-        config.write_text(f'[store]\nurl = "sqlite+aiosqlite:///{db}"\n[server]\ndrain_s = 0.5\n'
-                          f'[basic."api.slow"]\nconcurrency = 1\nupstream = {{base_url = "{upstream.url}"}}\n')
+        config = slow_api_config(tmp_path, upstream.url, drain_s=0.5)
         port = free_port()
         broker = await start_broker(config, port)
-        call = {"task": "t", "kind": "api", "demand": {"api.slow": 1},
-                "spec": {"method": "POST", "path": "/slow", "body": {}}}
         async with aiohttp.ClientSession() as http, http.post(f"http://127.0.0.1:{port}/v1/actions",
-                                                              json=call) as response:
+                                                              json=SLOW_CALL) as response:
             running = await response.json()
         while upstream.in_flight == 0:
             await asyncio.sleep(0.02)
