@@ -54,7 +54,7 @@ def timed(manager: ResourceManager, actions: list[Action], reps: int) -> tuple[f
     times, placements = [], []
     for _ in range(reps):
         started = time.perf_counter()
-        placements = scheduler.schedule(actions, [], now=0.0)
+        placements = scheduler.schedule(actions, [], now=0.0).placements
         times.append(time.perf_counter() - started)
     return statistics.median(times), placements
 

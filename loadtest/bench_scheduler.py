@@ -60,7 +60,7 @@ def run(actions_n: int, passes: int, nodes: int, cores: int, seed: int, depth: i
     acts: list[float] = []
     while len(pass_times) < passes:
         started = time.perf_counter()
-        placements = scheduler.schedule(queue, (a for a, _ in running.values()), now)
+        placements = scheduler.schedule(queue, (a for a, _ in running.values()), now).placements
         pass_times.append(time.perf_counter() - started)
         for placement in placements:
             action = placement.action

@@ -83,6 +83,11 @@ class Fit(abc.ABC):
         False when what it lacks is something those actions do not need: then letting them go cannot delay it."""
         return True
 
+    def lend(self, resource: str, pool: str, units: int) -> None:
+        """Count ``units`` of ``resource`` in ``pool``, held by a running malleable action above its floor, as free
+        for this pass: queued actions may take them (the action is shrunk). Only resizable managers are asked."""
+        raise NotImplementedError(f"{type(self).__name__} does not lend units of {resource!r}")
+
     def pools(self, resource: str) -> Sequence[str]:
         """Every pool that holds ``resource`` (one pool, ``default``, unless the topology has several)."""
         return ("default",)
@@ -120,6 +125,23 @@ class ResourceManager(abc.ABC):
     @abc.abstractmethod
     def release(self, allocation: Allocation) -> None:
         """Return an allocation's units. Idempotent."""
+
+    def resizable(self, resource: str) -> bool:
+        """Whether running allocations of ``resource`` can change size (elastic actions on it are malleable)."""
+        return False
+
+    def workers(self, action: Action, resource: str, units: int, expected_s: float) -> int:
+        """How many workers a malleable action started on ``units`` gets (the most units it can later use)."""
+        return units
+
+    def resize(self, allocation: Allocation, resource: str, units: int) -> None:
+        """Change a running allocation to ``units`` of ``resource`` in the same pool, in the books at once: units
+        given up are free for the next allocation, units added are taken. ``apply_resize`` makes it real."""
+        raise NotImplementedError(f"{self.name} cannot resize {resource!r}")
+
+    async def apply_resize(self, allocation: Allocation) -> None:
+        """Move the running action onto its allocation's current units. Raise ``ActionFailed`` if it cannot: the
+        caller then ends the action (a shrink that did not happen must not leave two actions on one unit)."""
 
     async def execute(self, action: Action, allocation: Allocation) -> Outcome:
         """Run ``action`` on ``allocation``. Raise ``ActionFailed`` for expected failures."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -39,6 +40,7 @@ class CorePool:
             seen |= set(group)
         self.cores = tuple(sorted(seen))
         self.free: set[int] = set(seen)
+        self._group = {core: i for i, group in enumerate(self.numa) for core in group}
 
     @property
     def capacity(self) -> int:
@@ -65,6 +67,33 @@ class CorePool:
                     break
         self.free.difference_update(chosen)
         return tuple(chosen)
+
+    def shrink(self, cores: Sequence[int], n: int) -> tuple[int, ...]:
+        """Keep ``n`` of a running action's ``cores`` (those in the NUMA nodes holding most of them) and free the
+        rest; returns the cores kept."""
+        per_group = Counter(self._group[c] for c in cores)
+
+        def locality(core: int) -> tuple[int, int]:
+            return -per_group[self._group[core]], core
+        kept = tuple(sorted(sorted(cores, key=locality)[:n]))
+        self.give_back(set(cores) - set(kept))
+        return kept
+
+    def grow(self, cores: Sequence[int], n: int) -> tuple[int, ...]:
+        """Add ``n`` free cores to a running action's ``cores``, from the NUMA nodes it already uses first; returns
+        all its cores."""
+        if n > len(self.free):
+            raise RuntimeError(f"asked for {n} more cores with {len(self.free)} free: scheduler and manager disagree")
+        used = {self._group[c] for c in cores}
+        order = sorted(range(len(self.numa)), key=lambda g: (g not in used, -sum(c in self.free for c in self.numa[g])))
+        added: list[int] = []
+        for g in order:
+            added.extend(c for c in self.numa[g] if c in self.free)
+            if len(added) >= n:
+                break
+        added = added[:n]
+        self.free.difference_update(added)
+        return tuple(sorted((*cores, *added)))
 
     def give_back(self, cores: Iterable[int]) -> None:
         cores = set(cores)

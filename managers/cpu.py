@@ -28,6 +28,7 @@ from managers.cores import CorePool, host_numa_nodes
 from managers.cpu_config import CpuConfig, CpuNodeConfig
 from managers.environment import Environment, EnvState
 from managers.exec_spec import executor_request, parse_exec_spec, parse_files
+from tangram.malleable import workers_for
 from sandboxes.backend import Leftover, Sandbox, SandboxBackend, SandboxError, SandboxSpec
 from sandboxes.docker import DockerBackend
 from sandboxes.local import LocalProcessBackend
@@ -113,6 +114,10 @@ class CpuFit(Fit):
 
     def free_before(self, resource: str, pool: str) -> int:
         return self.before[pool]
+
+    def lend(self, resource: str, pool: str, units: int) -> None:
+        self.before[pool] += units
+        self.free[pool] += units
 
     def pools(self, resource: str) -> Sequence[str]:
         return tuple(self.before)
@@ -310,6 +315,43 @@ class CpuManager(ResourceManager):
         return Allocation(action.id, dict(units), dict(pools), placement={RESOURCE: placement},
                           handle=(env, node.name, cores))
 
+    def resizable(self, resource: str) -> bool:
+        return resource == RESOURCE and self.config.malleable
+
+    def workers(self, action: Action, resource: str, units: int, expected_s: float) -> int:
+        cap = min(action.demands[resource].max, self.largest_pool(resource))
+        return workers_for(units, cap, expected_s, self.config.worker_start_s, self.config.worker_overhead)
+
+    def resize(self, allocation: Allocation, resource: str, units: int) -> None:
+        env, node_name, cores = allocation.handle
+        pool = self.nodes[node_name].cores
+        cores = pool.shrink(cores, units) if units < len(cores) else pool.grow(cores, units - len(cores))
+        allocation.handle = (env, node_name, cores)
+        allocation.units[resource] = units
+        if RESOURCE in allocation.placement:
+            allocation.placement[RESOURCE] = {**allocation.placement[RESOURCE], "cores": list(cores),
+                                              "numa_nodes": pool.numa_of(cores)}
+
+    async def apply_resize(self, allocation: Allocation) -> None:
+        """Move the sandbox onto the union of its actions' cores and re-pin this action's command. An action whose
+        command has not started yet (its sandbox is being created) or has ended is left alone: ``execute`` reads
+        the allocation's cores when it starts the command."""
+        env, _, cores = allocation.handle
+        if env is None or allocation.released or env.sandbox is None:
+            return
+        async with env.lock:
+            if allocation.action_id not in env.running:
+                return
+            env.running[allocation.action_id] = cores
+            try:
+                await env.sandbox.set_cores(env.union_cores())
+                await env.sandbox.set_action_cores(allocation.action_id, frozenset(cores))
+            except SandboxError as error:
+                if error.lost:
+                    self._mark_lost(env, error.message)
+                raise ActionFailed("resize_failed", f"moving the command onto cores {list(cores)} failed: "
+                                                    f"{error.message}", environment=env.id) from None
+
     def release(self, allocation: Allocation) -> None:
         if allocation.released or allocation.handle is None:
             return
@@ -476,7 +518,7 @@ class CpuManager(ResourceManager):
     # -- execution ------------------------------------------------------------------------------------------
 
     async def execute(self, action: Action, allocation: Allocation) -> Outcome:
-        env, _, cores = allocation.handle
+        env = allocation.handle[0]
         if env is None:
             raise ActionFailed("environment_destroyed", f"environment {action.spec.get('environment')} was "
                                                         f"deleted after this action was submitted")
@@ -486,12 +528,14 @@ class CpuManager(ResourceManager):
             sandbox = await self._sandbox(env)
             setup_s = time.perf_counter() - setup_started
             remaining = action.submitted_at + action.timeout_s - time.time() - DEADLINE_MARGIN_S
-            request = executor_request(spec, cores, max(remaining, 0.001), sandbox.workdir,
-                                       {"TANGRAM_ACTION_ID": action.id})
             try:
                 async with env.lock:
+                    cores = allocation.handle[2]  # as resized while the sandbox was being created
                     env.running[action.id] = cores
                     await sandbox.set_cores(env.union_cores())
+                workers = action.malleable.workers if action.malleable is not None else None
+                request = executor_request(spec, cores, max(remaining, 0.001), sandbox.workdir,
+                                           {"TANGRAM_ACTION_ID": action.id}, workers=workers, tag=action.id)
                 response = await sandbox.run(request)
             except SandboxError as error:
                 if error.lost:
@@ -505,7 +549,7 @@ class CpuManager(ResourceManager):
         finally:
             if env.ephemeral and not env.running:
                 await self._destroy(env)
-        return Outcome(self._result(response, env, cores, setup_s))
+        return Outcome(self._result(response, env, allocation.handle[2], setup_s))
 
     async def _settle(self, env: Environment, sandbox: Sandbox) -> None:
         """Shrink the sandbox to the cores still in use, or freeze it, before the cores go back to the pool."""

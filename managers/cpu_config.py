@@ -58,11 +58,21 @@ class CpuConfig:
     #: a stopping broker leaves trajectory sandboxes running (idle) for the next start to adopt, so a restart or an
     #: upgrade does not cost trajectories their state; off: a stop removes every sandbox
     keep_sandboxes_on_stop: bool = False
+    #: elastic exec actions are malleable: their cores change while they run (shrunk for arriving actions, grown
+    #: into idle cores); off: an action keeps the cores it started with (the paper's moldable allocation)
+    malleable: bool = True
+    #: CPU seconds one more worker of an elastic run costs to start (``pytest -n``: an interpreter importing the
+    #: suite; 0.22-0.27 s measured for a small suite, more for suites with heavy imports)
+    worker_start_s: float = 0.25
+    #: a malleable run gets the workers whose start-up on its first cores stays within this share of its expected
+    #: duration there (docs/SCHEDULING.md)
+    worker_overhead: float = 0.05
 
 
 NODE_KEYS = {"backend", "engine", "tls_ca", "tls_cert", "tls_key", "cores", "numa", "memory_mb", "fast_path"}
 TOP_KEYS = {"enabled", "nodes", "broker_id", "default_image", "default_memory_mb", "pids_limit", "idle_ttl_s",
-            "max_environments", "run_dir", "limits", "read_only_root", "keep_sandboxes_on_stop"}
+            "max_environments", "run_dir", "limits", "read_only_root", "keep_sandboxes_on_stop", "malleable",
+            "worker_start_s", "worker_overhead"}
 
 
 def parse_cpu_config(raw: Any) -> CpuConfig:
@@ -82,7 +92,13 @@ def parse_cpu_config(raw: Any) -> CpuConfig:
         if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or ttl <= 0:
             raise ConfigError("cpu.idle_ttl_s", "must be a positive number of seconds")
         values["idle_ttl_s"] = float(ttl)
-    for key in ("enabled", "read_only_root", "keep_sandboxes_on_stop"):
+    for key in ("worker_start_s", "worker_overhead"):
+        if key in raw:
+            value = raw[key]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1e6:
+                raise ConfigError(f"cpu.{key}", "must be a number >= 0")
+            values[key] = float(value)
+    for key in ("enabled", "read_only_root", "keep_sandboxes_on_stop", "malleable"):
         if key in raw:
             if not isinstance(raw[key], bool):
                 raise ConfigError(f"cpu.{key}", "must be true or false")

@@ -8,7 +8,10 @@ import random
 import time
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tangram.malleable import Malleable
 
 
 class Kind(StrEnum):
@@ -145,6 +148,10 @@ class Action:
     result: Any = None
     error: dict[str, Any] | None = None
     expected_duration_s: float | None = None
+    #: while it runs with resizable units: its bounds, units over time and progress (``tangram.malleable``)
+    malleable: Malleable | None = None
+    #: a finished malleable action's record as the store returned it (``malleable`` is not rebuilt)
+    resized: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if not self.signature:
@@ -189,11 +196,21 @@ class Action:
             "submitted_at": self.submitted_at,
             "started_at": self.started_at,
             "finished_at": self.finished_at,
-            "allocation": {"units": self.units, "placement": self.placement} if self.units else None,
+            "allocation": self._allocation_json(),
             "result": self.result,
             "error": self.error,
             "timings": self.timings(),
         }
+
+
+    def _allocation_json(self) -> dict[str, Any] | None:
+        if not self.units:
+            return None
+        body: dict[str, Any] = {"units": self.units, "placement": self.placement}
+        resized = self.resized if self.malleable is None else self.malleable.summary(self.finished_at or time.time())
+        if resized is not None:
+            body["malleable"] = resized
+        return body
 
 
 def default_signature(kind: Kind, demands: dict[str, Demand], spec: dict[str, Any]) -> str:

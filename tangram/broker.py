@@ -22,7 +22,8 @@ from tangram.durations import DurationModel
 from tangram.errors import ActionFailed, BadRequest, Conflict, NotFound, Unprocessable
 from tangram.metrics import Metrics
 from tangram.queue import make_queue
-from tangram.scheduler import Placement, Scheduler, allocate_placement
+from tangram import dispatch
+from tangram.scheduler import Placement, Resize, Scheduler
 from tangram.store import Store
 from tangram.tenants import MAX_RETRY_S, EnvironmentHost, TaskLedger, Tenancy
 
@@ -32,15 +33,18 @@ log = logging.getLogger("tangram.broker")
 class _Running:
     """An action being executed: every manager's allocation, and the executor's own (empty if it owns none)."""
 
-    __slots__ = ("action", "allocations", "allocation", "task", "cancel_reason")
+    __slots__ = ("action", "allocations", "allocation", "task", "cancel_reason", "failure", "after")
 
     def __init__(self, action: Action, allocations: list[tuple[ResourceManager, Allocation]],
-                 allocation: Allocation) -> None:
+                 allocation: Allocation, after: asyncio.Future[Any] | None) -> None:
         self.action = action
         self.allocations = allocations
         self.allocation = allocation
         self.task: asyncio.Task[None] | None = None
         self.cancel_reason: State | None = None
+        self.failure: dict[str, Any] | None = None  # why it was ended from outside (a resize that failed)
+        #: the shrinks of the pass that started it: units it took may still be in use until they are applied
+        self.after = after
 
 
 class Broker:
@@ -384,32 +388,55 @@ class Broker:
             await asyncio.sleep(0)  # let completions and submits of this moment coalesce into the next pass
 
     def schedule_once(self) -> int:
-        if not len(self.queue) or self.draining:
+        """One pass: start what the scheduler places and resize running malleable actions (shrinks first, so the
+        units they give up are free for the starts; grows last, into what is left)."""
+        if self.draining or not (len(self.queue) or self.malleable_running):
             return 0
         self.passes += 1
         started = time.perf_counter()
         now = time.time()
         queue = self.ledger.admissible(self.queue, self.environment_host) if self.ledger.tenancy.limited else self.queue
-        placements = self.scheduler.schedule(queue, (r.action for r in self.running.values()), now)
+        plan = self.scheduler.schedule(queue, (r.action for r in self.running.values()), now)
         self.metrics.schedule_pass.observe(time.perf_counter() - started)
-        for placement in placements:
-            self._start(placement, now)
-        return len(placements)
+        shrinks = [self._resize(decision, now) for decision in plan.shrinks()]
+        after = asyncio.gather(*shrinks, return_exceptions=True) if shrinks else None
+        for placement in plan.placements:
+            self._start(placement, now, after)
+        for decision in plan.grows():
+            self._resize(decision, now)
+        return len(plan.placements)
 
-    def _start(self, placement: Placement, now: float) -> None:
+    @property
+    def malleable_running(self) -> bool:
+        return any(r.action.malleable is not None for r in self.running.values())
+
+    def _resize(self, decision: Resize, now: float) -> asyncio.Task[None]:
+        """Resize in the books now and apply it in a task; an action that cannot be moved is ended
+        ``resize_failed`` (its units are released when its execution ends, as for any end)."""
+        running = self.running[decision.action.id]
+        allocation = dispatch.resize(self.owner, running.allocations, decision, now)
+        self.metrics.resizes.inc()
+        return asyncio.create_task(self._apply_resize(running, self.owner[decision.resource], allocation),
+                                   name=f"tangram-resize-{decision.action.id}")
+
+    async def _apply_resize(self, running: _Running, manager: ResourceManager, allocation: Allocation) -> None:
+        try:
+            await manager.apply_resize(allocation)
+        except ActionFailed as failure:
+            log.warning("resizing %s failed: %s", running.action.id, failure.message)
+            if running.task is not None and not running.task.done():
+                running.failure = failure.to_json()
+                running.task.cancel()
+
+    def _start(self, placement: Placement, now: float, after: asyncio.Future[Any] | None) -> None:
         action = placement.action
         try:
-            allocations = allocate_placement(self.owner, placement)
+            allocations = dispatch.start(self.owner, self.durations, placement, now)
         except Exception:
             log.exception("allocation of %s failed; it stays queued", action.id)
             return
         self._dequeue(action.id)
         action.state = State.RUNNING
-        action.started_at = now
-        action.units = dict(placement.units)
-        action.placement = {k: v for _, a in allocations for k, v in a.placement.items()}
-        key = action.key_resource
-        action.expected_duration_s = self.durations.duration(action, placement.units.get(key) if key else None)
         executor = self.executor[action.kind]
         own = next((a for m, a in allocations if m is executor), None) or Allocation(action.id, {}, {})
         outcome = executor.complete_now(action, own)
@@ -421,7 +448,7 @@ class Broker:
             if not outcome.hold:
                 self._release(allocations)
             return
-        running = _Running(action, allocations, own)
+        running = _Running(action, allocations, own, after)
         self.running[action.id] = running
         self.ledger.hold(action)
         self.store.save(action)
@@ -437,6 +464,9 @@ class Broker:
             if remaining <= 0:
                 raise TimeoutError
             async with asyncio.timeout(remaining):
+                if running.after is not None:
+                    await running.after
+                    running.after = None
                 outcome = await manager.execute(action, running.allocation)
             hold = outcome.hold
             action.execution_s = time.time() - began
@@ -447,9 +477,12 @@ class Broker:
                                                          "message": f"deadline of {action.timeout_s} s passed"})
         except asyncio.CancelledError:
             action.execution_s = time.time() - began
-            reason = running.cancel_reason or State.CANCELLED
-            message = "broker shutting down" if self._closing else "cancelled by client"
-            self._finish(action, reason, error={"code": reason.value, "message": message})
+            if running.failure is not None and running.cancel_reason is None:
+                self._finish(action, State.FAILED, error=running.failure)
+            else:
+                reason = running.cancel_reason or State.CANCELLED
+                message = "broker shutting down" if self._closing else "cancelled by client"
+                self._finish(action, reason, error={"code": reason.value, "message": message})
         except ActionFailed as failure:
             action.execution_s = time.time() - began
             state = State.TIMED_OUT if failure.code == "timed_out" else State.FAILED

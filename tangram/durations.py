@@ -56,7 +56,9 @@ class DurationModel:
             return
         sample = action.execution_s - (action.restore_s or 0.0)  # a restore depends on placement, not the action
         key = action.key_resource
-        if key is not None and action.elasticity is not None and key in action.units:
+        if action.malleable is not None and action.started_at is not None:
+            sample = action.malleable.work_done(action.started_at + sample)  # its units changed as it ran
+        elif key is not None and action.elasticity is not None and key in action.units:
             m = action.units[key]
             sample *= action.elasticity.efficiency_at(m) * m
         ident = (action.task, action.signature)

@@ -60,6 +60,8 @@ class Metrics:
                                  ["kind", "task"], registry=self.registry)
         self.schedule_pass = Histogram("tangram_schedule_pass_seconds", "Wall time of one scheduling pass",
                                        buckets=PASS_SECONDS, registry=self.registry)
+        self.resizes = Counter("tangram_resizes", "Running malleable actions whose units a pass changed",
+                               registry=self.registry)
         # label children cached per (kind, task): .labels() is a locked dict lookup, costly per action
         self._submitted: dict[tuple[str, str], Any] = {}
         self._finish_children: dict[tuple[str, str], list[tuple[Any, str]]] = {}

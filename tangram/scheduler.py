@@ -14,6 +14,10 @@ One pass:
    gives the optimum of every FCFS prefix in one table; the remaining queue is estimated on a completion heap.
    Evict the last member while the objective improves, keeping at least the first (so a pass on idle units
    always starts something).
+4. **Malleable groups** (the key resource's manager can resize running allocations, ``tangram.malleable``): the
+   units running malleable actions hold above their floors are lent to step 1, every member starts, and each
+   pool's spare units are shared among its malleable actions, running and starting, by marginal completion-rate
+   water-filling; running ones whose share changed are resized.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from tangram.action import Action
 from tangram.dparrange import DPTable, dp_arrange
 from tangram.durations import DurationModel
 from tangram.estimate import CompletionHeap, Waiting, estimate
+from tangram.malleable import Claimant, profile, share
 
 
 #: relative gain below which an eviction is not worth it (objectives that differ only by float rounding)
@@ -35,11 +40,36 @@ IMPROVEMENT = 1e-9
 
 @dataclass(slots=True)
 class Placement:
-    """A scheduling decision: start ``action`` now with these units, in these pools."""
+    """A scheduling decision: start ``action`` now with these units, in these pools (``workers``: it starts
+    malleable on its key resource, with this many workers)."""
 
     action: Action
     units: dict[str, int]
     pools: dict[str, str]
+    workers: int | None = None
+
+
+@dataclass(slots=True)
+class Resize:
+    """A scheduling decision: a running malleable action now holds ``units`` of ``resource``."""
+
+    action: Action
+    resource: str
+    units: int
+
+
+@dataclass(slots=True)
+class Plan:
+    """One pass's decisions, to be applied in this order: shrinks, starts, grows (so freed units are free)."""
+
+    placements: list[Placement]
+    resizes: list[Resize]
+
+    def shrinks(self) -> list[Resize]:
+        return [r for r in self.resizes if r.units < r.action.units[r.resource]]
+
+    def grows(self) -> list[Resize]:
+        return [r for r in self.resizes if r.units > r.action.units[r.resource]]
 
 
 def allocate_placement(owner: Mapping[str, ResourceManager],
@@ -69,40 +99,52 @@ class _Member:
 
 class Scheduler:
     def __init__(self, managers: Sequence[ResourceManager], durations: DurationModel, depth: int = 2,
-                 horizon: int = 256) -> None:
+                 horizon: int = 256, share_by_remaining: bool = False) -> None:
         self.managers = list(managers)
+        self.share_by_remaining = share_by_remaining  # malleable shares: by completion rate, not speed-up
         self.durations = durations
         self.depth = depth
         self.horizon = horizon
         self.owner: dict[str, ResourceManager] = {}
+        #: per (resource, pool): the spare units and malleable actions of its last share
+        self._shared: dict[tuple[str, str], tuple[int, tuple[str, ...]]] = {}
         for manager in self.managers:
             for resource in manager.resources:
                 self.owner[resource] = manager
 
-    def schedule(self, queue: Iterable[Action], running: Iterable[Action], now: float) -> list[Placement]:
+    def schedule(self, queue: Iterable[Action], running: Iterable[Action], now: float) -> Plan:
         fits = {id(m): m.fit() for m in self.managers}
+        running = list(running)
+        malleable = [a for a in running if a.malleable is not None]
+        for action in malleable:
+            held = action.malleable
+            fits[id(self.owner[held.resource])].lend(held.resource, held.pool, held.units - held.floor)
         queue = list(queue)
         candidates = self._candidates(queue, fits)
-        if not candidates:
-            return []
+        if not candidates and not malleable:
+            return Plan([], [])
         groups: dict[str, list[Action]] = defaultdict(list)
+        shared: dict[str, list[Action]] = {a.malleable.resource: [] for a in malleable}
         placements: list[Placement] = []
         for action in candidates:
             key = action.key_resource if self.durations.scalable(action) else None
             if key is None:
                 placements.append(self._placement(action, action.min_units(), fits))
+            elif self.owner[key].resizable(key):
+                shared.setdefault(key, []).append(action)
             else:
                 groups[key].append(action)
-        if groups:
-            running = list(running)
-            for resource, members in groups.items():
-                chosen = self._arrange(resource, members, candidates, queue, running, fits, now)
-                for action, units in chosen:
-                    demand = action.min_units()
-                    demand[resource] = units
-                    placements.append(self._placement(action, demand, fits))
+        for resource, members in groups.items():
+            chosen = self._arrange(resource, members, candidates, queue, running, fits, now)
+            for action, units in chosen:
+                demand = action.min_units()
+                demand[resource] = units
+                placements.append(self._placement(action, demand, fits))
+        resizes: list[Resize] = []
+        for resource, members in shared.items():
+            self._share(resource, members, candidates, malleable, fits, now, placements, resizes)
         placements.sort(key=lambda p: p.action.seq)
-        return placements
+        return Plan(placements, resizes)
 
     # -- step 1 -------------------------------------------------------------------------------------------
 
@@ -142,6 +184,50 @@ class Scheduler:
     def _placement(self, action: Action, units: dict[str, int], fits: dict[int, Fit]) -> Placement:
         pools = {r: fits[id(self.owner[r])].pool_of(action, r) for r in units}
         return Placement(action, units, pools)
+
+    # -- step 4 -------------------------------------------------------------------------------------------
+
+    def _share(self, resource: str, members: list[Action], candidates: list[Action], malleable: list[Action],
+               fits: dict[int, Fit], now: float, placements: list[Placement], resizes: list[Resize]) -> None:
+        """Start every member and share each pool's spare units among its malleable actions (water-filling)."""
+        manager = self.owner[resource]
+        fit = fits[id(manager)]
+        spare: dict[str, int] = {}
+        joining = {action.id for action in members}
+        for action in candidates:
+            if resource in action.demands and action.id not in joining:
+                pool = fit.pool_of(action, resource)
+                spare[pool] = spare.get(pool, fit.free_before(resource, pool)) - action.demands[resource].min
+        pools: dict[str, list[tuple[Action, Claimant]]] = defaultdict(list)
+        for action in malleable:
+            held = action.malleable
+            if held.resource == resource:
+                pools[held.pool].append((action, Claimant(held.profile, held.remaining_s(now))))
+        largest = manager.largest_pool(resource)
+        for action in members:
+            counts = (0, *action.demands[resource].up_to(largest))  # 0: it waits, outranked
+            work = self.durations.t1(action) or self.durations.default_s
+            pools[fit.pool_of(action, resource)].append((action, Claimant(profile(action.elasticity, counts), work)))
+        for pool, claimants in pools.items():
+            free = spare.get(pool, fit.free_before(resource, pool))
+            shape = (free, tuple(action.id for action, _ in claimants))
+            if self._shared.get((resource, pool)) == shape:
+                continue  # nothing changed in this pool since its last share: the shares stand
+            self._shared[(resource, pool)] = shape
+            units = share(free, [claimant for _, claimant in claimants], self.share_by_remaining)
+            for (action, _), k in zip(claimants, units):
+                held = action.malleable
+                if held is None:  # a member: starts now, unless its first units gain less than others'
+                    if k == 0:
+                        continue
+                    demand = action.min_units()
+                    demand[resource] = k
+                    placement = self._placement(action, demand, fits)
+                    expected = self.durations.duration(action, k)
+                    placement.workers = manager.workers(action, resource, k, expected)
+                    placements.append(placement)
+                elif k != held.units:
+                    resizes.append(Resize(action, resource, k))
 
     # -- steps 2-3 ----------------------------------------------------------------------------------------
 
@@ -250,3 +336,4 @@ class Scheduler:
             counts = action.demands[resource].choices[: max(1, self.depth)]
             return Waiting(counts, tuple(self.durations.duration(action, k) for k in counts))
         return Waiting((action.demands[resource].min,), (self.durations.duration(action),))
+

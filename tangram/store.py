@@ -169,6 +169,7 @@ def action_from_record(record: dict[str, Any]) -> Action:
     allocation = record.get("allocation") or {}
     action.units = allocation.get("units", {})
     action.placement = allocation.get("placement", {})
+    action.resized = allocation.get("malleable")
     action.result = record.get("result")
     action.error = record.get("error")
     internal = record.get("_internal", {})

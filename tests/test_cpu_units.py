@@ -60,7 +60,12 @@ def test_executor_request_substitutes_parallelism():
     assert request["cpus"] == [2, 3] and request["cwd"] == "/workspace"
     assert request["env"] == {"A": "1", "TANGRAM_ACTION_ID": "x", "TANGRAM_NUM_CPUS": "2"}
     argv = parse_exec_spec({"command": ["pytest", "-q"], "pytest_parallel": True}, ExecLimits())
-    assert executor_request(argv, (0,), 1.0, "/w", {})["command"] == ["pytest", "-n", "1", "-q"]
+    assert executor_request(argv, (0,), 1.0, "/w", {})["command"] == ["pytest", "-q"]  # one core: plain pytest
+    one = parse_exec_spec({"command": "pytest -q", "pytest_parallel": True}, ExecLimits())
+    assert executor_request(one, (5,), 1.0, "/w", {})["command"] == "pytest -q"
+    malleable = executor_request(argv, (0,), 1.0, "/w", {}, workers=4, tag="act_1")
+    assert malleable["command"] == ["pytest", "-n", "4", "-q"] and malleable["cpus"] == [0]
+    assert malleable["env"]["TANGRAM_NUM_CPUS"] == "4" and malleable["tag"] == "act_1"
 
 
 @pytest.mark.parametrize("spec, field", [

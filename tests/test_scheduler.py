@@ -20,7 +20,7 @@ def act(seq: int, demands: dict[str, Demand], elasticity: Elasticity | None = No
 
 
 def schedule(manager, queue, depth=2, running=()):
-    return Scheduler([manager], DurationModel(), depth=depth).schedule(queue, running, now=0.0)
+    return Scheduler([manager], DurationModel(), depth=depth).schedule(queue, running, now=0.0).placements
 
 
 def test_unknown_elasticity_gets_minimum_units():
@@ -136,5 +136,5 @@ def test_a_queue_longer_than_the_horizon_still_starts_work():
     manager = CountedUnitsManager({"gpu": {f"n{i}": 8 for i in range(5)}})
     elastic = Elasticity("gpu", ((1, 1.0), (8, 0.7)), t1=20.0)
     queue = [act(i, {"gpu": Demand((1, 2, 4, 8))}, elastic) for i in range(512)]
-    placements = Scheduler([manager], DurationModel(), depth=2, horizon=64).schedule(queue, [], now=0.0)
+    placements = Scheduler([manager], DurationModel(), depth=2, horizon=64).schedule(queue, [], now=0.0).placements
     assert sum(p.units["gpu"] for p in placements) == 40  # every unit busy, one action per unit

@@ -27,16 +27,18 @@ from sandboxes.backend import Leftover, Sandbox, SandboxBackend, SandboxSpec
 from tangram.action import Action, Demand, Kind
 from tangram.durations import DurationModel
 from tangram.queue import FCFSQueue
-from tangram.scheduler import Scheduler, allocate_placement
-from tangram.sim.cluster import Cluster, Costs
+from tangram import dispatch
+from tangram.scheduler import Plan, Resize, Scheduler
+from tangram.sim.cluster import Cluster, Costs, xdist_cpu_s
 from tangram.sim.engine import CallRun
+from tangram.sim.execution import Execution
 from tangram.sim.records import percentile
 from tangram.sim.trace import Trajectory
 
 TOOL_SIGNATURE = "exec|tool"
 
 
-class _NoSandboxes(SandboxBackend):
+class NoSandboxes(SandboxBackend):
     """The CPU nodes' backend in simulation: sandboxes exist only as the manager's records."""
 
     async def create(self, spec: SandboxSpec) -> Sandbox:
@@ -71,15 +73,16 @@ class _ModelledBackend(ServiceBackend):
         return _ModelledInstance(spec, devices)
 
 
-def build_managers(cluster: Cluster, clock: Any) -> list[ResourceManager]:
+def build_managers(cluster: Cluster, clock: Any, malleable: bool = True) -> list[ResourceManager]:
     """The real managers over the cluster's resources, with modelled sandboxes and services."""
     managers: list[ResourceManager] = []
     if cluster.cpu_nodes:
         nodes = tuple(CpuNodeConfig(name=f"cpu{i}", cores=tuple(range(cluster.cores_per_node)),
                                     memory_mb=cluster.node_memory_mb) for i in range(cluster.cpu_nodes))
-        cpu = CpuManager(CpuConfig(nodes=nodes, max_environments=1 << 30))
+        cpu = CpuManager(CpuConfig(nodes=nodes, max_environments=1 << 30, malleable=malleable,
+                                   worker_start_s=cluster.costs.xdist_worker_cpu_s))
         for config in nodes:
-            cpu.add_node(CpuNode(config, _NoSandboxes(), [config.cores]))
+            cpu.add_node(CpuNode(config, NoSandboxes(), [config.cores]))
         managers.append(cpu)
     if cluster.gpu_node_sizes:
         specs = tuple(ServiceSpec(name=s.name, backend="torch", model=s.name, task="similarity", dops=s.dops,
@@ -129,22 +132,24 @@ def action_for(run: CallRun, seq: int, now: float, test_demand: Demand = ELASTIC
 
 class BrokerStation:
     def __init__(self, cluster: Cluster, *, test_demand: Demand = ELASTIC_TEST, depth: int = 2,
-                 horizon: int = 64) -> None:
+                 horizon: int = 64, malleable: bool = True, share_by_remaining: bool = False) -> None:
         self.cluster = cluster
         self.costs: Costs = cluster.costs
         self.test_demand = test_demand
         self.now = 0.0
-        self.managers = build_managers(cluster, lambda: self.now)
+        self.managers = build_managers(cluster, lambda: self.now, malleable)
         self.owner: dict[str, ResourceManager] = {r: m for m in self.managers for r in m.resources}
         self.cpu = next((m for m in self.managers if isinstance(m, CpuManager)), None)
         self.gpu = next((m for m in self.managers if isinstance(m, GpuManager)), None)
         self.dops = {s.name: s.dops for s in cluster.services}
         self.durations = DurationModel()
-        self.scheduler = Scheduler(self.managers, self.durations, depth=depth, horizon=horizon)
+        self.scheduler = Scheduler(self.managers, self.durations, depth=depth, horizon=horizon,
+                                   share_by_remaining=share_by_remaining)
         self.queue = FCFSQueue()
         self.calls: dict[str, CallRun] = {}
         self.running: dict[str, tuple[Action, list[tuple[ResourceManager, Allocation]]]] = {}
-        self.finishing: list[tuple[float, int, str]] = []
+        self.finishing: list[tuple[float, int, str, int]] = []  # (finish, seq, action id, execution version)
+        self.executions: dict[str, Execution] = {}  # CPU calls, timed by the work they do
         self.sandboxes: set[str] = set()  # trajectories whose sandbox exists
         self.seq = 0
         self.dirty = False
@@ -165,10 +170,26 @@ class BrokerStation:
         self.now = now
         done = []
         while self.finishing and self.finishing[0][0] <= now:
-            _, _, action_id = heapq.heappop(self.finishing)
+            _, _, action_id, version = heapq.heappop(self.finishing)
+            if action_id not in self.running:
+                continue  # a stale event of a call re-timed to finish earlier
+            execution = self.executions.get(action_id)
+            if execution is not None:
+                if execution.version != version:
+                    continue  # re-timed by a resize
+                execution.advance(now)
+                run = self.calls[action_id]
+                run.finish_s = now
+                run.exec_s = now - run.start_s - run.overhead_s
+                run.unit_s = execution.unit_s
+                run.history = tuple(execution.history)
+                del self.executions[action_id]
             action, allocations = self.running.pop(action_id)
             for manager, allocation in allocations:
                 manager.release(allocation)
+            action.execution_s = self.calls[action_id].exec_s + self.calls[action_id].overhead_s
+            if action.malleable is not None:
+                self.calls[action_id].resizes = action.malleable.resizes
             self.durations.observe(action)
             done.append(self.calls.pop(action_id))
             self.dirty = True
@@ -176,41 +197,56 @@ class BrokerStation:
 
     def dispatch(self, now: float) -> None:
         self.now = now
-        if not len(self.queue) or not (self.dirty or (self.wake_at is not None and now >= self.wake_at)):
+        if not self.dirty and not (self.wake_at is not None and now >= self.wake_at):
+            return
+        if not len(self.queue) and not self.executions:
+            self.dirty = False
             return
         self.dirty = False
         started = time.perf_counter()
-        placements = self.scheduler.schedule(self.queue, (a for a, _ in self.running.values()), now)
+        plan: Plan = self.scheduler.schedule(self.queue, (a for a, _ in self.running.values()), now)
         self.pass_ms.append((time.perf_counter() - started) * 1e3)
-        for placement in placements:
+        for decision in plan.shrinks():
+            self._resize(decision, now)
+        for placement in plan.placements:
             action = placement.action
-            allocations = allocate_placement(self.owner, placement)
+            allocations = dispatch.start(self.owner, self.durations, placement, now)
             self.queue.remove(action.id)
-            action.started_at = now
-            action.units = dict(placement.units)
-            key = action.key_resource
-            action.expected_duration_s = self.durations.duration(action, placement.units.get(key) if key else None)
             run = self.calls[action.id]
-            self._execute(run, action, allocations)
             run.start_s = now
-            run.finish_s = now + run.exec_s + run.overhead_s
-            action.execution_s = run.exec_s + run.overhead_s
             self.running[action.id] = (action, allocations)
-            heapq.heappush(self.finishing, (run.finish_s, action.seq, action.id))
+            finish = self._execute(run, action, allocations, placement.workers, now)
+            heapq.heappush(self.finishing, (finish, action.seq, action.id, 0))
+        for decision in plan.grows():
+            self._resize(decision, now)
         hints = [h for m in self.managers if (h := m.next_change_in()) is not None]
         self.wake_at = now + min(hints) if hints and len(self.queue) else None
 
-    def _execute(self, run: CallRun, action: Action, allocations: list[tuple[ResourceManager, Allocation]]) -> None:
+    def _resize(self, decision: Resize, now: float) -> None:
+        action = decision.action
+        _, allocations = self.running[action.id]
+        dispatch.resize(self.owner, allocations, decision, now)
+        execution = self.executions[action.id]
+        finish = execution.resize(decision.units, now)
+        heapq.heappush(self.finishing, (finish, action.seq, action.id, execution.version))
+
+    def _execute(self, run: CallRun, action: Action, allocations: list[tuple[ResourceManager, Allocation]],
+                 workers: int | None, now: float) -> float:
+        """Model the call's execution from ``now``; returns when it finishes (CPU calls: until re-timed)."""
         call = run.call
         if call.kind in ("tool", "test"):
             run.units = action.units["cpu"]
-            run.exec_s = call.duration(run.units)
             run.overhead_s = self.costs.dispatch_s
             if run.trajectory.id not in self.sandboxes:
                 self.sandboxes.add(run.trajectory.id)
                 run.overhead_s += self.costs.env_create_s
             run.pool = next(a for m, a in allocations if m is self.cpu).pools["cpu"]
-        elif call.kind == "reward":
+            count = workers or run.units  # a test run starts pytest -n count (plain pytest for one)
+            startup = xdist_cpu_s(self.costs, count) if call.kind == "test" else 0.0
+            execution = Execution(call, count, run.units, now, now, run.overhead_s, startup, call.work_s)
+            self.executions[action.id] = execution
+            return execution.finish_at()
+        if call.kind == "reward":
             run.units = action.units["gpu"]
             run.exec_s = call.duration(run.units)
             allocation = next(a for m, a in allocations if m is self.gpu)
@@ -223,6 +259,9 @@ class BrokerStation:
             run.units = 1
             run.exec_s = call.work_s
             run.pool = str(call.target)
+        run.finish_s = now + run.exec_s + run.overhead_s
+        run.unit_s = run.units * run.exec_s
+        return run.finish_s
 
     def _make_resident(self, node: GpuNode, service: str, chunk: Any) -> float:
         """The manager's residency decision (LRU victims on the chunk's GPUs), timed by the cost model."""

@@ -34,6 +34,10 @@ class Costs:
 
     dispatch_s: float = 0.00141  # per exec action: cgroup writes + executor socket (docs/PERFORMANCE.md median)
     env_create_s: float = 1.0  # an AOE sandbox on a trajectory's first exec (docker create + start; assumed)
+    # ``pytest -n W`` (W > 1) costs CPU to start its controller and each worker before any test runs (measured
+    # here with a 20-module suite: 0.05 s + 0.22 s per worker over plain pytest; suites with heavy imports cost more)
+    xdist_start_cpu_s: float = 0.05
+    xdist_worker_cpu_s: float = 0.22
     h2d_gb_per_s: float = 25.0  # pinned host->GPU copy per GPU (PCIe 5 x16 in practice; assumed, unmeasured)
     evict_s: float = 0.05  # freeing a victim's GPU memory before a restore (assumed)
     pod_start_s: float = 2.0  # a Kubernetes pod from bound to running (image present; assumed)
@@ -42,6 +46,11 @@ class Costs:
     api_timeout_s: float = 600.0  # the client's timeout on an upstream call (paper §6.1)
     api_retries: int = 3  # retries after an error or a timeout (paper §6.1)
     api_backoff_s: float = 1.0  # wait before a retry
+
+
+def xdist_cpu_s(costs: Costs, workers: int) -> float:
+    """CPU seconds an elastic test run spends starting ``workers`` xdist workers (none for plain pytest)."""
+    return costs.xdist_start_cpu_s + costs.xdist_worker_cpu_s * workers if workers > 1 else 0.0
 
 
 @dataclass(frozen=True, slots=True)

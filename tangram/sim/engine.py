@@ -36,11 +36,15 @@ class CallRun:
     pool: str = ""
     attempts: int = 1
     failed: bool = False
+    unit_s: float = 0.0
+    resizes: int = 0
+    history: tuple[tuple[float, int], ...] = ()
 
     def record(self) -> CallRecord:
         return CallRecord(self.trajectory.id, self.index, self.call.kind, self.call.target, self.submit_s,
                           self.start_s, self.finish_s, self.exec_s, self.overhead_s, self.units, self.pool,
-                          self.attempts, self.failed)
+                          self.attempts, self.failed, self.unit_s, self.resizes,
+                          self.history)
 
 
 class Station(Protocol):

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any
 
 from tangram.action import Demand
 from tangram.sim.broker_station import BrokerStation
@@ -15,14 +18,16 @@ from tangram.sim.trace import KINDS
 
 
 def tangram(cluster: Cluster) -> Mapping[str, Station]:
-    """Every call through the broker: elastic test runs (1-32 cores), elastic rewards, API traffic control."""
+    """Every call through the broker: malleable test runs (1-32 cores, resized as they run), elastic rewards, API
+    traffic control."""
     return dict.fromkeys(KINDS, BrokerStation(cluster))
 
 
-def test_cores(demand: Demand) -> Policy:
-    """The broker with test runs on ``demand`` cores: a fixed DoP (§6.4's ablation) or another elastic range."""
+def broker(**options: Any) -> Policy:
+    """The broker with other settings: test runs on another demand (a fixed DoP, §6.4's ablation, or another
+    elastic range), the paper's moldable allocation (``malleable=False``), shares by remaining work."""
     def build(cluster: Cluster) -> Mapping[str, Station]:
-        return dict.fromkeys(KINDS, BrokerStation(cluster, test_demand=demand))
+        return dict.fromkeys(KINDS, BrokerStation(cluster, **options))
     return build
 
 
@@ -38,6 +43,21 @@ def baseline(cluster: Cluster) -> Mapping[str, Station]:
     return routes
 
 
-POLICIES: dict[str, Policy] = {"tangram": tangram, "dop4": test_cores(Demand.fixed(4)),
-                               "dop16": test_cores(Demand.fixed(16)), "tangram-min4": test_cores(Demand.range(4, 32)),
-                               "baseline": baseline}
+def pods_ideal(cluster: Cluster) -> Mapping[str, Station]:
+    """The pod baseline with a free control plane: no bind limit, no start delay; the same CFS sharing and the
+    same 4-core test runs. A win over it comes from scheduling, not from an assumed control-plane cost."""
+    free = replace(cluster.costs, pod_bind_per_s=math.inf, pod_start_s=0.0)
+    return baseline(replace(cluster, costs=free))
+
+
+FIXED_DOPS = (1, 2, 4, 8, 16, 32)
+
+POLICIES: dict[str, Policy] = {
+    "tangram": tangram,
+    "tangram-moldable": broker(malleable=False),
+    "tangram-srpt": broker(share_by_remaining=True),
+    "tangram-min4": broker(test_demand=Demand.range(4, 32), malleable=False),
+    **{f"dop{d}": broker(test_demand=Demand.fixed(d)) for d in FIXED_DOPS},
+    "baseline": baseline,
+    "pods-ideal": pods_ideal,
+}

@@ -28,6 +28,15 @@ class CallRecord:
     pool: str = ""  # node (or instance) it ran on
     attempts: int = 1
     failed: bool = False
+    unit_s: float = 0.0  # key-resource units x seconds held while executing (core-seconds)
+    resizes: int = 0  # times its units changed while it ran (malleable actions)
+    history: tuple[tuple[float, int], ...] = ()  # (instant, units from then on) from its start, if it was resized
+
+    def holding(self) -> list[tuple[float, float, int]]:
+        """The units it held over ``[start, finish)``, as (from, to, units) intervals."""
+        points = self.history or ((self.start_s, self.units),)
+        ends = [t for t, _ in points[1:]] + [self.finish_s]
+        return [(t, end, units) for (t, units), end in zip(points, ends)]
 
     @property
     def queue_s(self) -> float:
@@ -82,6 +91,9 @@ class RunResult:
                 "mean_queue_s": statistics.fmean(r.queue_s for r in rows),
                 "mean_overhead_s": statistics.fmean(r.overhead_s for r in rows),
                 "mean_units": statistics.fmean(r.units for r in rows),
+                "unit_s": sum(r.unit_s for r in rows),
+                "p99_queue_s": percentile([r.queue_s for r in rows], 0.99),
+                "resizes": sum(r.resizes for r in rows),
                 "failed": sum(r.failed for r in rows),
             }
         out.update(self.stats)

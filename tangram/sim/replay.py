@@ -320,7 +320,7 @@ async def compare(trace: Trace, url: str, cluster: Cluster | None = None, *,
             cluster = cluster_of(await broker_resources(url, session))
         max_cores = options.pop("max_cores", None) or min(MAX_TEST_CORES, cluster.cores_per_node)
         demand = Demand.range(1, max_cores) if max_cores > 1 else Demand.fixed(1)
-        simulated = simulate(trace, cluster, policies.test_cores(demand), "simulated").summary()
+        simulated = simulate(trace, cluster, policies.broker(test_demand=demand), "simulated").summary()
         real = (await replay(trace, url, session=session, max_cores=max_cores, **options)).summary()
     finally:
         if own:

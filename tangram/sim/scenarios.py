@@ -82,8 +82,8 @@ def _figure(name: str, paper: float | str | None, ours: float, note: str = "") -
 
 
 def _cpu(cores: int) -> Cluster:
-    """``cores`` over the five nodes; at least 16 per node (the largest fixed DoP) however small the scale."""
-    return Cluster(cpu_nodes=CPU_NODES, cores_per_node=max(16, cores // CPU_NODES))
+    """``cores`` over the five nodes; at least 32 per node (the largest fixed DoP) however small the scale."""
+    return Cluster(cpu_nodes=CPU_NODES, cores_per_node=max(32, cores // CPU_NODES))
 
 
 def _teachers(n: int) -> tuple[ServiceModel, ...]:

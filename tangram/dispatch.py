@@ -1,0 +1,49 @@
+"""Starting and resizing actions: the bookkeeping of a pass's decisions, shared by the broker (asyncio, wall
+clock) and the simulator (virtual clock), so both apply the scheduler's plan the same way."""
+
+from __future__ import annotations
+
+from managers.base import Allocation, ResourceManager
+from tangram.durations import DurationModel
+from tangram.malleable import Malleable, profile
+from tangram.scheduler import Placement, Resize, allocate_placement
+
+Allocations = list[tuple[ResourceManager, Allocation]]
+
+
+def start(owner: dict[str, ResourceManager], durations: DurationModel, placement: Placement,
+          now: float) -> Allocations:
+    """Allocate a placement and record the start on its action (units, placement, expected duration, and its
+    malleable state when it starts malleable). Raises what the allocation raised, with nothing held."""
+    action = placement.action
+    allocations = allocate_placement(owner, placement)
+    action.started_at = now
+    action.units = dict(placement.units)
+    action.placement = {k: v for _, a in allocations for k, v in a.placement.items()}
+    key = action.key_resource
+    action.expected_duration_s = durations.duration(action, placement.units.get(key) if key else None)
+    if placement.workers is not None and key is not None:
+        units = placement.units[key]
+        action.malleable = Malleable(resource=key, pool=placement.pools[key], floor=action.demands[key].min,
+                                     workers=placement.workers, units=units, since=now,
+                                     t1_s=durations.t1(action) or durations.default_s,
+                                     profile=profile(action.elasticity, action.demands[key].up_to(placement.workers)),
+                                     history=[(now, units)])
+    return allocations
+
+
+def resize(owner: dict[str, ResourceManager], allocations: Allocations, decision: Resize, now: float) -> Allocation:
+    """Change a running action's units in the owning manager's books and on its record; returns the allocation
+    (``apply_resize`` of the manager makes it real)."""
+    action, resource = decision.action, decision.resource
+    held = action.malleable
+    if held is None:
+        raise ValueError(f"action {action.id} is not malleable")
+    manager = owner[resource]
+    allocation = next(a for m, a in allocations if m is manager)
+    manager.resize(allocation, resource, decision.units)
+    held.resize(decision.units, now)
+    action.units[resource] = decision.units
+    action.placement.update(allocation.placement)
+    action.expected_duration_s = (now - (action.started_at or now)) + held.remaining_s(now) / held.rate()
+    return allocation

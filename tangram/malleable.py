@@ -1,0 +1,162 @@
+"""Malleable elastic actions: cores that change while an action runs, and how a pool's spare cores are shared.
+
+The paper fixes an action's units when it starts (moldable). Where a manager can resize a running allocation (the
+CPU manager rewrites a sandbox's cpuset in ~0.01 ms), an elastic action is *malleable* between its minimum (the
+floor, never taken away) and its worker count (cores past its workers are useless). Every scheduling pass then
+
+1. lends the cores running malleable actions hold above their floors to the queue: queued actions are placed at
+   their minimum as if those cores were free, so a short tool call never waits behind a long test run's extra
+   cores (§ "Beyond the paper" in docs/SCHEDULING.md);
+2. shares what is left of each pool among the malleable actions there, running and starting, by *marginal
+   completion-rate water-filling*: one core at a time to the action whose rate of completion, in fractions of its
+   remaining work per second, grows the most, ``(s(k+1) - s(k)) / remaining``. With concave speed-ups this greedy
+   maximises the summed completion rates exactly; it gives shorter remaining work more cores, the ordering heSRPT
+   proves optimal for mean flow time under sublinear speed-up (Berg et al., 2020), and stops at cores that do not
+   speed an action up at all.
+
+Progress is tracked as estimated single-unit work done (``done_s``), advanced at the declared speed-up whenever the
+units change, so remaining work is known at every pass. The same code serves the service and the simulator.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from tangram.action import Elasticity
+
+#: an action past its estimate is assumed to have this share of its estimated work left (it is late, not done)
+OVERRUN_SHARE = 0.1
+#: at most this many (time, units) points are kept per action for its record
+HISTORY_POINTS = 64
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Profile:
+    """An elastic action's estimated speed-up over its allowed unit counts: ``curve[k] = E(k)·k`` for k up to the
+    largest count, and the per-unit gain of each step between allowed counts (made non-increasing by a running
+    minimum, so a profile that is not quite concave cannot make the sharing skip a count)."""
+
+    counts: tuple[int, ...]
+    curve: np.ndarray
+    gains: np.ndarray  # gains[u] = speed-up gained by the (u+1)-th unit above the floor
+
+    def speedup(self, units: int) -> float:
+        return float(self.curve[min(units, len(self.curve) - 1)])
+
+
+@functools.lru_cache(maxsize=16384)
+def profile(elasticity: Elasticity, counts: tuple[int, ...]) -> Profile:
+    curve = np.array([0.0] + [elasticity.efficiency_at(k) * k for k in range(1, counts[-1] + 1)])
+    steps = np.diff(np.asarray(counts))
+    per_unit = np.diff(curve[list(counts)]) / steps if len(counts) > 1 else np.zeros(0)
+    gains = np.minimum.accumulate(np.repeat(per_unit, steps)) if len(per_unit) else np.zeros(0)
+    return Profile(counts, curve, gains)
+
+
+@dataclass(slots=True)
+class Malleable:
+    """A running action's resizable key resource: its bounds, its units over time and its estimated progress."""
+
+    resource: str
+    pool: str
+    floor: int
+    workers: int  # the cap: started with this many workers, more cores would idle
+    units: int
+    since: float  # when ``units`` last changed
+    t1_s: float  # estimated work on one unit (the duration model's T1)
+    profile: Profile  # its allowed counts up to ``workers`` and estimated speed-up
+    done_s: float = 0.0  # estimated single-unit work done up to ``since``
+    unit_seconds: float = 0.0  # units held x time, up to ``since``
+    resizes: int = 0
+    history: list[tuple[float, int]] = field(default_factory=list)
+
+    def rate(self) -> float:
+        return self.profile.speedup(min(self.units, self.workers))
+    def work_done(self, now: float) -> float:
+        """Single-unit work done by ``now``, at the estimated speed-up of the units held over time."""
+        return self.done_s + max(0.0, now - self.since) * self.rate()
+
+    def remaining_s(self, now: float) -> float:
+        """Estimated single-unit work left at ``now``."""
+        return max(self.t1_s - self.work_done(now), OVERRUN_SHARE * self.t1_s)
+
+    def resize(self, units: int, now: float) -> None:
+        elapsed = max(0.0, now - self.since)
+        self.done_s += elapsed * self.rate()
+        self.unit_seconds += elapsed * self.units
+        self.units = units
+        self.since = now
+        self.resizes += 1
+        if len(self.history) < HISTORY_POINTS:
+            self.history.append((now, units))
+
+    def unit_seconds_at(self, now: float) -> float:
+        return self.unit_seconds + max(0.0, now - self.since) * self.units
+
+    def summary(self, now: float) -> dict[str, Any]:
+        """What the action's record shows: its bounds, resizes, unit-seconds and units over time."""
+        return {"resource": self.resource, "floor": self.floor, "workers": self.workers, "resizes": self.resizes,
+                "unit_seconds": round(self.unit_seconds_at(now), 6),
+                "history": [[round(t, 6), units] for t, units in self.history]}
+
+
+@dataclass(slots=True)
+class Claimant:
+    """One malleable action of a pool as the sharing sees it: its profile and its remaining work on one unit."""
+
+    profile: Profile
+    remaining_s: float
+
+
+def share(spare: int, claimants: Sequence[Claimant], by_remaining: bool = False) -> list[int]:
+    """Units for each claimant: its floor plus its part of ``spare``, by marginal-gain water-filling.
+
+    Every unit above a floor has a gain: the speed-up it adds, ``s(k+1) - s(k)`` (per unit of a step between
+    allowed counts), or with ``by_remaining`` the completion rate it adds, that divided by the claimant's remaining
+    work (shorter work first, as heSRPT). Each claimant's gains do not increase, so the greedy that hands out one
+    unit at a time to the largest gain is the same as taking the ``spare`` largest gains at once, which is what this
+    does (vectorised). Without ``by_remaining`` the result maximises the summed speed-up of the pool's malleable
+    actions (their throughput). Units that speed nobody up stay unshared; a claimant whose share ends inside a
+    step between allowed counts is rounded down to the count below, and those units stay unshared until the next
+    pass.
+    """
+    floors = [c.profile.counts[0] for c in claimants]
+    if spare <= 0 or not claimants:
+        return floors
+    width = max(len(c.profile.gains) for c in claimants)
+    if width == 0:
+        return floors
+    gains = np.full((len(claimants), width), -np.inf)
+    for i, claimant in enumerate(claimants):
+        row = claimant.profile.gains
+        gains[i, :len(row)] = row / claimant.remaining_s if by_remaining else row
+    flat = gains.ravel()
+    positive = int(np.count_nonzero(flat > 0))
+    if positive <= spare:
+        chosen = np.flatnonzero(flat > 0)
+    else:
+        chosen = np.argpartition(-flat, spare - 1)[:spare]
+    extra = np.bincount(chosen // width, minlength=len(claimants))
+    units = []
+    for claimant, floor, more in zip(claimants, floors, extra.tolist()):
+        counts = claimant.profile.counts
+        units.append(counts[bisect.bisect_right(counts, floor + more) - 1])
+    return units
+
+
+def workers_for(units: int, cap: int, duration_s: float, worker_start_s: float, overhead: float) -> int:
+    """How many workers (``pytest -n``) an action started on ``units`` cores gets: as many as keep the start-up of
+    the workers beyond ``units`` (each ``worker_start_s`` of CPU, sharing those cores) within ``overhead`` of its
+    expected duration there. More workers let it grow into cores that free up later; each costs start-up time and
+    memory now. ``cap`` bounds it (the action's maximum, the node's size)."""
+    if worker_start_s <= 0:
+        return cap
+    extra = int(overhead * duration_s * units / worker_start_s)
+    return max(units, min(cap, units + extra))
+

@@ -1,0 +1,261 @@
+"""Malleable elastic actions: the sharing policy against brute force, exclusive cores under random resizes, and
+cores that really move under a running command on the Docker engines (fast path and ``docker update``)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from typing import Any
+
+import docker
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from managers.cpu import CpuManager, CpuNode
+from managers.cpu_config import CpuConfig, CpuNodeConfig
+from tangram.action import Action, Demand, Elasticity, Kind
+from tangram.malleable import Claimant, Malleable, profile, share, workers_for
+from tangram.sim.broker_station import NoSandboxes
+from tests.docker_nodes import cpu_config, docker_engines
+from tests.harness import Live, live_broker
+
+# ---------------------------------------------------------------------------------------------------------------
+# the sharing policy
+# ---------------------------------------------------------------------------------------------------------------
+
+amdahl = st.floats(min_value=0.0, max_value=0.5)
+
+
+def amdahl_profile(serial: float, counts: tuple[int, ...]) -> Elasticity:
+    return Elasticity("cpu", tuple((m, 1.0 / (serial * m + 1.0 - serial)) for m in range(1, counts[-1] + 1)))
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(amdahl, st.integers(1, 3), st.integers(0, 5)), min_size=1, max_size=4),
+       st.integers(0, 12))
+def test_share_maximises_summed_speedup(jobs: list[tuple[float, int, int]], spare: int) -> None:
+    """Against every allocation: none within the spare units gives a larger summed speed-up (concave profiles)."""
+    claimants = []
+    for serial, floor, extra in jobs:
+        counts = tuple(range(floor, floor + extra + 1))
+        claimants.append(Claimant(profile(amdahl_profile(serial, counts), counts), remaining_s=10.0))
+    units = share(spare, claimants)
+    floors = [c.profile.counts[0] for c in claimants]
+    assert sum(units) - sum(floors) <= spare
+    assert all(c.profile.counts[0] <= u <= c.profile.counts[-1] for c, u in zip(claimants, units))
+
+    def total(allocation: tuple[int, ...]) -> float:
+        return sum(c.profile.speedup(u) for c, u in zip(claimants, allocation))
+
+    best = max(total(a) for a in itertools.product(*(c.profile.counts for c in claimants))
+               if sum(a) - sum(floors) <= spare)
+    assert total(tuple(units)) == pytest.approx(best, rel=1e-9)
+
+
+def test_share_gives_no_unit_that_speeds_nobody_up() -> None:
+    flat_after_two = Elasticity("cpu", ((1, 1.0), (2, 1.0), (3, 2 / 3), (4, 0.5)))  # s(2) = s(3) = s(4) = 2
+    counts = (1, 2, 3, 4)
+    assert share(10, [Claimant(profile(flat_after_two, counts), 5.0)]) == [2]
+
+
+def test_share_by_remaining_prefers_shorter_work() -> None:
+    counts = tuple(range(1, 9))
+    curve = profile(amdahl_profile(0.1, counts), counts)
+    short, long = Claimant(curve, remaining_s=1.0), Claimant(curve, remaining_s=100.0)
+    by_speedup = share(6, [short, long])
+    by_remaining = share(6, [short, long], by_remaining=True)
+    assert by_speedup == [4, 4]  # the same curve: an even split
+    assert by_remaining[0] > by_remaining[1] and sum(by_remaining) == 8
+
+
+def test_workers_bound_start_up_to_a_share_of_the_run() -> None:
+    # 20 s expected on one core, 0.25 s per worker, 5%: 1 s of start-up buys 4 more workers
+    assert workers_for(1, 32, 20.0, 0.25, 0.05) == 5
+    assert workers_for(8, 32, 200.0, 0.25, 0.05) == 32  # long runs get every worker they can use
+    assert workers_for(3, 32, 0.5, 0.25, 0.05) == 3  # never fewer workers than cores
+    assert workers_for(2, 32, 20.0, 0.0, 0.05) == 32  # free workers: as many as it could ever use
+
+
+def test_progress_is_work_done_at_the_estimated_speed() -> None:
+    counts = (1, 2, 3, 4)
+    curve = profile(Elasticity("cpu", ((1, 1.0), (4, 1.0))), counts)
+    held = Malleable("cpu", "n", floor=1, workers=4, units=4, since=0.0, t1_s=40.0, profile=curve,
+                     history=[(0.0, 4)])
+    assert held.remaining_s(5.0) == pytest.approx(20.0)  # 5 s on 4 cores
+    held.resize(2, 5.0)
+    assert held.remaining_s(10.0) == pytest.approx(10.0)  # then 5 s on 2
+    assert held.unit_seconds_at(10.0) == pytest.approx(30.0)
+    assert held.remaining_s(100.0) == pytest.approx(4.0)  # late: a tenth of its estimate assumed left
+    assert held.summary(10.0)["resizes"] == 1 and held.summary(10.0)["history"] == [[0.0, 4], [5.0, 2]]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# exclusive cores under random resizes
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def manager(cores: int = 8) -> CpuManager:
+    config = CpuNodeConfig(name="n", cores=tuple(range(cores)), numa=(tuple(range(cores // 2)),
+                                                                        tuple(range(cores // 2, cores))),
+                           memory_mb=1 << 20)
+    cpu = CpuManager(CpuConfig(nodes=(config,)))
+    cpu.add_node(CpuNode(config, NoSandboxes(), config.numa))
+    return cpu
+
+
+def elastic(i: int) -> Action:
+    return Action(task="t", kind=Kind.EXEC, demands={"cpu": Demand.range(1, 8)}, trajectory=f"traj-{i}",
+                  elasticity=Elasticity("cpu", ((1, 1.0), (8, 0.8)), t1=10.0), spec={"command": "true"},
+                  id=f"a{i}")
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["start", "resize", "end"]), st.integers(0, 7), st.integers(1, 8)),
+                max_size=60))
+def test_cores_stay_exclusive_under_random_resizes(steps: list[tuple[str, int, int]]) -> None:
+    """Starts, resizes and ends in any order (an end racing a resize included): no core is ever held twice, free
+    and held cores always make up the node, and a released allocation cannot be resized back into use."""
+    cpu = manager()
+    node = cpu.nodes["n"]
+    held: dict[int, Any] = {}
+    for op, who, units in steps:
+        if op == "start" and who not in held and units <= len(node.cores.free):
+            held[who] = cpu.allocate(elastic(who), {"cpu": units}, {"cpu": "n"})
+        elif op == "resize" and who in held:
+            allocation = held[who]
+            now = len(allocation.handle[2])
+            if units <= now + len(node.cores.free):
+                cpu.resize(allocation, "cpu", units)
+                assert len(allocation.handle[2]) == units == allocation.units["cpu"]
+                assert allocation.placement["cpu"]["cores"] == list(allocation.handle[2])
+        elif op == "end" and who in held:
+            allocation = held.pop(who)
+            cpu.release(allocation)
+            cpu.release(allocation)  # idempotent
+            asyncio.run(cpu.apply_resize(allocation))  # a resize applied after the end: nothing happens
+        taken = [c for a in held.values() for c in a.handle[2]]
+        assert len(taken) == len(set(taken)), "a core is held by two actions"
+        assert set(taken).isdisjoint(node.cores.free)
+        assert set(taken) | node.cores.free == set(range(8))
+
+
+def test_shrink_keeps_the_numa_node_holding_most_of_the_cores() -> None:
+    cpu = manager()
+    allocation = cpu.allocate(elastic(0), {"cpu": 6}, {"cpu": "n"})  # 4 on one NUMA node, 2 on the other
+    cpu.resize(allocation, "cpu", 4)
+    assert allocation.placement["cpu"]["numa_nodes"] == [0] or allocation.placement["cpu"]["numa_nodes"] == [1]
+    cpu.resize(allocation, "cpu", 5)  # its own NUMA node is full: the fifth core comes from the other
+    assert len(allocation.placement["cpu"]["numa_nodes"]) == 2
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# real engines: cores move under a running command
+# ---------------------------------------------------------------------------------------------------------------
+
+#: prints its CPU affinity each time it changes, for about ``seconds``
+WATCH = ("python3 -c \"import os, time\nlast = None\nend = time.time() + {seconds}\nwhile time.time() < end:\n"
+         "    now = sorted(os.sched_getaffinity(0))\n    if now != last:\n        print(now, flush=True)\n"
+         "        last = now\n    time.sleep(0.01)\n\"")
+ELASTIC = {"resource": "cpu", "t1": 4.0, "efficiency": {"1": 1.0, "2": 0.95}}
+
+
+def node(engine: str, **extra: Any) -> dict[str, Any]:
+    return cpu_config({"n1": {"backend": "docker", "engine": engine, "cores": "0-1", "memory_mb": 4096, **extra}})
+
+
+async def submit(live: Live, body: dict[str, Any]) -> str:
+    status, record = await live.call("POST", "/v1/actions", json=body)
+    assert status in (200, 201, 202), record
+    return record["id"]
+
+
+async def wait_state(live: Live, action_id: str, states: set[str], timeout_s: float = 30.0) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status, record = await live.call("GET", f"/v1/actions/{action_id}")
+        assert status == 200, record
+        if record["state"] in states or time.monotonic() > deadline:
+            return record
+        await asyncio.sleep(0.05)
+
+
+async def wait_output(live: Live, action_id: str, text: str, timeout_s: float = 30.0) -> None:
+    """Until the running command has started (its sandbox made): its environment runs an action."""
+    deadline = time.monotonic() + timeout_s
+    env = None
+    while time.monotonic() < deadline:
+        manager = live.broker.executor[Kind.EXEC]
+        env = next((e for e in manager.environments.values() if action_id in e.running), None)
+        if env is not None:
+            await asyncio.sleep(0.3)  # the command prints its first affinity
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{action_id} never started its command ({text})")
+
+
+def test_workers_stay_within_the_actions_maximum() -> None:
+    cpu = manager()
+    action = elastic(0)
+    assert cpu.workers(action, "cpu", 2, expected_s=10.0) >= 2
+    assert cpu.workers(action, "cpu", 2, expected_s=10.0) <= 8  # the action's maximum
+
+
+@pytest.mark.parametrize("path", ["fast", "engine"])
+async def test_a_tool_call_takes_a_core_from_a_running_test_run_and_gives_it_back(tmp_path, path: str) -> None:
+    engines = docker_engines()
+    engine = engines[0] if path == "fast" else engines[1]
+    raw = node(engine, fast_path=path == "fast")
+    async with live_broker(raw, str(tmp_path / "t.db")) as live:
+        long_run = await submit(live, {"task": "t", "trajectory": "tests", "kind": "exec",
+                                       "demand": {"cpu": {"min": 1, "max": 2}}, "elasticity": ELASTIC,
+                                       "spec": {"command": WATCH.format(seconds=4), "memory_mb": 128}})
+        await wait_output(live, long_run, "first affinity")
+        status, running = await live.call("GET", f"/v1/actions/{long_run}")
+        assert running["state"] == "running" and running["allocation"]["units"]["cpu"] == 2  # an idle node: both
+        status, tool = await live.call("POST", "/v1/actions?wait=true", json={
+            "task": "t", "trajectory": "tools", "kind": "exec", "demand": {"cpu": 1},
+            "spec": {"command": "sleep 1; grep Cpus_allowed_list /proc/self/status", "memory_mb": 128}})
+        assert tool["state"] == "succeeded", tool
+        assert tool["timings"]["queue_s"] < 0.5  # it did not wait for the test run's end (4 s)
+        tool_core = tool["allocation"]["placement"]["cpu"]["cores"]
+        assert len(tool_core) == 1
+        done = await wait_state(live, long_run, {"succeeded", "failed"})
+        assert done["state"] == "succeeded", done
+        malleable = done["allocation"]["malleable"]
+        assert malleable["resizes"] >= 2 and malleable["workers"] == 2  # shrunk for the tool call, grown back
+        units = [u for _, u in malleable["history"]]
+        assert units[:3] == [2, 1, 2]
+        assert 0 < malleable["unit_seconds"] < 2 * (done["finished_at"] - done["started_at"]) + 0.1
+        seen = [line for line in done["result"]["stdout"].splitlines() if line.startswith("[")]
+        assert seen[0] == "[0, 1]" and seen[-1] == "[0, 1]"
+        other = [c for c in (0, 1) if c not in tool_core]
+        assert str(other) in seen[1:-1], seen  # while the tool call ran, the test run was on the other core only
+        manager = live.broker.executor[Kind.EXEC]
+        assert manager.nodes["n1"].cores.free == {0, 1}
+        assert live.broker.metrics.resizes._value.get() >= 2  # noqa: SLF001 - the counter behind /metrics
+
+
+async def test_a_resize_of_a_dead_sandbox_fails_the_action_and_leaks_no_core(tmp_path) -> None:
+    engine = docker_engines()[1]  # docker update path: the engine refuses to update a dead container
+    async with live_broker(node(engine, fast_path=False), str(tmp_path / "t.db")) as live:
+        long_run = await submit(live, {"task": "t", "trajectory": "tests", "kind": "exec",
+                                       "demand": {"cpu": {"min": 1, "max": 2}}, "elasticity": ELASTIC,
+                                       "spec": {"command": "sleep 20", "memory_mb": 128}})
+        await wait_output(live, long_run, "sleep")
+        manager = live.broker.executor[Kind.EXEC]
+        env = next(e for e in manager.environments.values() if long_run in e.running)
+        docker.DockerClient(base_url=engine).containers.get(env.sandbox.container.id).kill()
+        status, tool = await live.call("POST", "/v1/actions?wait=true", json={
+            "task": "t", "trajectory": "tools", "kind": "exec", "demand": {"cpu": 1},
+            "spec": {"command": "true", "memory_mb": 128}})
+        assert tool["state"] == "succeeded", tool
+        done = await wait_state(live, long_run, {"succeeded", "failed", "cancelled", "timed_out"})
+        assert done["state"] == "failed" and done["error"]["code"] in ("resize_failed", "environment_lost"), done
+        assert "resize" in done["error"]["message"] or "died" in done["error"]["message"]
+        for _ in range(50):
+            if manager.nodes["n1"].cores.free == {0, 1}:
+                break
+            await asyncio.sleep(0.05)
+        assert manager.nodes["n1"].cores.free == {0, 1}
