@@ -298,15 +298,16 @@ def test_pod_waits_for_room_on_the_node() -> None:
 def test_pod_test_run_capped_at_pod_limit() -> None:
     cluster = Cluster(cpu_nodes=1, cores_per_node=8, costs=POD_COSTS)
     efficiency = ((1, 1.0), (4, 0.5), (8, 0.5))
-    # An idle 8-core node, but the pod's limit is 4 CPUs: speed-up E(4)*4 = 2, so 8 s of work take 4 s,
-    # after the 1 s pod start: finish 5.0.
+    # An idle 8-core node, but the pod's limit is 4 CPUs: pytest -n 4 first starts its workers, 0.05 + 4 * 0.22 =
+    # 0.93 CPU seconds on 4 cores (0.2325 s); then speed-up E(4)*4 = 2, so 8 s of work take 4 s; all after the 1 s
+    # pod start: finish 5.2325.
     trace = hand_trace(one_call("a", Call("test", 0.0, 8.0, efficiency=efficiency)))
     rec = run(trace, cluster, "baseline").records[0]
     assert rec.units == 4
     assert rec.queue_s == 0.0
     assert rec.overhead_s == pytest.approx(1.0)
-    assert rec.exec_s == pytest.approx(4.0)
-    assert rec.finish_s == pytest.approx(5.0)
+    assert rec.exec_s == pytest.approx(4.2325)
+    assert rec.finish_s == pytest.approx(5.2325)
 
 
 def test_pod_later_calls_run_at_once() -> None:
@@ -364,6 +365,24 @@ def test_test_run_dop(policy: str, efficiency: tuple[tuple[int, float], ...], un
     assert test.overhead_s == pytest.approx(0.01)
     assert test.finish_s == pytest.approx(2.01 + exec_s + 0.01)
     assert tool.pool == test.pool == "cpu0"
+
+
+def test_malleable_test_run_lends_a_core_to_a_tool_call_and_takes_it_back() -> None:
+    cluster = Cluster(cpu_nodes=1, cores_per_node=4, costs=CPU_COSTS)
+    trace = hand_trace(one_call("a", Call("test", 0.0, 16.0, efficiency=FLAT, estimate_s=16.0)),
+                       one_call("b", Call("tool", 1.0, 1.0)))
+    r = by_key(run(trace, cluster, "tangram"))
+    test, tool = r[("a", 0)], r[("b", 0)]
+    # b's tool call arrives at 1.0 on a node the test run holds whole: it starts at once on a core taken from the
+    # test run, and ends at 1.0 + 0.51 + 1.0 = 2.51, when the test run gets its core back.
+    assert tool.start_s == 1.0 and tool.finish_s == pytest.approx(2.51)
+    assert [units for _, units in test.history] == [4, 3, 4] and test.resizes == 2
+    assert [at for at, _ in test.history] == pytest.approx([0.0, 1.0, 2.51])
+    # the test run: 0.51 s of sandbox and dispatch, 0.49 s on 4 cores (1.96 s of work), 1.51 s on 3 (4.53 s),
+    # then the 9.51 s left on 4 cores: 2.3775 s, finishing at 4.8875
+    assert test.finish_s == pytest.approx(4.8875)
+    assert test.exec_s == pytest.approx(4.8875 - 0.51)
+    assert test.unit_s == pytest.approx(4 * 1.0 + 3 * 1.51 + 4 * 2.3775)
 
 
 def test_fixed_dop_waits_for_its_cores() -> None:

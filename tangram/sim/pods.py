@@ -5,7 +5,8 @@ limited to 4 CPUs. The control plane binds pods one at a time at a fixed rate, t
 unrequested CPU that fits the request (pods that fit nowhere wait for a pod to end); a bound pod runs after a
 start-up delay and is deleted when its trajectory ends. Inside a node, CPU is shared like CFS with equal shares:
 running calls get equal parts of the cores, none more than it can use (1 core for a tool call, the pod's limit
-for a test run, which runs ``pytest -n 4``), and a call progresses at its speed-up on that many cores.
+for a test run, which runs ``pytest -n 4`` and first spends the CPU of starting its four workers), and a call
+progresses at its speed-up on that many cores.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import heapq
 from collections import deque
 from dataclasses import dataclass, field
 
-from tangram.sim.cluster import Cluster
+from tangram.sim.cluster import Cluster, xdist_cpu_s
 from tangram.sim.engine import CallRun
 from tangram.sim.trace import Trajectory
 
@@ -26,8 +27,15 @@ class _Job:
     run: CallRun
     cap: float  # cores it can use
     remaining: float  # work left, in seconds on one core
+    startup: float = 0.0  # CPU seconds of xdist start-up left, done before the work at ``cores`` CPUs
     cores: float = 0.0
     rate: float = 0.0
+
+    def phase_end(self) -> float:
+        """Seconds until its start-up or its work ends at the current share."""
+        if self.startup > EPSILON_S:
+            return self.startup / self.cores
+        return max(0.0, self.remaining) / self.rate
 
 
 @dataclass(eq=False)
@@ -45,7 +53,10 @@ class _Node:
         elapsed = now - self.updated
         if elapsed > 0:
             for job in self.jobs:
-                job.remaining -= elapsed * job.rate
+                if job.startup > EPSILON_S:
+                    job.startup -= elapsed * job.cores
+                else:
+                    job.remaining -= elapsed * job.rate
         self.updated = now
 
     def share(self) -> None:
@@ -56,7 +67,7 @@ class _Node:
             job.cores = min(job.cap, left / (len(jobs) - i))
             left -= job.cores
             job.rate = job.run.call.speedup(job.cores)
-        self.next_finish = min((self.updated + max(0.0, j.remaining) / j.rate for j in jobs), default=None)
+        self.next_finish = min((self.updated + j.phase_end() for j in jobs), default=None)
 
 
 @dataclass(eq=False, slots=True)
@@ -101,8 +112,9 @@ class PodStation:
         run.overhead_s = overhead
         run.pool = node.name
         cap = self.limit_cpu if run.call.elastic else 1.0
+        startup = xdist_cpu_s(self.costs, int(cap)) if run.call.kind == "test" else 0.0  # pytest -n 4
         node.advance(now)
-        node.jobs.append(_Job(run, cap, run.call.work_s))
+        node.jobs.append(_Job(run, cap, run.call.work_s, startup))
         node.share()
 
     def collect(self, now: float) -> list[CallRun]:
