@@ -264,6 +264,9 @@ class CpuManager(ResourceManager):
         """The task's environments and the MiB they reserve."""
         return self._task_environments[task], self._task_memory_mb[task]
 
+    def holds_environment(self, task: str, trajectory: str) -> bool:
+        return (task, trajectory) in self.by_trajectory
+
     def validate(self, action: Action) -> None:
         if action.kind is not Kind.EXEC:
             return

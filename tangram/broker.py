@@ -18,6 +18,7 @@ from typing import Any
 
 from managers.base import Allocation, Lessor, ResourceManager
 from tangram.action import Action, Kind, State
+from tangram.arrivals import ArrivalModel
 from tangram.durations import DurationModel
 from tangram.errors import ActionFailed, BadRequest, Conflict, NotFound, Unprocessable
 from tangram.metrics import Metrics
@@ -64,6 +65,7 @@ class Broker:
             for kind in manager.kinds:
                 self.executor[kind] = manager
         self.durations = DurationModel(alpha=ewma_alpha, default_s=default_duration_s)
+        self.arrivals = ArrivalModel(alpha=ewma_alpha)
         self.scheduler = Scheduler(self.managers, self.durations, depth=depth, horizon=horizon)
         self.queue = make_queue(policy)
         self.metrics = Metrics()
@@ -227,6 +229,7 @@ class Broker:
             if action.idempotency_key is not None:
                 self.idempotency[(action.task, action.idempotency_key)] = action.id
             self._enqueue(action)
+            self.arrivals.submitted(action, action.submitted_at)
             self.metrics.count_submit(action)
             results.append((action, True))
             fresh.append(action)
@@ -396,7 +399,10 @@ class Broker:
         started = time.perf_counter()
         now = time.time()
         queue = self.ledger.admissible(self.queue, self.environment_host) if self.ledger.tenancy.limited else self.queue
-        plan = self.scheduler.schedule(queue, (r.action for r in self.running.values()), now)
+        host = self.environment_host
+        holds = host.holds_environment if host is not None else None
+        plan = self.scheduler.schedule(queue, (r.action for r in self.running.values()), now,
+                                       lambda resource, limit: self.arrivals.expected(resource, now, limit, holds))
         self.metrics.schedule_pass.observe(time.perf_counter() - started)
         shrinks = [self._resize(decision, now) for decision in plan.shrinks()]
         after = asyncio.gather(*shrinks, return_exceptions=True) if shrinks else None
@@ -513,6 +519,7 @@ class Broker:
             self.leases[action.id] = keep
         if state is State.SUCCEEDED:
             self.durations.observe(action)
+        self.arrivals.ended(action, action.finished_at)
         self.store.save(action)
         self.metrics.record_finish(action)
         self.recent.append(action)

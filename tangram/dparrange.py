@@ -64,12 +64,14 @@ class DPTable:
     def size(self) -> int:
         return self.values.shape[0] - 1
 
-    def best(self, t: int) -> tuple[float, list[int]]:
-        """Total duration and per-task units of the optimum for the first ``t`` tasks (inf, [] if infeasible)."""
+    def best(self, t: int, limit: int | None = None) -> tuple[float, list[int]]:
+        """Total duration and per-task units of the optimum for the first ``t`` tasks (inf, [] if infeasible), in
+        states up to ``limit`` (for a linear operator: using at most ``limit`` units)."""
         if t == 0:
             return 0.0, []
-        j = int(np.argmin(self.values[t]))
-        total = float(self.values[t, j])
+        row = self.values[t] if limit is None else self.values[t, :max(0, limit) + 1]
+        j = int(np.argmin(row))
+        total = float(row[j])
         if total == INF:
             return INF, []
         units = [0] * t

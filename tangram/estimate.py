@@ -2,8 +2,9 @@
 
 The completion heap holds, per resource, when each unit becomes free (relative to now), grouped as
 ``(time, count)`` so a thousand idle cores are one entry. A waiting action at its minimum ``m`` units takes the
-``m`` earliest units, starts when the last of them frees, and gives them back at ``start + duration``. ``depth``
-lets the first waiting action try its first few allowed unit counts, as in the paper.
+``m`` earliest units, starts when the last of them frees (or when it arrives, for an expected action not submitted
+yet: ``tangram.arrivals``), and gives them back at ``start + duration``. ``depth`` lets the first waiting action
+try its first few allowed unit counts, as in the paper.
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ INF = float("inf")
 
 @dataclass(slots=True, frozen=True)
 class Waiting:
-    """A queued action as the estimate sees it: allowed unit counts and the duration at each."""
+    """A queued (or expected) action as the estimate sees it: allowed unit counts, the duration at each, and for an
+    action not submitted yet, seconds until it is expected (its ACT counts from then)."""
 
     counts: tuple[int, ...]
     durations: tuple[float, ...]
+    arrival_s: float = 0.0
 
 
 class CompletionHeap:
@@ -69,7 +72,8 @@ class CompletionHeap:
 
 
 def estimate(heap: CompletionHeap, waiting: Sequence[Waiting], depth: int) -> float:
-    """Approximate total completion time (from now) of ``waiting`` in FCFS order at minimum units.
+    """Approximate total completion time (from submission, or expected arrival) of ``waiting`` in FCFS order at
+    minimum units.
 
     The first waiting action tries its first ``depth`` allowed counts; the best outcome is returned.
     """
@@ -82,15 +86,17 @@ def estimate(heap: CompletionHeap, waiting: Sequence[Waiting], depth: int) -> fl
         start = trial.take(count)
         if start == INF:
             continue
-        total = start + duration
+        start = max(start, first.arrival_s)
+        total = start + duration - first.arrival_s
         trial.put(start + duration, count)
         for action in rest:
             m = action.counts[0]
             begin = trial.take(m)
             if begin == INF:
                 break
+            begin = max(begin, action.arrival_s)
             finish = begin + action.durations[0]
-            total += finish
+            total += finish - action.arrival_s
             trial.put(finish, m)
         best = min(best, total)
     return best

@@ -6,13 +6,11 @@ floor, never taken away) and its worker count (cores past its workers are useles
 
 1. lends the cores running malleable actions hold above their floors to the queue: queued actions are placed at
    their minimum as if those cores were free, so a short tool call never waits behind a long test run's extra
-   cores (§ "Beyond the paper" in docs/SCHEDULING.md);
-2. shares what is left of each pool among the malleable actions there, running and starting, by *marginal
-   completion-rate water-filling*: one core at a time to the action whose rate of completion, in fractions of its
-   remaining work per second, grows the most, ``(s(k+1) - s(k)) / remaining``. With concave speed-ups this greedy
-   maximises the summed completion rates exactly; it gives shorter remaining work more cores, the ordering heSRPT
-   proves optimal for mean flow time under sublinear speed-up (Berg et al., 2020), and stops at cores that do not
-   speed an action up at all.
+   cores;
+2. shares what is left of each pool among the malleable actions there, running and starting, by marginal-gain
+   water-filling (``share``): each unit to the action whose speed-up it raises the most, which maximises the
+   pool's summed speed-up for concave profiles (EQUI generalised to unequal curves). docs/SCHEDULING.md says why
+   this and not a shortest-remaining-first tilt (heSRPT), which ``share(by_remaining=True)`` also offers.
 
 Progress is tracked as estimated single-unit work done (``done_s``), advanced at the declared speed-up whenever the
 units change, so remaining work is known at every pass. The same code serves the service and the simulator.
@@ -108,7 +106,8 @@ class Malleable:
 
 @dataclass(slots=True)
 class Claimant:
-    """One malleable action of a pool as the sharing sees it: its profile and its remaining work on one unit."""
+    """One malleable action of a pool as the sharing sees it: its profile and its remaining work on one unit (used
+    when shares go by remaining work)."""
 
     profile: Profile
     remaining_s: float

@@ -11,9 +11,10 @@ One pass:
 2. **Groups.** Candidates that are scalable (elastic key resource and a known duration) are grouped by key
    resource; the rest are selected at minimum units (Alg. 1 line 6).
 3. **Greedy eviction** per group with the approximated objective (Alg. 2): DPArrange per pool of the key resource
-   gives the optimum of every FCFS prefix in one table; the remaining queue is estimated on a completion heap.
-   Evict the last member while the objective improves, keeping at least the first (so a pass on idle units
-   always starts something).
+   gives the optimum of every FCFS prefix in one table; the remaining queue, and the next actions that idle
+   trajectories are expected to submit, are estimated on a completion heap.
+   Evict the last member while the objective improves; the first too only while an action holding the resource
+   runs (its end triggers a later pass), so a pass on idle units always starts something.
 4. **Malleable groups** (the key resource's manager can resize running allocations, ``tangram.malleable``): the
    units running malleable actions hold above their floors are lent to step 1, every member starts, and each
    pool's spare units are shared among its malleable actions, running and starting, by marginal completion-rate
@@ -23,14 +24,15 @@ One pass:
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from managers.base import Allocation, Fit, ResourceManager
 from tangram.action import Action
+from tangram.arrivals import Expected
 from tangram.dparrange import DPTable, dp_arrange
 from tangram.durations import DurationModel
-from tangram.estimate import CompletionHeap, Waiting, estimate
+from tangram.estimate import INF, CompletionHeap, Waiting, estimate
 from tangram.malleable import Claimant, profile, share
 
 
@@ -112,7 +114,10 @@ class Scheduler:
             for resource in manager.resources:
                 self.owner[resource] = manager
 
-    def schedule(self, queue: Iterable[Action], running: Iterable[Action], now: float) -> Plan:
+    def schedule(self, queue: Iterable[Action], running: Iterable[Action], now: float,
+                 expected: Callable[[str, int], list[Expected]] | None = None) -> Plan:
+        """One pass. ``expected(resource, limit)`` gives the next actions idle trajectories are expected to submit
+        on ``resource`` (``tangram.arrivals``): the moldable groups' estimate counts them after the queue."""
         fits = {id(m): m.fit() for m in self.managers}
         running = list(running)
         malleable = [a for a in running if a.malleable is not None]
@@ -135,7 +140,7 @@ class Scheduler:
             else:
                 groups[key].append(action)
         for resource, members in groups.items():
-            chosen = self._arrange(resource, members, candidates, queue, running, fits, now)
+            chosen = self._arrange(resource, members, candidates, queue, running, fits, now, expected)
             for action, units in chosen:
                 demand = action.min_units()
                 demand[resource] = units
@@ -232,7 +237,8 @@ class Scheduler:
     # -- steps 2-3 ----------------------------------------------------------------------------------------
 
     def _arrange(self, resource: str, group: list[Action], candidates: list[Action], queue: list[Action],
-                 running: list[Action], fits: dict[int, Fit], now: float) -> list[tuple[Action, int]]:
+                 running: list[Action], fits: dict[int, Fit], now: float,
+                 expected: Callable[[str, int], list[Expected]] | None) -> list[tuple[Action, int]]:
         """Greedy eviction for one key resource; returns the kept members and their key units."""
         fit = fits[id(self.owner[resource])]
         in_group = {a.id for a in group}
@@ -251,10 +257,12 @@ class Scheduler:
                 others_by_pool[fit.pool_of(action, resource)].append(action)
                 others.append((self.durations.duration(action), action.demands[resource].min))
         tables: dict[str, DPTable] = {}
+        free_units: dict[str, int] = {}
         durations: dict[str, dict[int, float]] = {}
         for pool, actions in pool_members.items():
             taken = others_by_pool.get(pool, [])
             free = fit.free_before(resource, pool) - sum(a.demands[resource].min for a in taken)
+            free_units[pool] = free
             options = []
             for action in actions:
                 counts = action.demands[resource].up_to(free)
@@ -266,43 +274,63 @@ class Scheduler:
         base = self._base_heap(resource, running, fit, now, others)
         waiting_group = [self._as_waiting(m.action, resource) for m in members]
         waiting_rest = self._waiting(resource, queue, candidates)
-        plans: dict[tuple[str, int], tuple[float, int, list[tuple[float, int]]]] = {}
+        arrivals: list[Waiting] = []
+        if expected is not None and len(waiting_rest) < self.horizon:
+            arrivals = [Waiting((e.units,), (e.duration_s,), e.in_s)
+                        for e in expected(resource, self.horizon - len(waiting_rest))]
+        waiting_rest += arrivals
+        # Units the members may leave idle for expected arrivals: none, or part or all of what those ask for (counted
+        # units only: a GPU chunk state is not a unit count). The objective picks; the paper's Alg. 1 reserves none.
+        reserves = [0]
+        if arrivals and all(table.parents is None for table in tables.values()):
+            asked = sum(a.counts[0] for a in arrivals)
+            reserves = sorted({0, asked // 4, asked // 2, asked})
+        plans: dict[tuple[str, int, int], tuple[float, int, list[tuple[float, int]]]] = {}
 
-        def plan(pool: str, count: int) -> tuple[float, int, list[tuple[float, int]]]:
-            """Exact ACT sum, units used and completion entries of the pool's first ``count`` members."""
-            ident = (pool, count)
+        def plan(pool: str, count: int, reserve: int) -> tuple[float, int, list[tuple[float, int]]]:
+            """Exact ACT sum, units used and completion entries of the pool's first ``count`` members, leaving
+            ``reserve`` of its free units idle."""
+            ident = (pool, count, reserve)
             if ident not in plans:
-                total, units = tables[pool].best(count)
+                limit = None if reserve == 0 else free_units[pool] - reserve
+                total, units = tables[pool].best(count, limit)
                 entries = [(durations[a.id][k], k) for a, k in zip(pool_members[pool], units)]
                 plans[ident] = (total, sum(units), entries)
             return plans[ident]
 
-        def objective(t: int) -> float:
+        def objective(t: int, reserve: int) -> float:
             counts: dict[str, int] = dict.fromkeys(tables, 0)
             for member in members[:t]:
                 counts[member.pool] += 1
-            chosen = [plan(pool, count) for pool, count in counts.items()]
+            chosen = [plan(pool, count, reserve) for pool, count in counts.items()]
+            exact = sum(total for total, _, _ in chosen)
+            if exact == INF:
+                return INF
             heap = base.copy()
             heap.take(sum(used for _, used, _ in chosen))  # planned members start now, on idle units
             heap.extend(entry for _, _, entries in chosen for entry in entries)
-            exact = sum(total for total, _, _ in chosen)
             # the same actions at every t (members, then the first horizon of the rest), so objectives compare
             return exact + estimate(heap, waiting_group[t:] + waiting_rest, self.depth)
 
-        # Evict while the objective improves by more than rounding, but never the first member: the estimate
-        # pools units the fit could not give it, so "wait" might never end when nothing runs to trigger a pass.
+        def best_reserve(t: int) -> tuple[float, int]:
+            return min((objective(t, reserve), reserve) for reserve in reserves)
+
+        # Evict while the objective improves by more than rounding. The first member goes too only while an action
+        # holding this resource runs: its end is a later pass. With none running, "wait" might never end (the
+        # estimate pools units the fit could not give), so the first member stays.
+        last = 0 if any(action.units.get(resource) for action in running) else 1
         best_t = len(members)
-        best_obj = objective(best_t)
-        for t in range(len(members) - 1, 0, -1):
-            obj = objective(t)
+        best_obj, best_res = best_reserve(best_t)
+        for t in range(len(members) - 1, last - 1, -1):
+            obj, reserve = best_reserve(t)
             if obj >= best_obj - IMPROVEMENT * abs(best_obj):
                 break
-            best_t, best_obj = t, obj
+            best_t, best_obj, best_res = t, obj, reserve
 
         counts: dict[str, int] = defaultdict(int)
         for member in members[:best_t]:
             counts[member.pool] += 1
-        return [(m.action, plan(m.pool, counts[m.pool])[2][m.rank][1]) for m in members[:best_t]]
+        return [(m.action, plan(m.pool, counts[m.pool], best_res)[2][m.rank][1]) for m in members[:best_t]]
 
     def _base_heap(self, resource: str, running: list[Action], fit: Fit, now: float,
                    others: list[tuple[float, int]]) -> CompletionHeap:

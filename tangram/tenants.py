@@ -96,6 +96,9 @@ class EnvironmentHost(Protocol):
     def task_usage(self, task: str) -> tuple[int, int]:
         """The task's environments and the MiB they reserve."""
 
+    def holds_environment(self, task: str, trajectory: str) -> bool:
+        """Whether the trajectory still has its environment (it has not ended): its next action is to come."""
+
 
 def _new_environments(actions: Iterable[Action], host: EnvironmentHost,
                       seen: set[object] | None = None) -> list[int]:

@@ -22,3 +22,13 @@ def test_depth_lets_the_first_action_scale():
     waiting = [Waiting((1, 2), (10.0, 5.0))]
     assert estimate(heap, waiting, depth=1) == 10.0
     assert estimate(heap, waiting, depth=2) == 5.0
+
+
+def test_an_expected_action_counts_from_its_arrival():
+    # one idle unit: a queued 2 s action takes it at 0 and ends at 2; one expected at 1 s for 1 s waits for it,
+    # runs 2-3, and its ACT counts from its arrival: 2 s
+    heap = CompletionHeap([(0.0, 1)])
+    queued, arriving = Waiting((1,), (2.0,)), Waiting((1,), (1.0,), arrival_s=1.0)
+    assert estimate(heap, [queued, arriving], depth=1) == 2.0 + (3.0 - 1.0)
+    # units free before it arrives do not start it early
+    assert estimate(CompletionHeap([(0.0, 2)]), [queued, arriving], depth=1) == 2.0 + 1.0

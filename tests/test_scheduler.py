@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 from managers.counted import CountedUnitsManager
 from tangram.action import Action, Demand, Elasticity, Kind
+from tangram.arrivals import Expected
 from tangram.durations import DurationModel
 from tangram.scheduler import Scheduler
 
@@ -83,6 +84,19 @@ def test_running_actions_shape_the_estimate():
     action = act(1, {"cpu": Demand.range(1, 4)}, Elasticity("cpu", LINEAR, t1=8.0))
     [placement] = schedule(manager, [action], running=[busy])
     assert placement.units["cpu"] == 2  # only 2 free; it never waits for the busy ones
+
+
+def test_expected_arrivals_keep_cores_idle_when_that_pays():
+    # 8 idle cores; a test run (T1 8 s, E(4) = 0.9, E(8) = 0.8) alone: all 8 (1.25 s). With four one-core, 1 s calls
+    # expected in 0.1 s, 8 cores would make them wait until 1.25 s (ACT 2.15 s each): leaving 4 idle is better
+    manager = CountedUnitsManager({"cpu": {"n0": 8}})
+    profile = Elasticity("cpu", ((1, 1.0), (4, 0.9), (8, 0.8)), t1=8.0)
+    alone = schedule(manager, [act(1, {"cpu": Demand.range(1, 8)}, profile)])
+    assert alone[0].units["cpu"] == 8
+    soon = [Expected(0.1, 1, 1.0)] * 4
+    plan = Scheduler([manager], DurationModel()).schedule([act(2, {"cpu": Demand.range(1, 8)}, profile)], [], 0.0,
+                                                          lambda resource, limit: soon[:limit])
+    assert plan.placements[0].units["cpu"] == 4
 
 
 demand_strategy = st.one_of(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import heapq
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 from managers.base import Allocation, ResourceManager
@@ -28,6 +29,7 @@ from tangram.action import Action, Demand, Kind
 from tangram.durations import DurationModel
 from tangram.queue import FCFSQueue
 from tangram import dispatch
+from tangram.arrivals import ArrivalModel, Expected
 from tangram.scheduler import Plan, Resize, Scheduler
 from tangram.sim.cluster import Cluster, Costs, xdist_cpu_s
 from tangram.sim.engine import CallRun
@@ -132,7 +134,8 @@ def action_for(run: CallRun, seq: int, now: float, test_demand: Demand = ELASTIC
 
 class BrokerStation:
     def __init__(self, cluster: Cluster, *, test_demand: Demand = ELASTIC_TEST, depth: int = 2,
-                 horizon: int = 64, malleable: bool = True, share_by_remaining: bool = False) -> None:
+                 horizon: int = 64, malleable: bool = True, share_by_remaining: bool = False,
+                 arrivals: bool = True) -> None:
         self.cluster = cluster
         self.costs: Costs = cluster.costs
         self.test_demand = test_demand
@@ -143,6 +146,7 @@ class BrokerStation:
         self.gpu = next((m for m in self.managers if isinstance(m, GpuManager)), None)
         self.dops = {s.name: s.dops for s in cluster.services}
         self.durations = DurationModel()
+        self.arrivals = ArrivalModel() if arrivals else None
         self.scheduler = Scheduler(self.managers, self.durations, depth=depth, horizon=horizon,
                                    share_by_remaining=share_by_remaining)
         self.queue = FCFSQueue()
@@ -164,6 +168,8 @@ class BrokerStation:
         action = action_for(run, self.seq, now, self.test_demand, dops)
         self.calls[action.id] = run
         self.queue.push(action)
+        if self.arrivals is not None:
+            self.arrivals.submitted(action, now)
         self.dirty = True
 
     def collect(self, now: float) -> list[CallRun]:
@@ -191,6 +197,8 @@ class BrokerStation:
             if action.malleable is not None:
                 self.calls[action_id].resizes = action.malleable.resizes
             self.durations.observe(action)
+            if self.arrivals is not None:
+                self.arrivals.ended(action, now)
             done.append(self.calls.pop(action_id))
             self.dirty = True
         return done
@@ -204,7 +212,8 @@ class BrokerStation:
             return
         self.dirty = False
         started = time.perf_counter()
-        plan: Plan = self.scheduler.schedule(self.queue, (a for a, _ in self.running.values()), now)
+        plan: Plan = self.scheduler.schedule(self.queue, (a for a, _ in self.running.values()), now,
+                                             self._expected(now))
         self.pass_ms.append((time.perf_counter() - started) * 1e3)
         for decision in plan.shrinks():
             self._resize(decision, now)
@@ -221,6 +230,15 @@ class BrokerStation:
             self._resize(decision, now)
         hints = [h for m in self.managers if (h := m.next_change_in()) is not None]
         self.wake_at = now + min(hints) if hints and len(self.queue) else None
+
+    def _expected(self, now: float) -> Callable[[str, int], list[Expected]] | None:
+        """What idle trajectories are expected to submit next (the broker's ``ArrivalModel``), if enabled."""
+        arrivals = self.arrivals
+        if arrivals is None:
+            return None
+        cpu = self.cpu
+        holds = cpu.holds_environment if cpu is not None else None
+        return lambda resource, limit: arrivals.expected(resource, now, limit, holds)
 
     def _resize(self, decision: Resize, now: float) -> None:
         action = decision.action
@@ -286,6 +304,8 @@ class BrokerStation:
         return min(times, default=None)
 
     def trajectory_done(self, trajectory: Trajectory, now: float) -> None:
+        if self.arrivals is not None:
+            self.arrivals.forget(trajectory.task, trajectory.id)
         if self.cpu is None:
             return
         env = self.cpu.by_trajectory.get((trajectory.task, trajectory.id))

@@ -57,6 +57,7 @@ FIXED_DOPS = (1, 2, 4, 8, 16, 32)
 POLICIES: dict[str, Policy] = {
     "tangram": tangram,
     "tangram-moldable": broker(malleable=False),
+    "tangram-paper": broker(malleable=False, arrivals=False),
     "tangram-srpt": broker(share_by_remaining=True),
     "tangram-min4": broker(test_demand=Demand.range(4, 32), malleable=False),
     **{f"dop{d}": broker(test_demand=Demand.fixed(d)) for d in FIXED_DOPS},

@@ -91,8 +91,9 @@ def command_for(call: Call) -> list[str]:
 
 
 def action_body(trajectory: Trajectory, call: Call, max_cores: int, *, timeout_s: float,
-                idempotency_key: str | None = None) -> dict[str, Any]:
-    """The JSON action a client sends for ``call`` (the REST form of ``broker_station.action_for``)."""
+                idempotency_key: str | None = None, fixed_dop: int | None = None) -> dict[str, Any]:
+    """The JSON action a client sends for ``call`` (the REST form of ``broker_station.action_for``); with
+    ``fixed_dop``, a test run asks for exactly that many cores and declares no elasticity (a fixed-DoP user)."""
     if call.kind not in REPLAYABLE:
         raise ValueError(f"a replay sends only {'/'.join(REPLAYABLE)} calls, not {call.kind!r}")
     body: dict[str, Any] = {"task": trajectory.task, "trajectory": trajectory.id, "kind": "exec",
@@ -101,6 +102,9 @@ def action_body(trajectory: Trajectory, call: Call, max_cores: int, *, timeout_s
     if call.kind == "tool":
         body["demand"] = {"cpu": 1}
         body["signature"] = "exec|tool"
+    elif fixed_dop is not None:
+        body["demand"] = {"cpu": fixed_dop}
+        body["signature"] = "exec|test"
     else:
         body["demand"] = {"cpu": {"min": 1, "max": max_cores} if max_cores > 1 else 1}
         body["signature"] = "exec|test"
@@ -175,8 +179,9 @@ def _environment_of(answer: dict[str, Any]) -> str | None:
 
 class _Replay:
     def __init__(self, trace: Trace, url: str, session: aiohttp.ClientSession, max_cores: int, *,
-                 wait_timeout_s: float, action_timeout_s: float, retries: int) -> None:
+                 wait_timeout_s: float, action_timeout_s: float, retries: int, fixed_dop: int | None) -> None:
         self.trace = trace
+        self.fixed_dop = fixed_dop
         self.url = url.rstrip("/")
         self.session = session
         self.max_cores = max_cores
@@ -213,7 +218,7 @@ class _Replay:
         """Submit call ``index`` and wait for its terminal answer: (answer, sent at, answered at)."""
         call = trajectory.calls[index]
         body = action_body(trajectory, call, self.max_cores, timeout_s=self.action_timeout_s,
-                           idempotency_key=f"replay-{self.run_id}-{trajectory.id}-{index}")
+                           idempotency_key=f"replay-{self.run_id}-{trajectory.id}-{index}", fixed_dop=self.fixed_dop)
         wait = {"wait": "true", "wait_timeout_s": str(self.wait_timeout_s)}
         sent = self.now()
         status, answer = await self._request("POST", "/v1/actions", params=wait, json=body)
@@ -274,14 +279,15 @@ class _Replay:
 
 async def replay(trace: Trace, url: str, *, session: aiohttp.ClientSession | None = None,
                  wait_timeout_s: float = 60.0, action_timeout_s: float = 600.0, max_cores: int | None = None,
-                 retries: int = 3) -> RunResult:
+                 retries: int = 3, fixed_dop: int | None = None) -> RunResult:
     """Send every call of ``trace`` to the broker at ``url`` on the wall clock and record what it measured.
 
     Virtual time zero is the replay's start. A call is sent when its trajectory's previous answer came back (or at
     ``start_s``) plus its ``think_s``; the client round trip beyond the broker's ACT is reported as
     ``client_rtt_s_mean``. ``max_cores`` bounds a test run's elastic range (default: the broker's largest CPU
-    node, at most 32). ``wait_timeout_s`` is one long poll (at most the broker's ``max_wait_s``);
-    ``action_timeout_s`` each action's deadline. A trajectory's environment is deleted after its last call.
+    node, at most 32); ``fixed_dop`` sends test runs at exactly that many cores instead. ``wait_timeout_s`` is one
+    long poll (at most the broker's ``max_wait_s``); ``action_timeout_s`` each action's deadline. A trajectory's
+    environment is deleted after its last call.
     """
     check_replayable(trace)
     own = session is None
@@ -293,7 +299,7 @@ async def replay(trace: Trace, url: str, *, session: aiohttp.ClientSession | Non
             cluster = cluster_of(await broker_resources(url, session))
             max_cores = min(MAX_TEST_CORES, cluster.cores_per_node)
         return await _Replay(trace, url, session, max_cores, wait_timeout_s=wait_timeout_s,
-                             action_timeout_s=action_timeout_s, retries=retries).run()
+                             action_timeout_s=action_timeout_s, retries=retries, fixed_dop=fixed_dop).run()
     finally:
         if own:
             await session.close()
