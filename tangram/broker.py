@@ -452,7 +452,7 @@ class Broker:
                 self.ledger.hold(action)
             self._finish(action, State.SUCCEEDED, result=outcome.result, keep=allocations if outcome.hold else None)
             if not outcome.hold:
-                self._release(allocations)
+                dispatch.release(allocations)
             return
         running = _Running(action, allocations, own, after)
         self.running[action.id] = running
@@ -500,14 +500,9 @@ class Broker:
         finally:
             self.running.pop(action.id, None)
             if not hold:
-                self._release(running.allocations)
+                dispatch.release(running.allocations)
                 self.ledger.unhold(action)
             self.kick()
-
-    @staticmethod
-    def _release(allocations: list[tuple[ResourceManager, Allocation]]) -> None:
-        for manager, allocation in allocations:
-            manager.release(allocation)
 
     def _finish(self, action: Action, state: State, *, result: Any = None, error: dict[str, Any] | None = None,
                 keep: list[tuple[ResourceManager, Allocation]] | None = None) -> None:
@@ -517,9 +512,7 @@ class Broker:
         action.error = error
         if keep is not None:
             self.leases[action.id] = keep
-        if state is State.SUCCEEDED:
-            self.durations.observe(action)
-        self.arrivals.ended(action, action.finished_at)
+        dispatch.ended(self.durations, self.arrivals, action, action.finished_at, state is State.SUCCEEDED)
         self.store.save(action)
         self.metrics.record_finish(action)
         self.recent.append(action)
@@ -529,7 +522,7 @@ class Broker:
             event.set()
 
     def _return_lease(self, action: Action, how: str) -> None:
-        self._release(self.leases.pop(action.id))
+        dispatch.release(self.leases.pop(action.id))
         self.ledger.unhold(action)
         self._record_return(action, how, time.time())
         self._forget.append((time.time(), action.id))  # memory kept it past ``retain_s`` while it was held

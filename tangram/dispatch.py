@@ -1,9 +1,12 @@
-"""Starting and resizing actions: the bookkeeping of a pass's decisions, shared by the broker (asyncio, wall
-clock) and the simulator (virtual clock), so both apply the scheduler's plan the same way."""
+"""Starting, resizing and ending actions: the bookkeeping of a pass's decisions and of an action's end, shared by
+the broker (asyncio, wall clock) and the simulator (virtual clock), so both apply the scheduler's plan and learn
+from ends the same way."""
 
 from __future__ import annotations
 
 from managers.base import Allocation, ResourceManager
+from tangram.action import Action
+from tangram.arrivals import ArrivalModel
 from tangram.durations import DurationModel
 from tangram.malleable import Malleable, profile
 from tangram.scheduler import Placement, Resize, allocate_placement
@@ -47,3 +50,17 @@ def resize(owner: dict[str, ResourceManager], allocations: Allocations, decision
     action.placement.update(allocation.placement)
     action.expected_duration_s = (now - (action.started_at or now)) + held.remaining_s(now) / held.rate()
     return allocation
+
+
+def release(allocations: Allocations) -> None:
+    for manager, allocation in allocations:
+        manager.release(allocation)
+
+
+def ended(durations: DurationModel, arrivals: ArrivalModel | None, action: Action, now: float,
+          succeeded: bool) -> None:
+    """Learn from an action's end: its duration (if it succeeded) and its trajectory's idle start."""
+    if succeeded:
+        durations.observe(action)
+    if arrivals is not None:
+        arrivals.ended(action, now)

@@ -204,7 +204,14 @@ def openapi_document(server: ServerConfig, limits: Limits, resources: Sequence[s
                 "finished_at": {"type": ["number", "null"]},
                 "allocation": {"type": ["object", "null"], "properties": {
                     "units": {"type": "object", "additionalProperties": {"type": "integer"}},
-                    "placement": {"type": "object"}}},
+                    "placement": {"type": "object"},
+                    "malleable": {"type": "object", "description": "an elastic action whose units changed as it "
+                                  "ran: its floor, workers, resizes, unit-seconds and [time, units] history",
+                                  "properties": {
+                                      "resource": {"type": "string"}, "floor": {"type": "integer"},
+                                      "workers": {"type": "integer"}, "resizes": {"type": "integer"},
+                                      "unit_seconds": {"type": "number"},
+                                      "history": {"type": "array", "items": {"type": "array"}}}}}},
                 "result": {},
                 "error": {"type": ["object", "null"], "properties": {
                     "code": {"type": "string"}, "message": {"type": "string"}}},

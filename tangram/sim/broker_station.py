@@ -191,14 +191,11 @@ class BrokerStation:
                 run.history = tuple(execution.history)
                 del self.executions[action_id]
             action, allocations = self.running.pop(action_id)
-            for manager, allocation in allocations:
-                manager.release(allocation)
+            dispatch.release(allocations)
             action.execution_s = self.calls[action_id].exec_s + self.calls[action_id].overhead_s
             if action.malleable is not None:
                 self.calls[action_id].resizes = action.malleable.resizes
-            self.durations.observe(action)
-            if self.arrivals is not None:
-                self.arrivals.ended(action, now)
+            dispatch.ended(self.durations, self.arrivals, action, now, succeeded=True)
             done.append(self.calls.pop(action_id))
             self.dirty = True
         return done
