@@ -28,12 +28,12 @@ from managers.cores import CorePool, host_numa_nodes
 from managers.cpu_config import CpuConfig, CpuNodeConfig
 from managers.environment import Environment, EnvState
 from managers.exec_spec import executor_request, parse_exec_spec, parse_files
-from tangram.malleable import workers_for
 from sandboxes.backend import Leftover, Sandbox, SandboxBackend, SandboxError, SandboxSpec
 from sandboxes.docker import DockerBackend
 from sandboxes.local import LocalProcessBackend
 from tangram.action import Action, Kind, new_action_id
 from tangram.errors import ActionFailed, BadRequest, Conflict, NotFound, Unprocessable
+from tangram.malleable import workers_for
 
 log = logging.getLogger("tangram.cpu")
 

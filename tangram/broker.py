@@ -17,13 +17,13 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from managers.base import Allocation, Lessor, ResourceManager
+from tangram import dispatch
 from tangram.action import Action, Kind, State
 from tangram.arrivals import ArrivalModel
 from tangram.durations import DurationModel
 from tangram.errors import ActionFailed, BadRequest, Conflict, NotFound, Unprocessable
 from tangram.metrics import Metrics
 from tangram.queue import make_queue
-from tangram import dispatch
 from tangram.scheduler import Placement, Resize, Scheduler
 from tangram.store import Store
 from tangram.tenants import MAX_RETRY_S, EnvironmentHost, TaskLedger, Tenancy
@@ -430,9 +430,15 @@ class Broker:
             await manager.apply_resize(allocation)
         except ActionFailed as failure:
             log.warning("resizing %s failed: %s", running.action.id, failure.message)
-            if running.task is not None and not running.task.done():
-                running.failure = failure.to_json()
-                running.task.cancel()
+            error = failure.to_json()
+        except Exception as bug:  # a manager bug: end this action, keep the broker up
+            log.exception("resizing %s failed", running.action.id)
+            error = {"code": "resize_failed", "message": repr(bug)}
+        else:
+            return
+        if running.task is not None and not running.task.done():
+            running.failure = error
+            running.task.cancel()
 
     def _start(self, placement: Placement, now: float, after: asyncio.Future[Any] | None) -> None:
         action = placement.action

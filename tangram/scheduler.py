@@ -16,9 +16,9 @@ One pass:
    Evict the last member while the objective improves; the first too only while an action holding the resource
    runs (its end triggers a later pass), so a pass on idle units always starts something.
 4. **Malleable groups** (the key resource's manager can resize running allocations, ``tangram.malleable``): the
-   units running malleable actions hold above their floors are lent to step 1, every member starts, and each
-   pool's spare units are shared among its malleable actions, running and starting, by marginal completion-rate
-   water-filling; running ones whose share changed are resized.
+   units running malleable actions hold above their floors are lent to step 1, and each pool's spare units are
+   shared among its malleable actions, running and starting, by marginal-gain water-filling (the summed
+   speed-up); members start with their share, running ones whose share changed are resized.
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ from tangram.dparrange import DPTable, dp_arrange
 from tangram.durations import DurationModel
 from tangram.estimate import INF, CompletionHeap, Waiting, estimate
 from tangram.malleable import Claimant, profile, share
-
 
 #: relative gain below which an eviction is not worth it (objectives that differ only by float rounding)
 IMPROVEMENT = 1e-9
@@ -103,7 +102,7 @@ class Scheduler:
     def __init__(self, managers: Sequence[ResourceManager], durations: DurationModel, depth: int = 2,
                  horizon: int = 256, share_by_remaining: bool = False) -> None:
         self.managers = list(managers)
-        self.share_by_remaining = share_by_remaining  # malleable shares: by completion rate, not speed-up
+        self.share_by_remaining = share_by_remaining  # malleable shares by completion rate (heSRPT-like), not speed-up
         self.durations = durations
         self.depth = depth
         self.horizon = horizon

@@ -212,9 +212,9 @@ async def test_a_tool_call_takes_a_core_from_a_running_test_run_and_gives_it_bac
                                        "demand": {"cpu": {"min": 1, "max": 2}}, "elasticity": ELASTIC,
                                        "spec": {"command": WATCH.format(seconds=4), "memory_mb": 128}})
         await wait_output(live, long_run, "first affinity")
-        status, running = await live.call("GET", f"/v1/actions/{long_run}")
+        _, running = await live.call("GET", f"/v1/actions/{long_run}")
         assert running["state"] == "running" and running["allocation"]["units"]["cpu"] == 2  # an idle node: both
-        status, tool = await live.call("POST", "/v1/actions?wait=true", json={
+        _, tool = await live.call("POST", "/v1/actions?wait=true", json={
             "task": "t", "trajectory": "tools", "kind": "exec", "demand": {"cpu": 1},
             "spec": {"command": "sleep 1; grep Cpus_allowed_list /proc/self/status", "memory_mb": 128}})
         assert tool["state"] == "succeeded", tool
@@ -234,7 +234,7 @@ async def test_a_tool_call_takes_a_core_from_a_running_test_run_and_gives_it_bac
         assert str(other) in seen[1:-1], seen  # while the tool call ran, the test run was on the other core only
         manager = live.broker.executor[Kind.EXEC]
         assert manager.nodes["n1"].cores.free == {0, 1}
-        assert live.broker.metrics.resizes._value.get() >= 2  # noqa: SLF001 - the counter behind /metrics
+        assert live.broker.metrics.resizes._value.get() >= 2
 
 
 async def test_a_resize_of_a_dead_sandbox_fails_the_action_and_leaks_no_core(tmp_path) -> None:
@@ -247,7 +247,7 @@ async def test_a_resize_of_a_dead_sandbox_fails_the_action_and_leaks_no_core(tmp
         manager = live.broker.executor[Kind.EXEC]
         env = next(e for e in manager.environments.values() if long_run in e.running)
         docker.DockerClient(base_url=engine).containers.get(env.sandbox.container.id).kill()
-        status, tool = await live.call("POST", "/v1/actions?wait=true", json={
+        _, tool = await live.call("POST", "/v1/actions?wait=true", json={
             "task": "t", "trajectory": "tools", "kind": "exec", "demand": {"cpu": 1},
             "spec": {"command": "true", "memory_mb": 128}})
         assert tool["state"] == "succeeded", tool

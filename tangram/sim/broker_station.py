@@ -25,11 +25,11 @@ from managers.gpu_config import GpuConfig, GpuNodeConfig
 from managers.residency import SlotState
 from reward_services.backend import ServiceBackend, ServiceInstance, ServiceSpec
 from sandboxes.backend import Leftover, Sandbox, SandboxBackend, SandboxSpec
+from tangram import dispatch
 from tangram.action import Action, Demand, Kind
+from tangram.arrivals import ArrivalModel, Expected
 from tangram.durations import DurationModel
 from tangram.queue import FCFSQueue
-from tangram import dispatch
-from tangram.arrivals import ArrivalModel, Expected
 from tangram.scheduler import Plan, Resize, Scheduler
 from tangram.sim.cluster import Cluster, Costs, xdist_cpu_s
 from tangram.sim.engine import CallRun
