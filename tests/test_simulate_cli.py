@@ -30,6 +30,41 @@ def test_each_scenario_writes_figures_json_and_a_png(scenario, tmp_path, capsys)
     assert "paper" in capsys.readouterr().out
 
 
+def test_dop_compares_every_fixed_dop_over_seeds(tmp_path, capsys):
+    out_json = tmp_path / "dop.json"
+    assert main(["simulate", "dop", "--scale", "0.02", "--seeds", "1,2", "--json", str(out_json)]) == 0
+    body = json.loads(out_json.read_text())
+    assert body["seeds"] == [1, 2] and [run["seed"] for run in body["runs"]] == [1, 2]
+    batches = sorted({p["x"] for p in body["points"]})
+    policies = {p["policy"] for p in body["points"]}
+    assert {f"dop{d}" for d in (1, 2, 4, 8, 16, 32)} | {"tangram", "tangram-paper"} <= policies
+    best = {f["name"]: f for f in body["figures"] if f["name"].startswith("best fixed DoP / ours")}
+    assert len(best) == len(batches) == 6
+    for batch, figure in zip(batches, best.values()):
+        spread = figure["over_seeds"]
+        assert spread["min"] - 1e-3 <= spread["median"] == figure["ours"] <= spread["max"] + 1e-3
+        per_seed = []
+        for run in body["runs"]:  # the figure is what the points say, for each seed
+            acts = {p["policy"]: p["mean_trajectory_act_s"] for p in run["points"] if p["x"] == batch}
+            per_seed.append(min(acts[f"dop{d}"] for d in (1, 2, 4, 8, 16, 32)) / acts["tangram"])
+        assert sorted(per_seed) == pytest.approx([spread["min"], spread["max"]], abs=2e-3)
+    assert "median" not in capsys.readouterr().err
+
+
+def test_coding_scenarios_set_the_broker_beside_ideal_pods(tmp_path):
+    for scenario in ("coding-batch", "coding-capacity"):
+        out_json = tmp_path / f"{scenario}.json"
+        assert main(["simulate", scenario, "--scale", "0.02", "--json", str(out_json)]) == 0
+        body = json.loads(out_json.read_text())
+        xs = {p["x"] for p in body["points"]}
+        ideal = {p["x"]: p for p in body["points"] if p["policy"] == "pods-ideal"}
+        assert set(ideal) == xs
+        ratios = [f for f in body["figures"] if f["name"].startswith("pods-ideal / broker")]
+        assert len(ratios) == len(xs)
+        for point in ideal.values():  # no control plane: no pod waits to be bound
+            assert point["by_kind"]["tool"]["mean_queue_s"] == pytest.approx(0.0, abs=1e-9)
+
+
 def test_trace_make_then_run_under_two_policies(tmp_path, capsys):
     trace = tmp_path / "t.json"
     assert main(["trace", "make", "ai_coding", "--batch", "12", "--seed", "4", "--out", str(trace)]) == 0

@@ -75,14 +75,15 @@ class _ModelledBackend(ServiceBackend):
         return _ModelledInstance(spec, devices)
 
 
-def build_managers(cluster: Cluster, clock: Any, malleable: bool = True) -> list[ResourceManager]:
+def build_managers(cluster: Cluster, clock: Any, malleable: bool = True,
+                   worker_overhead: float = CpuConfig.worker_overhead) -> list[ResourceManager]:
     """The real managers over the cluster's resources, with modelled sandboxes and services."""
     managers: list[ResourceManager] = []
     if cluster.cpu_nodes:
         nodes = tuple(CpuNodeConfig(name=f"cpu{i}", cores=tuple(range(cluster.cores_per_node)),
                                     memory_mb=cluster.node_memory_mb) for i in range(cluster.cpu_nodes))
         cpu = CpuManager(CpuConfig(nodes=nodes, max_environments=1 << 30, malleable=malleable,
-                                   worker_start_s=cluster.costs.xdist_worker_cpu_s))
+                                   worker_start_s=cluster.costs.xdist_worker_cpu_s, worker_overhead=worker_overhead))
         for config in nodes:
             cpu.add_node(CpuNode(config, NoSandboxes(), [config.cores]))
         managers.append(cpu)
@@ -135,12 +136,12 @@ def action_for(run: CallRun, seq: int, now: float, test_demand: Demand = ELASTIC
 class BrokerStation:
     def __init__(self, cluster: Cluster, *, test_demand: Demand = ELASTIC_TEST, depth: int = 2,
                  horizon: int = 64, malleable: bool = True, share_by_remaining: bool = False,
-                 arrivals: bool = True) -> None:
+                 arrivals: bool = True, worker_overhead: float = CpuConfig.worker_overhead) -> None:
         self.cluster = cluster
         self.costs: Costs = cluster.costs
         self.test_demand = test_demand
         self.now = 0.0
-        self.managers = build_managers(cluster, lambda: self.now, malleable)
+        self.managers = build_managers(cluster, lambda: self.now, malleable, worker_overhead)
         self.owner: dict[str, ResourceManager] = {r: m for m in self.managers for r in m.resources}
         self.cpu = next((m for m in self.managers if isinstance(m, CpuManager)), None)
         self.gpu = next((m for m in self.managers if isinstance(m, GpuManager)), None)

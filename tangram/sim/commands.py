@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -27,13 +28,30 @@ WORKLOADS = {"ai_coding": lambda batch, seed: ai_coding(CodingParams(batch=batch
 
 def _table(outcome: Outcome) -> Table:
     table = Table(title=outcome.title)
-    for column in ("figure", "paper", "ours", "ours / paper"):
-        table.add_column(column, justify="left" if column == "figure" else "right")
+    for column in ("figure", "paper", "ours", "ours / paper", "note"):
+        table.add_column(column, justify="left" if column in ("figure", "note") else "right")
     for f in outcome.figures:
         ratio = f["ours_over_paper"]
-        table.add_row(f["name"], "-" if f["paper"] is None else str(f["paper"]), f"{f['ours']:.3g}",
-                      "-" if ratio is None else f"{ratio:.2f}")
+        spread = f.get("over_seeds")
+        ours = f"{f['ours']:.3g}" if spread is None else \
+            f"{spread['median']:.3g} ({spread['min']:.3g}-{spread['max']:.3g})"
+        table.add_row(f["name"], "-" if f["paper"] is None else str(f["paper"]), ours,
+                      "-" if ratio is None else f"{ratio:.2f}", f.get("note", ""))
     return table
+
+
+def over_seeds(outcomes: list[Outcome], seeds: list[int]) -> None:
+    """Give each figure of the first outcome its spread over the seeds (the same scenario under each): ``ours``
+    becomes the median, and ``over_seeds`` holds the seeds, min, median and max."""
+    for figure in outcomes[0].figures:
+        same = [next(f for f in o.figures if f["name"] == figure["name"]) for o in outcomes]
+        values = [f["ours"] for f in same]
+        figure["note"] = "; ".join(dict.fromkeys(f["note"] for f in same if f["note"]))
+        middle = round(statistics.median(values), 3)
+        figure["over_seeds"] = {"seeds": seeds, "min": min(values), "median": middle, "max": max(values)}
+        figure["ours"] = middle
+        if isinstance(figure["paper"], (int, float)) and figure["paper"]:
+            figure["ours_over_paper"] = round(middle / figure["paper"], 3)
 
 
 def _simulate(args: argparse.Namespace) -> int:
@@ -56,12 +74,18 @@ def _simulate(args: argparse.Namespace) -> int:
             else:
                 print(line, file=sys.stderr, flush=True)
 
+        seeds = args.seeds or [args.seed]
         for name in names:
             bar.update(overall, description=name)
             started = time.perf_counter()
-            outcome = SCENARIOS[name](args.scale, args.seed, on_run)
-            body: dict[str, Any] = {**outcome.to_json(), "scale": args.scale, "seed": args.seed,
+            outcomes = [SCENARIOS[name](args.scale, seed, on_run) for seed in seeds]
+            outcome = outcomes[0]
+            body: dict[str, Any] = {**outcome.to_json(), "scale": args.scale, "seed": seeds[0],
                                     "wall_s": round(time.perf_counter() - started, 1)}
+            if len(seeds) > 1:
+                over_seeds(outcomes, seeds)
+                body = {**outcome.to_json(), "scale": args.scale, "seeds": seeds, "wall_s": body["wall_s"],
+                        "runs": [{**o.to_json(), "seed": seed} for o, seed in zip(outcomes, seeds)]}
             json_path = args.json if args.json and len(names) == 1 else (Path(args.out) / f"{name}.json"
                                                                         if args.out else None)
             plot_path = args.plot if args.plot and len(names) == 1 else (Path(args.out) / f"{name}.png"
@@ -120,6 +144,16 @@ def _trace_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _seed_list(text: str) -> list[int]:
+    try:
+        seeds = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"seeds must be integers separated by commas, got {text!r}") from None
+    if not seeds:
+        raise argparse.ArgumentTypeError("give at least one seed")
+    return seeds
+
+
 def add_commands(commands: Any) -> None:
     simulate_parser = commands.add_parser("simulate", help="reproduce one of the paper's evaluation scenarios in the "
                                                            "simulator (or all of them)")
@@ -127,6 +161,8 @@ def add_commands(commands: Any) -> None:
     simulate_parser.add_argument("--scale", type=float, default=1.0,
                                  help="multiply batch sizes and CPU capacity (0.1 for a quick look)")
     simulate_parser.add_argument("--seed", type=int, default=1)
+    simulate_parser.add_argument("--seeds", type=_seed_list, help="run each scenario once per seed (e.g. 1,2,3) and "
+                                                                   "report every figure's median and range")
     simulate_parser.add_argument("--json", help="write the figures and every point here")
     simulate_parser.add_argument("--plot", help="write a PNG plot here")
     simulate_parser.add_argument("--out", help="directory for SCENARIO.json and SCENARIO.png (with 'all')")

@@ -7,10 +7,15 @@ from pathlib import Path
 
 from tangram.sim.scenarios import Outcome
 
-COLORS = {"tangram": "#1f77b4", "baseline": "#d62728", "dop4": "#ff7f0e", "dop16": "#2ca02c",
-          "tangram-min4": "#9467bd"}
-LABELS = {"tangram": "ARL-Tangram (simulated)", "baseline": "baseline", "dop4": "fixed DoP 4",
-          "dop16": "fixed DoP 16", "tangram-min4": "elastic DoP 4-32"}
+#: fixed DoPs in one sequential palette, light (DoP 1) to dark (DoP 32)
+DOP_SHADES = {"dop1": "#fdd0a2", "dop2": "#fdae6b", "dop4": "#fd8d3c", "dop8": "#f16913", "dop16": "#d94801",
+              "dop32": "#8c2d04"}
+COLORS = {"tangram": "#1f77b4", "baseline": "#d62728", "pods-ideal": "#e377c2", "tangram-min4": "#9467bd",
+          "tangram-paper": "#7f7f7f", "tangram-moldable": "#bcbd22", "tangram-srpt": "#17becf", **DOP_SHADES}
+LABELS = {"tangram": "ARL-Tangram (malleable, simulated)", "baseline": "pods", "pods-ideal": "pods, free control plane",
+          "tangram-min4": "elastic DoP 4-32 (moldable)", "tangram-paper": "paper's algorithm (moldable)",
+          "tangram-moldable": "moldable + arrivals", "tangram-srpt": "malleable, by remaining work",
+          **{name: f"fixed DoP {name[3:]}" for name in DOP_SHADES}}
 
 
 def plot(outcome: Outcome, path: str | Path) -> None:

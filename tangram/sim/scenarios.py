@@ -14,7 +14,7 @@ from typing import Any
 
 from tangram.sim.cluster import ApiModel, Cluster, ServiceModel, gpu_nodes
 from tangram.sim.engine import simulate
-from tangram.sim.policies import POLICIES
+from tangram.sim.policies import FIXED_DOPS, POLICIES, broker
 from tangram.sim.trace import Trace
 from tangram.sim.workloads import (
     CodingParams,
@@ -109,7 +109,8 @@ def coding_batch(scale: float, seed: int, progress: Progress = _stderr) -> Outco
     batches = [max(2, round(b * scale)) for b in (128, 256, 512, 1024, 1280, 1536)]
     for batch in batches:
         trace = ai_coding(CodingParams(batch=batch), seed)
-        _run(trace, cluster, ("tangram", "baseline"), batch, points, progress, f"coding batch {batch:5d}")
+        _run(trace, cluster, ("tangram", "baseline", "pods-ideal"), batch, points, progress,
+             f"coding batch {batch:5d}")
     out = Outcome("coding-batch", "AI coding: ACT vs batch size (Fig. 8a left)", "RL batch size", points, [], [])
     ratios = [out.act("baseline", b) / out.act("tangram", b) for b in batches]
     out.figures += [
@@ -117,6 +118,8 @@ def coding_batch(scale: float, seed: int, progress: Progress = _stderr) -> Outco
         _figure("pods / broker ACT, largest batch", 27.7, ratios[-1]),
         _figure("broker ACT, largest / smallest batch", "< 2", out.act("tangram", batches[-1])
                 / out.act("tangram", batches[0])),
+        *(_figure(f"pods-ideal / broker ACT, batch {b}", None, out.act("pods-ideal", b) / out.act("tangram", b),
+                  "no control-plane cost: a win from scheduling") for b in batches),
     ]
     return out
 
@@ -128,28 +131,47 @@ def coding_capacity(scale: float, seed: int, progress: Progress = _stderr) -> Ou
     trace = ai_coding(CodingParams(batch=batch), seed)
     capacities = [round(c * scale) for c in (768, 1024, 1280, 1536, 2048)]
     for cores in capacities:
-        _run(trace, _cpu(cores), ("tangram", "baseline"), cores, points, progress, f"coding cores {cores:5d}")
+        _run(trace, _cpu(cores), ("tangram", "baseline", "pods-ideal"), cores, points, progress,
+             f"coding cores {cores:5d}")
     out = Outcome("coding-capacity", "AI coding: ACT vs CPU capacity at batch 1,280 (Fig. 8a right)", "CPU cores",
                   points, [], [])
     ratios = [out.act("baseline", c) / out.act("tangram", c) for c in capacities]
     out.figures += [_figure("pods / broker ACT, fewest cores (768)", 1.89, ratios[0]),
-                    _figure("pods / broker ACT, most of the paper's (4.33x at best)", 4.33, max(ratios))]
+                    _figure("pods / broker ACT, most of the paper's (4.33x at best)", 4.33, max(ratios)),
+                    *(_figure(f"pods-ideal / broker ACT, {c} cores", None,
+                              out.act("pods-ideal", c) / out.act("tangram", c),
+                              "no control-plane cost: a win from scheduling") for c in capacities)]
     return out
 
 
+FIXED_DOP_POLICIES = tuple(f"dop{d}" for d in FIXED_DOPS)
+
+
 def dop(scale: float, seed: int, progress: Progress = _stderr) -> Outcome:
-    """Fig. 9: elastic DoP (1-32) vs fixed DoP 4 and 16 for the test runs, over batch size, 1,280 cores."""
+    """Fig. 9 and beyond: elastic (malleable) test runs against every fixed DoP 1-32, and the paper's moldable
+    allocation, over batch size on 1,280 cores."""
     points: list[Point] = []
     cluster = _cpu(round(1280 * scale))
-    batches = [max(2, round(b * scale)) for b in (128, 256, 512, 1024, 1280)]
+    batches = [max(2, round(b * scale)) for b in (128, 256, 512, 1024, 1280, 1536)]
     for batch in batches:
         trace = ai_coding(CodingParams(batch=batch), seed)
-        _run(trace, cluster, ("tangram", "dop4", "dop16"), batch, points, progress, f"dop batch {batch:5d}")
-    out = Outcome("dop", "AI coding: elastic vs fixed DoP (Fig. 9)", "RL batch size", points, [], [])
-    b256, b1280 = batches[1], batches[-1]
-    out.figures += [_figure("DoP 4 / elastic ACT at batch 256", 2.0, out.act("dop4", b256) / out.act("tangram", b256)),
-                    _figure("DoP 16 / elastic ACT at batch 1,280", 3.0,
-                            out.act("dop16", b1280) / out.act("tangram", b1280))]
+        _run(trace, cluster, ("tangram", *FIXED_DOP_POLICIES, "tangram-paper"), batch, points, progress,
+             f"dop batch {batch:5d}")
+    out = Outcome("dop", "AI coding: elastic vs every fixed DoP (Fig. 9)", "RL batch size", points, [], [])
+    for batch in batches:
+        best = min(FIXED_DOP_POLICIES, key=lambda policy: out.act(policy, batch))
+        out.figures.append(_figure(f"best fixed DoP / ours ACT, batch {batch}", None,
+                                   out.act(best, batch) / out.act("tangram", batch), f"best fixed: {best}"))
+    b256, b1280 = batches[1], batches[4]
+    tool_queue = next(p.summary["by_kind"]["tool"]["mean_queue_s"] for p in points
+                      if p.policy == "tangram" and p.x == b1280)
+    out.figures += [
+        _figure("tool-call mean queueing (s) at batch 1,280", 0.015, tool_queue, "paper Table 1"),
+        _figure("DoP 4 / elastic ACT at batch 256", 2.0, out.act("dop4", b256) / out.act("tangram", b256)),
+        _figure("DoP 16 / elastic ACT at batch 1,280", 3.0, out.act("dop16", b1280) / out.act("tangram", b1280)),
+        _figure("paper's moldable allocation / ours ACT at batch 1,280", None,
+                out.act("tangram-paper", b1280) / out.act("tangram", b1280)),
+    ]
     return out
 
 
@@ -249,6 +271,53 @@ def e2e(scale: float, seed: int, progress: Progress = _stderr) -> Outcome:
     return out
 
 
+#: one assumption varied at a time from its default: (name, value label, workload params, costs, worker overhead)
+VARIATIONS: tuple[tuple[str, str, dict[str, Any], dict[str, Any], float | None], ...] = (
+    ("xdist CPU per worker", "0.0 s", {}, {"xdist_worker_cpu_s": 0.0}, None),
+    ("xdist CPU per worker", "0.5 s", {}, {"xdist_worker_cpu_s": 0.5}, None),
+    ("xdist CPU per worker", "1.0 s", {}, {"xdist_worker_cpu_s": 1.0}, None),
+    ("sandbox creation", "0.4 s", {}, {"env_create_s": 0.4}, None),
+    ("sandbox creation", "2.0 s", {}, {"env_create_s": 2.0}, None),
+    ("test-run serial fraction", "0-2%", {"serial_low": 0.0, "serial_high": 0.02}, {}, None),
+    ("test-run serial fraction", "5-25%", {"serial_low": 0.05, "serial_high": 0.25}, {}, None),
+    ("profiled T1 error (sigma)", "0", {"profile_error": 0.0}, {}, None),
+    ("profiled T1 error (sigma)", "0.5", {"profile_error": 0.5}, {}, None),
+    ("test-run T1 median", "5 s", {"test_median_s": 5.0}, {}, None),
+    ("test-run T1 median", "60 s", {"test_median_s": 60.0}, {}, None),
+    ("worker start-up share", "0", {}, {}, 0.0),
+    ("worker start-up share", "2%", {}, {}, 0.02),
+    ("worker start-up share", "10%", {}, {}, 0.1),
+    ("worker start-up share", "20%", {}, {}, 0.2),
+)
+#: the fixed DoPs the sensitivity scenario compares with (DoP 1 and 32 are never best at batch 1,280)
+SENSITIVITY_DOPS = ("dop2", "dop4", "dop8", "dop16")
+
+
+def sensitivity(scale: float, seed: int, progress: Progress = _stderr) -> Outcome:
+    """AI coding at batch 1,280 on 1,280 cores with one assumption varied at a time: best fixed DoP / ours and
+    pods-ideal / ours, so a headline figure comes with how the assumptions that decide it move it."""
+    points: list[Point] = []
+    out = Outcome("sensitivity", "AI coding at batch 1,280: the margins under varied assumptions",
+                  "variation (0 = defaults)", points, [], [f"best fixed DoP among {', '.join(SENSITIVITY_DOPS)}"])
+    batch = max(2, round(1280 * scale))
+    for index, (name, label, params, costs, overhead) in enumerate((("defaults", "-", {}, {}, None), *VARIATIONS)):
+        cluster = _cpu(round(1280 * scale))
+        cluster = replace(cluster, costs=replace(cluster.costs, **costs))
+        trace = ai_coding(CodingParams(batch=batch, **params), seed)
+        ours = POLICIES["tangram"] if overhead is None else broker(worker_overhead=overhead)
+        summary = simulate(trace, cluster, ours, "tangram").summary()
+        points.append(Point(index, "tangram", summary))
+        progress(f"sensitivity {name} {label}: ours {summary['mean_trajectory_act_s']:.2f} s")
+        _run(trace, cluster, (*SENSITIVITY_DOPS, "pods-ideal"), index, points, progress, f"sensitivity {index:2d}")
+        best = min(SENSITIVITY_DOPS, key=lambda policy: out.act(policy, index))
+        out.figures += [
+            _figure(f"{name} = {label}: best fixed DoP / ours", None, out.act(best, index) / out.act("tangram", index),
+                    f"best fixed: {best}"),
+            _figure(f"{name} = {label}: pods-ideal / ours", None,
+                    out.act("pods-ideal", index) / out.act("tangram", index))]
+    return out
+
+
 SCENARIOS: dict[str, Callable[..., Outcome]] = {
     "coding-batch": coding_batch, "coding-capacity": coding_capacity, "dop": dop, "gpu-batch": gpu_batch,
-    "gpu-cost": gpu_cost, "breakdown": breakdown, "e2e": e2e}
+    "gpu-cost": gpu_cost, "breakdown": breakdown, "e2e": e2e, "sensitivity": sensitivity}
