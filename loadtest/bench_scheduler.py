@@ -5,7 +5,11 @@ completion triggers one pass, exactly as the broker does, and submits the trajec
 stays at 2,048. Each pass is timed on the wall clock. The cold first pass (whole queue, idle cluster) is printed
 apart from the steady-state passes that follow.
 
-    python -m loadtest.bench_scheduler [--actions 2048] [--passes 1000] [--nodes 5] [--cores-per-node 256]
+With ``--resize`` the manager can resize running cpu allocations, so elastic actions run malleable
+(``tangram.malleable``): each plan is applied as the simulator applies it (shrinks, starts, grows through
+``tangram.dispatch``) and a resized action's completion is re-timed from its remaining estimated work.
+
+    python -m loadtest.bench_scheduler [--actions 2048] [--passes 1000] [--nodes 5] [--cores-per-node 256] [--resize]
 """
 
 from __future__ import annotations
@@ -16,11 +20,13 @@ import random
 import statistics
 import time
 
+from managers.base import Allocation, ResourceManager
 from managers.counted import CountedUnitsManager
+from tangram import dispatch
 from tangram.action import Action, Demand, Elasticity, Kind
 from tangram.durations import DurationModel
 from tangram.queue import FCFSQueue
-from tangram.scheduler import Scheduler
+from tangram.scheduler import Resize, Scheduler
 
 
 def make_action(seq: int, now: float, rng: random.Random) -> Action:
@@ -41,7 +47,9 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def run(actions_n: int, passes: int, nodes: int, cores: int, seed: int, depth: int,
-        horizon: int) -> dict[str, float]:
+        horizon: int, resize: bool = False) -> dict[str, float]:
+    if resize:
+        return run_resizing(actions_n, passes, nodes, cores, seed, depth, horizon)
     rng = random.Random(seed)
     manager = CountedUnitsManager({
         "cpu": {f"node{i}": cores for i in range(nodes)},
@@ -97,6 +105,101 @@ def run(actions_n: int, passes: int, nodes: int, cores: int, seed: int, depth: i
     }
 
 
+def run_resizing(actions_n: int, passes: int, nodes: int, cores: int, seed: int, depth: int,
+                 horizon: int) -> dict[str, float]:
+    """``run`` with malleable actions: plans applied as ``tangram.sim.broker_station`` applies them."""
+    rng = random.Random(seed)
+    manager = CountedUnitsManager({
+        "cpu": {f"node{i}": cores for i in range(nodes)},
+        "memory_mb": {f"node{i}": 1 << 20 for i in range(nodes)},
+    }, resizable=frozenset({"cpu"}))
+    owner: dict[str, ResourceManager] = {r: manager for r in manager.resources}
+    durations = DurationModel()
+    scheduler = Scheduler([manager], durations, depth=depth, horizon=horizon)
+    queue = FCFSQueue()
+    for seq in range(actions_n):
+        queue.push(make_action(seq, 0.0, rng))
+    next_seq = actions_n
+    running: dict[str, tuple[Action, list[tuple[ResourceManager, Allocation]]]] = {}
+    # (finish, action id, version): a resize pushes a new entry and bumps the version, so older ones are skipped
+    completions: list[tuple[float, str, int]] = []
+    versions: dict[str, int] = {}
+    now = 0.0
+    pass_times: list[float] = []
+    apply_times: list[float] = []
+    resizes: list[int] = []
+    acts: list[float] = []
+
+    def resized(decision: Resize) -> None:
+        action = decision.action
+        dispatch.resize(owner, running[action.id][1], decision, now)
+        held = action.malleable
+        assert held is not None
+        versions[action.id] += 1
+        heapq.heappush(completions, (now + held.remaining_s(now) / held.rate(), action.id, versions[action.id]))
+
+    def pop_live() -> tuple[float, str] | None:
+        while completions:
+            finish, action_id, version = heapq.heappop(completions)
+            if versions.get(action_id) == version:
+                return finish, action_id
+        return None
+
+    while len(pass_times) < passes:
+        started = time.perf_counter()
+        plan = scheduler.schedule(queue, (a for a, _ in running.values()), now)
+        applying = time.perf_counter()
+        pass_times.append(applying - started)
+        resizes.append(len(plan.resizes))
+        for decision in plan.shrinks():
+            resized(decision)
+        for placement in plan.placements:
+            action = placement.action
+            queue.remove(action.id)
+            running[action.id] = (action, dispatch.start(owner, durations, placement, now))
+            versions[action.id] = 0
+            heapq.heappush(completions, (now + (action.expected_duration_s or 0.0), action.id, 0))
+        for decision in plan.grows():
+            resized(decision)
+        apply_times.append(time.perf_counter() - applying)
+        first = pop_live()
+        if first is None:
+            raise RuntimeError("queue stalled: nothing running and nothing scheduled")
+        now, action_id = first
+        finished = [action_id]
+        del versions[action_id]
+        while completions and completions[0][0] <= now:
+            entry = pop_live()
+            if entry is None:
+                break
+            if entry[0] > now:  # a live entry past ``now``: put it back, it ends later
+                heapq.heappush(completions, (entry[0], entry[1], versions[entry[1]]))
+                break
+            finished.append(entry[1])
+            del versions[entry[1]]
+        for action_id in finished:
+            action, allocations = running.pop(action_id)
+            dispatch.release(allocations)
+            acts.append(now - action.submitted_at)
+            queue.push(make_action(next_seq, now, rng))
+            next_seq += 1
+    steady = pass_times[1:]
+    return {
+        "passes": len(pass_times),
+        "cold_pass_ms": pass_times[0] * 1e3,
+        "median_ms": statistics.median(steady) * 1e3,
+        "p90_ms": percentile(steady, 0.90) * 1e3,
+        "p99_ms": percentile(steady, 0.99) * 1e3,
+        "max_ms": max(steady) * 1e3,
+        "completed": len(acts),
+        "mean_act_s": statistics.fmean(acts),
+        "virtual_time_s": now,
+        "resizes/pass": statistics.fmean(resizes[1:]),
+        "resizes_p99": percentile(resizes[1:], 0.99),
+        "apply_med_ms": statistics.median(apply_times[1:]) * 1e3,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--actions", type=int, default=2048)
@@ -106,10 +209,13 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--depth", type=int, default=2)
     parser.add_argument("--horizon", type=int, default=64)
+    parser.add_argument("--resize", action="store_true",
+                        help="resizable cpu: malleable actions, shrunk and grown between passes")
     args = parser.parse_args()
-    figures = run(args.actions, args.passes, args.nodes, args.cores_per_node, args.seed, args.depth, args.horizon)
+    figures = run(args.actions, args.passes, args.nodes, args.cores_per_node, args.seed, args.depth, args.horizon,
+                  args.resize)
     print(f"scheduling passes: {args.actions} actions, {args.nodes} nodes x {args.cores_per_node} cores, "
-          f"DoP 1-32, depth {args.depth}, horizon {args.horizon}")
+          f"DoP 1-32, depth {args.depth}, horizon {args.horizon}{', resizing' if args.resize else ''}")
     for name, value in figures.items():
         print(f"  {name:>14}: {value:,.3f}" if isinstance(value, float) else f"  {name:>14}: {value}")
 

@@ -3,6 +3,10 @@
 Used directly by the simulator and the scheduling benchmark, and as the allocation core the CPU manager builds
 on. A pool is chosen per action and resource at fit time (the one with the most free units, leaving room to
 scale); an action's units of one resource never span pools.
+
+Resources named in ``resizable`` hold malleable allocations (``tangram.malleable``): the scheduler lends the units
+running elastic actions hold above their floors to queued ones and resizes those actions in place, as the CPU
+manager does with cpusets. Only the books change here; nothing runs, so there is nothing to re-pin.
 """
 
 from __future__ import annotations
@@ -40,6 +44,12 @@ class CountedFit(Fit):
     def pool_of(self, action: Action, resource: str) -> str:
         return self._placed[action.id][resource][0]
 
+    def lend(self, resource: str, pool: str, units: int) -> None:
+        # Both counts: the lent units are placeable now (``free``) and part of the pool's spare that the pass
+        # shares among malleable actions (``before``). ``_before`` is this fit's own copy (built by ``fit()``).
+        self._before[resource][pool] += units
+        self._free[resource][pool] += units
+
     def free_before(self, resource: str, pool: str) -> int:
         return self._before[resource][pool]
 
@@ -48,13 +58,17 @@ class CountedFit(Fit):
 
 
 class CountedUnitsManager(ResourceManager):
-    """Resources given as ``{resource: {pool: capacity}}``; executes nothing by itself."""
+    """Resources given as ``{resource: {pool: capacity}}``; executes nothing by itself.
+
+    ``resizable`` names the resources whose running allocations may change size (their elastic actions run
+    malleable); none by default, so the paper's moldable scheduling is unchanged."""
 
     name = "counted"
 
-    def __init__(self, capacity: Mapping[str, Mapping[str, int]]) -> None:
+    def __init__(self, capacity: Mapping[str, Mapping[str, int]], resizable: frozenset[str] = frozenset()) -> None:
         self.capacity = {resource: dict(pools) for resource, pools in capacity.items()}
         self.in_use = {resource: {pool: 0 for pool in pools} for resource, pools in capacity.items()}
+        self._resizable = frozenset(resizable)
 
     @property
     def resources(self) -> Mapping[str, int]:
@@ -82,6 +96,30 @@ class CountedUnitsManager(ResourceManager):
         for resource, n in units.items():
             self.in_use[resource][pools[resource]] += n
         return Allocation(action.id, dict(units), dict(pools), placement={r: {"pool": p} for r, p in pools.items()})
+
+    def resizable(self, resource: str) -> bool:
+        return resource in self._resizable
+
+    def workers(self, action: Action, resource: str, units: int, expected_s: float) -> int:
+        # Counted units have no worker start-up cost to weigh (the CPU manager's ``workers_for``), so a malleable
+        # action may grow to its largest demand, within one pool (its units never span pools).
+        if not self.resizable(resource):
+            return units
+        return max(units, min(action.demands[resource].max, self.largest_pool(resource)))
+
+    def resize(self, allocation: Allocation, resource: str, units: int) -> None:
+        if not self.resizable(resource):
+            raise NotImplementedError(f"{self.name} cannot resize {resource!r}")
+        if allocation.released:
+            raise RuntimeError(f"resize of released allocation {allocation.action_id}")
+        if units < 0:
+            raise ValueError(f"negative units of {resource}: {units}")
+        pool = allocation.pools[resource]
+        delta = units - allocation.units[resource]
+        if self.in_use[resource][pool] + delta > self.capacity[resource][pool]:
+            raise RuntimeError(f"over-allocation of {resource} in {pool}: scheduler and manager disagree")
+        self.in_use[resource][pool] += delta
+        allocation.units[resource] = units
 
     def release(self, allocation: Allocation) -> None:
         if allocation.released:

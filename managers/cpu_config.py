@@ -65,8 +65,9 @@ class CpuConfig:
     #: suite; 0.22-0.27 s measured for a small suite, more for suites with heavy imports)
     worker_start_s: float = 0.25
     #: a malleable run gets the workers whose start-up on its first cores stays within this share of its expected
-    #: duration there (docs/SCHEDULING.md)
-    worker_overhead: float = 0.05
+    #: duration there (docs/SCHEDULING.md); 0: as many workers as the cores it starts on, since real suites' workers
+    #: cost up to ~7 CPU seconds each (every worker collects the whole suite) and extra ones gained <1% simulated
+    worker_overhead: float = 0.0
 
 
 NODE_KEYS = {"backend", "engine", "tls_ca", "tls_cert", "tls_key", "cores", "numa", "memory_mb", "fast_path"}

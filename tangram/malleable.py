@@ -106,8 +106,8 @@ class Malleable:
 
 @dataclass(slots=True)
 class Claimant:
-    """One malleable action of a pool as the sharing sees it: its profile and its remaining work on one unit (used
-    when shares go by remaining work)."""
+    """One malleable action of a pool as the sharing sees it: its profile and its remaining work on one unit (read
+    only when shares go by remaining work)."""
 
     profile: Profile
     remaining_s: float

@@ -122,7 +122,8 @@ class Scheduler:
         malleable = [a for a in running if a.malleable is not None]
         for action in malleable:
             held = action.malleable
-            fits[id(self.owner[held.resource])].lend(held.resource, held.pool, held.units - held.floor)
+            if held.units > held.floor:
+                fits[id(self.owner[held.resource])].lend(held.resource, held.pool, held.units - held.floor)
         queue = list(queue)
         candidates = self._candidates(queue, fits)
         if not candidates and not malleable:
@@ -202,24 +203,22 @@ class Scheduler:
             if resource in action.demands and action.id not in joining:
                 pool = fit.pool_of(action, resource)
                 spare[pool] = spare.get(pool, fit.free_before(resource, pool)) - action.demands[resource].min
-        pools: dict[str, list[tuple[Action, Claimant]]] = defaultdict(list)
+        pools: dict[str, list[Action]] = defaultdict(list)
         for action in malleable:
-            held = action.malleable
-            if held.resource == resource:
-                pools[held.pool].append((action, Claimant(held.profile, held.remaining_s(now))))
-        largest = manager.largest_pool(resource)
+            if action.malleable.resource == resource:
+                pools[action.malleable.pool].append(action)
         for action in members:
-            counts = (0, *action.demands[resource].up_to(largest))  # 0: it waits, outranked
-            work = self.durations.t1(action) or self.durations.default_s
-            pools[fit.pool_of(action, resource)].append((action, Claimant(profile(action.elasticity, counts), work)))
-        for pool, claimants in pools.items():
+            pools[fit.pool_of(action, resource)].append(action)
+        largest = manager.largest_pool(resource)
+        for pool, actions in pools.items():
             free = spare.get(pool, fit.free_before(resource, pool))
-            shape = (free, tuple(action.id for action, _ in claimants))
+            shape = (free, tuple(action.id for action in actions))
             if self._shared.get((resource, pool)) == shape:
                 continue  # nothing changed in this pool since its last share: the shares stand
             self._shared[(resource, pool)] = shape
-            units = share(free, [claimant for _, claimant in claimants], self.share_by_remaining)
-            for (action, _), k in zip(claimants, units):
+            claimants = [self._claimant(action, resource, largest, now) for action in actions]
+            units = share(free, claimants, self.share_by_remaining)
+            for action, k in zip(actions, units):
                 held = action.malleable
                 if held is None:  # a member: starts now, unless its first units gain less than others'
                     if k == 0:
@@ -232,6 +231,15 @@ class Scheduler:
                     placements.append(placement)
                 elif k != held.units:
                     resizes.append(Resize(action, resource, k))
+
+    def _claimant(self, action: Action, resource: str, largest: int, now: float) -> Claimant:
+        """A malleable action as the sharing sees it (remaining work is only worked out when shares use it)."""
+        held = action.malleable
+        if held is not None:
+            return Claimant(held.profile, held.remaining_s(now) if self.share_by_remaining else 0.0)
+        counts = (0, *action.demands[resource].up_to(largest))  # 0: a member waits, outranked
+        work = self.durations.t1(action) or self.durations.default_s
+        return Claimant(profile(action.elasticity, counts), work)
 
     # -- steps 2-3 ----------------------------------------------------------------------------------------
 
