@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from sandboxes.executor_client import ExecutorUnavailable, call
+
 #: labels every broker-made container carries, so a restarted broker can find, adopt or reap them
 LABEL_MANAGED = "org.arl-tangram.managed"
 LABEL_BROKER = "org.arl-tangram.broker"
@@ -102,6 +104,16 @@ class Sandbox(abc.ABC):
     async def set_cores(self, cores: frozenset[int]) -> None:
         """Let the sandbox run on exactly ``cores`` (the union of its running actions' cores); empty = idle."""
 
+    async def set_action_cores(self, tag: str, cores: frozenset[int]) -> None:
+        """Re-pin the running command tagged ``tag`` (a ``run`` request's "tag"), its whole process tree, onto
+        ``cores``, which ``set_cores`` must already have given the sandbox: a malleable action grew or shrank.
+        Cores sent before the command starts are the ones it starts on.
+
+        Needed because the executor pins each command at spawn and a cgroup cpuset rewrite does not widen that
+        affinity. This default does nothing, for a backend whose commands follow the cgroup. Raise
+        ``SandboxError(lost=True)`` when the executor is gone, and a plain ``SandboxError`` when it refuses.
+        """
+
     @abc.abstractmethod
     async def run(self, request: dict[str, Any]) -> dict[str, Any]:
         """Run one executor request (see ``sandboxes/executor.py``) and return its response.
@@ -116,6 +128,17 @@ class Sandbox(abc.ABC):
     def describe(self) -> dict[str, Any]:
         """What clients see about where the sandbox lives (container id, directory)."""
         return {}
+
+
+async def repin_via_executor(socket_path: str, tag: str, cores: frozenset[int]) -> None:
+    """``Sandbox.set_action_cores`` for a sandbox whose executor serves on ``socket_path`` (op "cpus")."""
+    try:
+        answer = await call(socket_path, {"op": "cpus", "tag": tag, "cpus": sorted(cores)})
+    except ExecutorUnavailable as error:
+        raise SandboxError("environment_lost", f"the environment's executor is gone ({error})", lost=True) from None
+    if not answer.get("ok"):
+        raise SandboxError("repin_failed", f"the executor did not move command {tag!r} onto cores {sorted(cores)}: "
+                                           f"{answer.get('error')}")
 
 
 class SandboxBackend(abc.ABC):

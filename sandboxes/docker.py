@@ -42,6 +42,7 @@ from sandboxes.backend import (
     SandboxBackend,
     SandboxError,
     SandboxSpec,
+    repin_via_executor,
 )
 from sandboxes.cgroup import CFS_PERIOD_US, ContainerCgroup, cpu_list
 from sandboxes.executor_client import EXECUTOR_PATH, ExecutorUnavailable, call, encode_once, wait_ready
@@ -115,6 +116,16 @@ class DockerSandbox(Sandbox):
             raise SandboxError("environment_lost", f"container {self.container.short_id} cannot take its cores: "
                                                    f"{error.explanation or error}", lost=True) from None
         self.frozen = not cores
+
+    async def set_action_cores(self, tag: str, cores: frozenset[int]) -> None:
+        """Fast path: the serving executor re-pins the command's tree. Engine path: nothing, as each command runs
+        under its own `docker exec` of the executor and no process keeps the tag; the cpuset rewrite of
+        ``set_cores`` is all there is. The kernel clips every task's affinity to a narrowed cpuset, so a shrink
+        still reaches the command, but since Linux 6.2 (cgroup v1 and v2 alike; checked on 6.18 with v1) a task
+        keeps the affinity it was spawned with, intersected with the cpuset, so a grow does not reach a command
+        already running there (before 6.2 a cpuset write reset every task to the whole cpuset)."""
+        if self.socket is not None:
+            await repin_via_executor(self.socket, tag, cores)
 
     async def run(self, request: dict[str, Any]) -> dict[str, Any]:
         try:

@@ -8,7 +8,13 @@ capture and OOM detection; a round trip for `true` is ~1 ms plus process spawn.
 It is copied into arbitrary user images, so it is a single stdlib-only file that runs on any python3 >= 3.8.
 
 Wire protocol (both directions): 4-byte big-endian unsigned length, then that many bytes of UTF-8 JSON.
-Requests carry "op": "ping" or "run" (the default); see run_command for the run fields and the response.
+Requests carry "op": "ping", "run" (the default) or "cpus":
+
+* run: see run_command for the fields and the response. An optional "tag" names the command for "cpus".
+* cpus: {"op": "cpus", "tag": T, "cpus": [ints]} moves the running command tagged T, every thread of every
+  process in its tree, onto those cpus (a malleable action whose cores grow or shrink while it runs); answers
+  {"ok": true, "processes": N re-pinned} or {"ok": false, "error": "..."}. When no command tagged T runs yet,
+  the cpus are remembered and a later run tagged T starts on them instead of its own "cpus".
 
 Modes:
     python3 executor.py serve --socket PATH [--oom-counter auto|none|FILE]
@@ -20,6 +26,7 @@ from __future__ import annotations
 import argparse
 import base64
 import binascii
+import collections
 import errno
 import json
 import math
@@ -49,6 +56,12 @@ PIDS_RETRY_S = 1.0
 REFUSE_READ_TIMEOUT_S = 1.0  # reading a request the executor has no thread for blocks the accept loop this long
 CGROUP_V2_EVENTS = "/sys/fs/cgroup/memory.events"
 CGROUP_V1_OOM_CONTROL = "/sys/fs/cgroup/memory/memory.oom_control"
+MAX_TAG_CHARS = 256
+# cpus sent for tags that never run (their action was cancelled before its command started) must not pile up.
+MAX_REMEMBERED_TAGS = 4096
+# A thread or process started during a re-pin pass by a member not re-pinned yet inherits the old mask: sweep
+# again until a pass finds nothing new, at most this many passes.
+PIN_PASSES = 5
 
 _HEADER = struct.Struct(">I")
 
@@ -78,6 +91,43 @@ def _register(proc):
 
 def _unregister(pid):
     _children.pop(pid, None)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Tagged commands. A malleable action's cores change while its command runs: the broker re-pins the command by
+# its tag. Worker threads share these maps, so every access holds _tags_lock.
+# ------------------------------------------------------------------------------------------------------------
+
+_tags_lock = threading.Lock()
+_tag_pids = {}  # type: dict  # tag -> pid of the running command
+_tag_cpus = collections.OrderedDict()  # type: collections.OrderedDict  # tag -> latest cpus asked for, oldest first
+
+
+def _remember_cpus(tag, cpus):
+    """Record the tag's latest cpus (under _tags_lock), dropping the oldest tags beyond MAX_REMEMBERED_TAGS."""
+    _tag_cpus[tag] = cpus
+    _tag_cpus.move_to_end(tag)
+    while len(_tag_cpus) > MAX_REMEMBERED_TAGS:
+        _tag_cpus.popitem(last=False)
+
+
+def _cpus_for(tag, cpus):
+    """The cpus a run tagged `tag` starts on: those sent for the tag before it started, else its own."""
+    if tag is None:
+        return cpus
+    with _tags_lock:
+        return _tag_cpus.get(tag, cpus)
+
+
+def _untag(tag, pid):
+    """Forget the tag once its command (pid; None: it never started) ends. Must come before the command is
+    reaped: a reaped pid can be reused, and a re-pin must never reach a stranger's processes."""
+    if tag is None:
+        return
+    with _tags_lock:
+        if _tag_pids.get(tag) == pid:  # a later run with the same tag owns it otherwise
+            _tag_pids.pop(tag, None)
+            _tag_cpus.pop(tag, None)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -117,28 +167,37 @@ def _kill(pid):
         pass
 
 
-def kill_tree(pid):
-    """SIGKILL the child, its process group, every process in its session and every descendant.
+def _tree(pid, table):
+    """The command `pid`'s processes in the /proc snapshot `table`: itself, every descendant and every member of
+    its session.
 
-    The child was started in a new session, so its session id and process group id equal its pid. Descendants
-    are collected from a /proc snapshot taken before anything is killed, so a grandchild that called setsid
-    (and left the session) is still found through its parent. Processes that daemonised before the kill (their
-    parent already gone) cannot be attributed and escape; a container's cgroup is the backstop for those.
+    The child was started in a new session, so its session id and process group id equal its pid. A grandchild
+    that called setsid (and left the session) is still found through its parent. Processes that daemonised
+    before the snapshot (their parent already gone) cannot be attributed and escape.
     """
-    me = os.getpid()
-    table = _proc_table()
     children = {}
     for p, (_state, ppid, _sid) in table.items():
         children.setdefault(ppid, []).append(p)
-    targets = set()
+    found = set()
     stack = [pid]
     while stack:
         p = stack.pop()
-        if p in targets:
+        if p in found:
             continue
-        targets.add(p)
+        found.add(p)
         stack.extend(children.get(p, ()))
-    targets.update(p for p, (_state, _ppid, sid) in table.items() if sid == pid)
+    found.update(p for p, (_state, _ppid, sid) in table.items() if sid == pid)
+    return found
+
+
+def kill_tree(pid):
+    """SIGKILL the child, its process group and its whole tree (see _tree).
+
+    The tree comes from a /proc snapshot taken before anything is killed, so no member is lost when its parent
+    dies first. Processes that escape it are the container cgroup's to stop.
+    """
+    me = os.getpid()
+    targets = _tree(pid, _proc_table())
     try:
         os.killpg(pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
@@ -154,6 +213,86 @@ def kill_tree(pid):
             break
         for p in alive:
             _kill(p)
+
+
+def _pin_tree(pid, cpus):
+    """Set the affinity of every thread of every process in the command's tree (see _tree) to `cpus`; returns
+    how many processes were re-pinned.
+
+    Affinity is per thread and /proc/<pid>/task lists them. Processes and threads that vanish meanwhile are
+    skipped, and so are those the executor may not touch (one that changed its user id). Raises RequestError
+    when the kernel refuses the cpus themselves (none of them online or in the sandbox's cpuset).
+    """
+    me = os.getpid()
+    pinned_tids = set()
+    pinned_pids = set()
+    for _ in range(PIN_PASSES):
+        table = _proc_table()
+        new = False
+        for p in _tree(pid, table):
+            if p == me or table.get(p, ("Z",))[0] == "Z":  # gone, or exited: nothing left to move
+                continue
+            try:
+                tids = [int(t) for t in os.listdir(f"/proc/{p}/task")]
+            except OSError:
+                continue
+            for tid in tids:
+                if tid in pinned_tids:
+                    continue
+                new = True
+                try:
+                    os.sched_setaffinity(tid, cpus)
+                except (ProcessLookupError, PermissionError):
+                    continue
+                except OSError as exc:
+                    raise RequestError(f"cpus: cannot set affinity to {cpus!r}: {exc.strerror or exc}")
+                pinned_tids.add(tid)
+                pinned_pids.add(p)
+        if not new:
+            break
+    return len(pinned_pids)
+
+
+def _follow(tag, pid, pinned):
+    """Re-pin the command tagged `tag` (pid, now on `pinned`; None: unknown) until it is on the tag's latest cpus,
+    which another connection may change meanwhile; returns how many processes the last pass re-pinned."""
+    count = 0
+    while True:
+        with _tags_lock:
+            if _tag_pids.get(tag) != pid:  # it ended
+                return count
+            latest = _tag_cpus.get(tag)
+        if latest is None or latest == pinned:
+            return count
+        count = _pin_tree(pid, latest)
+        pinned = latest
+
+
+def _tag_started(tag, pid, cpus):
+    """Register the command tagged `tag` as running, and move it onto cpus sent for the tag while it was being
+    spawned on `cpus`."""
+    with _tags_lock:
+        _tag_pids[tag] = pid
+    try:
+        _follow(tag, pid, cpus)
+    except RequestError:
+        pass  # cpus no longer in the sandbox: the command keeps those it was spawned on
+
+
+def set_tag_cpus(request):
+    """The "cpus" op: remember the tag's cpus and re-pin its running command's tree onto them."""
+    try:
+        tag = _check_tag(request.get("tag"), required=True)
+        cpus = request.get("cpus")
+        if not _is_cpu_list(cpus):
+            raise RequestError(f"cpus: must be a non-empty list of non-negative integers, got {cpus!r}")
+        with _tags_lock:
+            _remember_cpus(tag, cpus)
+            pid = _tag_pids.get(tag)
+        processes = 0 if pid is None else _follow(tag, pid, None)
+    except RequestError as exc:
+        return {"ok": False, "error": str(exc)}
+    return {"ok": True, "processes": processes}
 
 
 def _reap_orphans():
@@ -227,8 +366,21 @@ def _is_number(value):
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def _is_cpu_list(value):
+    return isinstance(value, list) and bool(value) and all(_is_int(c) and c >= 0 for c in value)
+
+
+def _check_tag(tag, required):
+    """The request's tag (None when absent and not required), or RequestError naming the field."""
+    if tag is None and not required:
+        return None
+    if not isinstance(tag, str) or not tag or len(tag) > MAX_TAG_CHARS:
+        raise RequestError(f"tag: must be a non-empty string of at most {MAX_TAG_CHARS} characters, got {tag!r}")
+    return tag
+
+
 def _validate(request):
-    """Check the run fields; returns (argv, env, cwd, timeout_s, output_limit, cpus, memory_bytes)."""
+    """Check the run fields; returns (argv, env, cwd, timeout_s, output_limit, cpus, memory_bytes, tag)."""
     command = request.get("command")
     if isinstance(command, str):
         if not command:
@@ -266,14 +418,14 @@ def _validate(request):
         raise RequestError(f"output_limit: must be a non-negative integer, got {output_limit!r}")
 
     cpus = request.get("cpus")
-    if cpus is not None and (not isinstance(cpus, list) or not cpus
-                             or not all(_is_int(c) and c >= 0 for c in cpus)):
+    if cpus is not None and not _is_cpu_list(cpus):
         raise RequestError(f"cpus: must be a non-empty list of non-negative integers or null, got {cpus!r}")
 
     memory_bytes = request.get("memory_bytes")
     if memory_bytes is not None and (not _is_int(memory_bytes) or memory_bytes <= 0):
         raise RequestError(f"memory_bytes: must be a positive integer or null, got {memory_bytes!r}")
-    return argv, env, cwd, timeout_s, output_limit, cpus, memory_bytes
+    tag = _check_tag(request.get("tag"), required=False)
+    return argv, env, cwd, timeout_s, output_limit, cpus, memory_bytes, tag
 
 
 def _while_pids_full(start, exceptions):
@@ -353,6 +505,12 @@ def _spawn(argv, env, cwd, cpus, memory_bytes):
     return proc
 
 
+def _exited(pid):
+    """True once the child has exited. It is left unreaped, like a pidfd wakeup leaves it, so that its pid is not
+    reused before the command's tag is dropped (see _untag)."""
+    return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+
+
 class _Capture:
     """Keeps the first `limit` bytes of a stream and counts the rest."""
 
@@ -413,18 +571,25 @@ def run_command(request, cancel_sock=None, oom_counter=None):
 
     Request fields: command (str: via /bin/sh -c; list: argv), env (added to the executor's environment),
     cwd, timeout_s (null: none), output_limit (per stream, default 1 MiB), cpus (affinity, null: inherit),
-    memory_bytes (RLIMIT_AS, null: none). cancel_sock: the client's socket; if it closes while the command
-    runs, the tree is killed and ClientGone is raised. oom_counter: path of the cgroup file with `oom_kill N`.
+    memory_bytes (RLIMIT_AS, null: none), tag (names the command for the "cpus" op; cpus already sent for the
+    tag replace the request's; a run with the tag of a running command takes the tag over). cancel_sock: the
+    client's socket; if it closes while the command runs, the tree is killed and ClientGone is raised.
+    oom_counter: path of the cgroup file with `oom_kill N`.
     Errors of the executor itself come back in "error" with the other fields empty; it never raises for them.
     """
     start = time.monotonic()
     try:
-        argv, env, cwd, timeout_s, output_limit, cpus, memory_bytes = _validate(request)
+        argv, env, cwd, timeout_s, output_limit, cpus, memory_bytes, tag = _validate(request)
+    except RequestError as exc:
+        return _empty_response(str(exc))
+    try:
         if cwd is not None and not os.path.isdir(cwd):
             raise RequestError(f"cwd: directory does not exist: {cwd}")
         oom_before = read_oom_counter(oom_counter)
+        cpus = _cpus_for(tag, cpus)
         proc = _spawn(argv, env, cwd, cpus, memory_bytes)
     except RequestError as exc:
+        _untag(tag, None)
         return _empty_response(str(exc))
 
     out = _Capture(proc.stdout.fileno(), output_limit)
@@ -434,6 +599,8 @@ def run_command(request, cancel_sock=None, oom_counter=None):
     sel = selectors.DefaultSelector()
     pidfd = None
     try:
+        if tag is not None:
+            _tag_started(tag, proc.pid, cpus)
         for cap in (out, err):
             os.set_blocking(cap.fd, False)
             sel.register(cap.fd, selectors.EVENT_READ, cap)
@@ -457,25 +624,26 @@ def run_command(request, cancel_sock=None, oom_counter=None):
             if pidfd is None:
                 wait = POLL_INTERVAL_S if wait is None else min(wait, POLL_INTERVAL_S)
             for key, _mask in sel.select(wait):
-                tag = key.data
-                if tag == "exit":
+                source = key.data
+                if source == "exit":
                     exited = True
-                elif tag == "client":
+                elif source == "client":
                     if _client_closed(cancel_sock):
                         cancelled = True
                     else:  # a pipelined request: stop watching, it is read after this response
                         sel.unregister(cancel_sock)
-                elif not tag.read():
-                    sel.unregister(tag.fd)
+                elif not source.read():
+                    sel.unregister(source.fd)
             if cancelled:
                 break
-            if pidfd is None and proc.poll() is not None:
+            if pidfd is None and _exited(proc.pid):
                 exited = True
         if timed_out or cancelled:
             kill_tree(proc.pid)
         budget = DRAIN_LIMIT_BYTES
         for cap in (out, err):
             budget = cap.drain(budget)
+        _untag(tag, proc.pid)
         returncode = proc.wait()
     finally:
         sel.close()
@@ -484,6 +652,7 @@ def run_command(request, cancel_sock=None, oom_counter=None):
         proc.stdout.close()
         proc.stderr.close()
         if proc.returncode is None:  # an unexpected exception above: leave nothing running
+            _untag(tag, proc.pid)
             kill_tree(proc.pid)
             proc.wait()
         _unregister(proc.pid)
@@ -527,7 +696,12 @@ def handle_request(request, cancel_sock=None, oom_counter=None):
             raise
         except Exception as exc:  # noqa: BLE001 - a bug here must not take the executor down
             return _empty_response(f"executor internal error: {exc!r}")
-    return _empty_response(f"op: unknown operation {op!r} (expected 'run' or 'ping')")
+    if op == "cpus":
+        try:
+            return set_tag_cpus(request)
+        except Exception as exc:  # noqa: BLE001 - a bug here must not take the executor down
+            return {"ok": False, "error": f"executor internal error: {exc!r}"}
+    return _empty_response(f"op: unknown operation {op!r} (expected 'run', 'cpus' or 'ping')")
 
 
 # ------------------------------------------------------------------------------------------------------------

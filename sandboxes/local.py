@@ -27,6 +27,7 @@ from sandboxes.backend import (
     SandboxBackend,
     SandboxError,
     SandboxSpec,
+    repin_via_executor,
 )
 from sandboxes.executor_client import EXECUTOR_PATH, ExecutorUnavailable, call, wait_ready
 
@@ -70,6 +71,10 @@ class LocalSandbox(Sandbox):
 
     async def set_cores(self, cores: frozenset[int]) -> None:
         """Nothing to do: each command is pinned by the executor to its own cores."""
+
+    async def set_action_cores(self, tag: str, cores: frozenset[int]) -> None:
+        """No cgroup here: moving the command's process tree is all there is to a resize."""
+        await repin_via_executor(self.socket, tag, cores)
 
     async def run(self, request: dict[str, Any]) -> dict[str, Any]:
         try:

@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import random
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from sandboxes.backend import SandboxSpec
 from sandboxes.cgroup import ContainerCgroup
+from sandboxes.docker import DockerBackend
+from sandboxes.image import DEFAULT_IMAGE
 from tangram.action import Kind
-from tests.docker_nodes import cpu_config, docker_engines, labelled_containers
+from tests.docker_nodes import cpu_config, docker_engines, labelled_containers, new_broker_id
 from tests.harness import Live, live_broker
 
 ELASTIC = {"resource": "cpu", "t1": 2.0, "efficiency": {"1": 1.0, "2": 0.9}}
@@ -231,3 +237,48 @@ async def test_bad_input_and_unknown_images(db):
             assert (status, answer["error"]["field"]) == (expected, field), answer
         status, body = await live.call("POST", "/v1/environments", json={"task": "t", "memory_mb": 1 << 30})
         assert status == 422 and body["error"]["field"] == "memory_mb"
+
+
+def marked_threads(mark: str) -> dict[int, set[int]]:
+    """tid -> affinity of every thread of the processes (seen from the host) whose command line has ``mark``."""
+    found = {}
+    for name in os.listdir("/proc"):
+        try:
+            if name.isdigit() and mark in Path(f"/proc/{name}/cmdline").read_bytes().decode(errors="replace"):
+                for tid in os.listdir(f"/proc/{name}/task"):
+                    found[int(tid)] = os.sched_getaffinity(int(tid))
+        except OSError:  # gone meanwhile
+            continue
+    return found
+
+
+async def test_fast_path_repins_a_running_command_onto_other_cores():
+    """A malleable action's cores change under its running command: the cgroup widens, then the executor moves
+    every thread of the command's tree (a cpuset rewrite alone leaves a command on its spawn-time cores)."""
+    backend = DockerBackend(docker_engines()[0], run_dir=Path("/run/tangram/test-sandboxes"), cores=(0, 1),
+                            fast_path=True)
+    await backend.start()
+    spec = SandboxSpec(env_id=f"repin-{random.randrange(10**9)}", task="t", trajectory=None, image=DEFAULT_IMAGE,
+                       memory_mb=256, pids_limit=64, broker_id=new_broker_id(), ephemeral=True)
+    sandbox = await backend.create(spec)
+    mark = f"1000.{random.randrange(10**8, 10**9)}"
+    threaded = "import threading, time; threading.Thread(target=time.sleep, args=(60,)).start(); time.sleep(60)"
+    try:
+        await sandbox.set_cores(frozenset({0}))
+        command = asyncio.create_task(sandbox.run({"command": f"sleep {mark} & python3 -c '{threaded}' {mark}; wait",
+                                                   "cpus": [0], "tag": "act-1", "timeout_s": 60}))
+        deadline = time.monotonic() + 15
+        while len(marked_threads(mark)) < 4 and time.monotonic() < deadline:  # sh, sleep, python's two threads
+            await asyncio.sleep(0.05)
+        assert set(map(frozenset, marked_threads(mark).values())) == {frozenset({0})}
+        await sandbox.set_cores(frozenset({0, 1}))
+        await sandbox.set_action_cores("act-1", frozenset({1}))
+        threads = marked_threads(mark)
+        assert len(threads) == 4 and set(map(frozenset, threads.values())) == {frozenset({1})}, threads
+        assert not command.done()
+        command.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await command
+    finally:
+        await sandbox.destroy()
+        await backend.close()

@@ -28,6 +28,7 @@ import pytest
 import pytest_asyncio
 
 from sandboxes import executor as ex
+from sandboxes.backend import SandboxError, SandboxSpec
 from sandboxes.executor_client import (
     EXECUTOR_PATH,
     ExecutorUnavailable,
@@ -36,6 +37,7 @@ from sandboxes.executor_client import (
     ping,
     wait_ready,
 )
+from sandboxes.local import LocalProcessBackend
 
 # The executor must run on any python3 >= 3.8 in user images: point this at another interpreter to check that.
 EXECUTOR_PYTHON = os.environ.get("TANGRAM_EXECUTOR_PYTHON", sys.executable)
@@ -246,6 +248,9 @@ async def test_missing_argv0_is_an_error_and_executor_survives(executor: Executo
     ({"command": "true", "env": {"A": 1}}, "env"),
     ({"command": "true", "env": ["A=1"]}, "env"),
     ({"command": "true", "cwd": 3}, "cwd"),
+    ({"command": "true", "tag": ""}, "tag"),
+    ({"command": "true", "tag": 5}, "tag"),
+    ({"command": "true", "tag": "x" * 257}, "tag"),
     ({"op": "explode"}, "op"),
 ])
 async def test_bad_requests_name_the_field(executor: Executor, request_fields: dict[str, Any], field: str) -> None:
@@ -473,6 +478,114 @@ def test_proc_table_parses_comm_with_spaces_and_parentheses(tmp_path: Path) -> N
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# ------------------------------------------------------------------------------------------------------------
+# re-pinning a running command (malleable actions): op "cpus"
+# ------------------------------------------------------------------------------------------------------------
+
+
+def two_cores() -> tuple[int, int]:
+    allowed = sorted(os.sched_getaffinity(0))
+    assert len(allowed) >= 2, f"re-pinning tests need two usable cores, have {allowed}"
+    return allowed[0], allowed[-1]
+
+
+def affinities(pids: list[int]) -> dict[int, set[int]]:
+    """tid -> affinity for every thread of these processes."""
+    found = {}
+    for pid in pids:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            found[int(tid)] = os.sched_getaffinity(int(tid))
+    return found
+
+
+#: a process with a second thread, so that re-pinning must reach every thread, not just the main one
+THREADED_SLEEP = "import threading, time; threading.Thread(target=time.sleep, args=(60,)).start(); time.sleep(60)"
+
+
+async def test_cpus_op_repins_every_thread_of_the_running_tree(executor: Executor) -> None:
+    first, second = two_cores()
+    mark = marker()
+    # sh (the command), a background sleep, and a python with two threads under it: all carry the marker
+    command = f"sleep {mark} & {sys.executable} -c '{THREADED_SLEEP}' {mark} & wait"
+    try:
+        task = asyncio.create_task(run(executor, command=command, cpus=[first], tag="act-1"))
+        assert await wait_until(lambda: len(pids_with(mark)) == 3 and len(affinities(pids_with(mark))) == 4, 10)
+        assert set(map(frozenset, affinities(pids_with(mark)).values())) == {frozenset({first})}
+        answer = await call(executor.socket, {"op": "cpus", "tag": "act-1", "cpus": [second]})
+        assert answer == {"ok": True, "processes": 3}
+        assert set(map(frozenset, affinities(pids_with(mark)).values())) == {frozenset({second})}
+        refused = await call(executor.socket, {"op": "cpus", "tag": "act-1", "cpus": [4095]})
+        assert refused["ok"] is False and refused["error"].startswith("cpus"), refused
+        assert not task.done()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert await wait_until(lambda: not pids_with(mark), 3), pids_with(mark)
+    finally:
+        kill_marked(mark)
+
+
+async def test_cpus_sent_before_the_run_are_the_ones_it_starts_on(executor: Executor) -> None:
+    first, second = two_cores()
+    probe = [sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"]
+    early = await call(executor.socket, {"op": "cpus", "tag": "act-2", "cpus": [second]})
+    assert early == {"ok": True, "processes": 0}
+    result = await run(executor, command=probe, cpus=[first], tag="act-2")
+    assert result["stdout"].strip() == f"[{second}]", result
+    # the remembered cpus went with the command that ended: the tag's next run gets its own
+    again = await run(executor, command=probe, cpus=[first], tag="act-2")
+    assert again["stdout"].strip() == f"[{first}]", again
+
+
+@pytest.mark.parametrize(("request_fields", "field"), [
+    ({"cpus": [0]}, "tag"),
+    ({"tag": "", "cpus": [0]}, "tag"),
+    ({"tag": ["a"], "cpus": [0]}, "tag"),
+    ({"tag": "t"}, "cpus"),
+    ({"tag": "t", "cpus": "0"}, "cpus"),
+    ({"tag": "t", "cpus": []}, "cpus"),
+    ({"tag": "t", "cpus": [-1]}, "cpus"),
+    ({"tag": "t", "cpus": [0.5]}, "cpus"),
+])
+async def test_bad_cpus_requests_name_the_field(executor: Executor, request_fields: dict[str, Any], field: str) -> None:
+    answer = await call(executor.socket, {"op": "cpus", **request_fields})
+    assert answer["ok"] is False and answer["error"].startswith(field), answer
+    assert (await ping(executor.socket))["ok"]
+
+
+async def test_local_sandbox_set_action_cores_reaches_its_executor(tmp_path: Path) -> None:
+    """The host side of the op: cores reach the executor, a refusal is a SandboxError, a dead executor a lost one."""
+    first, second = two_cores()
+    run_dir = Path(os.environ.get("TMPDIR", "/tmp")) / f"lx-{random.randrange(10**9)}"  # short socket paths
+    backend = LocalProcessBackend(run_dir)
+    await backend.start()
+    sandbox = await backend.create(SandboxSpec(env_id="e1", task="t", trajectory=None, image="-", memory_mb=512,
+                                               pids_limit=64))
+    try:
+        await sandbox.set_action_cores("act-3", frozenset({second}))
+        probe = [sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"]
+        result = await sandbox.run({"command": probe, "cpus": [first], "tag": "act-3"})
+        assert result["stdout"].strip() == f"[{second}]", result
+        with pytest.raises(SandboxError) as refused:
+            await sandbox.set_action_cores("act-3", frozenset())
+        assert not refused.value.lost and "cpus" in refused.value.message
+    finally:
+        await sandbox.destroy()
+        shutil.rmtree(run_dir, ignore_errors=True)
+    with pytest.raises(SandboxError) as gone:
+        await sandbox.set_action_cores("act-3", frozenset({first}))
+    assert gone.value.lost
+
+
+def test_cpus_for_tags_that_never_run_are_capped(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ex, "MAX_REMEMBERED_TAGS", 3)
+    monkeypatch.setattr(ex, "_tag_cpus", type(ex._tag_cpus)())
+    for i in range(5):
+        assert ex.set_tag_cpus({"tag": f"never-{i}", "cpus": [0]}) == {"ok": True, "processes": 0}
+    ex.set_tag_cpus({"tag": "never-2", "cpus": [1]})  # sent again: the newest now
+    assert list(ex._tag_cpus.items()) == [("never-3", [0]), ("never-4", [0]), ("never-2", [1])]
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ import argparse
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -26,32 +27,39 @@ WORKLOADS = {"ai_coding": lambda batch, seed: ai_coding(CodingParams(batch=batch
              "deepsearch": lambda batch, seed: deepsearch(SearchParams(batch=batch), seed)}
 
 
-def _table(outcome: Outcome) -> Table:
-    table = Table(title=outcome.title)
+def _table(outcome: Outcome, seeds: list[int]) -> Table:
+    caption = f"ours: median (min–max) over seeds {', '.join(map(str, seeds))}" if len(seeds) > 1 else None
+    table = Table(title=outcome.title, caption=caption)
     for column in ("figure", "paper", "ours", "ours / paper", "note"):
         table.add_column(column, justify="left" if column in ("figure", "note") else "right")
     for f in outcome.figures:
         ratio = f["ours_over_paper"]
         spread = f.get("over_seeds")
-        ours = f"{f['ours']:.3g}" if spread is None else \
-            f"{spread['median']:.3g} ({spread['min']:.3g}-{spread['max']:.3g})"
+        ours = f"{f['ours']:#.3g}" if spread is None else \
+            f"{spread['median']:#.3g} ({spread['min']:#.3g}–{spread['max']:#.3g})"
         table.add_row(f["name"], "-" if f["paper"] is None else str(f["paper"]), ours,
                       "-" if ratio is None else f"{ratio:.2f}", f.get("note", ""))
     return table
 
 
-def over_seeds(outcomes: list[Outcome], seeds: list[int]) -> None:
-    """Give each figure of the first outcome its spread over the seeds (the same scenario under each): ``ours``
-    becomes the median, and ``over_seeds`` holds the seeds, min, median and max."""
+def over_seeds(outcomes: list[Outcome], seeds: list[int]) -> Outcome:
+    """The same scenario run under each seed, as one outcome whose figures are the median over the seeds, each
+    with its spread in ``over_seeds`` (seeds, min, median, max); the runs' own figures are left as they were.
+    Its points are the first seed's (what the plot shows)."""
+    figures = []
     for figure in outcomes[0].figures:
         same = [next(f for f in o.figures if f["name"] == figure["name"]) for o in outcomes]
         values = [f["ours"] for f in same]
-        figure["note"] = "; ".join(dict.fromkeys(f["note"] for f in same if f["note"]))
+        notes = [f["note"] for f in same]
         middle = round(statistics.median(values), 3)
-        figure["over_seeds"] = {"seeds": seeds, "min": min(values), "median": middle, "max": max(values)}
-        figure["ours"] = middle
-        if isinstance(figure["paper"], (int, float)) and figure["paper"]:
-            figure["ours_over_paper"] = round(middle / figure["paper"], 3)
+        paper = figure["paper"]
+        figures.append({**figure, "ours": middle,
+                        "ours_over_paper": round(middle / paper, 3) if isinstance(paper, (int, float)) and paper
+                        else None,
+                        "note": notes[0] if len(set(notes)) == 1 else
+                        "; ".join(f"seed {seed}: {note}" for seed, note in zip(seeds, notes)),
+                        "over_seeds": {"seeds": seeds, "min": min(values), "median": middle, "max": max(values)}})
+    return replace(outcomes[0], figures=figures)
 
 
 def _simulate(args: argparse.Namespace) -> int:
@@ -79,13 +87,16 @@ def _simulate(args: argparse.Namespace) -> int:
             bar.update(overall, description=name)
             started = time.perf_counter()
             outcomes = [SCENARIOS[name](args.scale, seed, on_run) for seed in seeds]
-            outcome = outcomes[0]
-            body: dict[str, Any] = {**outcome.to_json(), "scale": args.scale, "seed": seeds[0],
-                                    "wall_s": round(time.perf_counter() - started, 1)}
-            if len(seeds) > 1:
-                over_seeds(outcomes, seeds)
-                body = {**outcome.to_json(), "scale": args.scale, "seeds": seeds, "wall_s": body["wall_s"],
-                        "runs": [{**o.to_json(), "seed": seed} for o, seed in zip(outcomes, seeds)]}
+            wall_s = round(time.perf_counter() - started, 1)
+            if len(seeds) == 1:
+                outcome = outcomes[0]
+                body: dict[str, Any] = {**outcome.to_json(), "scale": args.scale, "seed": seeds[0], "wall_s": wall_s}
+            else:  # the aggregate's figures, and each seed's run as it would have been written alone
+                outcome = over_seeds(outcomes, seeds)
+                aggregate = {k: v for k, v in outcome.to_json().items() if k != "points"}
+                body = {**aggregate, "scale": args.scale, "seeds": seeds, "wall_s": wall_s,
+                        "runs": [{**o.to_json(), "scale": args.scale, "seed": seed}
+                                 for o, seed in zip(outcomes, seeds)]}
             json_path = args.json if args.json and len(names) == 1 else (Path(args.out) / f"{name}.json"
                                                                         if args.out else None)
             plot_path = args.plot if args.plot and len(names) == 1 else (Path(args.out) / f"{name}.png"
@@ -96,7 +107,7 @@ def _simulate(args: argparse.Namespace) -> int:
                 from tangram.sim.plot import plot
 
                 plot(outcome, plot_path)
-            bar.console.print(_table(outcome))
+            bar.console.print(_table(outcome, seeds))
             bar.console.print(f"{name}: {body['wall_s']} s wall" + (f", {json_path}" if json_path else "")
                               + (f", {plot_path}" if plot_path else ""))
             bar.advance(overall)

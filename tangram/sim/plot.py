@@ -24,8 +24,10 @@ def plot(outcome: Outcome, path: str | Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(figsize=(7, 4.2), dpi=110)
-    if outcome.scenario in ("breakdown", "e2e"):
+    bars = outcome.scenario in ("breakdown", "e2e")
+    named = {} if bars else _x_labels(outcome)  # unrelated settings (sensitivity): markers only, each x named
+    figure, axes = plt.subplots(figsize=(9, 5) if named else (7, 4.2), dpi=110)
+    if bars:
         _bars(outcome, axes)
     else:
         series: dict[str, list[tuple[float, float]]] = defaultdict(list)
@@ -33,16 +35,25 @@ def plot(outcome: Outcome, path: str | Path) -> None:
             series[point.policy].append((point.x, point.summary["mean_trajectory_act_s"]))
         for policy, values in series.items():
             xs, ys = zip(*sorted(values))
-            axes.plot(xs, ys, marker="o", color=COLORS.get(policy), label=LABELS.get(policy, policy))
+            axes.plot(xs, ys, marker="o", linestyle="none" if named else "-", color=COLORS.get(policy),
+                      label=LABELS.get(policy, policy))
+        if named:
+            axes.set_xticks(list(named), list(named.values()), rotation=60, ha="right", fontsize=7)
         axes.set_xlabel(outcome.x_label)
         axes.set_ylabel("mean ACT per trajectory (s)")
         axes.set_yscale("log")
-        axes.legend()
+        axes.legend(**({"loc": "upper left", "bbox_to_anchor": (1.01, 1.0), "fontsize": 8} if named else {}))
     axes.set_title(outcome.title, fontsize=10)
     axes.grid(alpha=0.3)
     figure.tight_layout()
     figure.savefig(path)
     plt.close(figure)
+
+
+def _x_labels(outcome: Outcome) -> dict[int, str]:
+    """The names a scenario gives its x values in its notes (``x = 3: label``), when they are not a scale."""
+    return {int(x[4:]): label for x, _, label in (note.partition(": ") for note in outcome.notes)
+            if x.startswith("x = ")}
 
 
 def _bars(outcome: Outcome, axes: object) -> None:
@@ -57,7 +68,7 @@ def _bars(outcome: Outcome, axes: object) -> None:
         axes.set_ylabel("mean seconds per call")  # type: ignore[attr-defined]
         axes.set_yscale("symlog", linthresh=1.0)  # type: ignore[attr-defined]
     else:
-        labels = [note.split(": ", 1)[1] for note in outcome.notes]
+        labels = list(_x_labels(outcome).values())
         width = 0.38
         for offset, policy in ((-width / 2, "tangram"), (width / 2, "baseline")):
             values = [outcome.act(policy, x) for x in range(len(labels))]

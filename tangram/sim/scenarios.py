@@ -12,7 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from tangram.sim.cluster import ApiModel, Cluster, ServiceModel, gpu_nodes
+from managers.cpu_config import CpuConfig
+from tangram.sim.cluster import ApiModel, Cluster, Costs, ServiceModel, gpu_nodes
 from tangram.sim.engine import simulate
 from tangram.sim.policies import FIXED_DOPS, POLICIES, broker
 from tangram.sim.trace import Trace
@@ -271,24 +272,32 @@ def e2e(scale: float, seed: int, progress: Progress = _stderr) -> Outcome:
     return out
 
 
-#: one assumption varied at a time from its default: (name, value label, workload params, costs, worker overhead)
-VARIATIONS: tuple[tuple[str, str, dict[str, Any], dict[str, Any], float | None], ...] = (
-    ("xdist CPU per worker", "0.0 s", {}, {"xdist_worker_cpu_s": 0.0}, None),
-    ("xdist CPU per worker", "0.5 s", {}, {"xdist_worker_cpu_s": 0.5}, None),
-    ("xdist CPU per worker", "1.0 s", {}, {"xdist_worker_cpu_s": 1.0}, None),
-    ("sandbox creation", "0.4 s", {}, {"env_create_s": 0.4}, None),
-    ("sandbox creation", "2.0 s", {}, {"env_create_s": 2.0}, None),
-    ("test-run serial fraction", "0-2%", {"serial_low": 0.0, "serial_high": 0.02}, {}, None),
-    ("test-run serial fraction", "5-25%", {"serial_low": 0.05, "serial_high": 0.25}, {}, None),
-    ("profiled T1 error (sigma)", "0", {"profile_error": 0.0}, {}, None),
-    ("profiled T1 error (sigma)", "0.5", {"profile_error": 0.5}, {}, None),
-    ("test-run T1 median", "5 s", {"test_median_s": 5.0}, {}, None),
-    ("test-run T1 median", "60 s", {"test_median_s": 60.0}, {}, None),
-    ("worker start-up share", "0", {}, {}, 0.0),
-    ("worker start-up share", "2%", {}, {}, 0.02),
-    ("worker start-up share", "10%", {}, {}, 0.1),
-    ("worker start-up share", "20%", {}, {}, 0.2),
+Variation = tuple[str, str, dict[str, Any], dict[str, Any], float | None]
+
+#: the values tried for each assumption, defaults among them: (name, value label, workload params, costs, the CPU
+#: manager's worker overhead share)
+TRIED: tuple[Variation, ...] = (
+    *(("xdist CPU per worker", f"{s:.2f} s", {}, {"xdist_worker_cpu_s": s}, None) for s in (0.0, 0.22, 0.5, 1.0)),
+    *(("sandbox creation", f"{s:.1f} s", {}, {"env_create_s": s}, None) for s in (0.4, 1.0, 2.0)),
+    *(("test-run serial fraction", f"{low:.0%}-{high:.0%}", {"serial_low": low, "serial_high": high}, {}, None)
+      for low, high in ((0.0, 0.02), (0.01, 0.10), (0.05, 0.25))),
+    *(("profiled T1 error (sigma)", f"{e:g}", {"profile_error": e}, {}, None) for e in (0.0, 0.25, 0.5)),
+    *(("test-run T1 median", f"{t:g} s", {"test_median_s": t}, {}, None) for t in (5.0, 20.0, 60.0)),
+    *(("worker start-up share", f"{x:.0%}", {}, {}, x) for x in (0.0, 0.02, 0.05, 0.1, 0.2)),
 )
+
+
+def _is_default(variation: Variation) -> bool:
+    """Whether a tried value is what the simulator assumes now: then it is the defaults row, not a variation."""
+    _, _, params, costs, overhead = variation
+    return (all(getattr(CodingParams(), k) == v for k, v in params.items())
+            and all(getattr(Costs(), k) == v for k, v in costs.items())
+            and overhead in (None, CpuConfig.worker_overhead))
+
+
+#: one assumption varied at a time from its default (the defaults' own values are the defaults row, whatever the
+#: defaults are now)
+VARIATIONS: tuple[Variation, ...] = tuple(v for v in TRIED if not _is_default(v))
 #: the fixed DoPs the sensitivity scenario compares with (DoP 1 and 32 are never best at batch 1,280)
 SENSITIVITY_DOPS = ("dop2", "dop4", "dop8", "dop16")
 
@@ -298,9 +307,12 @@ def sensitivity(scale: float, seed: int, progress: Progress = _stderr) -> Outcom
     pods-ideal / ours, so a headline figure comes with how the assumptions that decide it move it."""
     points: list[Point] = []
     out = Outcome("sensitivity", "AI coding at batch 1,280: the margins under varied assumptions",
-                  "variation (0 = defaults)", points, [], [f"best fixed DoP among {', '.join(SENSITIVITY_DOPS)}"])
+                  "assumption varied (one at a time)", points, [],
+                  [f"best fixed DoP among {', '.join(SENSITIVITY_DOPS)}",
+                   *(f"default {v[0]}: {v[1]}" for v in TRIED if _is_default(v))])
     batch = max(2, round(1280 * scale))
     for index, (name, label, params, costs, overhead) in enumerate((("defaults", "-", {}, {}, None), *VARIATIONS)):
+        out.notes.append(f"x = {index}: {name} = {label}")
         cluster = _cpu(round(1280 * scale))
         cluster = replace(cluster, costs=replace(cluster.costs, **costs))
         trace = ai_coding(CodingParams(batch=batch, **params), seed)
