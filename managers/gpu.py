@@ -341,8 +341,7 @@ class GpuManager(ResourceManager):
                 node.residency.unbook(slot)
                 slot.state = SlotState.PREPARED
             raise
-        slot.state = SlotState.RESIDENT
-        slot.restores += 1
+        node.residency.restored(slot)
         elapsed = time.perf_counter() - started
         labels = (node.name, slot.service, str(slot.chunk.size))
         if self.restores is not None and self.restore_seconds is not None:
@@ -358,8 +357,7 @@ class GpuManager(ResourceManager):
                 await self._renew(node, slot)
             else:
                 await slot.instance.evict()
-            slot.state = SlotState.PREPARED
-            slot.evictions += 1
+            node.residency.evicted(slot)
             if self.evictions is not None:
                 self.evictions.labels(node.name, slot.service, str(slot.chunk.size)).inc()
         except Exception as error:  # noqa: BLE001 - any failure leaves the memory in doubt

@@ -104,6 +104,16 @@ class Residency:
         slot.state = SlotState.RESTORING
         return victims
 
+    def evicted(self, slot: Slot) -> None:
+        """An eviction that ``plan_restore`` chose is done: the instance holds host memory only."""
+        slot.state = SlotState.PREPARED
+        slot.evictions += 1
+
+    def restored(self, slot: Slot) -> None:
+        """A restore that ``plan_restore`` booked is done: the instance serves from its chunk's GPUs."""
+        slot.state = SlotState.RESIDENT
+        slot.restores += 1
+
     def pending_evictions(self, chunk: Chunk) -> list[asyncio.Task[None]]:
         """Evictions in flight on ``chunk``'s GPUs: their memory is booked free but not yet really free."""
         gpus = set(chunk.gpus)

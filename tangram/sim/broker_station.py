@@ -280,7 +280,8 @@ class BrokerStation:
         return run.finish_s
 
     def _make_resident(self, node: GpuNode, service: str, chunk: Any) -> float:
-        """The manager's residency decision (LRU victims on the chunk's GPUs), timed by the cost model."""
+        """The GPU manager's residency steps (``plan_restore``'s LRU victims, then ``evicted`` and ``restored``:
+        the calls ``GpuManager`` makes around its real evictions and restores), timed by the cost model."""
         slot = node.residency.slot(service, chunk)
         assert slot is not None, "every service has a slot on every chunk of each DoP it supports"
         node.residency.touch(slot)
@@ -288,10 +289,8 @@ class BrokerStation:
             return 0.0
         victims = node.residency.plan_restore(slot)
         for victim, _ in victims:
-            victim.state = SlotState.PREPARED
-            victim.evictions += 1
-        slot.state = SlotState.RESIDENT
-        slot.restores += 1
+            node.residency.evicted(victim)
+        node.residency.restored(slot)
         self.restores += 1
         self.evictions += len(victims)
         shard_gb = slot.instance.spec.host_memory_mb / 1024 / chunk.size
