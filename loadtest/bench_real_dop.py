@@ -31,7 +31,7 @@ POLICIES: dict[str, int | None] = {"tangram": None, "dop1": 1, "dop2": 2}
 
 def broker_config(cores: str, db: Path, engine: str) -> dict[str, Any]:
     return {"store": {"url": f"sqlite+aiosqlite:///{db}"}, "gpu": {"enabled": False},
-            "cpu": {"broker_id": f"bench-{uuid.uuid4().hex[:8]}", "default_memory_mb": 256, "worker_start_s": 0.01,
+            "cpu": {"broker_id": f"bench-{uuid.uuid4().hex[:8]}", "default_memory_mb": 256,
                     "nodes": {"n1": {"backend": "docker", "engine": engine, "cores": cores, "memory_mb": 8192}}}}
 
 

@@ -9,7 +9,7 @@ runs first (the paper profiles in advance, §6.1); the efficiency table is one g
 {1: 1.0, 2: 0.9}, not measured per suite (the profiling pass prints what -n 2 really gave, to set beside it).
 
 Every run is a fresh in-process broker on this machine's Docker engine (a node on ``--cores``, SQLite, the
-service's defaults, ``worker_start_s`` included: real pytest workers do cost start-up). Policies run in rotated
+service's defaults: a malleable run starts as many workers as the cores it starts on). Policies run in rotated
 order (A B C, B C A, C A B, ...) so that load from elsewhere on this shared machine falls on each alike; each
 figure is the median over rounds. A test run whose pytest exits non-zero is still a succeeded action, but a suite
 must exit alike under every policy and in profiling, or the bench says so and fails.

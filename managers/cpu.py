@@ -326,6 +326,8 @@ class CpuManager(ResourceManager):
         return workers_for(units, cap, expected_s, self.config.worker_start_s, self.config.worker_overhead)
 
     def resize(self, allocation: Allocation, resource: str, units: int) -> None:
+        if allocation.released:
+            raise RuntimeError(f"resize of released allocation {allocation.action_id}")
         env, node_name, cores = allocation.handle
         pool = self.nodes[node_name].cores
         cores = pool.shrink(cores, units) if units < len(cores) else pool.grow(cores, units - len(cores))

@@ -255,16 +255,18 @@ def _pin_tree(pid, cpus):
 
 def _follow(tag, pid, pinned):
     """Re-pin the command tagged `tag` (pid, now on `pinned`; None: unknown) until it is on the tag's latest cpus,
-    which another connection may change meanwhile; returns how many processes the last pass re-pinned."""
+    which another connection may change meanwhile; returns how many processes the last pass re-pinned.
+
+    Each pass holds _tags_lock, so the command cannot be untagged, then reaped and its pid reused, midway."""
     count = 0
     while True:
         with _tags_lock:
             if _tag_pids.get(tag) != pid:  # it ended
                 return count
             latest = _tag_cpus.get(tag)
-        if latest is None or latest == pinned:
-            return count
-        count = _pin_tree(pid, latest)
+            if latest is None or latest == pinned:
+                return count
+            count = _pin_tree(pid, latest)
         pinned = latest
 
 

@@ -18,6 +18,11 @@ from tangram.action import Action
 
 #: a trajectory idle this many think times is taken to have ended (it deleted nothing the broker saw)
 GIVE_UP_THINKS = 10.0
+#: ... or this long, when its task has not learned a think time yet
+GIVE_UP_UNLEARNED_S = 600.0
+#: bounds on what clients can make the model remember (task names and trajectory ids are theirs)
+MAX_IDLE_TRAJECTORIES = 100_000
+MAX_TASKS = 10_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +67,8 @@ class ArrivalModel:
         habits = self.tasks.get(action.task)
         think = max(0.0, now - ended)
         if habits is None:
+            if len(self.tasks) >= MAX_TASKS:
+                del self.tasks[next(iter(self.tasks))]  # the task learned about longest ago
             habits = self.tasks[action.task] = _TaskHabits(_Ewma(think, self.alpha))
         else:
             habits.think_s.add(think)
@@ -83,7 +90,10 @@ class ArrivalModel:
         learned as the typical duration of a next action on each resource it held."""
         if action.trajectory is None:
             return
-        self.idle[(action.task, action.trajectory)] = now
+        key = (action.task, action.trajectory)
+        self.idle.pop(key, None)
+        self.idle[key] = now  # last: the map stays in the order trajectories went idle
+        self._give_up(now)
         habits = self.tasks.get(action.task)
         if habits is None or action.execution_s is None:
             return
@@ -92,6 +102,19 @@ class ArrivalModel:
                 habits.duration_s[resource].add(action.execution_s)
             else:
                 habits.duration_s[resource] = _Ewma(action.execution_s, self.alpha)
+
+    def _give_up(self, now: float) -> None:
+        """Drop the trajectories idle longest once they are past their task's give-up time, and any beyond
+        MAX_IDLE_TRAJECTORIES: ones that ended without the broker seeing it must not pile up."""
+        while self.idle:
+            key, ended = next(iter(self.idle.items()))
+            if len(self.idle) <= MAX_IDLE_TRAJECTORIES and now - ended <= self._give_up_s(key[0]):
+                return
+            del self.idle[key]
+
+    def _give_up_s(self, task: str) -> float:
+        habits = self.tasks.get(task)
+        return GIVE_UP_UNLEARNED_S if habits is None else GIVE_UP_THINKS * max(habits.think_s.value, 1e-3)
 
     def forget(self, task: str, trajectory: str) -> None:
         """The trajectory ended (its environment is gone): nothing more is expected of it."""
@@ -104,12 +127,11 @@ class ArrivalModel:
         four contributes a quarter of its idle trajectories, the soonest."""
         by_task: dict[str, list[float]] = {}
         for (task, trajectory), ended in list(self.idle.items()):
+            if now - ended > self._give_up_s(task) or (holds is not None and not holds(task, trajectory)):
+                del self.idle[(task, trajectory)]
+                continue
             habits = self.tasks.get(task)
             if habits is None:
-                continue
-            if now - ended > GIVE_UP_THINKS * max(habits.think_s.value, 1e-3) or \
-                    (holds is not None and not holds(task, trajectory)):
-                del self.idle[(task, trajectory)]
                 continue
             by_task.setdefault(task, []).append(max(0.0, ended + habits.think_s.value - now))
         out: list[Expected] = []

@@ -37,14 +37,14 @@ class _Running:
     __slots__ = ("action", "allocations", "allocation", "task", "cancel_reason", "failure", "after")
 
     def __init__(self, action: Action, allocations: list[tuple[ResourceManager, Allocation]],
-                 allocation: Allocation, after: asyncio.Future[Any] | None) -> None:
+                 allocation: Allocation, after: frozenset[asyncio.Task[None]]) -> None:
         self.action = action
         self.allocations = allocations
         self.allocation = allocation
         self.task: asyncio.Task[None] | None = None
         self.cancel_reason: State | None = None
         self.failure: dict[str, Any] | None = None  # why it was ended from outside (a resize that failed)
-        #: the shrinks of the pass that started it: units it took may still be in use until they are applied
+        #: the shrinks in flight when it started: units it took may still be in use until they are applied
         self.after = after
 
 
@@ -78,6 +78,10 @@ class Broker:
         self.tick_s = tick_s
         self.actions: dict[str, Action] = {}
         self.running: dict[str, _Running] = {}
+        #: resizes being applied (kept here: asyncio holds tasks only weakly), and the shrinks among them, which
+        #: starts wait for before using the units they free
+        self._resizing: set[asyncio.Task[None]] = set()
+        self._shrinking: set[asyncio.Task[None]] = set()
         self.leases: dict[str, list[tuple[ResourceManager, Allocation]]] = {}
         self.idempotency: dict[tuple[str, str], str] = {}
         self.recent: collections.deque[Action] = collections.deque(maxlen=1000)
@@ -190,7 +194,7 @@ class Broker:
                 running.cancel_reason = State.CANCELLED
                 running.task.cancel()
         pending = [r.task for r in self.running.values() if r.task is not None]
-        await asyncio.gather(*self._tasks, *pending, return_exceptions=True)
+        await asyncio.gather(*self._tasks, *pending, *self._resizing, return_exceptions=True)
         self.store.save_profiles(self.durations.take_dirty())
         for manager in self.managers:
             await manager.close()
@@ -388,6 +392,7 @@ class Broker:
                 self.schedule_once()
             except Exception:  # a scheduling bug must not stop the broker; the next event retries
                 log.exception("scheduling pass failed")
+                self.scheduler.reshare()
             await asyncio.sleep(0)  # let completions and submits of this moment coalesce into the next pass
 
     def schedule_once(self) -> int:
@@ -404,8 +409,9 @@ class Broker:
         plan = self.scheduler.schedule(queue, (r.action for r in self.running.values()), now,
                                        lambda resource, limit: self.arrivals.expected(resource, now, limit, holds))
         self.metrics.schedule_pass.observe(time.perf_counter() - started)
-        shrinks = [self._resize(decision, now) for decision in plan.shrinks()]
-        after = asyncio.gather(*shrinks, return_exceptions=True) if shrinks else None
+        for decision in plan.shrinks():
+            self._shrinking.add(self._resize(decision, now))
+        after = frozenset(self._shrinking)
         for placement in plan.placements:
             self._start(placement, now, after)
         for decision in plan.grows():
@@ -422,8 +428,12 @@ class Broker:
         running = self.running[decision.action.id]
         allocation = dispatch.resize(self.owner, running.allocations, decision, now)
         self.metrics.resizes.inc()
-        return asyncio.create_task(self._apply_resize(running, self.owner[decision.resource], allocation),
+        task = asyncio.create_task(self._apply_resize(running, self.owner[decision.resource], allocation),
                                    name=f"tangram-resize-{decision.action.id}")
+        self._resizing.add(task)
+        task.add_done_callback(self._resizing.discard)
+        task.add_done_callback(self._shrinking.discard)
+        return task
 
     async def _apply_resize(self, running: _Running, manager: ResourceManager, allocation: Allocation) -> None:
         try:
@@ -436,16 +446,18 @@ class Broker:
             error = {"code": "resize_failed", "message": repr(bug)}
         else:
             return
+        self.scheduler.reshare()
         if running.task is not None and not running.task.done():
             running.failure = error
             running.task.cancel()
 
-    def _start(self, placement: Placement, now: float, after: asyncio.Future[Any] | None) -> None:
+    def _start(self, placement: Placement, now: float, after: frozenset[asyncio.Task[None]]) -> None:
         action = placement.action
         try:
             allocations = dispatch.start(self.owner, self.durations, placement, now)
         except Exception:
             log.exception("allocation of %s failed; it stays queued", action.id)
+            self.scheduler.reshare()
             return
         self._dequeue(action.id)
         action.state = State.RUNNING
@@ -476,9 +488,9 @@ class Broker:
             if remaining <= 0:
                 raise TimeoutError
             async with asyncio.timeout(remaining):
-                if running.after is not None:
-                    await running.after
-                    running.after = None
+                if running.after:  # asyncio.wait, unlike gather, leaves the shrinks running if this is cancelled
+                    await asyncio.wait(running.after)
+                    running.after = frozenset()
                 outcome = await manager.execute(action, running.allocation)
             hold = outcome.hold
             action.execution_s = time.time() - began

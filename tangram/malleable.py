@@ -122,8 +122,8 @@ def share(spare: int, claimants: Sequence[Claimant], by_remaining: bool = False)
     unit at a time to the largest gain is the same as taking the ``spare`` largest gains at once, which is what this
     does (vectorised). Without ``by_remaining`` the result maximises the summed speed-up of the pool's malleable
     actions (their throughput). Units that speed nobody up stay unshared; a claimant whose share ends inside a
-    step between allowed counts is rounded down to the count below, and those units stay unshared until the next
-    pass.
+    step between allowed counts is rounded down to the count below, and those units stay unshared until the pool's
+    spare units or its actions change (the scheduler re-shares a pool only then).
     """
     floors = [c.profile.counts[0] for c in claimants]
     if spare <= 0 or not claimants:
@@ -153,7 +153,9 @@ def workers_for(units: int, cap: int, duration_s: float, worker_start_s: float, 
     """How many workers (``pytest -n``) an action started on ``units`` cores gets: as many as keep the start-up of
     the workers beyond ``units`` (each ``worker_start_s`` of CPU, sharing those cores) within ``overhead`` of its
     expected duration there. More workers let it grow into cores that free up later; each costs start-up time and
-    memory now. ``cap`` bounds it (the action's maximum, the node's size)."""
+    memory now. ``cap`` bounds it (the action's maximum, the node's size); ``overhead`` 0 gives ``units``."""
+    if overhead <= 0:
+        return units
     if worker_start_s <= 0:
         return cap
     extra = int(overhead * duration_s * units / worker_start_s)

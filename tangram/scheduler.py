@@ -18,7 +18,7 @@ One pass:
 4. **Malleable groups** (the key resource's manager can resize running allocations, ``tangram.malleable``): the
    units running malleable actions hold above their floors are lent to step 1, and each pool's spare units are
    shared among its malleable actions, running and starting, by marginal-gain water-filling (the summed
-   speed-up); members start with their share, running ones whose share changed are resized.
+   speed-up); members whose share is a core or more start with it, running ones whose share changed are resized.
 """
 
 from __future__ import annotations
@@ -112,6 +112,11 @@ class Scheduler:
         for manager in self.managers:
             for resource in manager.resources:
                 self.owner[resource] = manager
+
+    def reshare(self) -> None:
+        """Share every pool afresh at the next pass: a plan was not carried out in full (a start or a resize
+        failed), so the shares recorded for unchanged pools no longer stand."""
+        self._shared.clear()
 
     def schedule(self, queue: Iterable[Action], running: Iterable[Action], now: float,
                  expected: Callable[[str, int], list[Expected]] | None = None) -> Plan:

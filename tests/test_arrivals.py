@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from tangram import arrivals
 from tangram.action import Action, Demand, Kind
-from tangram.arrivals import GIVE_UP_THINKS, ArrivalModel
+from tangram.arrivals import GIVE_UP_THINKS, GIVE_UP_UNLEARNED_S, ArrivalModel
 
 
 def action(trajectory: str, cpu: int = 1, execution_s: float = 0.5, kind: Kind = Kind.EXEC,
@@ -51,3 +52,19 @@ def test_trajectories_that_ended_are_not_expected() -> None:
     model.forget("t", "a")
     assert len(model.expected("cpu", now=2.0, limit=10, holds=lambda task, trajectory: trajectory != "b")) == 1
     assert model.expected("cpu", now=2.0 + GIVE_UP_THINKS * 1.0 + 1.0, limit=10) == []  # idle too long: gone
+
+
+def test_trajectories_idle_past_their_give_up_time_are_dropped_without_a_pass_asking(monkeypatch) -> None:
+    """The broker's malleable path never asks for expected arrivals, so ends alone must keep the map bounded:
+    by the give-up time (also for tasks that learned nothing, whose one-action trajectories never submit again)
+    and by a hard cap."""
+    model = ArrivalModel()
+    for i in range(100):
+        model.ended(action(f"once-{i}"), now=float(i))
+    assert len(model.idle) == 100
+    model.ended(action("late"), now=50.5 + GIVE_UP_UNLEARNED_S)  # once-0 .. once-50 are past it
+    assert list(model.idle) == [("t", f"once-{i}") for i in range(51, 100)] + [("t", "late")]
+    monkeypatch.setattr(arrivals, "MAX_IDLE_TRAJECTORIES", 10)
+    for i in range(50):
+        model.ended(action(f"burst-{i}"), now=1000.0)
+    assert list(model.idle) == [("t", f"burst-{i}") for i in range(40, 50)]  # the longest idle went first

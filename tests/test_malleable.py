@@ -76,6 +76,7 @@ def test_workers_bound_start_up_to_a_share_of_the_run() -> None:
     assert workers_for(8, 32, 200.0, 0.25, 0.05) == 32  # long runs get every worker they can use
     assert workers_for(3, 32, 0.5, 0.25, 0.05) == 3  # never fewer workers than cores
     assert workers_for(2, 32, 20.0, 0.0, 0.05) == 32  # free workers: as many as it could ever use
+    assert workers_for(2, 32, 20.0, 0.25, 0.0) == workers_for(2, 32, 20.0, 0.0, 0.0) == 2  # no share: one per core
 
 
 def test_progress_is_work_done_at_the_estimated_speed() -> None:
@@ -135,6 +136,8 @@ def test_cores_stay_exclusive_under_random_resizes(steps: list[tuple[str, int, i
             cpu.release(allocation)
             cpu.release(allocation)  # idempotent
             asyncio.run(cpu.apply_resize(allocation))  # a resize applied after the end: nothing happens
+            with pytest.raises(RuntimeError, match="released"):
+                cpu.resize(allocation, "cpu", units)
         taken = [c for a in held.values() for c in a.handle[2]]
         assert len(taken) == len(set(taken)), "a core is held by two actions"
         assert set(taken).isdisjoint(node.cores.free)
@@ -196,10 +199,12 @@ async def wait_output(live: Live, action_id: str, text: str, timeout_s: float = 
 
 
 def test_workers_stay_within_the_actions_maximum() -> None:
-    cpu = manager()
-    action = elastic(0)
-    assert cpu.workers(action, "cpu", 2, expected_s=10.0) >= 2
-    assert cpu.workers(action, "cpu", 2, expected_s=10.0) <= 8  # the action's maximum
+    action = elastic(0)  # 1-8 cores
+    assert manager().workers(action, "cpu", 2, expected_s=10.0) == 2  # the default: one worker per starting core
+    cpu = CpuManager(CpuConfig(nodes=manager().config.nodes, worker_overhead=0.5, worker_start_s=0.25))
+    cpu.add_node(CpuNode(cpu.config.nodes[0], NoSandboxes(), cpu.config.nodes[0].numa))
+    assert cpu.workers(action, "cpu", 2, expected_s=0.25) == 3  # 50% of 0.25 s on 2 cores pays one 0.25 s worker
+    assert cpu.workers(action, "cpu", 2, expected_s=100.0) == 8  # a long run: the action's maximum, not the node's
 
 
 @pytest.mark.parametrize("path", ["fast", "engine"])

@@ -152,3 +152,17 @@ def test_a_queue_longer_than_the_horizon_still_starts_work():
     queue = [act(i, {"gpu": Demand((1, 2, 4, 8))}, elastic) for i in range(512)]
     placements = Scheduler([manager], DurationModel(), depth=2, horizon=64).schedule(queue, [], now=0.0).placements
     assert sum(p.units["gpu"] for p in placements) == 40  # every unit busy, one action per unit
+
+
+def test_a_plan_not_carried_out_is_shared_afresh_after_reshare():
+    """Unchanged pools keep their last shares, so a start the broker could not carry out (its allocation
+    failed) would strand the action; ``reshare`` makes the next pass place it again."""
+    manager = CountedUnitsManager({"cpu": {"n": 8}}, resizable=frozenset({"cpu"}))
+    scheduler = Scheduler([manager], DurationModel())
+    queue = [act(1, {"cpu": Demand.range(1, 8)}, Elasticity("cpu", LINEAR, t1=10.0))]
+    [placement] = scheduler.schedule(queue, [], now=0.0).placements
+    assert placement.units["cpu"] == 8
+    assert scheduler.schedule(queue, [], now=1.0).placements == []  # nothing changed: the share stands
+    scheduler.reshare()
+    [again] = scheduler.schedule(queue, [], now=2.0).placements
+    assert again.action is queue[0] and again.units["cpu"] == 8
