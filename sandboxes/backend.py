@@ -130,15 +130,23 @@ class Sandbox(abc.ABC):
         return {}
 
 
-async def repin_via_executor(socket_path: str, tag: str, cores: frozenset[int]) -> None:
-    """``Sandbox.set_action_cores`` for a sandbox whose executor serves on ``socket_path`` (op "cpus")."""
+#: how an executor older than the "cpus" op answers it (a sandbox adopted across a broker upgrade)
+UNKNOWN_OP = "op: unknown operation"
+
+
+async def repin_via_executor(socket_path: str, tag: str, cores: frozenset[int]) -> bool:
+    """``Sandbox.set_action_cores`` for a sandbox whose executor serves on ``socket_path`` (op "cpus"). Returns
+    False when the executor predates the op, for the caller to decide whether its cgroup is enough."""
     try:
         answer = await call(socket_path, {"op": "cpus", "tag": tag, "cpus": sorted(cores)})
     except ExecutorUnavailable as error:
         raise SandboxError("environment_lost", f"the environment's executor is gone ({error})", lost=True) from None
+    if str(answer.get("error", "")).startswith(UNKNOWN_OP):
+        return False
     if not answer.get("ok"):
         raise SandboxError("repin_failed", f"the executor did not move command {tag!r} onto cores {sorted(cores)}: "
                                            f"{answer.get('error')}")
+    return True
 
 
 class SandboxBackend(abc.ABC):

@@ -86,6 +86,7 @@ class DockerSandbox(Sandbox):
         self.socket = str(host_dir / "exec.sock") if host_dir else None
         self.frozen = False
         self.destroyed = False
+        self.old_executor = False  # adopted from an older broker: its executor cannot re-pin a command
 
     async def set_cores(self, cores: frozenset[int]) -> None:
         if self.cgroup is not None:  # 0.01 ms per write: no thread hop
@@ -123,9 +124,15 @@ class DockerSandbox(Sandbox):
         ``set_cores`` is all there is. The kernel clips every task's affinity to a narrowed cpuset, so a shrink
         still reaches the command, but since Linux 6.2 (cgroup v1 and v2 alike; checked on 6.18 with v1) a task
         keeps the affinity it was spawned with, intersected with the cpuset, so a grow does not reach a command
-        already running there (before 6.2 a cpuset write reset every task to the whole cpuset)."""
-        if self.socket is not None:
-            await repin_via_executor(self.socket, tag, cores)
+        already running there (before 6.2 a cpuset write reset every task to the whole cpuset).
+
+        A container adopted from an older broker runs an executor without the re-pin: its cgroup alone moves the
+        command then, as on the engine path."""
+        if self.socket is not None and not self.old_executor and not await repin_via_executor(self.socket, tag,
+                                                                                              cores):
+            self.old_executor = True
+            log.warning("sandbox %s runs an executor from an older broker: its commands follow the cgroup only "
+                        "(a grow does not reach a running command)", self.container.short_id)
 
     async def run(self, request: dict[str, Any]) -> dict[str, Any]:
         try:

@@ -73,8 +73,11 @@ class LocalSandbox(Sandbox):
         """Nothing to do: each command is pinned by the executor to its own cores."""
 
     async def set_action_cores(self, tag: str, cores: frozenset[int]) -> None:
-        """No cgroup here: moving the command's process tree is all there is to a resize."""
-        await repin_via_executor(self.socket, tag, cores)
+        """No cgroup here: moving the command's process tree is all there is to a resize, so an executor from an
+        older broker (adopted) that cannot do it fails the resize."""
+        if not await repin_via_executor(self.socket, tag, cores):
+            raise SandboxError("repin_failed", "this environment's executor predates re-pinning (adopted from an "
+                                               "older broker): its command cannot change cores")
 
     async def run(self, request: dict[str, Any]) -> dict[str, Any]:
         try:

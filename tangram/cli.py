@@ -9,7 +9,9 @@ import dataclasses
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -88,14 +90,18 @@ def _status(args: argparse.Namespace) -> int:
         if not args.watch:
             console.print(view())
             return 0
+        # Ctrl-C sets a flag rather than raising wherever the loop happens to be (inside a library that might
+        # swallow the KeyboardInterrupt); the loop ends at its next wait.
+        stop = threading.Event()
+        signal.signal(signal.SIGINT, lambda _signal, _frame: stop.set())
         with Live(view(), console=console, auto_refresh=False) as live:
-            while True:
-                time.sleep(args.watch)
+            while not stop.wait(args.watch):
                 live.update(view(), refresh=True)
+        return 0
     except (urllib.error.URLError, OSError) as error:
         console.print(f"[red]cannot reach the broker at {url}: {error}[/red]")
         return 1
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # before the handler above was installed
         return 0
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import os
 import random
@@ -22,13 +23,16 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
+import psutil
 import pytest
 import pytest_asyncio
 
 from sandboxes import executor as ex
-from sandboxes.backend import SandboxError, SandboxSpec
+from sandboxes.backend import SandboxError, SandboxSpec, repin_via_executor
+from sandboxes.docker import DockerSandbox
 from sandboxes.executor_client import (
     EXECUTOR_PATH,
     ExecutorUnavailable,
@@ -37,7 +41,7 @@ from sandboxes.executor_client import (
     ping,
     wait_ready,
 )
-from sandboxes.local import LocalProcessBackend
+from sandboxes.local import LocalProcessBackend, LocalSandbox
 
 # The executor must run on any python3 >= 3.8 in user images: point this at another interpreter to check that.
 EXECUTOR_PYTHON = os.environ.get("TANGRAM_EXECUTOR_PYTHON", sys.executable)
@@ -96,11 +100,11 @@ def short_socket_path(tmp_path: Path) -> str:
 class Executor:
     """A real `executor.py serve` process."""
 
-    def __init__(self, tmp_path: Path, socket_path: str | None = None) -> None:
+    def __init__(self, tmp_path: Path, socket_path: str | None = None, path: str = EXECUTOR_PATH) -> None:
         self.socket = socket_path or short_socket_path(tmp_path)
         self.log = tmp_path / "executor.log"
         with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen([EXECUTOR_PYTHON, EXECUTOR_PATH, "serve", "--socket", self.socket],
+            self.proc = subprocess.Popen([EXECUTOR_PYTHON, path, "serve", "--socket", self.socket],
                                          stdin=subprocess.DEVNULL, stdout=log, stderr=log)
 
     def stop(self) -> int:
@@ -697,3 +701,49 @@ def _no_leftover_executors() -> Iterator[None]:
     yield
     mine = [pid for pid in pids_with(EXECUTOR_PATH) if ex._proc_table().get(pid, ("", 0, 0))[1] == os.getpid()]
     assert not mine, f"executor processes left running: {mine}"
+
+
+async def test_an_executor_older_than_repinning_is_told_apart_from_a_refusal(tmp_path: Path) -> None:
+    """Sandboxes adopted across a broker upgrade run the executor they were created with. One that predates the
+    "cpus" op must not fail every resize on Docker (the cgroup still moves the command there); without a cgroup
+    (local backend) the resize fails with a reason that says so."""
+    source = Path(EXECUTOR_PATH).read_text()
+    branch = '    if op == "cpus":\n'
+    assert source.count(branch) == 1
+    older = tmp_path / "executor.py"
+    older.write_text(source.replace(branch, '    if op == "cpus-not-yet":\n'))
+    root = Path(short_socket_path(tmp_path)).with_suffix(".d")  # LocalSandbox serves on root/exec.sock
+    root.mkdir()
+    started = Executor(tmp_path, socket_path=str(root / "exec.sock"), path=str(older))
+    try:
+        await wait_ready(started.socket, timeout=10)
+        assert await repin_via_executor(started.socket, "act-1", frozenset({0})) is False
+        sandbox = LocalSandbox("env-old", root, psutil.Process(started.proc.pid), 256)
+        with pytest.raises(SandboxError) as refused:
+            await sandbox.set_action_cores("act-1", frozenset({0}))
+        assert refused.value.code == "repin_failed" and "older broker" in refused.value.message
+        adopted = DockerSandbox(None, SimpleNamespace(short_id="c0ffee"), root, None)  # type: ignore[arg-type]
+        await adopted.set_action_cores("act-1", frozenset({0}))  # the cgroup moves the command: no failure
+        assert adopted.old_executor
+        started.stop()
+        await adopted.set_action_cores("act-1", frozenset({0}))  # not asked again (a gone executor would raise)
+    finally:
+        started.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+async def test_a_current_executor_refusing_cpus_is_a_failure(executor: Executor) -> None:
+    command = asyncio.create_task(run(executor, command="sleep 30", tag="act-1", timeout_s=30))
+    try:
+        while not command.done():  # the tag's command is running once a re-pin moves a process
+            answer = await call(executor.socket, {"op": "cpus", "tag": "act-1", "cpus": [0]})
+            if answer.get("processes"):
+                break
+            await asyncio.sleep(0.02)
+        with pytest.raises(SandboxError) as refused:
+            await repin_via_executor(executor.socket, "act-1", frozenset({4095}))  # no such cpu: the kernel refuses
+        assert refused.value.code == "repin_failed" and "4095" in refused.value.message
+    finally:
+        command.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await command
