@@ -3,37 +3,61 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from tangram.cli import main
+from tangram.sim import scenarios
 from tangram.sim.scenarios import SCENARIOS, SENSITIVITY_DOPS, VARIATIONS
 
+#: the smallest scale that keeps the paper's node density (one CPU node of 256 cores)
+QUICK = "0.2"
+#: scenarios with a test of their own below, which also checks what every scenario writes
+CHECKED_BELOW = ("coding-batch", "coding-capacity", "dop", "sensitivity")
 
-@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
-def test_each_scenario_writes_figures_json_and_a_png(scenario, tmp_path, capsys):
-    out_json, out_png = tmp_path / "out.json", tmp_path / "out.png"
-    assert main(["simulate", scenario, "--scale", "0.02", "--json", str(out_json), "--plot", str(out_png)]) == 0
-    body = json.loads(out_json.read_text())
-    assert body["scenario"] == scenario and body["scale"] == 0.02
+
+def check_written(body: dict, scenario: str, out_png: Path) -> None:
+    """What every scenario writes: figures against the paper's, points of each policy, a PNG."""
+    assert body["scenario"] == scenario and body["scale"] == float(QUICK)
     assert body["figures"], "every scenario compares figures with the paper"
     for figure in body["figures"]:
         assert figure["ours"] >= 0
         if isinstance(figure["paper"], (int, float)):
             assert figure["ours_over_paper"] == pytest.approx(figure["ours"] / figure["paper"], rel=0.02, abs=2e-3)
-    policies = {p["policy"] for p in body["points"]}
+    points = body["points"] if "points" in body else [p for run in body["runs"] for p in run["points"]]  # seeds
+    policies = {p["policy"] for p in points}
     assert "tangram" in policies and len(policies) >= (1 if scenario == "breakdown" else 2)
-    for point in body["points"]:
+    for point in points:
         assert point["failed_calls"] == 0 or point["policy"] == "baseline"
         assert point["calls"] > 0
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("scenario", sorted(set(SCENARIOS) - set(CHECKED_BELOW)))
+def test_each_scenario_writes_figures_json_and_a_png(scenario, tmp_path, capsys):
+    out_json, out_png = tmp_path / "out.json", tmp_path / "out.png"
+    assert main(["simulate", scenario, "--scale", QUICK, "--json", str(out_json), "--plot", str(out_png)]) == 0
+    check_written(json.loads(out_json.read_text()), scenario, out_png)
     assert "paper" in capsys.readouterr().out
 
 
+def test_a_scale_that_cannot_keep_the_node_density_is_refused(capsys):
+    with pytest.raises(SystemExit) as refused:
+        main(["simulate", "dop", "--scale", "0.1"])
+    assert refused.value.code == 2 and "multiple of 1/5" in capsys.readouterr().err
+    quick = scenarios._cpu(round(1280 * 0.2), 0.2)  # one node of full density, binding a fifth of the pods
+    full = scenarios._cpu(1280, 1.0)
+    assert (quick.cpu_nodes, quick.cores_per_node) == (1, full.cores_per_node) == (1, 256)
+    assert quick.costs.pod_bind_per_s == pytest.approx(full.costs.pod_bind_per_s / 5)
+
+
 def test_dop_compares_every_fixed_dop_over_seeds(tmp_path, capsys):
-    out_json = tmp_path / "dop.json"
-    assert main(["simulate", "dop", "--scale", "0.02", "--seeds", "1,2", "--json", str(out_json)]) == 0
+    out_json, out_png = tmp_path / "dop.json", tmp_path / "dop.png"
+    assert main(["simulate", "dop", "--scale", QUICK, "--seeds", "1,2", "--json", str(out_json),
+                 "--plot", str(out_png)]) == 0
     body = json.loads(out_json.read_text())
+    check_written(body, "dop", out_png)
     assert body["seeds"] == [1, 2] and [run["seed"] for run in body["runs"]] == [1, 2]
     runs = body["runs"]
     batches = sorted({p["x"] for p in runs[0]["points"]})
@@ -67,9 +91,10 @@ def test_dop_compares_every_fixed_dop_over_seeds(tmp_path, capsys):
 
 def test_coding_scenarios_set_the_broker_beside_ideal_pods(tmp_path):
     for scenario in ("coding-batch", "coding-capacity"):
-        out_json = tmp_path / f"{scenario}.json"
-        assert main(["simulate", scenario, "--scale", "0.02", "--json", str(out_json)]) == 0
+        out_json, out_png = tmp_path / f"{scenario}.json", tmp_path / f"{scenario}.png"
+        assert main(["simulate", scenario, "--scale", QUICK, "--json", str(out_json), "--plot", str(out_png)]) == 0
         body = json.loads(out_json.read_text())
+        check_written(body, scenario, out_png)
         xs = {p["x"] for p in body["points"]}
         ideal = {p["x"]: p for p in body["points"] if p["policy"] == "pods-ideal"}
         assert set(ideal) == xs
@@ -80,9 +105,10 @@ def test_coding_scenarios_set_the_broker_beside_ideal_pods(tmp_path):
 
 
 def test_sensitivity_varies_one_assumption_at_a_time(tmp_path):
-    out_json = tmp_path / "sensitivity.json"
-    assert main(["simulate", "sensitivity", "--scale", "0.01", "--json", str(out_json)]) == 0
+    out_json, out_png = tmp_path / "sensitivity.json", tmp_path / "sensitivity.png"
+    assert main(["simulate", "sensitivity", "--scale", QUICK, "--json", str(out_json), "--plot", str(out_png)]) == 0
     body = json.loads(out_json.read_text())
+    check_written(body, "sensitivity", out_png)
     acts: dict[tuple[int, str], float] = {(p["x"], p["policy"]): p["mean_trajectory_act_s"] for p in body["points"]}
     rows = [("defaults", "-"), *((name, label) for name, label, *_ in VARIATIONS)]
     assert set(acts) == {(i, policy) for i in range(len(rows))

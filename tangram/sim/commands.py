@@ -18,7 +18,7 @@ from rich.table import Column, Table
 from tangram.sim.cluster import Cluster, ServiceModel, gpu_nodes
 from tangram.sim.engine import simulate
 from tangram.sim.policies import POLICIES
-from tangram.sim.scenarios import JUDGE, SCENARIOS, Outcome, search_api
+from tangram.sim.scenarios import JUDGE, SCENARIOS, Outcome, check_scale, search_api
 from tangram.sim.trace import Trace
 from tangram.sim.workloads import CodingParams, MopdParams, SearchParams, ai_coding, deepsearch, mopd
 
@@ -155,6 +155,18 @@ def _trace_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _scale(text: str) -> float:
+    try:
+        scale = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    try:
+        check_scale(scale)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return scale
+
+
 def _seed_list(text: str) -> list[int]:
     try:
         seeds = [int(part) for part in text.split(",") if part.strip()]
@@ -169,8 +181,9 @@ def add_commands(commands: Any) -> None:
     simulate_parser = commands.add_parser("simulate", help="reproduce one of the paper's evaluation scenarios in the "
                                                            "simulator (or all of them)")
     simulate_parser.add_argument("scenario", choices=[*SCENARIOS, "all"])
-    simulate_parser.add_argument("--scale", type=float, default=1.0,
-                                 help="multiply batch sizes and CPU capacity (0.1 for a quick look)")
+    simulate_parser.add_argument("--scale", type=_scale, default=1.0,
+                                 help="multiply batch sizes and capacity by a multiple of 0.2: whole nodes of the "
+                                      "paper's density (0.2 for a quick look); MOPD keeps its full size")
     simulate_parser.add_argument("--seed", type=int, default=1)
     simulate_parser.add_argument("--seeds", type=_seed_list, help="run each scenario once per seed (e.g. 1,2,3) and "
                                                                    "report every figure's median and range")

@@ -7,6 +7,7 @@ broker's), never absolute times against the paper's testbed.
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -30,6 +31,16 @@ from tangram.sim.workloads import (
 
 CPU_NODES = 5  # §6.3: 1,280 cores over five nodes
 GPUS = 40  # §6.1: five nodes of eight GPUs
+
+
+def check_scale(scale: float) -> None:
+    """``--scale`` multiplies batch sizes and capacity by removing whole nodes: the nodes keep the paper's
+    density (256 cores; a fixed DoP of 32 and the pods' packing stay what they are at full scale), so only multiples
+    of 1/5 keep the conclusions. Raises ValueError for any other scale."""
+    nodes = scale * CPU_NODES
+    if not math.isfinite(nodes) or nodes < 1 - 1e-9 or abs(nodes - round(nodes)) > 1e-9:
+        raise ValueError(f"the scale must be a positive multiple of 1/{CPU_NODES} (whole nodes of the paper's "
+                         f"density: 0.2, 0.4, ..., 1, 1.2, ...), got {scale}")
 
 
 @dataclass(frozen=True)
@@ -82,22 +93,26 @@ def _figure(name: str, paper: float | str | None, ours: float, note: str = "") -
             else round(ratio, 3), "note": note}
 
 
-def _cpu(cores: int) -> Cluster:
-    """``cores`` over the five nodes; at least 32 per node (the largest fixed DoP) however small the scale."""
-    return Cluster(cpu_nodes=CPU_NODES, cores_per_node=max(32, cores // CPU_NODES))
+def _cpu(cores: int, scale: float) -> Cluster:
+    """``cores`` (already scaled) over the scale's share of the five nodes: as many cores per node as at full
+    scale, and the pods' control plane binding as many pods per second per node."""
+    nodes = round(CPU_NODES * scale)
+    cluster = Cluster(cpu_nodes=nodes, cores_per_node=cores // nodes)
+    return replace(cluster, costs=replace(cluster.costs, pod_bind_per_s=cluster.costs.pod_bind_per_s * scale))
 
 
 def _teachers(n: int) -> tuple[ServiceModel, ...]:
     return tuple(ServiceModel(name) for name in teacher_names(n))
 
 
-def search_api(name: str) -> ApiModel:
-    """A search or page-fetch upstream (assumed: 200 calls/s, 256 in flight), enforcing its own limits."""
-    return ApiModel(name, quota=12_000, period_s=60.0, concurrency=256)
+def search_api(name: str, scale: float = 1.0) -> ApiModel:
+    """A search or page-fetch upstream (assumed: 200 calls/s, 256 in flight), enforcing its own limits; its quota
+    and concurrency scale with the batch."""
+    return ApiModel(name, quota=round(12_000 * scale), period_s=60.0, concurrency=round(256 * scale))
 
 
-def _search_apis() -> tuple[ApiModel, ...]:
-    return (search_api("api.search"), search_api("api.fetch"))
+def _search_apis(scale: float = 1.0) -> tuple[ApiModel, ...]:
+    return (search_api("api.search", scale), search_api("api.fetch", scale))
 
 
 JUDGE = ServiceModel("judge", static_replicas=5, static_dop=8)  # §6.1: five replicas at TP 8
@@ -106,8 +121,8 @@ JUDGE = ServiceModel("judge", static_replicas=5, static_dop=8)  # §6.1: five re
 def coding_batch(scale: float, seed: int, progress: Progress = _stderr) -> Outcome:
     """Fig. 8(a) left: mean ACT per trajectory vs RL batch size, 1,280 cores, against pods."""
     points: list[Point] = []
-    cluster = _cpu(round(1280 * scale))
-    batches = [max(2, round(b * scale)) for b in (128, 256, 512, 1024, 1280, 1536)]
+    cluster = _cpu(round(1280 * scale), scale)
+    batches = [round(b * scale) for b in (128, 256, 512, 1024, 1280, 1536)]
     for batch in batches:
         trace = ai_coding(CodingParams(batch=batch), seed)
         _run(trace, cluster, ("tangram", "baseline", "pods-ideal"), batch, points, progress,
@@ -128,11 +143,11 @@ def coding_batch(scale: float, seed: int, progress: Progress = _stderr) -> Outco
 def coding_capacity(scale: float, seed: int, progress: Progress = _stderr) -> Outcome:
     """Fig. 8(a) right: mean ACT per trajectory vs CPU cores at batch 1,280, against pods."""
     points: list[Point] = []
-    batch = max(2, round(1280 * scale))
+    batch = round(1280 * scale)
     trace = ai_coding(CodingParams(batch=batch), seed)
     capacities = [round(c * scale) for c in (768, 1024, 1280, 1536, 2048)]
     for cores in capacities:
-        _run(trace, _cpu(cores), ("tangram", "baseline", "pods-ideal"), cores, points, progress,
+        _run(trace, _cpu(cores, scale), ("tangram", "baseline", "pods-ideal"), cores, points, progress,
              f"coding cores {cores:5d}")
     out = Outcome("coding-capacity", "AI coding: ACT vs CPU capacity at batch 1,280 (Fig. 8a right)", "CPU cores",
                   points, [], [])
@@ -152,8 +167,8 @@ def dop(scale: float, seed: int, progress: Progress = _stderr) -> Outcome:
     """Fig. 9 and beyond: elastic (malleable) test runs against every fixed DoP 1-32, and the paper's moldable
     allocation, over batch size on 1,280 cores."""
     points: list[Point] = []
-    cluster = _cpu(round(1280 * scale))
-    batches = [max(2, round(b * scale)) for b in (128, 256, 512, 1024, 1280, 1536)]
+    cluster = _cpu(round(1280 * scale), scale)
+    batches = [round(b * scale) for b in (128, 256, 512, 1024, 1280, 1536)]
     for batch in batches:
         trace = ai_coding(CodingParams(batch=batch), seed)
         _run(trace, cluster, ("tangram", *FIXED_DOP_POLICIES, "tangram-paper"), batch, points, progress,
@@ -176,16 +191,20 @@ def dop(scale: float, seed: int, progress: Progress = _stderr) -> Outcome:
     return out
 
 
-def gpu_batch(scale: float, seed: int, progress: Progress = _stderr) -> Outcome:
+#: why MOPD runs at full size whatever ``--scale`` (it takes seconds)
+MOPD_FULL_SCALE = "MOPD at full scale whatever --scale: the static deployment (a teacher on four GPUs each) cannot shrink"
+
+
+def gpu_batch(_scale: float, seed: int, progress: Progress = _stderr) -> Outcome:
     """Fig. 8(b) left: MOPD with ten teachers on 40 GPUs vs a static deployment of four GPUs each."""
     points: list[Point] = []
     cluster = Cluster(gpu_node_sizes=gpu_nodes(GPUS), services=_teachers(10))
-    batches = [max(2, round(b * scale)) for b in (256, 512, 1024, 2048)]
+    batches = [256, 512, 1024, 2048]
     for batch in batches:
         trace = mopd(MopdParams(batch=batch, teachers=10), seed)
         _run(trace, cluster, ("tangram", "baseline"), batch, points, progress, f"gpu batch {batch:5d}")
     out = Outcome("gpu-batch", "MOPD, ten reward services: ACT vs batch size (Fig. 8b left)", "RL batch size",
-                  points, [], [])
+                  points, [], [MOPD_FULL_SCALE])
     out.figures += [_figure("static / broker ACT at batch 1,024", 3.4,
                             out.act("baseline", batches[2]) / out.act("tangram", batches[2])),
                     _figure("static / broker ACT at batch 2,048", 18.1,
@@ -193,11 +212,11 @@ def gpu_batch(scale: float, seed: int, progress: Progress = _stderr) -> Outcome:
     return out
 
 
-def gpu_cost(scale: float, seed: int, progress: Progress = _stderr) -> Outcome:
+def gpu_cost(_scale: float, seed: int, progress: Progress = _stderr) -> Outcome:
     """Fig. 8(b) right: the fewest GPUs with which the broker matches the static deployment's ACT (ten services
     on four GPUs each = 40 GPUs), at batch 1,024."""
     points: list[Point] = []
-    trace = mopd(MopdParams(batch=max(2, round(1024 * scale)), teachers=10), seed)
+    trace = mopd(MopdParams(batch=1024, teachers=10), seed)
     services = _teachers(10)
     _run(trace, Cluster(gpu_node_sizes=gpu_nodes(GPUS), services=services), ("baseline",), GPUS, points, progress,
          f"gpu-cost {GPUS:3d} GPUs")
@@ -210,7 +229,7 @@ def gpu_cost(scale: float, seed: int, progress: Progress = _stderr) -> Outcome:
             enough = gpus
             break
     out = Outcome("gpu-cost", "MOPD, ten reward services: GPUs for the static deployment's ACT (Fig. 8b right)",
-                  "GPUs", points, [], [])
+                  "GPUs", points, [], [MOPD_FULL_SCALE])
     out.figures.append(_figure("broker's GPUs / static deployment's GPUs for the same ACT", 0.29, enough / GPUS,
                                f"{enough} of {GPUS} GPUs (searched in steps of 4)"))
     return out
@@ -219,15 +238,14 @@ def gpu_cost(scale: float, seed: int, progress: Progress = _stderr) -> Outcome:
 def breakdown(scale: float, seed: int, progress: Progress = _stderr) -> Outcome:
     """Table 1: a call's ACT split into execution, queueing and system overhead under the broker."""
     points: list[Point] = []
-    cpu = _cpu(round(1280 * scale))
+    cpu = _cpu(round(1280 * scale), scale)
     for batch in (1280, 1536):
-        b = max(2, round(batch * scale))
+        b = round(batch * scale)
         _run(ai_coding(CodingParams(batch=b), seed), cpu, ("tangram",), b, points, progress, f"coding {b:5d}")
     gpu = Cluster(gpu_node_sizes=gpu_nodes(GPUS), services=_teachers(9))
     for batch in (2048, 3072):
-        b = max(2, round(batch * scale))
-        _run(mopd(MopdParams(batch=b), seed), gpu, ("tangram",), b, points, progress, f"mopd {b:5d}")
-    out = Outcome("breakdown", "ACT breakdown per call (Table 1)", "workload (batch)", points, [], [])
+        _run(mopd(MopdParams(batch=batch), seed), gpu, ("tangram",), batch, points, progress, f"mopd {batch:5d}")
+    out = Outcome("breakdown", "ACT breakdown per call (Table 1)", "workload (batch)", points, [], [MOPD_FULL_SCALE])
     paper = {0: (0.975, 0.015, 0.024), 1: (1.206, 0.428, 0.036), 2: (0.621, 0.081, 0.201), 3: (0.705, 15.05, 0.240)}
     names = ("Coding (1280)", "Coding (1536)", "MOPD (2048)", "MOPD (3072)")
     for i, point in enumerate(points):
@@ -241,16 +259,15 @@ def breakdown(scale: float, seed: int, progress: Progress = _stderr) -> Outcome:
 def e2e(scale: float, seed: int, progress: Progress = _stderr) -> Outcome:
     """Figs. 6-7: the four workloads against what users run today, on the same resources."""
     points: list[Point] = []
-    size = {"coding": 1280, "mopd": 2048, "search": 2048, "both": 1024}
-    b = {k: max(2, round(v * scale)) for k, v in size.items()}
+    nodes = round(CPU_NODES * scale)  # DeepSearch's judge: one replica on each of the scale's GPU nodes
     runs = [
-        (0, ai_coding(CodingParams(batch=b["coding"]), seed), _cpu(round(1280 * scale))),
-        (1, mopd(MopdParams(batch=b["mopd"]), seed),
+        (0, ai_coding(CodingParams(batch=round(1280 * scale)), seed), _cpu(round(1280 * scale), scale)),
+        (1, mopd(MopdParams(batch=2048), seed),
          Cluster(gpu_node_sizes=gpu_nodes(36), services=_teachers(9))),  # §6.1: nine teachers x 4 GPUs
-        (2, deepsearch(SearchParams(batch=b["search"]), seed),
-         Cluster(gpu_node_sizes=gpu_nodes(GPUS), services=(JUDGE,), apis=_search_apis())),
-        (3, merged("mopd+deepsearch", mopd(MopdParams(batch=b["both"]), seed),
-                   deepsearch(SearchParams(batch=b["both"]), seed)),
+        (2, deepsearch(SearchParams(batch=round(2048 * scale)), seed),
+         Cluster(gpu_node_sizes=gpu_nodes(8 * nodes), services=(replace(JUDGE, static_replicas=nodes),),
+                 apis=_search_apis(scale))),
+        (3, merged("mopd+deepsearch", mopd(MopdParams(batch=1024), seed), deepsearch(SearchParams(batch=1024), seed)),
          Cluster(gpu_node_sizes=gpu_nodes(GPUS), services=(*_teachers(9), replace(JUDGE, static_replicas=1,
                                                                                    static_dop=4)),
                  apis=_search_apis())),  # §6.1: ten services on four GPUs each
@@ -259,7 +276,8 @@ def e2e(scale: float, seed: int, progress: Progress = _stderr) -> Outcome:
     for x, trace, cluster in runs:
         _run(trace, cluster, ("tangram", "baseline"), x, points, progress, f"e2e {labels[x]:>15}")
     out = Outcome("e2e", "End to end: the four workloads vs their baselines (Figs. 6-7)", "workload", points, [],
-                  [f"x = {i}: {label}" for i, label in enumerate(labels)])
+                  [*(f"x = {i}: {label}" for i, label in enumerate(labels)),
+                   f"{MOPD_FULL_SCALE}; so does MOPD+DeepSearch"])
     for x, label in enumerate(labels):
         out.figures.append(_figure(f"{label}: baseline / broker ACT per trajectory", 4.3 if x == 0 else None,
                                    out.act("baseline", x) / out.act("tangram", x)))
@@ -310,10 +328,10 @@ def sensitivity(scale: float, seed: int, progress: Progress = _stderr) -> Outcom
                   "assumption varied (one at a time)", points, [],
                   [f"best fixed DoP among {', '.join(SENSITIVITY_DOPS)}",
                    *(f"default {v[0]}: {v[1]}" for v in TRIED if _is_default(v))])
-    batch = max(2, round(1280 * scale))
+    batch = round(1280 * scale)
     for index, (name, label, params, costs, overhead) in enumerate((("defaults", "-", {}, {}, None), *VARIATIONS)):
         out.notes.append(f"x = {index}: {name} = {label}")
-        cluster = _cpu(round(1280 * scale))
+        cluster = _cpu(round(1280 * scale), scale)
         cluster = replace(cluster, costs=replace(cluster.costs, **costs))
         trace = ai_coding(CodingParams(batch=batch, **params), seed)
         ours = POLICIES["tangram"] if overhead is None else broker(worker_overhead=overhead)
