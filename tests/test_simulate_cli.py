@@ -46,10 +46,10 @@ def test_a_scale_that_cannot_keep_the_node_density_is_refused(capsys):
     with pytest.raises(SystemExit) as refused:
         main(["simulate", "dop", "--scale", "0.1"])
     assert refused.value.code == 2 and "multiple of 1/5" in capsys.readouterr().err
-    quick = scenarios._cpu(round(1280 * 0.2), 0.2)  # one node of full density, binding a fifth of the pods
-    full = scenarios._cpu(1280, 1.0)
+    quick = scenarios._cpu(round(1280 * 0.2), 0.2, scenarios.NONE_ASSUMED)  # one node of full density...
+    full = scenarios._cpu(1280, 1.0, scenarios.NONE_ASSUMED)
     assert (quick.cpu_nodes, quick.cores_per_node) == (1, full.cores_per_node) == (1, 256)
-    assert quick.costs.pod_bind_per_s == pytest.approx(full.costs.pod_bind_per_s / 5)
+    assert quick.costs.pod_bind_per_s == pytest.approx(full.costs.pod_bind_per_s / 5)  # ... binding a fifth
 
 
 def test_dop_compares_every_fixed_dop_over_seeds(tmp_path, capsys):

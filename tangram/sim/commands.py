@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Column, Table
 
+from tangram.sim.assumptions import parse
 from tangram.sim.cluster import Cluster, ServiceModel, gpu_nodes
 from tangram.sim.engine import simulate
 from tangram.sim.policies import POLICIES
@@ -66,6 +67,7 @@ def _simulate(args: argparse.Namespace) -> int:
     """Run the scenarios with a progress bar over them (each run's summary line under it); on a console that is
     not a terminal (CI logs) the lines are printed instead."""
     names = list(SCENARIOS) if args.scenario == "all" else [args.scenario]
+    assumed = parse(args.set)  # each item was checked as it was read
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
     console = Console()
@@ -86,15 +88,17 @@ def _simulate(args: argparse.Namespace) -> int:
         for name in names:
             bar.update(overall, description=name)
             started = time.perf_counter()
-            outcomes = [SCENARIOS[name](args.scale, seed, on_run) for seed in seeds]
+            outcomes = [SCENARIOS[name](args.scale, seed, on_run, assumed) for seed in seeds]
             wall_s = round(time.perf_counter() - started, 1)
             if len(seeds) == 1:
                 outcome = outcomes[0]
-                body: dict[str, Any] = {**outcome.to_json(), "scale": args.scale, "seed": seeds[0], "wall_s": wall_s}
+                body: dict[str, Any] = {**outcome.to_json(), "scale": args.scale, "assumed": assumed.to_json(),
+                                        "seed": seeds[0], "wall_s": wall_s}
             else:  # the aggregate's figures, and each seed's run as it would have been written alone
                 outcome = over_seeds(outcomes, seeds)
                 aggregate = {k: v for k, v in outcome.to_json().items() if k != "points"}
-                body = {**aggregate, "scale": args.scale, "seeds": seeds, "wall_s": wall_s,
+                body = {**aggregate, "scale": args.scale, "assumed": assumed.to_json(), "seeds": seeds,
+                        "wall_s": wall_s,
                         "runs": [{**o.to_json(), "scale": args.scale, "seed": seed}
                                  for o, seed in zip(outcomes, seeds)]}
             json_path = args.json if args.json and len(names) == 1 else (Path(args.out) / f"{name}.json"
@@ -108,6 +112,8 @@ def _simulate(args: argparse.Namespace) -> int:
 
                 plot(outcome, plot_path)
             bar.console.print(_table(outcome, seeds))
+            if assumed.overrides:
+                bar.console.print(f"assumptions changed: {', '.join(f'{k} = {v}' for k, v in assumed.to_json().items())}")
             bar.console.print(f"{name}: {body['wall_s']} s wall" + (f", {json_path}" if json_path else "")
                               + (f", {plot_path}" if plot_path else ""))
             bar.advance(overall)
@@ -155,6 +161,14 @@ def _trace_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _assumption(text: str) -> str:
+    try:
+        parse([text])
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
+
+
 def _scale(text: str) -> float:
     try:
         scale = float(text)
@@ -184,6 +198,10 @@ def add_commands(commands: Any) -> None:
     simulate_parser.add_argument("--scale", type=_scale, default=1.0,
                                  help="multiply batch sizes and capacity by a multiple of 0.2: whole nodes of the "
                                       "paper's density (0.2 for a quick look); MOPD keeps its full size")
+    simulate_parser.add_argument("--set", type=_assumption, action="append", default=[], metavar="GROUP.FIELD=VALUE",
+                                 help="change an assumed parameter (repeatable): costs.*, coding.*, mopd.*, search.* "
+                                      "or api.quota / api.concurrency (the search upstreams), e.g. "
+                                      "costs.pod_bind_per_s=200 mopd.zipf=0")
     simulate_parser.add_argument("--seed", type=int, default=1)
     simulate_parser.add_argument("--seeds", type=_seed_list, help="run each scenario once per seed (e.g. 1,2,3) and "
                                                                    "report every figure's median and range")

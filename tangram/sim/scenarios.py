@@ -14,14 +14,13 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from managers.cpu_config import CpuConfig
+from tangram.sim.assumptions import Assumptions
 from tangram.sim.cluster import ApiModel, Cluster, Costs, ServiceModel, gpu_nodes
 from tangram.sim.engine import simulate
 from tangram.sim.policies import FIXED_DOPS, POLICIES, broker
 from tangram.sim.trace import Trace
 from tangram.sim.workloads import (
     CodingParams,
-    MopdParams,
-    SearchParams,
     ai_coding,
     deepsearch,
     merged,
@@ -30,6 +29,7 @@ from tangram.sim.workloads import (
 )
 
 CPU_NODES = 5  # §6.3: 1,280 cores over five nodes
+NONE_ASSUMED = Assumptions()  # every parameter at its assumed value
 GPUS = 40  # §6.1: five nodes of eight GPUs
 
 
@@ -93,38 +93,41 @@ def _figure(name: str, paper: float | str | None, ours: float, note: str = "") -
             else round(ratio, 3), "note": note}
 
 
-def _cpu(cores: int, scale: float) -> Cluster:
+def _cpu(cores: int, scale: float, assumed: Assumptions) -> Cluster:
     """``cores`` (already scaled) over the scale's share of the five nodes: as many cores per node as at full
     scale, and the pods' control plane binding as many pods per second per node."""
     nodes = round(CPU_NODES * scale)
-    cluster = Cluster(cpu_nodes=nodes, cores_per_node=cores // nodes)
-    return replace(cluster, costs=replace(cluster.costs, pod_bind_per_s=cluster.costs.pod_bind_per_s * scale))
+    costs = assumed.costs()
+    return Cluster(cpu_nodes=nodes, cores_per_node=cores // nodes,
+                   costs=replace(costs, pod_bind_per_s=costs.pod_bind_per_s * scale))
 
 
 def _teachers(n: int) -> tuple[ServiceModel, ...]:
     return tuple(ServiceModel(name) for name in teacher_names(n))
 
 
-def search_api(name: str, scale: float = 1.0) -> ApiModel:
-    """A search or page-fetch upstream (assumed: 200 calls/s, 256 in flight), enforcing its own limits; its quota
-    and concurrency scale with the batch."""
-    return ApiModel(name, quota=round(12_000 * scale), period_s=60.0, concurrency=round(256 * scale))
+def search_api(name: str) -> ApiModel:
+    """A search or page-fetch upstream (assumed: 200 calls/s, 256 in flight), enforcing its own limits."""
+    return ApiModel(name, quota=12_000, period_s=60.0, concurrency=256)
 
 
-def _search_apis(scale: float = 1.0) -> tuple[ApiModel, ...]:
-    return (search_api("api.search", scale), search_api("api.fetch", scale))
+def _search_apis(scale: float, assumed: Assumptions) -> tuple[ApiModel, ...]:
+    apis = (assumed.api(search_api("api.search")), assumed.api(search_api("api.fetch")))
+    return tuple(replace(api, quota=round(api.quota * scale), concurrency=round(api.concurrency * scale))
+                 for api in apis)
 
 
 JUDGE = ServiceModel("judge", static_replicas=5, static_dop=8)  # §6.1: five replicas at TP 8
 
 
-def coding_batch(scale: float, seed: int, progress: Progress = _stderr) -> Outcome:
+def coding_batch(scale: float, seed: int, progress: Progress = _stderr,
+                 assumed: Assumptions = NONE_ASSUMED) -> Outcome:
     """Fig. 8(a) left: mean ACT per trajectory vs RL batch size, 1,280 cores, against pods."""
     points: list[Point] = []
-    cluster = _cpu(round(1280 * scale), scale)
+    cluster = _cpu(round(1280 * scale), scale, assumed)
     batches = [round(b * scale) for b in (128, 256, 512, 1024, 1280, 1536)]
     for batch in batches:
-        trace = ai_coding(CodingParams(batch=batch), seed)
+        trace = ai_coding(assumed.coding(batch=batch), seed)
         _run(trace, cluster, ("tangram", "baseline", "pods-ideal"), batch, points, progress,
              f"coding batch {batch:5d}")
     out = Outcome("coding-batch", "AI coding: ACT vs batch size (Fig. 8a left)", "RL batch size", points, [], [])
@@ -140,14 +143,15 @@ def coding_batch(scale: float, seed: int, progress: Progress = _stderr) -> Outco
     return out
 
 
-def coding_capacity(scale: float, seed: int, progress: Progress = _stderr) -> Outcome:
+def coding_capacity(scale: float, seed: int, progress: Progress = _stderr,
+                    assumed: Assumptions = NONE_ASSUMED) -> Outcome:
     """Fig. 8(a) right: mean ACT per trajectory vs CPU cores at batch 1,280, against pods."""
     points: list[Point] = []
     batch = round(1280 * scale)
-    trace = ai_coding(CodingParams(batch=batch), seed)
+    trace = ai_coding(assumed.coding(batch=batch), seed)
     capacities = [round(c * scale) for c in (768, 1024, 1280, 1536, 2048)]
     for cores in capacities:
-        _run(trace, _cpu(cores, scale), ("tangram", "baseline", "pods-ideal"), cores, points, progress,
+        _run(trace, _cpu(cores, scale, assumed), ("tangram", "baseline", "pods-ideal"), cores, points, progress,
              f"coding cores {cores:5d}")
     out = Outcome("coding-capacity", "AI coding: ACT vs CPU capacity at batch 1,280 (Fig. 8a right)", "CPU cores",
                   points, [], [])
@@ -163,14 +167,15 @@ def coding_capacity(scale: float, seed: int, progress: Progress = _stderr) -> Ou
 FIXED_DOP_POLICIES = tuple(f"dop{d}" for d in FIXED_DOPS)
 
 
-def dop(scale: float, seed: int, progress: Progress = _stderr) -> Outcome:
+def dop(scale: float, seed: int, progress: Progress = _stderr,
+        assumed: Assumptions = NONE_ASSUMED) -> Outcome:
     """Fig. 9 and beyond: elastic (malleable) test runs against every fixed DoP 1-32, and the paper's moldable
     allocation, over batch size on 1,280 cores."""
     points: list[Point] = []
-    cluster = _cpu(round(1280 * scale), scale)
+    cluster = _cpu(round(1280 * scale), scale, assumed)
     batches = [round(b * scale) for b in (128, 256, 512, 1024, 1280, 1536)]
     for batch in batches:
-        trace = ai_coding(CodingParams(batch=batch), seed)
+        trace = ai_coding(assumed.coding(batch=batch), seed)
         _run(trace, cluster, ("tangram", *FIXED_DOP_POLICIES, "tangram-paper"), batch, points, progress,
              f"dop batch {batch:5d}")
     out = Outcome("dop", "AI coding: elastic vs every fixed DoP (Fig. 9)", "RL batch size", points, [], [])
@@ -195,13 +200,14 @@ def dop(scale: float, seed: int, progress: Progress = _stderr) -> Outcome:
 MOPD_FULL_SCALE = "MOPD at full scale whatever --scale: the static deployment (a teacher on four GPUs each) cannot shrink"
 
 
-def gpu_batch(_scale: float, seed: int, progress: Progress = _stderr) -> Outcome:
+def gpu_batch(_scale: float, seed: int, progress: Progress = _stderr,
+              assumed: Assumptions = NONE_ASSUMED) -> Outcome:
     """Fig. 8(b) left: MOPD with ten teachers on 40 GPUs vs a static deployment of four GPUs each."""
     points: list[Point] = []
-    cluster = Cluster(gpu_node_sizes=gpu_nodes(GPUS), services=_teachers(10))
+    cluster = Cluster(gpu_node_sizes=gpu_nodes(GPUS), services=_teachers(10), costs=assumed.costs())
     batches = [256, 512, 1024, 2048]
     for batch in batches:
-        trace = mopd(MopdParams(batch=batch, teachers=10), seed)
+        trace = mopd(assumed.mopd(batch=batch, teachers=10), seed)
         _run(trace, cluster, ("tangram", "baseline"), batch, points, progress, f"gpu batch {batch:5d}")
     out = Outcome("gpu-batch", "MOPD, ten reward services: ACT vs batch size (Fig. 8b left)", "RL batch size",
                   points, [], [MOPD_FULL_SCALE])
@@ -212,18 +218,19 @@ def gpu_batch(_scale: float, seed: int, progress: Progress = _stderr) -> Outcome
     return out
 
 
-def gpu_cost(_scale: float, seed: int, progress: Progress = _stderr) -> Outcome:
+def gpu_cost(_scale: float, seed: int, progress: Progress = _stderr,
+             assumed: Assumptions = NONE_ASSUMED) -> Outcome:
     """Fig. 8(b) right: the fewest GPUs with which the broker matches the static deployment's ACT (ten services
     on four GPUs each = 40 GPUs), at batch 1,024."""
     points: list[Point] = []
-    trace = mopd(MopdParams(batch=1024, teachers=10), seed)
+    trace = mopd(assumed.mopd(batch=1024, teachers=10), seed)
     services = _teachers(10)
-    _run(trace, Cluster(gpu_node_sizes=gpu_nodes(GPUS), services=services), ("baseline",), GPUS, points, progress,
+    _run(trace, Cluster(gpu_node_sizes=gpu_nodes(GPUS), services=services, costs=assumed.costs()), ("baseline",), GPUS, points, progress,
          f"gpu-cost {GPUS:3d} GPUs")
     target = points[0].summary["mean_trajectory_act_s"]
     enough = GPUS
     for gpus in (4, 8, 12, 16, 20, 24, 32, 40):
-        _run(trace, Cluster(gpu_node_sizes=gpu_nodes(gpus), services=services), ("tangram",), gpus, points, progress,
+        _run(trace, Cluster(gpu_node_sizes=gpu_nodes(gpus), services=services, costs=assumed.costs()), ("tangram",), gpus, points, progress,
              f"gpu-cost {gpus:3d} GPUs")
         if points[-1].summary["mean_trajectory_act_s"] <= target:
             enough = gpus
@@ -235,16 +242,17 @@ def gpu_cost(_scale: float, seed: int, progress: Progress = _stderr) -> Outcome:
     return out
 
 
-def breakdown(scale: float, seed: int, progress: Progress = _stderr) -> Outcome:
+def breakdown(scale: float, seed: int, progress: Progress = _stderr,
+              assumed: Assumptions = NONE_ASSUMED) -> Outcome:
     """Table 1: a call's ACT split into execution, queueing and system overhead under the broker."""
     points: list[Point] = []
-    cpu = _cpu(round(1280 * scale), scale)
+    cpu = _cpu(round(1280 * scale), scale, assumed)
     for batch in (1280, 1536):
         b = round(batch * scale)
-        _run(ai_coding(CodingParams(batch=b), seed), cpu, ("tangram",), b, points, progress, f"coding {b:5d}")
-    gpu = Cluster(gpu_node_sizes=gpu_nodes(GPUS), services=_teachers(9))
+        _run(ai_coding(assumed.coding(batch=b), seed), cpu, ("tangram",), b, points, progress, f"coding {b:5d}")
+    gpu = Cluster(gpu_node_sizes=gpu_nodes(GPUS), services=_teachers(9), costs=assumed.costs())
     for batch in (2048, 3072):
-        _run(mopd(MopdParams(batch=batch), seed), gpu, ("tangram",), batch, points, progress, f"mopd {batch:5d}")
+        _run(mopd(assumed.mopd(batch=batch), seed), gpu, ("tangram",), batch, points, progress, f"mopd {batch:5d}")
     out = Outcome("breakdown", "ACT breakdown per call (Table 1)", "workload (batch)", points, [], [MOPD_FULL_SCALE])
     paper = {0: (0.975, 0.015, 0.024), 1: (1.206, 0.428, 0.036), 2: (0.621, 0.081, 0.201), 3: (0.705, 15.05, 0.240)}
     names = ("Coding (1280)", "Coding (1536)", "MOPD (2048)", "MOPD (3072)")
@@ -256,21 +264,23 @@ def breakdown(scale: float, seed: int, progress: Progress = _stderr) -> Outcome:
     return out
 
 
-def e2e(scale: float, seed: int, progress: Progress = _stderr) -> Outcome:
+def e2e(scale: float, seed: int, progress: Progress = _stderr,
+        assumed: Assumptions = NONE_ASSUMED) -> Outcome:
     """Figs. 6-7: the four workloads against what users run today, on the same resources."""
     points: list[Point] = []
     nodes = round(CPU_NODES * scale)  # DeepSearch's judge: one replica on each of the scale's GPU nodes
     runs = [
-        (0, ai_coding(CodingParams(batch=round(1280 * scale)), seed), _cpu(round(1280 * scale), scale)),
-        (1, mopd(MopdParams(batch=2048), seed),
-         Cluster(gpu_node_sizes=gpu_nodes(36), services=_teachers(9))),  # §6.1: nine teachers x 4 GPUs
-        (2, deepsearch(SearchParams(batch=round(2048 * scale)), seed),
+        (0, ai_coding(assumed.coding(batch=round(1280 * scale)), seed), _cpu(round(1280 * scale), scale, assumed)),
+        (1, mopd(assumed.mopd(batch=2048), seed),
+         Cluster(gpu_node_sizes=gpu_nodes(36), services=_teachers(9), costs=assumed.costs())),  # §6.1: nine teachers x 4 GPUs
+        (2, deepsearch(assumed.search(batch=round(2048 * scale)), seed),
          Cluster(gpu_node_sizes=gpu_nodes(8 * nodes), services=(replace(JUDGE, static_replicas=nodes),),
-                 apis=_search_apis(scale))),
-        (3, merged("mopd+deepsearch", mopd(MopdParams(batch=1024), seed), deepsearch(SearchParams(batch=1024), seed)),
+                 apis=_search_apis(scale, assumed), costs=assumed.costs())),
+        (3, merged("mopd+deepsearch", mopd(assumed.mopd(batch=1024), seed),
+                   deepsearch(assumed.search(batch=1024), seed)),
          Cluster(gpu_node_sizes=gpu_nodes(GPUS), services=(*_teachers(9), replace(JUDGE, static_replicas=1,
                                                                                    static_dop=4)),
-                 apis=_search_apis())),  # §6.1: ten services on four GPUs each
+                 apis=_search_apis(1.0, assumed), costs=assumed.costs())),  # §6.1: ten services on 4 GPUs each
     ]
     labels = ("AI coding", "MOPD", "DeepSearch", "MOPD+DeepSearch")
     for x, trace, cluster in runs:
@@ -320,7 +330,8 @@ VARIATIONS: tuple[Variation, ...] = tuple(v for v in TRIED if not _is_default(v)
 SENSITIVITY_DOPS = ("dop2", "dop4", "dop8", "dop16")
 
 
-def sensitivity(scale: float, seed: int, progress: Progress = _stderr) -> Outcome:
+def sensitivity(scale: float, seed: int, progress: Progress = _stderr,
+                assumed: Assumptions = NONE_ASSUMED) -> Outcome:
     """AI coding at batch 1,280 on 1,280 cores with one assumption varied at a time: best fixed DoP / ours and
     pods-ideal / ours, so a headline figure comes with how the assumptions that decide it move it."""
     points: list[Point] = []
@@ -331,9 +342,9 @@ def sensitivity(scale: float, seed: int, progress: Progress = _stderr) -> Outcom
     batch = round(1280 * scale)
     for index, (name, label, params, costs, overhead) in enumerate((("defaults", "-", {}, {}, None), *VARIATIONS)):
         out.notes.append(f"x = {index}: {name} = {label}")
-        cluster = _cpu(round(1280 * scale), scale)
+        cluster = _cpu(round(1280 * scale), scale, assumed)
         cluster = replace(cluster, costs=replace(cluster.costs, **costs))
-        trace = ai_coding(CodingParams(batch=batch, **params), seed)
+        trace = ai_coding(assumed.coding(batch=batch, **params), seed)
         ours = POLICIES["tangram"] if overhead is None else broker(worker_overhead=overhead)
         summary = simulate(trace, cluster, ours, "tangram").summary()
         points.append(Point(index, "tangram", summary))

@@ -1,0 +1,68 @@
+"""``--set group.field=value``: what can be changed, what is refused and why, and that a change reaches the runs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tangram.cli import main
+from tangram.sim.assumptions import parse
+from tangram.sim.cluster import ApiModel, Costs
+
+
+def test_overrides_are_typed_and_later_items_win():
+    assumed = parse(["costs.pod_bind_per_s=200", "mopd.zipf=0", "api.concurrency=384", "costs.api_retries=0",
+                     "costs.pod_bind_per_s=100"])
+    assert assumed.costs() == Costs(pod_bind_per_s=100.0, api_retries=0)
+    assert assumed.mopd(batch=7).zipf == 0.0 and assumed.mopd(batch=7).batch == 7
+    assert assumed.api(ApiModel("api.search", quota=5)) == ApiModel("api.search", quota=5, concurrency=384)
+    assert assumed.coding(batch=3).test_median_s == 20.0  # untouched groups keep their defaults
+    assert assumed.to_json() == {"costs.pod_bind_per_s": 100.0, "costs.api_retries": 0, "mopd.zipf": 0.0,
+                                 "api.concurrency": 384}
+
+
+@pytest.mark.parametrize(("item", "reason"), [
+    ("pod_bind_per_s=200", "expected group.field=value"),
+    ("costs.pod_bind_per_s", "expected group.field=value"),
+    ("gpus.count=3", "unknown group 'gpus'"),
+    ("costs.pod_bind=3", "costs has no field 'pod_bind'"),
+    ("coding.batch=64", "the scenarios set coding.batch themselves"),
+    ("api.period_s=1", "the scenarios set api.period_s themselves"),
+    ("costs.env_create_s=-1", "a number of at least 0"),
+    ("costs.env_create_s=nan", "a number of at least 0"),
+    ("costs.api_retries=1.5", "an integer of at least 0"),
+    ("api.concurrency=0", "an integer of at least 1"),
+])
+def test_what_cannot_be_set_is_refused_naming_the_item(item, reason):
+    with pytest.raises(ValueError) as refused:
+        parse([item])
+    assert reason in str(refused.value) and repr(item) in str(refused.value)
+
+
+def test_a_changed_assumption_reaches_the_runs_it_concerns(tmp_path, capsys):
+    """A faster control plane speeds up the pods and nothing else; uniform teacher popularity shrinks the static
+    deployment's queue."""
+    runs = {}
+    for name, extra in (("assumed", []), ("fast-pods", ["--set", "costs.pod_bind_per_s=1000",
+                                                       "--set", "costs.pod_start_s=0.5"])):
+        out = tmp_path / f"{name}.json"
+        assert main(["simulate", "coding-batch", "--scale", "0.2", "--json", str(out), *extra]) == 0
+        runs[name] = json.loads(out.read_text())
+    assert runs["assumed"]["assumed"] == {}
+    assert runs["fast-pods"]["assumed"] == {"costs.pod_bind_per_s": 1000.0, "costs.pod_start_s": 0.5}
+    assert "assumptions changed: costs.pod_bind_per_s = 1000.0" in capsys.readouterr().out
+
+    def acts(body, policy):
+        return [p["mean_trajectory_act_s"] for p in body["points"] if p["policy"] == policy]
+
+    assert all(fast < slow for fast, slow in zip(acts(runs["fast-pods"], "baseline"), acts(runs["assumed"], "baseline")))
+    for policy in ("tangram", "pods-ideal"):
+        assert acts(runs["fast-pods"], policy) == acts(runs["assumed"], policy)
+
+    static = {}
+    for name, extra in (("zipf", []), ("uniform", ["--set", "mopd.zipf=0"])):
+        out = tmp_path / f"gpu-{name}.json"
+        assert main(["simulate", "gpu-batch", "--json", str(out), *extra]) == 0
+        static[name] = acts(json.loads(out.read_text()), "baseline")
+    assert static["uniform"][-1] < static["zipf"][-1]  # batch 2,048: no teacher a third of the calls
