@@ -29,8 +29,8 @@ from tangram.sim.workloads import (
 )
 
 CPU_NODES = 5  # §6.3: 1,280 cores over five nodes
-NONE_ASSUMED = Assumptions()  # every parameter at its assumed value
 GPUS = 40  # §6.1: five nodes of eight GPUs
+NONE_ASSUMED = Assumptions()  # every parameter at its assumed value
 
 
 def check_scale(scale: float) -> None:
@@ -113,8 +113,8 @@ def search_api(name: str) -> ApiModel:
 
 def _search_apis(scale: float, assumed: Assumptions) -> tuple[ApiModel, ...]:
     apis = (assumed.api(search_api("api.search")), assumed.api(search_api("api.fetch")))
-    return tuple(replace(api, quota=round(api.quota * scale), concurrency=round(api.concurrency * scale))
-                 for api in apis)
+    return tuple(replace(api, quota=max(1, round(api.quota * scale)),
+                         concurrency=max(1, round(api.concurrency * scale))) for api in apis)
 
 
 JUDGE = ServiceModel("judge", static_replicas=5, static_dop=8)  # §6.1: five replicas at TP 8
