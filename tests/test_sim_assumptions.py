@@ -8,18 +8,19 @@ import pytest
 
 from tangram.cli import main
 from tangram.sim.assumptions import parse
-from tangram.sim.cluster import ApiModel, Costs
+from tangram.sim.cluster import ApiModel, Costs, StaticServing
 
 
 def test_overrides_are_typed_and_later_items_win():
     assumed = parse(["costs.pod_bind_per_s=200", "mopd.zipf=0", "api.concurrency=384", "costs.api_retries=0",
-                     "costs.pod_bind_per_s=100"])
+                     "costs.pod_bind_per_s=100", "static.batch=1"])
     assert assumed.costs() == Costs(pod_bind_per_s=100.0, api_retries=0)
+    assert assumed.static() == StaticServing(batch=1)
     assert assumed.mopd(batch=7).zipf == 0.0 and assumed.mopd(batch=7).batch == 7
     assert assumed.api(ApiModel("api.search", quota=5)) == ApiModel("api.search", quota=5, concurrency=384)
     assert assumed.coding(batch=3).test_median_s == 20.0  # untouched groups keep their defaults
     assert assumed.to_json() == {"costs.pod_bind_per_s": 100.0, "costs.api_retries": 0, "mopd.zipf": 0.0,
-                                 "api.concurrency": 384}
+                                 "api.concurrency": 384, "static.batch": 1}
 
 
 @pytest.mark.parametrize(("item", "reason"), [
@@ -33,6 +34,7 @@ def test_overrides_are_typed_and_later_items_win():
     ("costs.env_create_s=nan", "a number of at least 0"),
     ("costs.api_retries=1.5", "an integer of at least 0"),
     ("api.concurrency=0", "an integer of at least 1"),
+    ("static.batch=0", "an integer of at least 1"),
 ])
 def test_what_cannot_be_set_is_refused_naming_the_item(item, reason):
     with pytest.raises(ValueError) as refused:

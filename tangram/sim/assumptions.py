@@ -14,12 +14,13 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
-from tangram.sim.cluster import ApiModel, Costs
+from tangram.sim.cluster import ApiModel, Costs, StaticServing
 from tangram.sim.workloads import CodingParams, MopdParams, SearchParams
 
-#: what each group overrides; the search upstreams (``api``) take their quota and concurrency
+#: what each group overrides; the search upstreams (``api``) take their quota and concurrency, the static GPU
+#: deployment's servers (``static``) their batching
 GROUPS: Mapping[str, type] = MappingProxyType({"costs": Costs, "coding": CodingParams, "mopd": MopdParams,
-                                               "search": SearchParams, "api": ApiModel})
+                                               "search": SearchParams, "api": ApiModel, "static": StaticServing})
 #: fields a scenario sets itself (what it sweeps or how it is defined), so an override would be silently lost
 SCENARIO_FIELDS = frozenset({"coding.batch", "mopd.batch", "mopd.teachers", "search.batch", "search.task",
                              "api.name", "api.period_s"})
@@ -42,6 +43,9 @@ class Assumptions:
 
     def search(self, **params: Any) -> SearchParams:
         return SearchParams(**{**self.overrides.get("search", {}), **params})
+
+    def static(self) -> StaticServing:
+        return StaticServing(**self.overrides.get("static", {}))
 
     def api(self, base: ApiModel) -> ApiModel:
         return replace(base, **self.overrides.get("api", {}))
@@ -66,7 +70,8 @@ def parse(items: Iterable[str]) -> Assumptions:
         if name in SCENARIO_FIELDS:
             raise ValueError(f"{item!r}: the scenarios set {name} themselves")
         default = getattr(GROUPS[group](**_required(group)), attribute)
-        overrides.setdefault(group, {})[attribute] = _value(item, default, text.strip(), 1 if group == "api" else 0)
+        least = 1 if group == "api" or name == "static.batch" else 0  # an upstream or a server takes some calls
+        overrides.setdefault(group, {})[attribute] = _value(item, default, text.strip(), least)
     return Assumptions({group: MappingProxyType(values) for group, values in overrides.items()})
 
 
@@ -77,7 +82,7 @@ def _required(group: str) -> dict[str, Any]:
 
 def _value(item: str, default: Any, text: str, minimum: int) -> Any:
     """``text`` as the type of the field's default (an int or a float), finite and at least ``minimum``: no
-    assumed parameter here is negative, and an upstream needs some quota and concurrency."""
+    assumed parameter here is negative."""
     kind = type(default)
     try:
         value = kind(text) if kind in (int, float) else None

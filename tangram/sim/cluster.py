@@ -16,6 +16,21 @@ class ServiceModel:
     host_memory_mb: int = 16_384  # one host copy of the weights (an 8B model in bf16)
     static_replicas: int = 1  # the static baseline's deployment: replicas of static_dop GPUs each (paper §6.1)
     static_dop: int = 4
+    generates: bool = False  # a judge that generates text (decode-bound); a teacher only scores (prefill-bound)
+
+
+@dataclass(frozen=True, slots=True)
+class StaticServing:
+    """How a static deployment's server (SGLang in the paper) batches the calls it holds: up to ``batch`` at once,
+    continuous batching, each call progressing at ``1 / (1 + slowdown * (n - 1))`` of its solo speed while ``n``
+    are in the batch (slowdown 1: batching gains nothing; 0: a batch of n costs no more than one call)."""
+
+    batch: int = 16  # calls a server holds at once (assumed)
+    prefill_slowdown: float = 0.8  # teachers' log-prob scoring: long prefills keep the GPUs busy alone (assumed)
+    judge_slowdown: float = 0.3  # the judge decodes its verdict: batching fills the GPUs (assumed)
+
+    def slowdown(self, service: ServiceModel) -> float:
+        return self.judge_slowdown if service.generates else self.prefill_slowdown
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +79,7 @@ class Cluster:
     services: tuple[ServiceModel, ...] = ()
     apis: tuple[ApiModel, ...] = ()
     costs: Costs = field(default_factory=Costs)
+    static: StaticServing = field(default_factory=StaticServing)
 
     @property
     def cores(self) -> int:

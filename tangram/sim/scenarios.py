@@ -117,7 +117,7 @@ def _search_apis(scale: float, assumed: Assumptions) -> tuple[ApiModel, ...]:
                          concurrency=max(1, round(api.concurrency * scale))) for api in apis)
 
 
-JUDGE = ServiceModel("judge", static_replicas=5, static_dop=8)  # §6.1: five replicas at TP 8
+JUDGE = ServiceModel("judge", static_replicas=5, static_dop=8, generates=True)  # §6.1: five replicas at TP 8
 
 
 def coding_batch(scale: float, seed: int, progress: Progress = _stderr,
@@ -204,7 +204,7 @@ def gpu_batch(_scale: float, seed: int, progress: Progress = _stderr,
               assumed: Assumptions = NONE_ASSUMED) -> Outcome:
     """Fig. 8(b) left: MOPD with ten teachers on 40 GPUs vs a static deployment of four GPUs each."""
     points: list[Point] = []
-    cluster = Cluster(gpu_node_sizes=gpu_nodes(GPUS), services=_teachers(10), costs=assumed.costs())
+    cluster = Cluster(gpu_node_sizes=gpu_nodes(GPUS), services=_teachers(10), costs=assumed.costs(), static=assumed.static())
     batches = [256, 512, 1024, 2048]
     for batch in batches:
         trace = mopd(assumed.mopd(batch=batch, teachers=10), seed)
@@ -225,12 +225,12 @@ def gpu_cost(_scale: float, seed: int, progress: Progress = _stderr,
     points: list[Point] = []
     trace = mopd(assumed.mopd(batch=1024, teachers=10), seed)
     services = _teachers(10)
-    _run(trace, Cluster(gpu_node_sizes=gpu_nodes(GPUS), services=services, costs=assumed.costs()), ("baseline",), GPUS, points, progress,
+    _run(trace, Cluster(gpu_node_sizes=gpu_nodes(GPUS), services=services, costs=assumed.costs(), static=assumed.static()), ("baseline",), GPUS, points, progress,
          f"gpu-cost {GPUS:3d} GPUs")
     target = points[0].summary["mean_trajectory_act_s"]
     enough = GPUS
     for gpus in (4, 8, 12, 16, 20, 24, 32, 40):
-        _run(trace, Cluster(gpu_node_sizes=gpu_nodes(gpus), services=services, costs=assumed.costs()), ("tangram",), gpus, points, progress,
+        _run(trace, Cluster(gpu_node_sizes=gpu_nodes(gpus), services=services, costs=assumed.costs(), static=assumed.static()), ("tangram",), gpus, points, progress,
              f"gpu-cost {gpus:3d} GPUs")
         if points[-1].summary["mean_trajectory_act_s"] <= target:
             enough = gpus
@@ -250,7 +250,7 @@ def breakdown(scale: float, seed: int, progress: Progress = _stderr,
     for batch in (1280, 1536):
         b = round(batch * scale)
         _run(ai_coding(assumed.coding(batch=b), seed), cpu, ("tangram",), b, points, progress, f"coding {b:5d}")
-    gpu = Cluster(gpu_node_sizes=gpu_nodes(GPUS), services=_teachers(9), costs=assumed.costs())
+    gpu = Cluster(gpu_node_sizes=gpu_nodes(GPUS), services=_teachers(9), costs=assumed.costs(), static=assumed.static())
     for batch in (2048, 3072):
         _run(mopd(assumed.mopd(batch=batch), seed), gpu, ("tangram",), batch, points, progress, f"mopd {batch:5d}")
     out = Outcome("breakdown", "ACT breakdown per call (Table 1)", "workload (batch)", points, [], [MOPD_FULL_SCALE])
@@ -272,15 +272,15 @@ def e2e(scale: float, seed: int, progress: Progress = _stderr,
     runs = [
         (0, ai_coding(assumed.coding(batch=round(1280 * scale)), seed), _cpu(round(1280 * scale), scale, assumed)),
         (1, mopd(assumed.mopd(batch=2048), seed),
-         Cluster(gpu_node_sizes=gpu_nodes(36), services=_teachers(9), costs=assumed.costs())),  # §6.1: nine teachers x 4 GPUs
+         Cluster(gpu_node_sizes=gpu_nodes(36), services=_teachers(9), costs=assumed.costs(), static=assumed.static())),  # §6.1: nine teachers x 4 GPUs
         (2, deepsearch(assumed.search(batch=round(2048 * scale)), seed),
          Cluster(gpu_node_sizes=gpu_nodes(8 * nodes), services=(replace(JUDGE, static_replicas=nodes),),
-                 apis=_search_apis(scale, assumed), costs=assumed.costs())),
+                 apis=_search_apis(scale, assumed), costs=assumed.costs(), static=assumed.static())),
         (3, merged("mopd+deepsearch", mopd(assumed.mopd(batch=1024), seed),
                    deepsearch(assumed.search(batch=1024), seed)),
          Cluster(gpu_node_sizes=gpu_nodes(GPUS), services=(*_teachers(9), replace(JUDGE, static_replicas=1,
                                                                                    static_dop=4)),
-                 apis=_search_apis(1.0, assumed), costs=assumed.costs())),  # §6.1: ten services on 4 GPUs each
+                 apis=_search_apis(1.0, assumed), costs=assumed.costs(), static=assumed.static())),  # §6.1: ten services on 4 GPUs each
     ]
     labels = ("AI coding", "MOPD", "DeepSearch", "MOPD+DeepSearch")
     for x, trace, cluster in runs:
