@@ -22,6 +22,7 @@ from tangram.environments_api import add_environment_routes
 from tangram.errors import BadRequest, ConfigError
 from tangram.openapi import openapi_document
 from tangram.parse import Limits, parse_action
+from tangram.profiles_api import add_profile_routes
 from tangram.services_api import add_service_routes
 from tangram.status_page import add_status_routes
 
@@ -223,6 +224,7 @@ def build_app(broker: Broker, server: ServerConfig, limits: Limits,
     app.router.add_delete("/v1/leases/{id}", release_lease)
     app.router.add_get("/v1/resources", resources)
     add_environment_routes(app)
+    add_profile_routes(app)
     add_service_routes(app)
     add_status_routes(app, interval_s=server.status_interval_s, keep_s=server.status_keep_s)
     app.router.add_get("/healthz", healthz)

@@ -72,7 +72,8 @@ def _secure(paths: dict[str, Any], public_status: bool) -> None:
     forbidden = {("/v1/actions", "post"): "task names another task than the token's",
                  ("/v1/actions:batch", "post"): "an action's task names another task than the token's",
                  ("/v1/environments", "post"): "task names another task than the token's",
-                 ("/v1/environments", "get"): "task names another task than the token's"}
+                 ("/v1/environments", "get"): "task names another task than the token's",
+                 ("/v1/profiles", "get"): "task names another task than the token's"}
     for path, operations in paths.items():
         for method, operation in operations.items():
             if path in open_paths:
@@ -339,6 +340,22 @@ def openapi_document(server: ServerConfig, limits: Limits, resources: Sequence[s
                         "responses": {"200": _json({"type": "object", "required": ["environments"], "properties": {
                             "environments": {"type": "array", "items": _ref("Environment")}}}, "environments"),
                             "422": _error("no CPU manager")}}},
+            "/v1/profiles": {
+                "get": {"operationId": "listProfiles",
+                        "summary": "Learned duration profiles per (task, action signature), most observed first",
+                        "parameters": [{"name": "task", "in": "query", "required": False, "schema": {"type": "string"}},
+                                       {"name": "limit", "in": "query", "required": False,
+                                        "schema": {"type": "integer", "minimum": 1, "maximum": 10_000,
+                                                   "default": 1000}}],
+                        "responses": {"200": _json({"type": "object", "required": ["profiles", "total"], "properties": {
+                            "profiles": {"type": "array", "items": {
+                                "type": "object", "required": ["task", "signature", "t1_s", "samples"], "properties": {
+                                    "task": {"type": "string"}, "signature": {"type": "string"},
+                                    "t1_s": {"type": "number", "description": "learned single-unit duration"},
+                                    "samples": {"type": "integer"}}}},
+                            "total": {"type": "integer", "description": "profiles that match, beyond the limit too"}}},
+                            "profiles"),
+                            "400": _error("limit out of range")}}},
             "/v1/environments/{id}": {
                 "get": {"operationId": "getEnvironment", "summary": "Get an environment", "parameters": [id_param],
                         "responses": {"200": _json(_ref("Environment"), "the environment"),

@@ -213,3 +213,19 @@ async def test_running_api_action_is_cancelled_or_timed_out_and_frees_its_unit(d
             assert [r["in_use"] for r in resources["resources"] if r["resource"] == "api.slow"] == [0]
             fast = {**slow, "spec": {**slow["spec"], "body": {"sleep_s": 0}}}
             assert (await live.call("POST", "/v1/actions?wait=true", json=fast))[1]["state"] == "succeeded"
+
+
+async def test_learned_profiles_are_listed_most_observed_first_with_a_bounded_limit(db):
+    async with live_broker(LEASES, db) as live:
+        for task in ("t1", "t1", "t1", "t2"):
+            assert (await live.call("POST", "/v1/actions?wait=true", json=lease(task=task)))[0] == 200
+        code, body = await live.call("GET", "/v1/profiles")
+        assert code == 200 and body["total"] == 2
+        assert [(p["task"], p["samples"]) for p in body["profiles"]] == [("t1", 3), ("t2", 1)]
+        signature = body["profiles"][0]["signature"]
+        assert signature == body["profiles"][1]["signature"] and body["profiles"][0]["t1_s"] >= 0
+        code, body = await live.call("GET", "/v1/profiles?task=t2&limit=1")
+        assert (code, body["total"], [p["task"] for p in body["profiles"]]) == (200, 1, ["t2"])
+        for bad in ("0", "10001", "x", "-1"):
+            code, reply = await live.call("GET", f"/v1/profiles?limit={bad}")
+            assert (code, reply["error"]["field"]) == (400, "limit"), bad

@@ -362,3 +362,16 @@ def test_bad_auth_and_task_config_names_the_key(raw, key):
     with pytest.raises(ConfigError) as error:
         parse_config(raw)
     assert error.value.key == key, str(error.value)
+
+
+async def test_a_task_token_sees_only_its_tasks_learned_profiles(db):
+    async with live_broker(secured(), db) as live:
+        for token in (TOKEN_A, TOKEN_A, TOKEN_B):
+            code, _ = await live.call("POST", "/v1/actions?wait=true", json=lease(), headers=bearer(token))
+            assert code == 200
+        code, mine = await live.call("GET", "/v1/profiles", headers=bearer(TOKEN_A))
+        assert code == 200 and [(p["task"], p["samples"]) for p in mine["profiles"]] == [("a", 2)]
+        code, reply = await live.call("GET", "/v1/profiles?task=b", headers=bearer(TOKEN_A))
+        assert (code, reply["error"]["field"]) == (403, "task")
+        code, every = await live.call("GET", "/v1/profiles", headers=bearer(ADMIN))
+        assert [(p["task"], p["samples"]) for p in every["profiles"]] == [("a", 2), ("b", 1)]  # most observed first
