@@ -32,8 +32,8 @@ class Assumptions:
 
     overrides: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
-    def costs(self, base: Costs | None = None) -> Costs:
-        return replace(base or Costs(), **self.overrides.get("costs", {}))
+    def costs(self) -> Costs:
+        return Costs(**self.overrides.get("costs", {}))
 
     def coding(self, **params: Any) -> CodingParams:
         return CodingParams(**{**self.overrides.get("coding", {}), **params})
