@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from sandboxes.executor import UNKNOWN_OP
 from sandboxes.executor_client import ExecutorUnavailable, call
 
 #: labels every broker-made container carries, so a restarted broker can find, adopt or reap them
@@ -130,10 +131,6 @@ class Sandbox(abc.ABC):
         return {}
 
 
-#: how an executor older than the "cpus" op answers it (a sandbox adopted across a broker upgrade)
-UNKNOWN_OP = "op: unknown operation"
-
-
 async def repin_via_executor(socket_path: str, tag: str, cores: frozenset[int]) -> bool:
     """``Sandbox.set_action_cores`` for a sandbox whose executor serves on ``socket_path`` (op "cpus"). Returns
     False when the executor predates the op, for the caller to decide whether its cgroup is enough."""
@@ -141,7 +138,7 @@ async def repin_via_executor(socket_path: str, tag: str, cores: frozenset[int]) 
         answer = await call(socket_path, {"op": "cpus", "tag": tag, "cpus": sorted(cores)})
     except ExecutorUnavailable as error:
         raise SandboxError("environment_lost", f"the environment's executor is gone ({error})", lost=True) from None
-    if str(answer.get("error", "")).startswith(UNKNOWN_OP):
+    if str(answer.get("error", "")).startswith(UNKNOWN_OP):  # an executor older than the op (adopted sandbox)
         return False
     if not answer.get("ok"):
         raise SandboxError("repin_failed", f"the executor did not move command {tag!r} onto cores {sorted(cores)}: "

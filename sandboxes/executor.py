@@ -57,6 +57,8 @@ REFUSE_READ_TIMEOUT_S = 1.0  # reading a request the executor has no thread for 
 CGROUP_V2_EVENTS = "/sys/fs/cgroup/memory.events"
 CGROUP_V1_OOM_CONTROL = "/sys/fs/cgroup/memory/memory.oom_control"
 MAX_TAG_CHARS = 256
+# how an op this executor does not know is answered; brokers tell an older executor by it, so it never changes
+UNKNOWN_OP = "op: unknown operation"
 # cpus sent for tags that never run (their action was cancelled before its command started) must not pile up.
 MAX_REMEMBERED_TAGS = 4096
 # A thread or process started during a re-pin pass by a member not re-pinned yet inherits the old mask: sweep
@@ -703,7 +705,7 @@ def handle_request(request, cancel_sock=None, oom_counter=None):
             return set_tag_cpus(request)
         except Exception as exc:  # noqa: BLE001 - a bug here must not take the executor down
             return {"ok": False, "error": f"executor internal error: {exc!r}"}
-    return _empty_response(f"op: unknown operation {op!r} (expected 'run', 'cpus' or 'ping')")
+    return _empty_response(f"{UNKNOWN_OP} {op!r} (expected 'run', 'cpus' or 'ping')")
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -244,6 +244,18 @@ def claim_task(body: Any, principal: Principal, where: str = "") -> Any:
     return body
 
 
+def listed_task(request: web.Request) -> str | None:
+    """The task a listing covers: the query's ``task`` (None: every task), which a task token may only name as its
+    own (403 otherwise) and fills in when absent."""
+    task = request.query.get("task")
+    own = principal_of(request).task
+    if own is None:
+        return task
+    if task not in (None, own):
+        raise Forbidden("task", f"this token belongs to task {own!r}")
+    return own
+
+
 async def refreshing(app: web.Application) -> AsyncIterator[None]:
     """Cleanup context: load the store's tokens before serving, then re-read them every ``auth.refresh_s``."""
     auth = app[AUTH]

@@ -10,7 +10,7 @@ from managers.environment import Environment
 from managers.exec_spec import parse_files, parse_image, parse_memory_mb
 from tangram.action import Kind
 from tangram.api_common import BROKER, json_response, read_json
-from tangram.auth import Forbidden, claim_task, principal_of
+from tangram.auth import claim_task, listed_task, principal_of
 from tangram.errors import NotFound, Unprocessable
 from tangram.parse import known_fields, parse_name
 
@@ -41,12 +41,7 @@ async def create_environment(request: web.Request) -> web.Response:
 
 async def list_environments(request: web.Request) -> web.Response:
     manager = _manager(request)
-    task = request.query.get("task")
-    own = principal_of(request).task
-    if own is not None:
-        if task not in (None, own):
-            raise Forbidden("task", f"this token belongs to task {own!r}")
-        task = own
+    task = listed_task(request)
     envs = [e.to_json() for e in manager.environments.values() if task is None or e.task == task]
     return json_response({"environments": envs})
 

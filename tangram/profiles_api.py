@@ -7,7 +7,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from tangram.api_common import BROKER, json_response
-from tangram.auth import Forbidden, principal_of
+from tangram.auth import listed_task
 from tangram.errors import BadRequest
 
 DEFAULT_LIMIT = 1000
@@ -25,12 +25,7 @@ def _limit(request: web.Request) -> int:
 
 async def list_profiles(request: web.Request) -> web.Response:
     """The most observed profiles first (``limit`` of them; ``total`` counts all that match)."""
-    task = request.query.get("task")
-    own = principal_of(request).task
-    if own is not None:
-        if task not in (None, own):
-            raise Forbidden("task", f"this token belongs to task {own!r}")
-        task = own
+    task = listed_task(request)
     limit = _limit(request)
     profiles = request.app[BROKER].durations.profiles
     rows = sorted(({"task": t, "signature": signature, "t1_s": round(profile.t1, 6), "samples": profile.samples}

@@ -102,6 +102,14 @@ def _cpu(cores: int, scale: float, assumed: Assumptions) -> Cluster:
                    costs=replace(costs, pod_bind_per_s=costs.pod_bind_per_s * scale))
 
 
+def _gpu(gpus: int, services: tuple[ServiceModel, ...], assumed: Assumptions,
+         apis: tuple[ApiModel, ...] = ()) -> Cluster:
+    """``gpus`` in nodes of eight, serving ``services`` (and calling ``apis``) under the assumed costs and static
+    batching."""
+    return Cluster(gpu_node_sizes=gpu_nodes(gpus), services=services, apis=apis, costs=assumed.costs(),
+                   static=assumed.static())
+
+
 def _teachers(n: int) -> tuple[ServiceModel, ...]:
     return tuple(ServiceModel(name) for name in teacher_names(n))
 
@@ -204,7 +212,7 @@ def gpu_batch(_scale: float, seed: int, progress: Progress = _stderr,
               assumed: Assumptions = NONE_ASSUMED) -> Outcome:
     """Fig. 8(b) left: MOPD with ten teachers on 40 GPUs vs a static deployment of four GPUs each."""
     points: list[Point] = []
-    cluster = Cluster(gpu_node_sizes=gpu_nodes(GPUS), services=_teachers(10), costs=assumed.costs(), static=assumed.static())
+    cluster = _gpu(GPUS, _teachers(10), assumed)
     batches = [256, 512, 1024, 2048]
     for batch in batches:
         trace = mopd(assumed.mopd(batch=batch, teachers=10), seed)
@@ -225,13 +233,11 @@ def gpu_cost(_scale: float, seed: int, progress: Progress = _stderr,
     points: list[Point] = []
     trace = mopd(assumed.mopd(batch=1024, teachers=10), seed)
     services = _teachers(10)
-    _run(trace, Cluster(gpu_node_sizes=gpu_nodes(GPUS), services=services, costs=assumed.costs(), static=assumed.static()), ("baseline",), GPUS, points, progress,
-         f"gpu-cost {GPUS:3d} GPUs")
+    _run(trace, _gpu(GPUS, services, assumed), ("baseline",), GPUS, points, progress, f"gpu-cost {GPUS:3d} GPUs")
     target = points[0].summary["mean_trajectory_act_s"]
     enough = GPUS
     for gpus in (4, 8, 12, 16, 20, 24, 32, 40):
-        _run(trace, Cluster(gpu_node_sizes=gpu_nodes(gpus), services=services, costs=assumed.costs(), static=assumed.static()), ("tangram",), gpus, points, progress,
-             f"gpu-cost {gpus:3d} GPUs")
+        _run(trace, _gpu(gpus, services, assumed), ("tangram",), gpus, points, progress, f"gpu-cost {gpus:3d} GPUs")
         if points[-1].summary["mean_trajectory_act_s"] <= target:
             enough = gpus
             break
@@ -250,7 +256,7 @@ def breakdown(scale: float, seed: int, progress: Progress = _stderr,
     for batch in (1280, 1536):
         b = round(batch * scale)
         _run(ai_coding(assumed.coding(batch=b), seed), cpu, ("tangram",), b, points, progress, f"coding {b:5d}")
-    gpu = Cluster(gpu_node_sizes=gpu_nodes(GPUS), services=_teachers(9), costs=assumed.costs(), static=assumed.static())
+    gpu = _gpu(GPUS, _teachers(9), assumed)
     for batch in (2048, 3072):
         _run(mopd(assumed.mopd(batch=batch), seed), gpu, ("tangram",), batch, points, progress, f"mopd {batch:5d}")
     out = Outcome("breakdown", "ACT breakdown per call (Table 1)", "workload (batch)", points, [], [MOPD_FULL_SCALE])
@@ -272,15 +278,13 @@ def e2e(scale: float, seed: int, progress: Progress = _stderr,
     runs = [
         (0, ai_coding(assumed.coding(batch=round(1280 * scale)), seed), _cpu(round(1280 * scale), scale, assumed)),
         (1, mopd(assumed.mopd(batch=2048), seed),
-         Cluster(gpu_node_sizes=gpu_nodes(36), services=_teachers(9), costs=assumed.costs(), static=assumed.static())),  # §6.1: nine teachers x 4 GPUs
+         _gpu(36, _teachers(9), assumed)),  # §6.1: nine teachers x 4 GPUs
         (2, deepsearch(assumed.search(batch=round(2048 * scale)), seed),
-         Cluster(gpu_node_sizes=gpu_nodes(8 * nodes), services=(replace(JUDGE, static_replicas=nodes),),
-                 apis=_search_apis(scale, assumed), costs=assumed.costs(), static=assumed.static())),
+         _gpu(8 * nodes, (replace(JUDGE, static_replicas=nodes),), assumed, _search_apis(scale, assumed))),
         (3, merged("mopd+deepsearch", mopd(assumed.mopd(batch=1024), seed),
                    deepsearch(assumed.search(batch=1024), seed)),
-         Cluster(gpu_node_sizes=gpu_nodes(GPUS), services=(*_teachers(9), replace(JUDGE, static_replicas=1,
-                                                                                   static_dop=4)),
-                 apis=_search_apis(1.0, assumed), costs=assumed.costs(), static=assumed.static())),  # §6.1: ten services on 4 GPUs each
+         _gpu(GPUS, (*_teachers(9), replace(JUDGE, static_replicas=1, static_dop=4)), assumed,
+              _search_apis(1.0, assumed))),  # §6.1: ten services on four GPUs each
     ]
     labels = ("AI coding", "MOPD", "DeepSearch", "MOPD+DeepSearch")
     for x, trace, cluster in runs:
