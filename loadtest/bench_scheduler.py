@@ -5,11 +5,16 @@ completion triggers one pass, exactly as the broker does, and submits the trajec
 stays at 2,048. Each pass is timed on the wall clock. The cold first pass (whole queue, idle cluster) is printed
 apart from the steady-state passes that follow.
 
+With ``--learn`` every completion is observed (``tangram.dispatch.ended``), the actions belong to 64 suites (one
+signature each), and the scheduler plans with the speed-up models it learns (``tangram.speedup``) instead of the
+declared profiles alone: what learning adds to a pass.
+
 With ``--resize`` the manager can resize running cpu allocations, so elastic actions run malleable
 (``tangram.malleable``): each plan is applied as the simulator applies it (shrinks, starts, grows through
 ``tangram.dispatch``) and a resized action's completion is re-timed from its remaining estimated work.
 
     python -m loadtest.bench_scheduler [--actions 2048] [--passes 1000] [--nodes 5] [--cores-per-node 256] [--resize]
+                                       [--learn]
 """
 
 from __future__ import annotations
@@ -29,13 +34,19 @@ from tangram.queue import FCFSQueue
 from tangram.scheduler import Resize, Scheduler
 
 
+#: suites (signatures) the actions of ``--learn`` belong to
+SUITES = 64
+
+
 def make_action(seq: int, now: float, rng: random.Random) -> Action:
-    """A long-tailed test run (lognormal T1, median ~20 s) with sub-linear speed-up up to 32 cores."""
+    """A long-tailed test run (lognormal T1, median ~20 s) with sub-linear speed-up up to 32 cores, of one of
+    ``SUITES`` signatures."""
     decay = rng.uniform(0.005, 0.03)
     efficiency = tuple((m, max(0.2, 1.0 - decay * (m - 1))) for m in (1, 2, 4, 8, 16, 32))
     action = Action(task="bench", kind=Kind.EXEC,
                     demands={"cpu": Demand.range(1, 32), "memory_mb": Demand.fixed(1024)},
-                    elasticity=Elasticity("cpu", efficiency, t1=rng.lognormvariate(3.0, 1.0)))
+                    elasticity=Elasticity("cpu", efficiency, t1=rng.lognormvariate(3.0, 1.0)),
+                    signature=f"suite-{seq % SUITES}")
     action.seq = seq
     action.submitted_at = now
     return action
@@ -46,10 +57,17 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def ended(durations: DurationModel, action: Action, now: float, learn: bool) -> None:
+    """With ``learn``, observe the completion as the broker does (its execution time is what it was expected)."""
+    if learn:
+        action.execution_s = now - (action.started_at or now)
+        dispatch.ended(durations, None, action, now, succeeded=True)
+
+
 def run(actions_n: int, passes: int, nodes: int, cores: int, seed: int, depth: int,
-        horizon: int, resize: bool = False) -> dict[str, float]:
+        horizon: int, resize: bool = False, learn: bool = False) -> dict[str, float]:
     if resize:
-        return run_resizing(actions_n, passes, nodes, cores, seed, depth, horizon)
+        return run_resizing(actions_n, passes, nodes, cores, seed, depth, horizon, learn)
     rng = random.Random(seed)
     manager = CountedUnitsManager({
         "cpu": {f"node{i}": cores for i in range(nodes)},
@@ -88,6 +106,7 @@ def run(actions_n: int, passes: int, nodes: int, cores: int, seed: int, depth: i
         for action_id in finished:
             action, allocation = running.pop(action_id)
             manager.release(allocation)  # type: ignore[arg-type]
+            ended(durations, action, now, learn)
             acts.append(now - action.submitted_at)
             queue.push(make_action(next_seq, now, rng))
             next_seq += 1
@@ -106,7 +125,7 @@ def run(actions_n: int, passes: int, nodes: int, cores: int, seed: int, depth: i
 
 
 def run_resizing(actions_n: int, passes: int, nodes: int, cores: int, seed: int, depth: int,
-                 horizon: int) -> dict[str, float]:
+                 horizon: int, learn: bool) -> dict[str, float]:
     """``run`` with malleable actions: plans applied as ``tangram.sim.broker_station`` applies them."""
     rng = random.Random(seed)
     manager = CountedUnitsManager({
@@ -180,6 +199,7 @@ def run_resizing(actions_n: int, passes: int, nodes: int, cores: int, seed: int,
         for action_id in finished:
             action, allocations = running.pop(action_id)
             dispatch.release(allocations)
+            ended(durations, action, now, learn)
             acts.append(now - action.submitted_at)
             queue.push(make_action(next_seq, now, rng))
             next_seq += 1
@@ -211,11 +231,13 @@ def main() -> None:
     parser.add_argument("--horizon", type=int, default=64)
     parser.add_argument("--resize", action="store_true",
                         help="resizable cpu: malleable actions, shrunk and grown between passes")
+    parser.add_argument("--learn", action="store_true", help="observe completions: plan with learned speed-up")
     args = parser.parse_args()
     figures = run(args.actions, args.passes, args.nodes, args.cores_per_node, args.seed, args.depth, args.horizon,
-                  args.resize)
+                  args.resize, args.learn)
     print(f"scheduling passes: {args.actions} actions, {args.nodes} nodes x {args.cores_per_node} cores, "
-          f"DoP 1-32, depth {args.depth}, horizon {args.horizon}{', resizing' if args.resize else ''}")
+          f"DoP 1-32, depth {args.depth}, horizon {args.horizon}{', resizing' if args.resize else ''}"
+          f"{', learning' if args.learn else ''}")
     for name, value in figures.items():
         print(f"  {name:>14}: {value:,.3f}" if isinstance(value, float) else f"  {name:>14}: {value}")
 

@@ -74,22 +74,25 @@ class Demand:
 
 @dataclass(frozen=True, slots=True)
 class Elasticity:
-    """How the key resource speeds the action up: ``getDur(m) = T1 / (E(m) * m)`` (Eq. 1).
+    """How the key resource speeds the action up: ``getDur(m) = T1 / (E(m) * m)`` (Eq. 1), as the client declares it.
 
     ``efficiency`` lists E at some unit counts; counts in between are interpolated linearly and counts outside
-    the listed span take the nearest listed value. ``t1`` may be omitted and is then learned from history.
+    the listed span take the nearest listed value; none listed reads as E = 1. ``t1`` may be omitted. Either way
+    the broker learns the action's real curve from its runs (``tangram.speedup``); the declaration is its prior.
     """
 
     resource: str
-    efficiency: tuple[tuple[int, float], ...]
+    efficiency: tuple[tuple[int, float], ...] = ()
     t1: float | None = None
     counts: tuple[int, ...] = field(init=False, repr=False, compare=False)  # listed counts, for bisect
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "counts", tuple(m for m, _ in self.efficiency))
 
-    def efficiency_at(self, m: int) -> float:
+    def efficiency_at(self, m: float) -> float:
         points = self.efficiency
+        if not points:
+            return 1.0
         i = bisect.bisect_left(self.counts, m)
         if i < len(points) and points[i][0] == m:
             return points[i][1]
@@ -100,14 +103,10 @@ class Elasticity:
         (m0, e0), (m1, e1) = points[i - 1], points[i]
         return e0 + (e1 - e0) * (m - m0) / (m1 - m0)
 
-    def duration(self, t1: float, m: int) -> float:
-        return t1 / (self.efficiency_at(m) * m)
-
     def to_json(self) -> dict[str, Any]:
-        body: dict[str, Any] = {
-            "resource": self.resource,
-            "efficiency": {str(m): e for m, e in self.efficiency},
-        }
+        body: dict[str, Any] = {"resource": self.resource}
+        if self.efficiency:
+            body["efficiency"] = {str(m): e for m, e in self.efficiency}
         if self.t1 is not None:
             body["t1"] = self.t1
         return body

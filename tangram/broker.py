@@ -99,6 +99,8 @@ class Broker:
     async def start(self) -> None:
         for task, signature, t1, samples in await self.store.load_profiles():
             self.durations.load(task, signature, t1, samples)
+        for task, signature, runs in await self.store.load_speedups():
+            self.durations.load_runs(task, signature, runs)
         self._seq = await self.store.max_seq()
         for manager in self.managers:
             await manager.start()
@@ -196,6 +198,7 @@ class Broker:
         pending = [r.task for r in self.running.values() if r.task is not None]
         await asyncio.gather(*self._tasks, *pending, *self._resizing, return_exceptions=True)
         self.store.save_profiles(self.durations.take_dirty())
+        self.store.save_speedups(self.durations.take_dirty_runs())
         for manager in self.managers:
             await manager.close()
 
@@ -587,8 +590,9 @@ class Broker:
                 action = self.actions.pop(action_id, None)
                 if action is not None and action.idempotency_key is not None:
                     self.idempotency.pop((action.task, action.idempotency_key), None)
-        if self.durations.dirty:
+        if self.durations.dirty:  # a run of a speed-up model is always a profile's sample too
             self.store.save_profiles(self.durations.take_dirty())
+            self.store.save_speedups(self.durations.take_dirty_runs())
         self.kick()
 
     # -- views ------------------------------------------------------------------------------------------

@@ -60,8 +60,26 @@ def _utilization(in_use: int, capacity: int) -> Text:
     return Text.assemble(("█" * cells, style), ("░" * (10 - cells), "dim"), f" {share:4.0%}")
 
 
-def status_view(url: str, body: dict[str, Any]) -> Group:
-    """What ``tangram status`` shows: a table of resources and a line of queue and ACT figures."""
+def speedup_table(profiles: list[dict[str, Any]], limit: int = 8) -> Table | None:
+    """The learned speed-up of the most observed elastic signatures: median seconds per unit count and the fit."""
+    rows = [p for p in profiles if p.get("speedup")][:limit]
+    if not rows:
+        return None
+    table = Table(title="learned speed-up (GET /v1/profiles)", title_justify="left")
+    for column in ("task", "signature", "runs", "median by units (runs)", "serial", "per worker", "parallel start"):
+        table.add_column(column, justify="right" if column in ("runs", "serial", "per worker", "parallel start")
+                         else "left")
+    for profile in rows:
+        model = profile["speedup"]
+        seen = "  ".join(f"{g['units']:g}: {_fmt(g['median_s'])} ({g['runs']})" for g in model["by_units"])
+        table.add_row(profile["task"], profile["signature"], str(model["runs"]), seen, _fmt(model["serial_s"]),
+                      _fmt(model["per_worker_s"]), _fmt(model["harness_s"]))
+    return table
+
+
+def status_view(url: str, body: dict[str, Any], profiles: list[dict[str, Any]] | None = None) -> Group:
+    """What ``tangram status`` shows: a table of resources, a line of queue and ACT figures and, when the broker
+    has learned any, the speed-up of the most observed elastic signatures."""
     table = Table(title=f"ARL-Tangram at {url}", title_justify="left")
     for column in ("resource", "pool", "manager", "utilization", "in use", "capacity", "queued"):
         table.add_column(column, justify="left" if column in ("resource", "pool", "manager", "utilization")
@@ -76,7 +94,9 @@ def status_view(url: str, body: dict[str, Any]) -> Group:
                             (f"  ACT over the last {stats['recent']} actions: ", "dim"),
                             f"p50 {_fmt(stats['act_p50_s'])}  p90 {_fmt(stats['act_p90_s'])}  "
                             f"p99 {_fmt(stats['act_p99_s'])}")
-    return Group(table, summary, Text(f"status page: {url}/ui", style="dim"))
+    learned = speedup_table(profiles or [])
+    parts = [table, summary] if learned is None else [table, summary, learned]
+    return Group(*parts, Text(f"status page: {url}/ui", style="dim"))
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -84,7 +104,8 @@ def _status(args: argparse.Namespace) -> int:
     url = args.url.rstrip("/")
 
     def view() -> Group:
-        return status_view(url, _fetch(url + "/v1/resources", args.token))
+        profiles = _fetch(url + "/v1/profiles?limit=100", args.token)["profiles"]
+        return status_view(url, _fetch(url + "/v1/resources", args.token), profiles)
 
     try:
         if not args.watch:

@@ -8,7 +8,7 @@ from managers.base import Allocation, ResourceManager
 from tangram.action import Action
 from tangram.arrivals import ArrivalModel
 from tangram.durations import DurationModel
-from tangram.malleable import Malleable, profile
+from tangram.malleable import Malleable
 from tangram.scheduler import Placement, Resize, allocate_placement
 
 Allocations = list[tuple[ResourceManager, Allocation]]
@@ -24,13 +24,14 @@ def start(owner: dict[str, ResourceManager], durations: DurationModel, placement
     action.units = dict(placement.units)
     action.placement = {k: v for _, a in allocations for k, v in a.placement.items()}
     key = action.key_resource
-    action.expected_duration_s = durations.duration(action, placement.units.get(key) if key else None)
+    action.expected_duration_s = durations.duration(action, placement.units.get(key) if key else None,
+                                                    placement.workers)
     if placement.workers is not None and key is not None:
-        units = placement.units[key]
+        units, workers = placement.units[key], placement.workers
         action.malleable = Malleable(resource=key, pool=placement.pools[key], floor=action.demands[key].min,
-                                     workers=placement.workers, units=units, since=now,
-                                     t1_s=durations.t1(action) or durations.default_s,
-                                     profile=profile(action.elasticity, action.demands[key].up_to(placement.workers)),
+                                     workers=workers, units=units, since=now,
+                                     t1_s=durations.t1(action, workers) or durations.default_s,
+                                     profile=durations.profile(action, action.demands[key].up_to(workers), workers),
                                      history=[(now, units)])
     return allocations
 

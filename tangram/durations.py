@@ -1,19 +1,31 @@
-"""Duration profiles learned from completed actions, per (task, action signature).
+"""Duration and speed-up learned from completed actions, per (task, action signature).
 
-The scheduler needs ``T1`` (single-unit duration) for scalable actions and an expected duration for the rest
-(the paper uses historical averages). We keep an EWMA of the observed duration normalised to one unit:
-``T1 ~ exec_time * E(m) * m`` for an elastic action that ran on ``m`` key units, ``exec_time`` otherwise.
+The scheduler needs, for an elastic action, its duration at each allowed unit count and its speed-up curve, and for
+the rest an expected duration (the paper uses historical averages). Two things are learned:
+
+- an EWMA of the observed duration normalised to one unit by the declared profile (``t1``): the expected duration
+  of actions that are not elastic, and what ``GET /v1/profiles`` shows as T1;
+- for elastic actions, a speed-up model fitted to their runs (``tangram.speedup``): ``T(m, W) = a + b·P(m) + c·W``
+  around the declared ``P(m)``. It is what the scheduler uses once an action's signature has run at least once;
+  before that the declaration alone (today's Eq. 1), and an action that declares no ``t1`` runs at its minimum.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
-from tangram.action import Action
+import numpy as np
+
+from tangram.action import Action, Elasticity
+from tangram.malleable import Profile, profile_of_curve
+from tangram.speedup import PRIOR, Run, Speedup, SpeedupFit, declared
 
 
 @dataclass(slots=True)
-class Profile:
+class DurationProfile:
+    """The EWMA of an action signature's single-unit duration and how many runs it has seen."""
+
     t1: float
     samples: int
 
@@ -22,14 +34,36 @@ class DurationModel:
     def __init__(self, alpha: float = 0.2, default_s: float = 1.0) -> None:
         self.alpha = alpha
         self.default_s = default_s
-        self.profiles: dict[tuple[str, str], Profile] = {}
+        self.profiles: dict[tuple[str, str], DurationProfile] = {}
+        self.speedups: dict[tuple[str, str], Speedup] = {}
         self.dirty: set[tuple[str, str]] = set()
+        self._dirty_runs: set[tuple[str, str]] = set()
 
     def load(self, task: str, signature: str, t1: float, samples: int) -> None:
-        self.profiles[(task, signature)] = Profile(t1, samples)
+        self.profiles[(task, signature)] = DurationProfile(t1, samples)
 
-    def t1(self, action: Action) -> float | None:
-        """Declared T1, else learned; None when neither is known."""
+    def load_runs(self, task: str, signature: str, runs: list[list[float]]) -> None:
+        self.speedups[(task, signature)] = Speedup(Run.from_json(row) for row in runs)
+
+    def fit(self, action: Action) -> SpeedupFit | None:
+        """The speed-up model of an elastic action: learned from its signature's runs, else its declaration (with
+        a declared ``t1``, or the T1 learned before its signature had runs); None when neither is known."""
+        if action.elasticity is None or action.key_resource is None:
+            return None
+        learned = self.speedups.get((action.task, action.signature))
+        if learned is not None and learned.runs:
+            return learned.fit(action.elasticity)
+        if action.elasticity.t1 is not None:
+            return PRIOR
+        profile = self.profiles.get((action.task, action.signature))
+        return None if profile is None else SpeedupFit(0.0, profile.t1, 0.0, PRIOR.trusted)
+
+    def t1(self, action: Action, workers: int | None = None) -> float | None:
+        """Expected duration on one unit (with ``workers`` started: a malleable action's work on one unit), from
+        the speed-up model of an elastic action, else the declared or learned T1; None when none is known."""
+        fit = self.fit(action)
+        if fit is not None:
+            return fit.duration(action.elasticity, 1, 1 if workers is None else workers)  # type: ignore[arg-type]
         if action.elasticity is not None and action.elasticity.t1 is not None:
             return action.elasticity.t1
         profile = self.profiles.get((action.task, action.signature))
@@ -37,38 +71,72 @@ class DurationModel:
 
     def scalable(self, action: Action) -> bool:
         """Elastic along a key resource *and* with a known duration: only these enter DPArrange."""
-        return action.key_resource is not None and self.t1(action) is not None
+        return self.fit(action) is not None
 
-    def duration(self, action: Action, units: int | None = None) -> float:
-        """Expected execution time on ``units`` of the key resource (its minimum when None)."""
-        t1 = self.t1(action)
-        if t1 is None:
-            return self.default_s
-        key = action.key_resource
-        if key is None or action.elasticity is None:
-            return t1
-        m = units if units is not None else action.demands[key].min
-        return action.elasticity.duration(t1, m)
+    def duration(self, action: Action, units: int | None = None, workers: int | None = None) -> float:
+        """Expected execution time on ``units`` of the key resource (its minimum when None), ``workers`` started
+        (as many as units when None)."""
+        fit = self.fit(action)
+        if fit is None:
+            t1 = self.t1(action)
+            return self.default_s if t1 is None else t1
+        m = units if units is not None else action.demands[action.key_resource].min  # type: ignore[index]
+        return fit.duration(action.elasticity, m, workers)  # type: ignore[arg-type]
+
+    def durations(self, action: Action, counts: tuple[int, ...]) -> tuple[float, ...]:
+        """``duration`` at each of ``counts`` (one model lookup for all: the DP asks for every allowed count)."""
+        fit = self.fit(action)
+        if fit is None:
+            return (self.duration(action),) * len(counts)
+        return tuple(fit.duration(action.elasticity, m) for m in counts)  # type: ignore[arg-type]
+
+    def profile(self, action: Action, counts: tuple[int, ...], workers: int | None = None) -> Profile:
+        """The speed-up over ``counts`` the malleable sharing uses: ``T(1)/T(k)`` with ``workers`` started (as many
+        as units when None: an action about to start)."""
+        fit = self.fit(action)
+        if fit is None:
+            raise ValueError(f"action {action.id} has no known duration")
+        return _learned_profile(fit, action.elasticity, counts, workers)  # type: ignore[arg-type]
 
     def observe(self, action: Action) -> None:
-        """Fold a successful action's execution time into its profile."""
+        """Fold a successful action's execution time into its profile, and an elastic one's run into its model.
+        A command killed by a signal is no observation (it did not run its course)."""
         if action.execution_s is None:
             return
-        sample = action.execution_s - (action.restore_s or 0.0)  # a restore depends on placement, not the action
+        if isinstance(action.result, dict) and action.result.get("signal"):
+            return
+        seconds = action.execution_s - (action.restore_s or 0.0)  # a restore depends on placement, not the action
+        sample = seconds
         key = action.key_resource
+        ran_elastic = key is not None and action.elasticity is not None and key in action.units
         if action.malleable is not None and action.started_at is not None:
-            sample = action.malleable.work_done(action.started_at + sample)  # its units changed as it ran
-        elif key is not None and action.elasticity is not None and key in action.units:
-            m = action.units[key]
-            sample *= action.elasticity.efficiency_at(m) * m
+            sample = action.malleable.work_done(action.started_at + seconds)  # its units changed as it ran
+        elif ran_elastic:
+            m = action.units[key]  # type: ignore[index]
+            sample *= action.elasticity.efficiency_at(m) * m  # type: ignore[union-attr]
         ident = (action.task, action.signature)
         profile = self.profiles.get(ident)
         if profile is None:
-            self.profiles[ident] = Profile(sample, 1)
+            self.profiles[ident] = DurationProfile(sample, 1)
         else:
             profile.t1 += self.alpha * (sample - profile.t1)
             profile.samples += 1
         self.dirty.add(ident)
+        if ran_elastic and seconds > 0:
+            self._observe_run(ident, action, seconds)
+
+    def _observe_run(self, ident: tuple[str, str], action: Action, seconds: float) -> None:
+        held = action.malleable
+        if held is not None and action.started_at is not None:
+            units = held.unit_seconds_at(action.started_at + seconds) / seconds
+            workers = held.workers
+        else:
+            units = workers = action.units[action.key_resource]  # type: ignore[index]
+        if units <= 0:
+            return
+        run = Run(units, workers, declared(action.elasticity, units), seconds)  # type: ignore[arg-type]
+        self.speedups.setdefault(ident, Speedup()).add(run)
+        self._dirty_runs.add(ident)
 
     def take_dirty(self) -> list[tuple[str, str, float, int]]:
         """Profiles changed since the last call, for the store to persist."""
@@ -76,3 +144,18 @@ class DurationModel:
                 for task, sig in self.dirty]
         self.dirty.clear()
         return rows
+
+    def take_dirty_runs(self) -> list[tuple[str, str, list[list[float]]]]:
+        """Speed-up models given a run since the last call: their runs, for the store to persist."""
+        rows = [(task, sig, [run.to_json() for run in self.speedups[(task, sig)].runs])
+                for task, sig in self._dirty_runs]
+        self._dirty_runs.clear()
+        return rows
+
+
+@functools.lru_cache(maxsize=16384)
+def _learned_profile(fit: SpeedupFit, elasticity: Elasticity, counts: tuple[int, ...],
+                     workers: int | None) -> Profile:
+    top = counts[-1]
+    times = np.array([fit.duration(elasticity, k, workers) for k in range(1, top + 1)])
+    return profile_of_curve(np.concatenate([[0.0], times[0] / times]), counts)

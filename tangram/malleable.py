@@ -19,14 +19,11 @@ units change, so remaining work is known at every pass. The same code serves the
 from __future__ import annotations
 
 import bisect
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-
-from tangram.action import Elasticity
 
 #: an action past its estimate is assumed to have this share of its estimated work left (it is late, not done)
 OVERRUN_SHARE = 0.1
@@ -48,9 +45,8 @@ class Profile:
         return float(self.curve[min(units, len(self.curve) - 1)])
 
 
-@functools.lru_cache(maxsize=16384)
-def profile(elasticity: Elasticity, counts: tuple[int, ...]) -> Profile:
-    curve = np.array([0.0] + [elasticity.efficiency_at(k) * k for k in range(1, counts[-1] + 1)])
+def profile_of_curve(curve: np.ndarray, counts: tuple[int, ...]) -> Profile:
+    """The profile over allowed ``counts`` of a speed-up curve (``curve[k]`` for k = 0..counts[-1], curve[0] = 0)."""
     steps = np.diff(np.asarray(counts))
     per_unit = np.diff(curve[list(counts)]) / steps if len(counts) > 1 else np.zeros(0)
     gains = np.minimum.accumulate(np.repeat(per_unit, steps)) if len(per_unit) else np.zeros(0)

@@ -7,9 +7,12 @@ from typing import Any
 
 from tangram.action import Kind, State
 from tangram.config import ServerConfig
-from tangram.parse import Limits
+from tangram.parse import MAX_EFFICIENCY_POINTS, Limits
 
 #: what a record answered by a submit leads to; the fuzzer's stateful runs follow these (submit -> get -> cancel)
+SPEEDUP_DESCRIPTION = ("the speed-up model of an elastic signature, null before its first run: T(m, W) = serial_s + "
+                       "scale * P(m) + per_worker_s * W + harness_s * [W > 1], P(m) = t1 / (E(m) m) as declared "
+                       "(t1 1 s, E 1 if not); trusted up to trusted_units, fitted to the recent runs in by_units")
 ACTION_LINKS = {name: {"operationId": operation, "parameters": {"id": "$response.body#/id"}}
                 for name, operation in (("GetAction", "getAction"), ("CancelAction", "cancelAction"),
                                         ("ReleaseLease", "releaseLease"))}
@@ -162,15 +165,16 @@ def openapi_document(server: ServerConfig, limits: Limits, resources: Sequence[s
             "type": "object", "required": ["field", "reason"],
             "properties": {"field": {"type": "string"}, "reason": {"type": "string"}}}}},
         "Elasticity": {
-            "type": "object", "required": ["resource", "efficiency"], "additionalProperties": False,
+            "type": "object", "required": ["resource"], "additionalProperties": False,
             "properties": {
                 "resource": {"type": "string", "description": "key elasticity resource; must be in demand"},
                 "t1": _nullable({"type": "number", "exclusiveMinimum": 0,
                                  "description": "seconds on one unit; learned if absent"}),
-                "efficiency": {"type": "object", "minProperties": 1,
+                "efficiency": {"type": "object", "maxProperties": MAX_EFFICIENCY_POINTS,
                                "propertyNames": {"pattern": "^[1-9][0-9]{0,8}$"},
                                "additionalProperties": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
-                               "description": "E(m) by unit count m; getDur(m) = t1 / (E(m) * m)"}}},
+                               "description": "E(m) by unit count m; getDur(m) = t1 / (E(m) * m); none: E = 1. "
+                                              "A prior: the broker learns the real curve from completed runs"}}},
         "Action": {
             "type": "object", "required": ["task", "kind", "demand"], "additionalProperties": False,
             "properties": {
@@ -349,10 +353,25 @@ def openapi_document(server: ServerConfig, limits: Limits, resources: Sequence[s
                                                    "default": 1000}}],
                         "responses": {"200": _json({"type": "object", "required": ["profiles", "total"], "properties": {
                             "profiles": {"type": "array", "items": {
-                                "type": "object", "required": ["task", "signature", "t1_s", "samples"], "properties": {
+                                "type": "object", "required": ["task", "signature", "t1_s", "samples", "speedup"],
+                                "properties": {
                                     "task": {"type": "string"}, "signature": {"type": "string"},
                                     "t1_s": {"type": "number", "description": "learned single-unit duration"},
-                                    "samples": {"type": "integer"}}}},
+                                    "samples": {"type": "integer"},
+                                    "speedup": {"type": ["object", "null"], "description": SPEEDUP_DESCRIPTION,
+                                                "required": ["runs", "serial_s", "scale", "per_worker_s",
+                                                             "harness_s", "trusted_units", "by_units"],
+                                                "properties": {
+                                        "runs": {"type": "integer"}, "serial_s": {"type": "number"},
+                                        "scale": {"type": "number"}, "per_worker_s": {"type": "number"},
+                                        "harness_s": {"type": "number"},
+                                        "trusted_units": {"type": "number"},
+                                        "by_units": {"type": "array", "items": {
+                                            "type": "object", "required": ["units", "workers", "runs", "median_s"],
+                                            "properties": {"units": {"type": "number"},
+                                                           "workers": {"type": "integer"},
+                                                           "runs": {"type": "integer"},
+                                                           "median_s": {"type": "number"}}}}}}}}},
                             "total": {"type": "integer", "description": "profiles that match, beyond the limit too"}}},
                             "profiles"),
                             "400": _error("limit out of range")}}},

@@ -15,6 +15,8 @@ NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:\-/]{0,127}\Z")
 RESOURCE = re.compile(r"^[a-z][a-z0-9_]*(\.[A-Za-z0-9_\-]+)*\Z")
 #: a unit count as an efficiency key: "8", never "08", " 8", "+8" or "8_0", which int() would also take
 COUNT = re.compile(r"^[1-9][0-9]{0,8}\Z")
+#: efficiency points one action may declare
+MAX_EFFICIENCY_POINTS = 1024
 KNOWN_FIELDS = frozenset({"task", "trajectory", "kind", "demand", "elasticity", "spec", "timeout_s",
                           "idempotency_key", "signature"})
 
@@ -145,7 +147,7 @@ def _elasticity(value: Any, field: str, demands: dict[str, Demand]) -> Elasticit
     if value is None:
         return None
     if not isinstance(value, dict):
-        raise BadRequest(field, "must be an object with resource, efficiency and optional t1")
+        raise BadRequest(field, "must be an object with resource and optional efficiency and t1")
     value = without_nulls(value)
     unknown = sorted(set(value) - {"resource", "efficiency", "t1"})
     if unknown:
@@ -156,9 +158,10 @@ def _elasticity(value: Any, field: str, demands: dict[str, Demand]) -> Elasticit
     t1 = value.get("t1")
     if t1 is not None and (not _number(t1) or t1 <= 0):
         raise BadRequest(field + ".t1", "must be a positive number of seconds")
-    raw = value.get("efficiency")
-    if not isinstance(raw, dict) or not raw:
-        raise BadRequest(field + ".efficiency", "must be a non-empty object mapping unit counts to E in (0, 1]")
+    raw = value.get("efficiency", {})  # none declared: the broker learns it (``tangram.speedup``)
+    if not isinstance(raw, dict) or len(raw) > MAX_EFFICIENCY_POINTS:
+        raise BadRequest(field + ".efficiency", f"must be an object mapping at most {MAX_EFFICIENCY_POINTS} unit "
+                                                f"counts to E in (0, 1]")
     points: list[tuple[int, float]] = []
     for count, eff in raw.items():
         if not isinstance(count, str) or not COUNT.match(count):

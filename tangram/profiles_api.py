@@ -1,17 +1,25 @@
-"""``GET /v1/profiles``: the duration profiles the broker has learned per (task, action signature), the T1 its
-scheduler uses for actions that declare none, so a user can see what the broker believes about their actions. A
-task's token sees its own task's profiles only."""
+"""``GET /v1/profiles``: what the broker has learned per (task, action signature): the T1 its scheduler uses for
+actions that declare none and, for elastic actions, the fitted speed-up model and the runs behind it, so a user can
+see what the broker believes about their actions and why. A task's token sees its own task's profiles only."""
 
 from __future__ import annotations
 
+from collections import defaultdict
+from statistics import median
+from typing import Any
+
 from aiohttp import web
 
+from tangram.action import Elasticity
 from tangram.api_common import BROKER, json_response
 from tangram.auth import listed_task
 from tangram.errors import BadRequest
+from tangram.speedup import Speedup
 
 DEFAULT_LIMIT = 1000
 MAX_LIMIT = 10_000
+#: the model's trust span as an action declaring no efficiency sees it
+_UNDECLARED = Elasticity("")
 
 
 def _limit(request: web.Request) -> int:
@@ -23,15 +31,34 @@ def _limit(request: web.Request) -> int:
     return int(text)
 
 
+def speedup_json(learned: Speedup | None) -> dict[str, Any] | None:
+    """The fitted coefficients and, per (units rounded to 0.1, workers), how many runs and their median seconds."""
+    if learned is None or not learned.runs:
+        return None
+    fit = learned.fit(_UNDECLARED)
+    groups: dict[tuple[float, int], list[float]] = defaultdict(list)
+    for run in learned.runs:
+        groups[(round(run.units, 1), run.workers)].append(run.seconds)
+    return {"runs": len(learned.runs), "serial_s": round(fit.serial_s, 6), "scale": round(fit.scale, 6),
+            "per_worker_s": round(fit.per_worker_s, 6), "harness_s": round(fit.harness_s, 6),
+            "trusted_units": fit.trusted,
+            "by_units": [{"units": units, "workers": workers, "runs": len(seconds),
+                          "median_s": round(median(seconds), 6)}
+                         for (units, workers), seconds in sorted(groups.items())]}
+
+
 async def list_profiles(request: web.Request) -> web.Response:
     """The most observed profiles first (``limit`` of them; ``total`` counts all that match)."""
     task = listed_task(request)
     limit = _limit(request)
-    profiles = request.app[BROKER].durations.profiles
+    durations = request.app[BROKER].durations
     rows = sorted(({"task": t, "signature": signature, "t1_s": round(profile.t1, 6), "samples": profile.samples}
-                   for (t, signature), profile in profiles.items() if task is None or t == task),
+                   for (t, signature), profile in durations.profiles.items() if task is None or t == task),
                   key=lambda row: (-row["samples"], row["task"], row["signature"]))
-    return json_response({"profiles": rows[:limit], "total": len(rows)})
+    shown = rows[:limit]
+    for row in shown:
+        row["speedup"] = speedup_json(durations.speedups.get((row["task"], row["signature"])))
+    return json_response({"profiles": shown, "total": len(rows)})
 
 
 def add_profile_routes(app: web.Application) -> None:

@@ -33,7 +33,7 @@ from tangram.arrivals import Expected
 from tangram.dparrange import DPTable, dp_arrange
 from tangram.durations import DurationModel
 from tangram.estimate import INF, CompletionHeap, Waiting, estimate
-from tangram.malleable import Claimant, profile, share
+from tangram.malleable import Claimant, share
 
 #: relative gain below which an eviction is not worth it (objectives that differ only by float rounding)
 IMPROVEMENT = 1e-9
@@ -244,7 +244,7 @@ class Scheduler:
             return Claimant(held.profile, held.remaining_s(now) if self.share_by_remaining else 0.0)
         counts = (0, *action.demands[resource].up_to(largest))  # 0: a member waits, outranked
         work = self.durations.t1(action) or self.durations.default_s
-        return Claimant(profile(action.elasticity, counts), work)
+        return Claimant(self.durations.profile(action, counts), work)
 
     # -- steps 2-3 ----------------------------------------------------------------------------------------
 
@@ -278,7 +278,7 @@ class Scheduler:
             options = []
             for action in actions:
                 counts = action.demands[resource].up_to(free)
-                times = [self.durations.duration(action, k) for k in counts]
+                times = self.durations.durations(action, counts)
                 durations[action.id] = dict(zip(counts, times))
                 options.append((counts, times))
             tables[pool] = dp_arrange(options, free, fit.dp_operator(resource, pool, taken))
@@ -374,6 +374,6 @@ class Scheduler:
     def _as_waiting(self, action: Action, resource: str) -> Waiting:
         if action.key_resource == resource and self.durations.scalable(action):
             counts = action.demands[resource].choices[: max(1, self.depth)]
-            return Waiting(counts, tuple(self.durations.duration(action, k) for k in counts))
+            return Waiting(counts, self.durations.durations(action, counts))
         return Waiting((action.demands[resource].min,), (self.durations.duration(action),))
 

@@ -1,4 +1,5 @@
-"""Persistence of the broker: action records, their state transitions and learned duration profiles.
+"""Persistence of the broker: action records, their state transitions, learned duration profiles and
+the runs of learned speed-up models.
 
 Writes are write-behind: ``save`` only notes the action, and one flusher task writes everything pending in a
 single transaction of bulk upserts a few milliseconds later. ``durable`` waits for that commit, so concurrent
@@ -113,6 +114,16 @@ class ProfileRow(Base):
     samples: Mapped[int] = mapped_column(_BIG)
 
 
+class SpeedupRow(Base):
+    """The runs a (task, signature)'s speed-up model is fitted to (``tangram.speedup``), as a JSON list."""
+
+    __tablename__ = "speedups"
+
+    task: Mapped[str] = mapped_column(String, primary_key=True)
+    signature: Mapped[str] = mapped_column(String, primary_key=True)
+    runs: Mapped[str] = mapped_column(Text)
+
+
 class TokenRow(Base):
     """An API token made by ``tangram token create`` or ``POST /v1/admin/tokens``: only its SHA-256 is kept."""
 
@@ -204,11 +215,12 @@ class _Batch:
     keys: dict[tuple[str, str], Action] = field(default_factory=dict)  # the keyed ones, by (task, key)
     transitions: list[tuple[str, str, float]] = field(default_factory=list)
     profiles: dict[tuple[str, str], tuple[float, int]] = field(default_factory=dict)
+    speedups: dict[tuple[str, str], str] = field(default_factory=dict)  # runs as JSON
     # (action id, future): the future completes when that action's record is committed; id None for flush().
     waiters: list[tuple[str | None, asyncio.Future[None]]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.actions or self.transitions or self.profiles or self.waiters)
+        return bool(self.actions or self.transitions or self.profiles or self.speedups or self.waiters)
 
 
 class Store:
@@ -237,6 +249,7 @@ class Store:
         dialect = postgresql if engine.dialect.name == "postgresql" else sqlite
         self._upsert_actions = _Bulk(engine, _upsert(dialect, ActionRow, ["id"]))
         self._upsert_profiles = _Bulk(engine, _upsert(dialect, ProfileRow, ["task", "signature"]))
+        self._upsert_speedups = _Bulk(engine, _upsert(dialect, SpeedupRow, ["task", "signature"]))
         self._insert_transitions = _Bulk(engine, dialect.insert(TransitionRow), ["action_id", "state", "at"])
         self._pending = _Batch()
         self._inflight = _Batch()  # the batch being written: no longer pending, not yet readable from the database
@@ -280,7 +293,8 @@ class Store:
         try:
             await self.flush()
         finally:
-            lost = len(self._pending.actions) + len(self._pending.transitions) + len(self._pending.profiles)
+            pending = self._pending
+            lost = len(pending.actions) + len(pending.transitions) + len(pending.profiles) + len(pending.speedups)
             if lost:
                 log.error("store closed with %d records unwritten", lost)
             if self._flusher is not None:
@@ -319,6 +333,15 @@ class Store:
             raise RuntimeError("store is closed")
         for task, signature, t1, samples in rows:
             self._pending.profiles[(task, signature)] = (t1, samples)
+        if rows:
+            self._wake(urgent=False)
+
+    def save_speedups(self, rows: list[tuple[str, str, list[list[float]]]]) -> None:
+        """Note the runs of speed-up models (``DurationModel.take_dirty_runs()`` rows) for the next write."""
+        if self._closed:
+            raise RuntimeError("store is closed")
+        for task, signature, runs in rows:
+            self._pending.speedups[(task, signature)] = orjson.dumps(runs).decode()
         if rows:
             self._wake(urgent=False)
 
@@ -406,6 +429,8 @@ class Store:
             pending.keys.setdefault(ident, action)
         for ident, profile in batch.profiles.items():
             pending.profiles.setdefault(ident, profile)
+        for ident, runs in batch.speedups.items():
+            pending.speedups.setdefault(ident, runs)
         pending.transitions[:0] = batch.transitions
         pending.waiters[:0] = batch.waiters
 
@@ -442,7 +467,9 @@ class Store:
                        for action_id, state, at in batch.transitions if action_id not in rejected]
         profiles = [{"task": task, "signature": signature, "t1": t1, "samples": samples}
                     for (task, signature), (t1, samples) in batch.profiles.items()]
-        if not (rows or transitions or profiles):
+        speedups = [{"task": task, "signature": signature, "runs": runs}
+                    for (task, signature), runs in batch.speedups.items()]
+        if not (rows or transitions or profiles or speedups):
             return
         async with self.engine.begin() as conn:
             if rows:
@@ -451,6 +478,8 @@ class Store:
                 await self._insert_transitions.run(conn, transitions)
             if profiles:
                 await self._upsert_profiles.run(conn, profiles)
+            if speedups:
+                await self._upsert_speedups.run(conn, speedups)
         self.commits += 1
 
     @staticmethod
@@ -534,6 +563,12 @@ class Store:
         query = select(ProfileRow.task, ProfileRow.signature, ProfileRow.t1, ProfileRow.samples)
         async with self.engine.connect() as conn:
             return [(task, signature, t1, samples) for task, signature, t1, samples in await conn.execute(query)]
+
+    async def load_speedups(self) -> list[tuple[str, str, list[list[float]]]]:
+        await self.flush()
+        query = select(SpeedupRow.task, SpeedupRow.signature, SpeedupRow.runs)
+        async with self.engine.connect() as conn:
+            return [(task, signature, orjson.loads(runs)) for task, signature, runs in await conn.execute(query)]
 
     # -- tokens: rare writes, committed at once (not write-behind) ------------------------------------------------
 

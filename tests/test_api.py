@@ -40,6 +40,9 @@ BAD = [
     (b'{"task": "t", "kind": "exec", "demand": {"cpu": 1}}', "kind", 422),
     (b'{"task": "t", "kind": "lease", "demand": {"cpu": {"choices": [1, 2]}}, '
      b'"elasticity": {"resource": "cpu", "efficiency": {"2": 1.5}}}', "elasticity.efficiency.2", 400),
+    (b'{"task": "t", "kind": "lease", "demand": {"lease.gpu-quota": {"min": 1, "max": 2}}, '
+     b'"elasticity": {"resource": "lease.gpu-quota", "efficiency": {' +
+     b", ".join(b'"%d": 1.0' % m for m in range(1, 1026)) + b"}}}", "elasticity.efficiency", 400),
 ]
 
 
@@ -224,6 +227,7 @@ async def test_learned_profiles_are_listed_most_observed_first_with_a_bounded_li
         assert [(p["task"], p["samples"]) for p in body["profiles"]] == [("t1", 3), ("t2", 1)]
         signature = body["profiles"][0]["signature"]
         assert signature == body["profiles"][1]["signature"] and body["profiles"][0]["t1_s"] >= 0
+        assert body["profiles"][0]["speedup"] is None  # a lease is not elastic: no speed-up model
         code, body = await live.call("GET", "/v1/profiles?task=t2&limit=1")
         assert (code, body["total"], [p["task"] for p in body["profiles"]]) == (200, 1, ["t2"])
         for bad in ("0", "10001", "x", "-1"):

@@ -218,6 +218,9 @@ async def test_null_is_the_same_as_leaving_a_field_out(live: Live) -> None:
     code, record = await live.call("POST", "/v1/actions", json=lease(elasticity={
         "resource": "lease.local", "efficiency": {"1": 1.0}, "t1": None}))
     assert code == 201 and record["elasticity"] == {"resource": "lease.local", "efficiency": {"1": 1.0}}, record
+    code, record = await live.call("POST", "/v1/actions", json=lease(elasticity={  # nothing declared: learned
+        "resource": "lease.local", "efficiency": None, "t1": None}))
+    assert code == 201 and record["elasticity"] == {"resource": "lease.local"}, record
     code, env = await live.call("POST", "/v1/environments", json=dict.fromkeys(
         ("trajectory", "image", "memory_mb", "files"), None) | {"task": "t"})
     assert code == 201 and env["state"] == "ready" and env["memory_mb"] == 64, env

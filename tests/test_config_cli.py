@@ -100,7 +100,7 @@ def test_serve_and_status_end_to_end(tmp_path):
         assert "░░░░░░░░░░   5%" in row  # 3 of 64 units: 5 %, under half a cell
         watch = subprocess.Popen([sys.executable, "-m", "tangram.cli", "status", "--url", url, "--watch", "0.1"],
                                  stdout=subprocess.PIPE, text=True, env={**os.environ, "COLUMNS": "200"})
-        time.sleep(2)
+        time.sleep(5)  # past its start-up (imports take seconds on a loaded 2-core machine) and a few refreshes
         watch.send_signal(signal.SIGINT)
         watched, _ = watch.communicate(timeout=30)
         assert watch.returncode == 0 and "leases held 1" in watched

@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 import docker
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -16,7 +17,7 @@ from hypothesis import strategies as st
 from managers.cpu import CpuManager, CpuNode
 from managers.cpu_config import CpuConfig, CpuNodeConfig
 from tangram.action import Action, Demand, Elasticity, Kind
-from tangram.malleable import Claimant, Malleable, profile, share, workers_for
+from tangram.malleable import Claimant, Malleable, Profile, profile_of_curve, share, workers_for
 from tangram.sim.broker_station import NoSandboxes
 from tests.docker_nodes import cpu_config, docker_engines
 from tests.harness import Live, live_broker
@@ -26,6 +27,12 @@ from tests.harness import Live, live_broker
 # ---------------------------------------------------------------------------------------------------------------
 
 amdahl = st.floats(min_value=0.0, max_value=0.5)
+
+
+def profile(elasticity: Elasticity, counts: tuple[int, ...]) -> Profile:
+    """The declared speed-up ``E(k)·k`` over ``counts``."""
+    curve = np.array([0.0] + [elasticity.efficiency_at(k) * k for k in range(1, counts[-1] + 1)])
+    return profile_of_curve(curve, counts)
 
 
 def amdahl_profile(serial: float, counts: tuple[int, ...]) -> Elasticity:

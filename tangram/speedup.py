@@ -1,0 +1,161 @@
+"""Speed-up learned online from completed runs, per (task, action signature): users need not know ``E(m)`` or T1.
+
+An elastic action's execution time on ``m`` units of its key resource, with ``W`` workers started, is modelled as
+
+    T(m, W) = a + b·P(m) + c·W + d·[W > 1],        a, b, c, d >= 0
+
+where ``P(m) = t1 / (E(m)·m)`` is the duration the action *declares* (Eq. 1; an undeclared ``t1`` counts as 1 s and
+an undeclared efficiency as 1, so ``P(m) = 1/m``). ``a`` is serial time the declaration misses, ``b`` scales the
+declared parallel work (1 when the declaration is right), ``c`` is each worker's start-up (xdist's workers each
+import the suite) and ``d`` the fixed cost of running in parallel at all (xdist's controller: one worker runs plain
+``pytest``). On a short suite the last two cost more than the parallel part gains. A declaration is thus a prior the
+runs correct, not a truth: with no runs the model is the declaration (``a = c = d = 0, b = 1``).
+
+The fit is least squares on relative errors with non-negative coefficients (SciPy's NNLS), pulled toward the
+declaration only as far as the runs leave a direction open: one run fixes the scale, each count observed after it
+overrules the prior there, and what the runs cannot yet tell apart (serial time, worker start-up, the fixed parallel
+cost) is read as the one that predicts the most gain from more units, so that those get tried (optimism where it is
+unsure). Bad observations are kept out or down-weighted: only succeeded actions are observed (a timed-out,
+OOM-killed, failed or cancelled run never is, nor one killed by a signal), and a few rounds of reweighting (Cauchy
+weights on the relative residual) make a run that waited on a lock and took several times longer than the other runs
+at its count count for almost nothing.
+
+Exploration: predictions are trusted up to twice the largest unit count observed (or the declared efficiency's
+largest count): beyond it the model promises no further gain, so the scheduler tries one doubling at a time and
+only where its objective says the predicted gain is worth the units. A malleable action (issue 8) is observed at
+its mean units (unit-seconds / seconds) with the workers it started, so the model is of speed per unit over time.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+from scipy.optimize import nnls
+
+from tangram.action import Elasticity
+
+#: runs kept per (task, signature): the newest, so a suite that changes over training is followed
+RUNS_KEPT = 32
+#: the declaration's pull on the fit, in runs: enough to settle what the runs leave open, never to outweigh one
+PRIOR_WEIGHT = 1e-6
+#: predictions are trusted up to this many times the largest unit count observed
+EXPLORE_FACTOR = 2.0
+#: Cauchy scale of the relative residual: a run this much off its prediction counts half
+ROBUST_SCALE = 0.25
+#: how much harder the pull on each term than on the serial time ``a``: where runs at too few counts leave the terms
+#: unresolved, the fit leans to the reading that promises the most from more units (per-worker cost least of all)
+DOUBT = (1.0, 1.0, 10.0, 3.0)
+ROBUST_ROUNDS = 4
+
+
+def declared(elasticity: Elasticity, units: float) -> float:
+    """``P(m)``: the duration the action declares on ``units`` (t1 1 s and E 1 where it declares none)."""
+    t1 = 1.0 if elasticity.t1 is None else elasticity.t1
+    return t1 / (elasticity.efficiency_at(units) * units)
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """One observed run: mean units held, workers started, ``P`` at those units, and the seconds it took."""
+
+    units: float
+    workers: int
+    basis: float
+    seconds: float
+
+    def to_json(self) -> list[float]:
+        return [round(self.units, 6), self.workers, round(self.basis, 9), round(self.seconds, 6)]
+
+    @classmethod
+    def from_json(cls, row: list[float]) -> Run:
+        units, workers, basis, seconds = row
+        return cls(float(units), int(workers), float(basis), float(seconds))
+
+
+@dataclass(frozen=True, slots=True)
+class SpeedupFit:
+    """Fitted coefficients and how far out they are trusted (``trusted`` units; inf with no run yet)."""
+
+    serial_s: float  # a
+    scale: float  # b
+    per_worker_s: float  # c
+    harness_s: float  # d
+    trusted: float
+
+    def duration(self, elasticity: Elasticity, units: float, workers: int | None = None) -> float:
+        """Expected seconds on ``units`` with ``workers`` started (``units`` when None): no gain promised past
+        ``trusted`` units, while the workers still cost."""
+        parallel = declared(elasticity, min(float(units), self.trusted))
+        w = units if workers is None else workers
+        return self.serial_s + self.scale * parallel + self.per_worker_s * w + (self.harness_s if w > 1 else 0.0)
+
+    def widened(self, trusted: float) -> SpeedupFit:
+        return SpeedupFit(self.serial_s, self.scale, self.per_worker_s, self.harness_s, trusted)
+
+    def best_units(self, elasticity: Elasticity, counts: Iterable[int]) -> int:
+        """The allowed count the model expects to finish soonest (the fewest units among ties)."""
+        return min(counts, key=lambda m: (round(self.duration(elasticity, m), 9), m))
+
+
+PRIOR = SpeedupFit(0.0, 1.0, 0.0, 0.0, math.inf)
+
+
+class Speedup:
+    """The runs of one (task, signature) and their fit, refitted when a run is added."""
+
+    __slots__ = ("_fit", "_widened", "runs")
+
+    def __init__(self, runs: Iterable[Run] = ()) -> None:
+        self.runs: deque[Run] = deque(runs, maxlen=RUNS_KEPT)
+        self._fit: SpeedupFit | None = None
+        self._widened: dict[int, SpeedupFit] = {}
+
+    def add(self, run: Run) -> None:
+        self.runs.append(run)
+        self._fit = None
+        self._widened.clear()
+
+    def fit(self, elasticity: Elasticity) -> SpeedupFit:
+        """The fit for an action declaring ``elasticity`` (its efficiency's span widens what is trusted)."""
+        fit = self._fit
+        if fit is None:
+            fit = self._fit = fit_runs(tuple(self.runs))
+        listed = elasticity.counts[-1] if elasticity.counts else 0
+        if listed <= fit.trusted:
+            return fit
+        widened = self._widened.get(listed)
+        if widened is None:
+            widened = self._widened[listed] = fit.widened(float(listed))
+        return widened
+
+
+def fit_runs(runs: tuple[Run, ...]) -> SpeedupFit:
+    """Robust non-negative least squares of ``seconds ~ a + b·basis + c·workers + d·[workers > 1]`` on relative
+    errors, pulled (``PRIOR_WEIGHT``, ``DOUBT``) toward ``a = c = d = 0`` and ``b`` = the runs' median of
+    ``seconds / basis``, each term measured as its share of a typical run."""
+    if not runs:
+        return PRIOR
+    seconds = np.array([r.seconds for r in runs])
+    basis = np.array([r.basis for r in runs])
+    workers = np.array([float(r.workers) for r in runs])
+    features = np.column_stack([np.ones_like(seconds), basis, workers, (workers > 1).astype(float)])
+    scale = float(np.median(seconds / basis))
+    prior = np.array([0.0, scale, 0.0, 0.0])
+    # a coefficient's pull is on its share of a typical run (a term no run has used counts as used once)
+    share = np.maximum(np.mean(features, axis=0), 1.0) / float(np.mean(seconds))
+    share[1] = 1.0 / scale
+    pull = math.sqrt(PRIOR_WEIGHT) * np.asarray(DOUBT) * share
+    design = features / seconds[:, None]
+    weights = np.ones_like(seconds)
+    coefficients = prior
+    for _ in range(ROBUST_ROUNDS):
+        coefficients, _ = nnls(np.vstack([design * weights[:, None], np.diag(pull)]),
+                               np.concatenate([weights, pull * prior]))
+        residual = design @ coefficients - 1.0
+        weights = np.sqrt(1.0 / (1.0 + (residual / ROBUST_SCALE) ** 2))
+    a, b, c, d = (float(x) for x in coefficients)
+    return SpeedupFit(a, b, c, d, EXPLORE_FACTOR * max(r.units for r in runs))
