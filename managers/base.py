@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry
 
 from tangram.action import Action, Kind
 from tangram.dparrange import BasicOperator, DPOperator
+from tangram.malleable import WorkerCost
 
 
 @dataclass(slots=True)
@@ -130,8 +131,10 @@ class ResourceManager(abc.ABC):
         """Whether running allocations of ``resource`` can change size (elastic actions on it are malleable)."""
         return False
 
-    def workers(self, action: Action, resource: str, units: int, expected_s: float) -> int:
-        """How many workers a malleable action started on ``units`` gets (the most units it can later use)."""
+    def workers(self, action: Action, resource: str, units: int, expected_s: float,
+                learned: WorkerCost | None = None) -> int:
+        """How many workers a malleable action started on ``units`` gets (the most units it can later use);
+        ``learned``: what its workers were seen to cost, when its signature has run with several."""
         return units
 
     def resize(self, allocation: Allocation, resource: str, units: int) -> None:

@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from managers.base import Allocation, Fit, PoolStatus, ResourceManager
 from tangram.action import Action
 from tangram.errors import Unprocessable
+from tangram.malleable import WorkerCost
 
 
 class CountedFit(Fit):
@@ -100,7 +101,8 @@ class CountedUnitsManager(ResourceManager):
     def resizable(self, resource: str) -> bool:
         return resource in self._resizable
 
-    def workers(self, action: Action, resource: str, units: int, expected_s: float) -> int:
+    def workers(self, action: Action, resource: str, units: int, expected_s: float,
+                learned: WorkerCost | None = None) -> int:
         # Counted units have no worker start-up cost to weigh (the CPU manager's ``workers_for``), so a malleable
         # action may grow to its largest demand, within one pool (its units never span pools).
         if not self.resizable(resource):

@@ -33,7 +33,7 @@ from sandboxes.docker import DockerBackend
 from sandboxes.local import LocalProcessBackend
 from tangram.action import Action, Kind, new_action_id
 from tangram.errors import ActionFailed, BadRequest, Conflict, NotFound, Unprocessable
-from tangram.malleable import workers_for
+from tangram.malleable import WorkerCost, workers_for
 
 log = logging.getLogger("tangram.cpu")
 
@@ -321,9 +321,13 @@ class CpuManager(ResourceManager):
     def resizable(self, resource: str) -> bool:
         return resource == RESOURCE and self.config.malleable
 
-    def workers(self, action: Action, resource: str, units: int, expected_s: float) -> int:
+    def workers(self, action: Action, resource: str, units: int, expected_s: float,
+                learned: WorkerCost | None = None) -> int:
+        """``workers_for`` at the learned worker cost, else at ``worker_start_s`` of CPU per worker, shared by the
+        starting cores."""
         cap = min(action.demands[resource].max, self.largest_pool(resource))
-        return workers_for(units, cap, expected_s, self.config.worker_start_s, self.config.worker_overhead)
+        cost = learned or WorkerCost(self.config.worker_start_s / units)
+        return workers_for(units, cap, expected_s, cost, self.config.worker_overhead)
 
     def resize(self, allocation: Allocation, resource: str, units: int) -> None:
         if allocation.released:

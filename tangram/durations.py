@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tangram.action import Action, Elasticity
-from tangram.malleable import Profile, profile_of_curve
+from tangram.malleable import Profile, WorkerCost, profile_of_curve
 from tangram.speedup import PRIOR, Run, Speedup, SpeedupFit, declared
 
 
@@ -89,6 +89,15 @@ class DurationModel:
         if fit is None:
             return (self.duration(action),) * len(counts)
         return tuple(fit.duration(action.elasticity, m) for m in counts)  # type: ignore[arg-type]
+
+    def worker_cost(self, action: Action) -> WorkerCost | None:
+        """What one more worker and running in parallel at all were seen to cost this action's signature; None
+        until it has run with more than one worker (before that the model cannot tell)."""
+        learned = self.speedups.get((action.task, action.signature))
+        if learned is None or action.elasticity is None or not any(run.workers > 1 for run in learned.runs):
+            return None
+        fit = learned.fit(action.elasticity)
+        return WorkerCost(fit.per_worker_s, fit.harness_s)
 
     def profile(self, action: Action, counts: tuple[int, ...], workers: int | None = None) -> Profile:
         """The speed-up over ``counts`` the malleable sharing uses: ``T(1)/T(k)`` with ``workers`` started (as many

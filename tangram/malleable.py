@@ -145,15 +145,26 @@ def share(spare: int, claimants: Sequence[Claimant], by_remaining: bool = False)
     return units
 
 
-def workers_for(units: int, cap: int, duration_s: float, worker_start_s: float, overhead: float) -> int:
+@dataclass(frozen=True, slots=True)
+class WorkerCost:
+    """What starting workers costs an action, in wall seconds: each worker, and running in parallel at all (a
+    controller: one worker runs plain pytest). Learned per signature (``tangram.speedup``) once it has run with
+    more than one worker."""
+
+    per_worker_s: float
+    harness_s: float = 0.0
+
+
+def workers_for(units: int, cap: int, duration_s: float, cost: WorkerCost, overhead: float) -> int:
     """How many workers (``pytest -n``) an action started on ``units`` cores gets: as many as keep the start-up of
-    the workers beyond ``units`` (each ``worker_start_s`` of CPU, sharing those cores) within ``overhead`` of its
-    expected duration there. More workers let it grow into cores that free up later; each costs start-up time and
-    memory now. ``cap`` bounds it (the action's maximum, the node's size); ``overhead`` 0 gives ``units``."""
+    the workers beyond ``units`` (``cost``) within ``overhead`` of its expected duration there. More workers let it
+    grow into cores that free up later; each costs start-up time and memory now. ``cap`` bounds it (the action's
+    maximum, the node's size); ``overhead`` 0 gives ``units``."""
     if overhead <= 0:
         return units
-    if worker_start_s <= 0:
+    budget = overhead * duration_s - (cost.harness_s if units == 1 else 0.0)
+    if budget <= 0:
+        return units
+    if cost.per_worker_s <= 0:
         return cap
-    extra = int(overhead * duration_s * units / worker_start_s)
-    return max(units, min(cap, units + extra))
-
+    return max(units, min(cap, units + int(budget / cost.per_worker_s)))

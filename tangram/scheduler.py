@@ -232,7 +232,8 @@ class Scheduler:
                     demand[resource] = k
                     placement = self._placement(action, demand, fits)
                     expected = self.durations.duration(action, k)
-                    placement.workers = manager.workers(action, resource, k, expected)
+                    placement.workers = manager.workers(action, resource, k, expected,
+                                                        self.durations.worker_cost(action))
                     placements.append(placement)
                 elif k != held.units:
                     resizes.append(Resize(action, resource, k))

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from managers.cpu import CpuManager, CpuNode
 from managers.cpu_config import CpuConfig, CpuNodeConfig
 from tangram.action import Action, Demand, Elasticity, Kind
-from tangram.malleable import Claimant, Malleable, Profile, profile_of_curve, share, workers_for
+from tangram.malleable import Claimant, Malleable, Profile, WorkerCost, profile_of_curve, share, workers_for
 from tangram.sim.broker_station import NoSandboxes
 from tests.docker_nodes import cpu_config, docker_engines
 from tests.harness import Live, live_broker
@@ -79,11 +79,16 @@ def test_share_by_remaining_prefers_shorter_work() -> None:
 
 def test_workers_bound_start_up_to_a_share_of_the_run() -> None:
     # 20 s expected on one core, 0.25 s per worker, 5%: 1 s of start-up buys 4 more workers
-    assert workers_for(1, 32, 20.0, 0.25, 0.05) == 5
-    assert workers_for(8, 32, 200.0, 0.25, 0.05) == 32  # long runs get every worker they can use
-    assert workers_for(3, 32, 0.5, 0.25, 0.05) == 3  # never fewer workers than cores
-    assert workers_for(2, 32, 20.0, 0.0, 0.05) == 32  # free workers: as many as it could ever use
-    assert workers_for(2, 32, 20.0, 0.25, 0.0) == workers_for(2, 32, 20.0, 0.0, 0.0) == 2  # no share: one per core
+    quarter = WorkerCost(0.25)
+    assert workers_for(1, 32, 20.0, quarter, 0.05) == 5
+    assert workers_for(8, 32, 200.0, quarter, 0.05) == 32  # long runs get every worker they can use
+    assert workers_for(3, 32, 0.5, quarter, 0.05) == 3  # never fewer workers than cores
+    assert workers_for(2, 32, 20.0, WorkerCost(0.0), 0.05) == 32  # free workers: as many as it could ever use
+    assert workers_for(2, 32, 20.0, quarter, 0.0) == workers_for(2, 32, 20.0, WorkerCost(0.0), 0.0) == 2  # no share
+    # going parallel at all costs 0.8 s (a controller): from one core, only what is left of the 1 s buys workers
+    assert workers_for(1, 32, 20.0, WorkerCost(0.25, harness_s=0.8), 0.05) == 1
+    assert workers_for(1, 32, 40.0, WorkerCost(0.25, harness_s=0.8), 0.05) == 5
+    assert workers_for(2, 32, 20.0, WorkerCost(0.25, harness_s=0.8), 0.05) == 6  # already parallel: no harness
 
 
 def test_progress_is_work_done_at_the_estimated_speed() -> None:

@@ -42,9 +42,9 @@ def moldable(cores: int) -> ResourceManager:
     return CountedUnitsManager({"cpu": {"n0": cores}})
 
 
-def malleable(cores: int) -> ResourceManager:
+def malleable(cores: int, worker_overhead: float = 0.0) -> ResourceManager:
     config = CpuNodeConfig(name="n", cores=tuple(range(cores)), numa=(tuple(range(cores)),), memory_mb=1 << 20)
-    cpu = CpuManager(CpuConfig(nodes=(config,)))
+    cpu = CpuManager(CpuConfig(nodes=(config,), worker_overhead=worker_overhead))
     cpu.add_node(CpuNode(config, NoSandboxes(), config.numa))
     return cpu
 
@@ -155,6 +155,26 @@ def test_a_declared_profile_is_a_prior_the_runs_overrule() -> None:
     probe = bench.action(Demand.range(1, 8), declared_linear)
     for m in range(1, 9):
         assert bench.durations.duration(probe, m) == pytest.approx(10.0, rel=0.05)
+
+
+def test_learned_worker_costs_decide_who_may_grow_from_one_core() -> None:
+    """A run that must start on one core (the other is busy) gets a second worker, to grow into the core when it
+    frees, only where the workers were seen to be cheap against the run: the long suite, not the short one."""
+    bench = Bench(malleable(2, worker_overhead=0.05))
+    for seconds, signature in ((long_suite, "long"), (short_suite, "short")):
+        assert bench.runs(3, Demand.range(1, 2), seconds, signature=signature) == [1, 2, 2 if seconds is long_suite
+                                                                                   else 1]
+    busy = bench.action(Demand.fixed(1), signature="tool")
+    [held] = bench.scheduler.schedule([busy], [], bench.now).placements
+    allocations = dispatch.start(bench.owner, bench.durations, held, bench.now)
+    for signature, workers in (("long", 2), ("short", 1)):
+        action = bench.action(Demand.range(1, 2), signature=signature)
+        assert bench.durations.worker_cost(action) is not None
+        [placement] = bench.scheduler.schedule([action], [busy], bench.now).placements
+        assert (placement.units["cpu"], placement.workers) == (1, workers), signature
+    dispatch.release(allocations)
+    never_parallel = bench.action(Demand.range(1, 2), signature="unseen")
+    assert bench.durations.worker_cost(never_parallel) is None  # no run with two workers: nothing learned yet
 
 
 def test_a_malleable_run_is_observed_at_its_mean_units() -> None:
