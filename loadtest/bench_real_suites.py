@@ -8,13 +8,21 @@ two cores and ``pytest -n 2``. The declared ``t1`` is each suite's single-core t
 runs first (the paper profiles in advance, §6.1); the efficiency table is one generic guess for every suite,
 {1: 1.0, 2: 0.9}, not measured per suite (the profiling pass prints what -n 2 really gave, to set beside it).
 
-Every run is a fresh in-process broker on this machine's Docker engine (a node on ``--cores``, SQLite, the
-service's defaults: a malleable run starts as many workers as the cores it starts on). Policies run in rotated
-order (A B C, B C A, C A B, ...) so that load from elsewhere on this shared machine falls on each alike; each
-figure is the median over rounds. A test run whose pytest exits non-zero is still a succeeded action, but a suite
-must exit alike under every policy and in profiling, or the bench says so and fails.
+With ``--no-profiles`` the elastic runs declare nothing but ``{"resource": "cpu"}`` (no ``t1``, no efficiency): the
+broker learns each suite's speed-up from its runs (``tangram.speedup``, per signature ``test|<suite>``), so its first
+run of a suite goes at the minimum and later ones explore. That policy then keeps one store across rounds (it starts
+cold in round 1 and keeps what it learned), so its figures include the cost of learning; after each of its rounds the
+bench prints what the broker learned (``GET /v1/profiles``). The profiling pass still runs, for reference only.
+
+Every run is a fresh in-process broker (but see ``--no-profiles``) on this machine's Docker engine (a node on
+``--cores``, SQLite, the service's defaults: a malleable run starts as many workers as the cores it starts on).
+Policies run in rotated order (A B C, B C A, C A B, ...) so that load from elsewhere on this shared machine falls on
+each alike; each figure is the median over rounds, and ours / best fixed DoP is also given per round. A test run
+whose pytest exits non-zero is still a succeeded action, but a suite must exit alike under every policy and in
+profiling, or the bench says so and fails.
 
     python -m loadtest.bench_real_suites [--rounds 3] [--trajectories 6] [--stagger 2] [--think 0.5] [--cores 0-1]
+                                         [--no-profiles]
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import orjson
 from aiohttp import web
 
@@ -54,18 +63,23 @@ PYTEST = "python3 -m pytest -p no:cacheprovider"
 SUMMARY = re.compile(r"\d+ (passed|failed|error)")
 
 
-def broker_config(cores: str, db: Path, engine: str) -> dict[str, Any]:
+def broker_config(cores: str, db: Path, engine: str, broker_id: str | None = None,
+                  worker_overhead: float | None = None) -> dict[str, Any]:
+    overhead = {} if worker_overhead is None else {"worker_overhead": worker_overhead}
     return {"store": {"url": f"sqlite+aiosqlite:///{db}"}, "gpu": {"enabled": False},
-            "cpu": {"broker_id": f"bench-{uuid.uuid4().hex[:8]}",
+            "cpu": {"broker_id": broker_id or f"bench-{uuid.uuid4().hex[:8]}", **overhead,
                     "nodes": {"n1": {"backend": "docker", "engine": engine, "cores": cores, "memory_mb": 8192}}}}
 
 
 @asynccontextmanager
-async def fresh_broker(cores: str, engine: str) -> AsyncIterator[str]:
-    """A fresh broker with its own store on a free loopback port, for one run only: no learned durations or
-    sandboxes carry over from one policy's run to the next. Yields its URL."""
+async def fresh_broker(cores: str, engine: str, store: Path | None = None,
+                       worker_overhead: float | None = None) -> AsyncIterator[str]:
+    """A fresh broker on a free loopback port. With no ``store``, it has its own store for one run only: no learned
+    durations or sandboxes carry over from one policy's run to the next. With ``store`` (a SQLite file), it loads
+    what the brokers before it on that file learned and leaves what it learns there. Yields its URL."""
     with tempfile.TemporaryDirectory() as directory:
-        config = parse_config(broker_config(cores, Path(directory) / "bench.db", engine))
+        db, broker_id = (Path(directory) / "bench.db", None) if store is None else (store, "bench-learned")
+        config = parse_config(broker_config(cores, db, engine, broker_id, worker_overhead))
         async with running_broker(config) as (_, app):
             runner = web.AppRunner(app, access_log=None)
             await runner.setup()
@@ -101,6 +115,7 @@ class Outcome:
     duration_s: float  # the command's own run time
     summary: str  # pytest's count line (else its last line, or the error)
     problem: str | None  # why it counts as a failure
+    allocation: dict[str, Any] | None = None  # the record's: units, placement, malleable (bounds, resizes, history)
 
 
 @dataclass
@@ -145,16 +160,19 @@ def tool_steps(fetched: Fetched) -> list[Step]:
     return [Step("tool", exec_body(fetched.suite.name, "tool", command, 1)) for command in commands]
 
 
-def test_step(fetched: Fetched, policy: str, t1_s: float) -> Step:
+def test_step(fetched: Fetched, policy: str, t1_s: float | None) -> Step:
     """The trajectory's test run under ``policy``: elastic (the broker rewrites ``pytest`` to ``pytest -n W`` for
-    W > 1) or fixed at 1 core (plain) or 2 (``-n 2``)."""
+    W > 1) or fixed at 1 core (plain) or 2 (``-n 2``). An elastic run declares ``t1_s`` and ``EFFICIENCY``, or, with
+    ``t1_s`` None, no profile at all (the broker learns it per suite: the signature is ``test|<suite>``)."""
     suite = fetched.suite
     dop = POLICIES[policy]
     where = f"cd {fetched.root} && "
     if dop is None:
+        elasticity: dict[str, Any] = {"resource": "cpu"}
+        if t1_s is not None:
+            elasticity.update(t1=t1_s, efficiency=EFFICIENCY)
         return Step("test", exec_body(suite.name, "test", f"{where}{PYTEST} {suite.test_args}",
-                                      {"min": 1, "max": ELASTIC_MAX}, pytest_parallel=True,
-                                      elasticity={"resource": "cpu", "t1": t1_s, "efficiency": EFFICIENCY}))
+                                      {"min": 1, "max": ELASTIC_MAX}, pytest_parallel=True, elasticity=elasticity))
     workers = f" -n {dop}" if dop > 1 else ""
     return Step("test", exec_body(suite.name, "test", f"{where}{PYTEST}{workers} {suite.test_args}", dop))
 
@@ -178,7 +196,8 @@ def outcome_of(record: ActionRecord, suite: str, kind: str) -> Outcome:
     summary = (counts or lines or [problem or ""])[-1].strip("= ")
     return Outcome(suite, kind, record.state, float(record.timings.get("act_s") or 0.0),
                    float(record.timings.get("queue_s") or 0.0), exit_code, cores, int(malleable.get("workers", units)),
-                   int(malleable.get("resizes", 0)), float(result.get("duration_s") or 0.0), summary, problem)
+                   int(malleable.get("resizes", 0)), float(result.get("duration_s") or 0.0), summary, problem,
+                   record.allocation)
 
 
 def body_size(step: Step) -> int:
@@ -252,14 +271,16 @@ async def profile(fetched: list[Fetched], cores: str, engine: str, memory_mb: in
     return t1
 
 
-def plan_for(fetched: list[Fetched], policy: str, t1: dict[str, float], trajectories: int, stagger_s: float,
+def plan_for(fetched: list[Fetched], policy: str, t1: dict[str, float] | None, trajectories: int, stagger_s: float,
              memory_mb: int) -> list[tuple[str, str, list[Step], float]]:
-    """Trajectory i gets suite i mod len(suites) and starts at i * ``stagger_s``."""
+    """Trajectory i gets suite i mod len(suites) and starts at i * ``stagger_s``; with ``t1`` None, elastic test runs
+    declare no profile."""
     plan = []
     for index in range(trajectories):
         item = fetched[index % len(fetched)]
         name = item.suite.name
-        steps = [unpack_step(item, memory_mb), *tool_steps(item), test_step(item, policy, t1[name])]
+        steps = [unpack_step(item, memory_mb), *tool_steps(item),
+                 test_step(item, policy, None if t1 is None else t1[name])]
         plan.append((f"t{index}-{name}", name, steps, index * stagger_s))
     return plan
 
@@ -288,6 +309,53 @@ def report_run(label: str, result: RunResult, figures: PolicyFigures) -> None:
                                     for o in tests), flush=True)
 
 
+def report_allocations(result: RunResult) -> None:
+    """Each test run's allocation as its record shows it: units at the end and, for a malleable run, its floor,
+    workers, resizes, unit-seconds and units over time (seconds from its start)."""
+    for trajectory, rows in result.outcomes.items():
+        for o in rows:
+            if o.kind != "test":
+                continue
+            allocation = o.allocation or {}
+            malleable = allocation.get("malleable")
+            if malleable:
+                start = malleable["history"][0][0] if malleable.get("history") else 0.0
+                history = " ".join(f"+{t - start:.1f}s:{u}" for t, u in malleable.get("history", []))
+                shown = (f"malleable floor {malleable.get('floor')} workers {malleable.get('workers')} resizes "
+                         f"{malleable.get('resizes')} unit_seconds {malleable.get('unit_seconds', 0.0):.1f} "
+                         f"history [{history}]")
+            else:
+                shown = "not malleable"
+            print(f"      {trajectory}: units {allocation.get('units')}, {shown}, ran {o.duration_s:.2f} s", flush=True)
+
+
+async def learned_profiles(url: str) -> list[dict[str, Any]]:
+    """What the broker at ``url`` has learned per (task, signature): ``GET /v1/profiles``."""
+    async with aiohttp.ClientSession() as session, \
+            session.get(f"{url}/v1/profiles", params={"limit": "10000"}) as response:
+        response.raise_for_status()
+        return (await response.json())["profiles"]
+
+
+def report_learned(label: str, profiles: list[dict[str, Any]]) -> None:
+    """Per test signature, the runs the speed-up model has (units, workers, how many, median seconds), its fit
+    ``T(m, W) = a + b·P(m) + c·W`` with ``P(m) = 1/m`` (nothing declared) and what it predicts on 1 and 2 cores."""
+    print(f"{label}: learned", flush=True)
+    for row in sorted((r for r in profiles if r["signature"].startswith("test|")), key=lambda r: r["signature"]):
+        speedup = row["speedup"]
+        if not speedup:
+            print(f"    {row['signature']}: no runs (T1 {row['t1_s']:.2f} s over {row['samples']} samples)", flush=True)
+            continue
+        a, b, c = speedup["serial_s"], speedup["scale"], speedup["per_worker_s"]
+        trusted = speedup["trusted_units"]
+        predicted = {m: a + b / min(m, trusted) + c * m for m in range(1, ELASTIC_MAX + 1)}
+        by_units = "; ".join(f"{u['units']:g} cores/W{u['workers']}: {u['runs']}x median {u['median_s']:.2f} s"
+                             for u in speedup["by_units"])
+        predictions = ", ".join(f"T({m}) {t:.2f} s" for m, t in predicted.items())
+        print(f"    {row['signature']}: {speedup['runs']} runs [{by_units}]; fit T = {a:.2f} + {b:.2f}/m + "
+              f"{c:.2f}·W, trusted to {trusted:g} cores; predicts {predictions}", flush=True)
+
+
 def check_exit_codes(exit_codes: dict[str, dict[str, set[int | None]]]) -> bool:
     """Each suite must exit alike everywhere: one that behaves differently under -n 2 (or elastic) is reported."""
     same = True
@@ -304,41 +372,60 @@ def check_exit_codes(exit_codes: dict[str, dict[str, set[int | None]]]) -> bool:
 
 async def bench(args: argparse.Namespace) -> int:
     fetched = [fetch(suite, Path(args.cache_dir).expanduser()) for suite in SUITES]
+    declares = ("elastic test runs declare no profile (learned per suite, one store across rounds)" if args.no_profiles
+                else f"elastic test runs declare efficiency {EFFICIENCY} for every suite")
     largest = max(body_size(unpack_step(item, args.memory_mb)) for item in fetched)
     print(f"suites: {', '.join(f'{f.suite.name} {f.suite.version}' for f in fetched)}; Docker node on cores "
           f"{args.cores}; {args.trajectories} trajectories staggered {args.stagger:g} s, think {args.think:g} s; "
-          f"elastic test runs declare efficiency {EFFICIENCY} for every suite; largest action body "
+          f"{declares}; largest action body "
           f"{largest / 2**20:.2f} MiB (limit {ServerConfig.max_body_bytes / 2**20:g})", flush=True)
     exit_codes: dict[str, dict[str, set[int | None]]] = defaultdict(lambda: defaultdict(set))
     t1 = await profile(fetched, args.cores, args.engine, args.memory_mb, exit_codes)
     if t1 is None:
         return 1
     names = list(POLICIES)
+    fixed = [name for name in names if name != "tangram"]
     figures = {name: PolicyFigures() for name in names}
-    for round_index in range(args.rounds):
-        order = names[round_index % len(names):] + names[:round_index % len(names)]
-        for policy in order:
-            plan = plan_for(fetched, policy, t1, args.trajectories, args.stagger, args.memory_mb)
-            async with fresh_broker(args.cores, args.engine) as url:
-                result = await run_trajectories(url, plan, args.think)
-            if result.failures():
-                print(f"round {round_index + 1} {policy}: {len(result.failures())} actions failed:\n  "
-                      + "\n  ".join(result.failures()), flush=True)
-                return 1
-            for rows in result.outcomes.values():
-                for o in rows:
-                    if o.kind == "test":
-                        exit_codes[o.suite][policy].add(o.exit_code)
-            report_run(f"round {round_index + 1} {policy:>7}", result, figures[policy])
+    ratios: list[float] = []
+    with tempfile.TemporaryDirectory() as learned_dir:
+        for round_index in range(args.rounds):
+            order = names[round_index % len(names):] + names[:round_index % len(names)]
+            for policy in order:
+                plan = plan_for(fetched, policy, None if args.no_profiles else t1, args.trajectories, args.stagger,
+                                args.memory_mb)
+                # --no-profiles: the elastic policy's brokers share one store, cold in round 1, learning across rounds
+                store = Path(learned_dir) / "learned.db" if args.no_profiles and policy == "tangram" else None
+                async with fresh_broker(args.cores, args.engine, store, args.worker_overhead) as url:
+                    result = await run_trajectories(url, plan, args.think)
+                    learned = await learned_profiles(url) if store is not None else None
+                if result.failures():
+                    print(f"round {round_index + 1} {policy}: {len(result.failures())} actions failed:\n  "
+                          + "\n  ".join(result.failures()), flush=True)
+                    return 1
+                for rows in result.outcomes.values():
+                    for o in rows:
+                        if o.kind == "test":
+                            exit_codes[o.suite][policy].add(o.exit_code)
+                report_run(f"round {round_index + 1} {policy:>7}", result, figures[policy])
+                if learned is not None:
+                    report_allocations(result)
+                    report_learned(f"round {round_index + 1} {policy:>7}", learned)
+            best_now = min(fixed, key=lambda name: figures[name].trajectory_act[-1])
+            ratios.append(figures["tangram"].trajectory_act[-1] / figures[best_now].trajectory_act[-1])
+            print(f"round {round_index + 1}: ours / best fixed ({best_now}) mean ACT per trajectory {ratios[-1]:.3f}",
+                  flush=True)
     medians = {name: statistics.median(f.trajectory_act) for name, f in figures.items()}
     print("median mean ACT per trajectory: " + ", ".join(f"{n} {v:.2f} s" for n, v in medians.items()))
     print("median test runs: " + ", ".join(f"{n} {statistics.median(f.test_act):.2f} s on "
                                            f"{statistics.median(f.test_cores):.2f} cores" for n, f in figures.items()))
-    best = min((name for name in names if name != "tangram"), key=medians.__getitem__)
+    best = min(fixed, key=medians.__getitem__)
     tangram = figures["tangram"].trajectory_act
     print(f"best fixed ({best}) / tangram: {medians[best] / medians['tangram']:.3f}  "
           f"(range over rounds: tangram {min(tangram):.2f}-{max(tangram):.2f} s, "
           f"{best} {min(figures[best].trajectory_act):.2f}-{max(figures[best].trajectory_act):.2f} s)", flush=True)
+    print(f"ours / best fixed per round (each round's best fixed DoP): median {statistics.median(ratios):.3f}, "
+          f"range {min(ratios):.3f}-{max(ratios):.3f} over {len(ratios)} rounds "
+          f"({', '.join(f'{r:.3f}' for r in ratios)})", flush=True)
     return 0 if check_exit_codes(exit_codes) else 1
 
 
@@ -352,6 +439,11 @@ def main() -> int:
     parser.add_argument("--cores", default="0-1")
     parser.add_argument("--engine", default="unix:///var/run/docker.sock")
     parser.add_argument("--cache-dir", default=str(DEFAULT_CACHE_DIR), help="where sdists are kept")
+    parser.add_argument("--worker-overhead", type=float, help="the brokers' cpu.worker_overhead (default: the "
+                                                                  "service's)")
+    parser.add_argument("--no-profiles", action="store_true",
+                        help="elastic test runs declare no t1 or efficiency (the broker learns them per suite); the "
+                             "elastic policy keeps one store across rounds, cold in the first")
     args = parser.parse_args()
     return asyncio.run(bench(args))
 

@@ -171,7 +171,7 @@ def check_broker_capacity(trace: Trace, result: RunResult, cluster: Cluster) -> 
                 assert r.units == 1 and not r.history
                 assert r.exec_s == pytest.approx(call.duration(1), rel=1e-9, abs=1e-9)
             elif not r.history:  # the same cores throughout: its true duration there, plus its workers' start-up
-                most = xdist_cpu_s(cluster.costs, ELASTIC_TEST.max) / r.units
+                most = xdist_cpu_s(cluster.costs, ELASTIC_TEST.max, call.work_s) / r.units
                 assert call.duration(r.units) * (1 - 1e-9) <= r.exec_s <= call.duration(r.units) + most + EPS
             else:  # resized: never faster than on the most cores it ever held
                 assert r.exec_s >= call.duration(max(u for _, u in r.history)) * (1 - 1e-9)
@@ -620,3 +620,23 @@ def test_trajectories_holding_memory_go_on_while_a_new_one_waits_for_memory() ->
     first_end = min(records[(f"t{i}", 1)].finish_s for i in (0, 1))
     assert records[("t0", 1)].start_s == pytest.approx(records[("t0", 0)].finish_s + 0.5)
     assert records[("t2", 0)].start_s == pytest.approx(first_end)
+
+
+def test_each_worker_costs_a_share_of_the_suite_when_calibrated() -> None:
+    """``costs.xdist_worker_share``: each worker imports and collects the whole suite, so its start-up grows with it."""
+    old, calibrated = Costs(), Costs(xdist_start_cpu_s=0.33, xdist_worker_cpu_s=0.0, xdist_worker_share=0.185)
+    assert xdist_cpu_s(old, 4, 100.0) == xdist_cpu_s(old, 4, 1.0) == pytest.approx(0.05 + 4 * 0.22)
+    assert xdist_cpu_s(calibrated, 4, 100.0) == pytest.approx(0.33 + 4 * 18.5)
+    assert xdist_cpu_s(calibrated, 1, 100.0) == 0.0  # plain pytest starts no worker
+
+
+def test_the_suite_curve_fit_recovers_the_simulators_parameters() -> None:
+    """``bench_suite_curves`` fits the simulator's own execution model to measured times: on times the simulator
+    itself produced, it gives back the parameters that produced them."""
+    from loadtest.bench_suite_curves import configs, fit_simulator, simulated_s
+
+    truth = (30.0, 0.06, 0.4, 3.0)  # work, serial fraction, xdist start CPU s, CPU s per worker
+    fitted = fit_simulator({config: simulated_s(truth, config) for config in configs(4)})
+    assert [fitted[k] for k in ("work_s", "serial", "xdist_start_cpu_s", "xdist_worker_cpu_s")] == pytest.approx(
+        truth, rel=1e-3, abs=1e-3)
+    assert fitted["worst_error"] < 1e-6

@@ -258,7 +258,7 @@ class BrokerStation:
                 run.overhead_s += self.costs.env_create_s
             run.pool = next(a for m, a in allocations if m is self.cpu).pools["cpu"]
             count = workers or run.units  # a test run starts pytest -n count (plain pytest for one)
-            startup = xdist_cpu_s(self.costs, count) if call.kind == "test" else 0.0
+            startup = xdist_cpu_s(self.costs, count, call.work_s) if call.kind == "test" else 0.0
             execution = Execution(call, count, run.units, now, now, run.overhead_s, startup, call.work_s)
             self.executions[action.id] = execution
             return execution.finish_at()

@@ -53,6 +53,10 @@ class Costs:
     # here with a 20-module suite: 0.05 s + 0.22 s per worker over plain pytest; suites with heavy imports cost more)
     xdist_start_cpu_s: float = 0.05
     xdist_worker_cpu_s: float = 0.22
+    # and per worker this share of the run's single-core work (each worker imports and collects the whole suite):
+    # fitted to five real suites, 0.012-0.27, median 0.18 (``loadtest.bench_suite_curves``); 0 here, the model
+    # every figure before the calibration used
+    xdist_worker_share: float = 0.0
     h2d_gb_per_s: float = 25.0  # pinned host->GPU copy per GPU (PCIe 5 x16 in practice; assumed, unmeasured)
     evict_s: float = 0.05  # freeing a victim's GPU memory before a restore (assumed)
     pod_start_s: float = 2.0  # a Kubernetes pod from bound to running (image present; assumed)
@@ -63,9 +67,12 @@ class Costs:
     api_backoff_s: float = 1.0  # wait before a retry
 
 
-def xdist_cpu_s(costs: Costs, workers: int) -> float:
-    """CPU seconds an elastic test run spends starting ``workers`` xdist workers (none for plain pytest)."""
-    return costs.xdist_start_cpu_s + costs.xdist_worker_cpu_s * workers if workers > 1 else 0.0
+def xdist_cpu_s(costs: Costs, workers: int, work_s: float) -> float:
+    """CPU seconds a test run of ``work_s`` single-core seconds spends starting ``workers`` xdist workers (none for
+    plain pytest)."""
+    if workers <= 1:
+        return 0.0
+    return costs.xdist_start_cpu_s + (costs.xdist_worker_cpu_s + costs.xdist_worker_share * work_s) * workers
 
 
 @dataclass(frozen=True, slots=True)

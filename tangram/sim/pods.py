@@ -112,7 +112,8 @@ class PodStation:
         run.overhead_s = overhead
         run.pool = node.name
         cap = self.limit_cpu if run.call.elastic else 1.0
-        startup = xdist_cpu_s(self.costs, int(cap)) if run.call.kind == "test" else 0.0  # pytest -n 4
+        # pytest -n 4 (the pods' CPU limit)
+        startup = xdist_cpu_s(self.costs, int(cap), run.call.work_s) if run.call.kind == "test" else 0.0
         node.advance(now)
         node.jobs.append(_Job(run, cap, run.call.work_s, startup))
         node.share()
