@@ -5,8 +5,8 @@ the rest an expected duration (the paper uses historical averages). Two things a
 
 - an EWMA of the observed duration normalised to one unit by the declared profile (``t1``): the expected duration
   of actions that are not elastic, and what ``GET /v1/profiles`` shows as T1;
-- for elastic actions, a speed-up model fitted to their runs (``tangram.speedup``): ``T(m, W) = a + b·P(m) + c·W``
-  around the declared ``P(m)``. It is what the scheduler uses once an action's signature has run at least once;
+- for elastic actions, a speed-up model fitted to their runs (``tangram.speedup``): ``T(m, W) = s·(a + [W > 1]·(d
+  + c·W/min(m, W))) + b·P(m)`` around the declared ``P(m)`` and size ``s``. It is what the scheduler uses once an action's signature has run at least once;
   before that the declaration alone (today's Eq. 1), and an action that declares no ``t1`` runs at its minimum.
 """
 
@@ -19,7 +19,7 @@ import numpy as np
 
 from tangram.action import Action, Elasticity
 from tangram.malleable import Profile, WorkerCost, profile_of_curve
-from tangram.speedup import PRIOR, Run, Speedup, SpeedupFit, declared
+from tangram.speedup import PRIOR, Run, Speedup, SpeedupFit, declared, size_of
 
 
 @dataclass(slots=True)
@@ -90,14 +90,17 @@ class DurationModel:
             return (self.duration(action),) * len(counts)
         return tuple(fit.duration(action.elasticity, m) for m in counts)  # type: ignore[arg-type]
 
-    def worker_cost(self, action: Action) -> WorkerCost | None:
-        """What one more worker and running in parallel at all were seen to cost this action's signature; None
-        until it has run with more than one worker (before that the model cannot tell)."""
+    def worker_cost(self, action: Action, units: int) -> WorkerCost | None:
+        """What one more worker on ``units`` (its start-up CPU shared by them) and running in parallel at all (a
+        controller and the first worker) were seen to cost this action's signature; None until it has run with more
+        than one worker and, for the per-worker part, with more workers than units (before that the model cannot
+        tell the two apart, nor either from serial time)."""
         learned = self.speedups.get((action.task, action.signature))
-        if learned is None or action.elasticity is None or not any(run.workers > 1 for run in learned.runs):
+        if learned is None or action.elasticity is None or not any(r.workers > r.units + 0.5 for r in learned.runs):
             return None
         fit = learned.fit(action.elasticity)
-        return WorkerCost(fit.per_worker_s, fit.harness_s)
+        size = size_of(action.elasticity)
+        return WorkerCost(fit.per_worker_s * size / units, (fit.harness_s + fit.per_worker_s) * size)
 
     def profile(self, action: Action, counts: tuple[int, ...], workers: int | None = None) -> Profile:
         """The speed-up over ``counts`` the malleable sharing uses: ``T(1)/T(k)`` with ``workers`` started (as many
@@ -143,7 +146,8 @@ class DurationModel:
             units = workers = action.units[action.key_resource]  # type: ignore[index]
         if units <= 0:
             return
-        run = Run(units, workers, declared(action.elasticity, units), seconds)  # type: ignore[arg-type]
+        elasticity: Elasticity = action.elasticity  # type: ignore[assignment]
+        run = Run(units, workers, declared(elasticity, units), seconds, size_of(elasticity))
         self.speedups.setdefault(ident, Speedup()).add(run)
         self._dirty_runs.add(ident)
 

@@ -233,7 +233,7 @@ class Scheduler:
                     placement = self._placement(action, demand, fits)
                     expected = self.durations.duration(action, k)
                     placement.workers = manager.workers(action, resource, k, expected,
-                                                        self.durations.worker_cost(action))
+                                                        self.durations.worker_cost(action, k))
                     placements.append(placement)
                 elif k != held.units:
                     resizes.append(Resize(action, resource, k))

@@ -2,14 +2,19 @@
 
 An elastic action's execution time on ``m`` units of its key resource, with ``W`` workers started, is modelled as
 
-    T(m, W) = a + b·P(m) + c·W + d·[W > 1],        a, b, c, d >= 0
+    T(m, W) = s·(a + [W > 1]·(d + c·W / min(m, W))) + b·P(m),        a, b, c, d >= 0
 
-where ``P(m) = t1 / (E(m)·m)`` is the duration the action *declares* (Eq. 1; an undeclared ``t1`` counts as 1 s and
-an undeclared efficiency as 1, so ``P(m) = 1/m``). ``a`` is serial time the declaration misses, ``b`` scales the
-declared parallel work (1 when the declaration is right), ``c`` is each worker's start-up (xdist's workers each
-import the suite) and ``d`` the fixed cost of running in parallel at all (xdist's controller: one worker runs plain
-``pytest``). On a short suite the last two cost more than the parallel part gains. A declaration is thus a prior the
-runs correct, not a truth: with no runs the model is the declaration (``a = c = d = 0, b = 1``).
+where ``P(m) = t1 / (E(m)·m)`` is the duration the action *declares* (Eq. 1) and ``s`` its declared ``t1`` (an
+undeclared ``t1`` counts as 1 s and an undeclared efficiency as 1, so ``P(m) = 1/m`` and ``s = 1``). ``a`` is serial
+time the declaration misses; ``b`` scales the declared parallel work (1 when the declaration is right); ``c`` is
+each worker's start-up CPU (xdist's workers each import and collect the whole suite), shared by the units the
+workers can use; ``d`` the fixed cost of running in parallel at all (xdist's controller: one worker runs plain
+``pytest``). This is the form of the simulator's execution model, which reproduces five real suites' times at
+1-2 cores and 1-2 workers per core within 10% (docs/EVALUATION.md). ``a``, ``c`` and ``d`` are per second of
+declared ``t1``: the actions of one signature may declare different sizes, and a worker's start-up grows with the
+suite it collects (measured: 1.2-27% of the suite's work per worker). On a short suite ``c`` and ``d`` cost more
+than the parallel part gains. A declaration is thus a prior the runs correct, not a truth: with no runs the model is
+the declaration (``a = c = d = 0, b = 1``).
 
 The fit is least squares on relative errors with non-negative coefficients (SciPy's NNLS), pulled toward the
 declaration only as far as the runs leave a direction open: one run fixes the scale, each count observed after it
@@ -52,6 +57,11 @@ DOUBT = (1.0, 1.0, 10.0, 3.0)
 ROBUST_ROUNDS = 4
 
 
+def size_of(elasticity: Elasticity) -> float:
+    """The size an action declares, its ``t1`` (1 s when it declares none)."""
+    return 1.0 if elasticity.t1 is None else elasticity.t1
+
+
 def declared(elasticity: Elasticity, units: float) -> float:
     """``P(m)``: the duration the action declares on ``units`` (t1 1 s and E 1 where it declares none)."""
     t1 = 1.0 if elasticity.t1 is None else elasticity.t1
@@ -60,25 +70,29 @@ def declared(elasticity: Elasticity, units: float) -> float:
 
 @dataclass(frozen=True, slots=True)
 class Run:
-    """One observed run: mean units held, workers started, ``P`` at those units, and the seconds it took."""
+    """One observed run: mean units held, workers started, ``P`` at those units, the seconds it took and the size
+    it declared (``t1``, 1 when none)."""
 
     units: float
     workers: int
     basis: float
     seconds: float
+    size: float = 1.0
 
     def to_json(self) -> list[float]:
-        return [round(self.units, 6), self.workers, round(self.basis, 9), round(self.seconds, 6)]
+        return [round(self.units, 6), self.workers, round(self.basis, 9), round(self.seconds, 6),
+                round(self.size, 9)]
 
     @classmethod
     def from_json(cls, row: list[float]) -> Run:
-        units, workers, basis, seconds = row
-        return cls(float(units), int(workers), float(basis), float(seconds))
+        units, workers, basis, seconds, size = row
+        return cls(float(units), int(workers), float(basis), float(seconds), float(size))
 
 
 @dataclass(frozen=True, slots=True)
 class SpeedupFit:
-    """Fitted coefficients and how far out they are trusted (``trusted`` units; inf with no run yet)."""
+    """Fitted coefficients (``a``, ``c``, ``d`` per second of declared size) and how far out they are trusted
+    (``trusted`` units; inf with no run yet)."""
 
     serial_s: float  # a
     scale: float  # b
@@ -91,7 +105,8 @@ class SpeedupFit:
         ``trusted`` units, while the workers still cost."""
         parallel = declared(elasticity, min(float(units), self.trusted))
         w = units if workers is None else workers
-        return self.serial_s + self.scale * parallel + self.per_worker_s * w + (self.harness_s if w > 1 else 0.0)
+        fixed = self.serial_s + (self.harness_s + self.per_worker_s * w / min(units, w) if w > 1 else 0.0)
+        return size_of(elasticity) * fixed + self.scale * parallel
 
     def widened(self, trusted: float) -> SpeedupFit:
         return SpeedupFit(self.serial_s, self.scale, self.per_worker_s, self.harness_s, trusted)
@@ -134,27 +149,35 @@ class Speedup:
 
 
 def fit_runs(runs: tuple[Run, ...]) -> SpeedupFit:
-    """Robust non-negative least squares of ``seconds ~ a + b·basis + c·workers + d·[workers > 1]`` on relative
-    errors, pulled (``PRIOR_WEIGHT``, ``DOUBT``) toward ``a = c = d = 0`` and ``b`` = the runs' median of
+    """Robust non-negative least squares of ``seconds ~ size·(a + [W > 1]·(d + c·W / min(units, W))) + b·basis``
+    on relative errors, pulled (``PRIOR_WEIGHT``, ``DOUBT``) toward ``a = c = d = 0`` and ``b`` = the runs' median of
     ``seconds / basis``, each term measured as its share of a typical run."""
     if not runs:
         return PRIOR
     seconds = np.array([r.seconds for r in runs])
     basis = np.array([r.basis for r in runs])
     workers = np.array([float(r.workers) for r in runs])
-    features = np.column_stack([np.ones_like(seconds), basis, workers, (workers > 1).astype(float)])
+    units = np.array([r.units for r in runs])
+    size = np.array([r.size for r in runs])
+    parallel = (workers > 1).astype(float)
+    features = np.column_stack([size, basis, size * parallel * workers / np.minimum(units, workers), size * parallel])
     scale = float(np.median(seconds / basis))
     prior = np.array([0.0, scale, 0.0, 0.0])
     # a coefficient's pull is on its share of a typical run (a term no run has used counts as used once)
-    share = np.maximum(np.mean(features, axis=0), 1.0) / float(np.mean(seconds))
+    share = np.maximum(np.mean(features, axis=0), float(np.mean(size))) / float(np.mean(seconds))
     share[1] = 1.0 / scale
     pull = math.sqrt(PRIOR_WEIGHT) * np.asarray(DOUBT) * share
     design = features / seconds[:, None]
+    # runs at one unit count cannot tell serial time or start-up from parallel work (whatever sizes the actions
+    # declare): until a second count is seen, only the scale is fitted
+    free = slice(None) if len(np.unique(np.round(units, 1))) > 1 else slice(1, 2)
     weights = np.ones_like(seconds)
     coefficients = prior
     for _ in range(ROBUST_ROUNDS):
-        coefficients, _ = nnls(np.vstack([design * weights[:, None], np.diag(pull)]),
-                               np.concatenate([weights, pull * prior]))
+        fitted, _ = nnls(np.vstack([(design * weights[:, None])[:, free], np.diag(pull[free])]),
+                         np.concatenate([weights, pull[free] * prior[free]]))
+        coefficients = np.zeros(4)
+        coefficients[free] = fitted
         residual = design @ coefficients - 1.0
         weights = np.sqrt(1.0 / (1.0 + (residual / ROBUST_SCALE) ** 2))
     a, b, c, d = (float(x) for x in coefficients)
