@@ -136,7 +136,8 @@ def report(times: dict[str, dict[Config, list[float]]]) -> dict[str, Any]:
               f"xdist start {simulator['xdist_start_cpu_s']:.2f} CPU s + {simulator['xdist_worker_cpu_s']:.2f} "
               f"per worker (worst error {simulator['worst_error']:.1%})")
         print(f"{'':>10}  broker fit: serial {broker['serial_s']:.2f} s, parallel {broker['scale']:.2f} s, "
-              f"{broker['per_worker_s']:.2f} s per worker, {broker['harness_s']:.2f} s to go parallel")
+              f"{broker['per_worker_s']:.2f} CPU s per worker (shared by its cores), {broker['harness_s']:.2f} s to "
+              f"go parallel")
         out[name] = {"seconds": {f"{c}c{w}w": samples for (c, w), samples in sorted(by_config.items())},
                      "median_s": {f"{c}c{w}w": m for (c, w), m in sorted(medians.items())},
                      "speedup": speedup, "cores": top, "simulator_fit": simulator, "broker_fit": broker}

@@ -11,9 +11,9 @@ from tangram.parse import MAX_EFFICIENCY_POINTS, Limits
 
 #: what a record answered by a submit leads to; the fuzzer's stateful runs follow these (submit -> get -> cancel)
 SPEEDUP_DESCRIPTION = ("the speed-up model of an elastic signature, null before its first run: T(m, W) = t1 * ("
-                       "serial_s + per_worker_s * W + harness_s * [W > 1]) + scale * P(m), P(m) = t1 / (E(m) m) as "
-                       "declared (t1 1 s, E 1 if not: the terms are then seconds); trusted up to trusted_units, "
-                       "fitted to the recent runs in by_units")
+                       "serial_s + [W > 1] * (harness_s + per_worker_s * W / min(m, W))) + scale * P(m), P(m) = "
+                       "t1 / (E(m) m) as declared (t1 1 s, E 1 if not: the terms are then seconds); trusted up to "
+                       "trusted_units, fitted to the recent runs in by_units")
 ACTION_LINKS = {name: {"operationId": operation, "parameters": {"id": "$response.body#/id"}}
                 for name, operation in (("GetAction", "getAction"), ("CancelAction", "cancelAction"),
                                         ("ReleaseLease", "releaseLease"))}
