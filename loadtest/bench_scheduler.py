@@ -33,7 +33,6 @@ from tangram.durations import DurationModel
 from tangram.queue import FCFSQueue
 from tangram.scheduler import Resize, Scheduler
 
-
 #: suites (signatures) the actions of ``--learn`` belong to
 SUITES = 64
 

@@ -232,18 +232,19 @@ async def test_a_real_short_suite_settles_at_one_core_within_three_runs(tmp_path
         warm = {**base, "demand": {"cpu": 1},
                 "spec": {"command": "python3 -m pytest --version && python3 -c 'import xdist'", "memory_mb": 512,
                          "files": MINI_SUITE}}
-        status, record = await live.call("POST", "/v1/actions?wait=true", json=warm)  # a warm page cache for all
+        _, record = await live.call("POST", "/v1/actions?wait=true", json=warm)  # a warm page cache for all
         assert record["state"] == "succeeded" and record["result"]["exit_code"] == 0, record
         units = []
         for _ in range(5):
             test_run = {**base, "demand": {"cpu": {"min": 1, "max": 2}}, "elasticity": {"resource": "cpu"},
                         "signature": "suite|mini",
                         "spec": {"command": "python3 -m pytest -q -p no:cacheprovider tests", "pytest_parallel": True}}
-            status, record = await live.call("POST", "/v1/actions?wait=true", json=test_run)
+            _, record = await live.call("POST", "/v1/actions?wait=true", json=test_run)
             assert record["state"] == "succeeded" and record["result"]["exit_code"] == 0, record
             units.append(record["allocation"]["units"]["cpu"])
         assert units == [1, 2, 1, 1, 1]
-        status, body = await live.call("GET", "/v1/profiles?task=t")
+        code, body = await live.call("GET", "/v1/profiles?task=t")
+        assert code == 200
         [learned] = [row for row in body["profiles"] if row["signature"] == "suite|mini"]
         by_units = {(row["units"], row["workers"]): row for row in learned["speedup"]["by_units"]}
         assert set(by_units) == {(1.0, 1), (2.0, 2)} and by_units[(1.0, 1)]["runs"] == 4
