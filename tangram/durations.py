@@ -6,8 +6,9 @@ the rest an expected duration (the paper uses historical averages). Two things a
 - an EWMA of the observed duration normalised to one unit by the declared profile (``t1``): the expected duration
   of actions that are not elastic, and what ``GET /v1/profiles`` shows as T1;
 - for elastic actions, a speed-up model fitted to their runs (``tangram.speedup``): ``T(m, W) = s·(a + [W > 1]·(d
-  + c·W/min(m, W))) + b·P(m)`` around the declared ``P(m)`` and size ``s``. It is what the scheduler uses once an action's signature has run at least once;
-  before that the declaration alone (today's Eq. 1), and an action that declares no ``t1`` runs at its minimum.
+  + c·W/min(m, W))) + b·P(m)`` around the declared ``P(m)`` and size ``s``. It is what the scheduler uses once an
+  action's signature has run elastically; before that the declaration alone (Eq. 1) with the declared ``t1`` or the
+  EWMA's, and an action with neither runs at its minimum.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ class DurationModel:
         if action.elasticity.t1 is not None:
             return PRIOR
         profile = self.profiles.get((action.task, action.signature))
-        return None if profile is None else SpeedupFit(0.0, profile.t1, 0.0, PRIOR.trusted)
+        return None if profile is None else SpeedupFit(0.0, profile.t1, 0.0, 0.0, PRIOR.trusted)
 
     def t1(self, action: Action, workers: int | None = None) -> float | None:
         """Expected duration on one unit (with ``workers`` started: a malleable action's work on one unit), from

@@ -51,10 +51,10 @@ PRIOR_WEIGHT = 1e-6
 EXPLORE_FACTOR = 2.0
 #: Cauchy scale of the relative residual: a run this much off its prediction counts half
 ROBUST_SCALE = 0.25
+ROBUST_ROUNDS = 4
 #: how much harder the pull on each term than on the serial time ``a``: where runs at too few counts leave the terms
 #: unresolved, the fit leans to the reading that promises the most from more units (per-worker cost least of all)
 DOUBT = (1.0, 1.0, 10.0, 3.0)
-ROBUST_ROUNDS = 4
 
 
 def size_of(elasticity: Elasticity) -> float:
@@ -110,10 +110,6 @@ class SpeedupFit:
 
     def widened(self, trusted: float) -> SpeedupFit:
         return SpeedupFit(self.serial_s, self.scale, self.per_worker_s, self.harness_s, trusted)
-
-    def best_units(self, elasticity: Elasticity, counts: Iterable[int]) -> int:
-        """The allowed count the model expects to finish soonest (the fewest units among ties)."""
-        return min(counts, key=lambda m: (round(self.duration(elasticity, m), 9), m))
 
 
 PRIOR = SpeedupFit(0.0, 1.0, 0.0, 0.0, math.inf)

@@ -110,7 +110,17 @@ def test_the_model_stays_within_the_declared_bounds() -> None:
     assert long_units[0] == 2 and set(long_units[1:]) == {4}
     counts = Demand((1, 3, 6)).up_to(32)
     fit = bench.durations.fit(bench.action(Demand((1, 3, 6)), signature="long"))
-    assert fit is not None and fit.best_units(UNDECLARED, counts) == 6
+    assert fit is not None and min(counts, key=lambda m: fit.duration(UNDECLARED, m)) == 6
+
+
+def test_an_elastic_action_takes_the_t1_its_signature_learned_before_it_ran_elastically() -> None:
+    """A task's exec actions share the default signature: a tool call's duration is the first thing learned, and an
+    elastic run of that signature with nothing declared is then planned at it (linear), not at its minimum."""
+    bench = Bench(moldable(8))
+    bench.run(bench.action(Demand.fixed(1), signature="exec|cpu"), lambda m: 4.0)
+    elastic = bench.action(Demand.range(1, 8), signature="exec|cpu")
+    assert not bench.durations.speedups and bench.durations.scalable(elastic)
+    assert [bench.durations.duration(elastic, m) for m in (1, 2, 8)] == pytest.approx([4.0, 2.0, 0.5])
 
 
 def test_failed_cancelled_and_killed_runs_are_not_observed() -> None:
