@@ -22,8 +22,8 @@ overrules the prior there, and what the runs cannot yet tell apart (serial time,
 cost) is read as the one that predicts the most gain from more units, so that those get tried (optimism where it is
 unsure). Bad observations are kept out or down-weighted: only succeeded actions are observed (a timed-out,
 OOM-killed, failed or cancelled run never is, nor one killed by a signal), and a few rounds of reweighting (Cauchy
-weights on the relative residual) make a run that waited on a lock and took several times longer than the other runs
-at its count count for almost nothing.
+weights on a run's relative residual against the median of the runs at its units and workers) make a run that waited
+on a lock and took several times longer than the other runs at its count count for almost nothing.
 
 Exploration: predictions are trusted up to twice the largest unit count observed (or the declared efficiency's
 largest count): beyond it the model promises no further gain, so the scheduler tries one doubling at a time and
@@ -52,6 +52,8 @@ EXPLORE_FACTOR = 2.0
 #: Cauchy scale of the relative residual: a run this much off its prediction counts half
 ROBUST_SCALE = 0.25
 ROBUST_ROUNDS = 4
+#: the least share of the runs' median scale the fitted ``b`` keeps
+MIN_SCALE_SHARE = 1e-3
 #: how much harder the pull on each term than on the serial time ``a``: where runs at too few counts leave the terms
 #: unresolved, the fit leans to the reading that promises the most from more units (per-worker cost least of all)
 DOUBT = (1.0, 1.0, 10.0, 3.0)
@@ -167,6 +169,10 @@ def fit_runs(runs: tuple[Run, ...]) -> SpeedupFit:
     # runs at one unit count cannot tell serial time or start-up from parallel work (whatever sizes the actions
     # declare): until a second count is seen, only the scale is fitted
     free = slice(None) if len(np.unique(np.round(units, 1))) > 1 else slice(1, 2)
+    # a run is an outlier against the other runs at its (units, workers), never a whole count against the rest: a
+    # count the model cannot fit says the model is wrong, not the runs
+    _, group = np.unique(np.column_stack([np.round(units, 1), workers]), axis=0, return_inverse=True)
+    group = group.ravel()
     weights = np.ones_like(seconds)
     coefficients = prior
     for _ in range(ROBUST_ROUNDS):
@@ -175,6 +181,9 @@ def fit_runs(runs: tuple[Run, ...]) -> SpeedupFit:
         coefficients = np.zeros(4)
         coefficients[free] = fitted
         residual = design @ coefficients - 1.0
-        weights = np.sqrt(1.0 / (1.0 + (residual / ROBUST_SCALE) ** 2))
+        typical = np.array([np.median(residual[group == g]) for g in range(group.max() + 1)])
+        weights = np.sqrt(1.0 / (1.0 + ((residual - typical[group]) / ROBUST_SCALE) ** 2))
     a, b, c, d = (float(x) for x in coefficients)
+    # the declared parallel work never vanishes: a duration of zero on one unit would make every speed-up undefined
+    b = max(b, MIN_SCALE_SHARE * scale)
     return SpeedupFit(a, b, c, d, EXPLORE_FACTOR * max(r.units for r in runs))

@@ -8,6 +8,8 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from rich.console import Console
 
 from managers.base import ResourceManager
@@ -129,6 +131,21 @@ def test_failed_cancelled_and_killed_runs_are_not_observed() -> None:
     bench.run(bench.action(Demand.range(1, 32)), lambda m: 0.2, result={"exit_code": None, "signal": 9})
     assert not bench.durations.speedups
     assert bench.durations.fit(bench.action(Demand.range(1, 32))) is None  # still unknown: next run at the minimum
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 32), st.integers(1, 4), st.floats(0.01, 1000.0), st.floats(0.1, 100.0)),
+                min_size=1, max_size=32))
+def test_every_fit_predicts_positive_finite_durations(rows: list[tuple[int, int, float, float]]) -> None:
+    """Whatever the runs (sizes declared or not, workers per core, any times), the model's durations are positive and
+    finite at every count and worker number, so a speed-up curve is always defined (found: a pooled simulator
+    signature once fitted zero work on one core and stalled the queue on NaN shares)."""
+    runs = [Run(float(m), m * k, declared(Elasticity("cpu", t1=size), m), seconds, size)
+            for m, k, seconds, size in rows]
+    fit = Speedup(runs).fit(UNDECLARED)
+    for m in (1, 2, 3, 8, 32, 64):
+        for workers in (None, 1, m, 4 * m):
+            assert 0 < fit.duration(UNDECLARED, m, workers) < float("inf")
 
 
 def test_a_run_that_waited_on_a_lock_does_not_corrupt_the_model() -> None:
