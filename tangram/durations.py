@@ -89,7 +89,7 @@ class DurationModel:
         fit = self.fit(action)
         if fit is None:
             return (self.duration(action),) * len(counts)
-        return tuple(fit.duration(action.elasticity, m) for m in counts)  # type: ignore[arg-type]
+        return _durations(fit, action.elasticity, counts)  # type: ignore[arg-type]
 
     def worker_cost(self, action: Action, units: int) -> WorkerCost | None:
         """What one more worker on ``units`` (its start-up CPU shared by them) and running in parallel at all (a
@@ -165,6 +165,12 @@ class DurationModel:
                 for task, sig in self._dirty_runs]
         self._dirty_runs.clear()
         return rows
+
+
+@functools.lru_cache(maxsize=65536)
+def _durations(fit: SpeedupFit, elasticity: Elasticity, counts: tuple[int, ...]) -> tuple[float, ...]:
+    """A queued action's durations at its counts: the same at every pass until its signature's fit changes."""
+    return tuple(fit.duration(elasticity, m) for m in counts)
 
 
 @functools.lru_cache(maxsize=16384)
