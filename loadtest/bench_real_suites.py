@@ -48,8 +48,10 @@ from aiohttp import web
 from clients import AsyncTangramClient
 from clients.records import ActionRecord
 from loadtest.suites import DEFAULT_CACHE_DIR, SUITES, Fetched, fetch
+from tangram.action import Elasticity
 from tangram.config import ServerConfig, parse_config
 from tangram.service import running_broker
+from tangram.speedup import SpeedupFit
 
 #: policy name -> the fixed DoP its test runs ask for (None: elastic 1..ELASTIC_MAX, malleable)
 POLICIES: dict[str, int | None] = {"tangram": None, "dop1": 1, "dop2": 2}
@@ -59,6 +61,8 @@ EFFICIENCY = {"1": 1.0, "2": 0.9}
 #: every action's deadline, queueing included (a 50 s suite behind others on a shared machine must not time out)
 ACTION_TIMEOUT_S = 1200.0
 PYTEST = "python3 -m pytest -p no:cacheprovider"
+#: what an elastic test run declares with --no-profiles: only its key resource
+UNDECLARED = Elasticity("cpu")
 #: pytest's closing count line ("8 failed, 1799 passed in 21.95s")
 SUMMARY = re.compile(r"\d+ (passed|failed|error)")
 
@@ -339,21 +343,22 @@ async def learned_profiles(url: str) -> list[dict[str, Any]]:
 
 def report_learned(label: str, profiles: list[dict[str, Any]]) -> None:
     """Per test signature, the runs the speed-up model has (units, workers, how many, median seconds), its fit
-    ``T(m, W) = a + b·P(m) + c·W`` with ``P(m) = 1/m`` (nothing declared) and what it predicts on 1 and 2 cores."""
+    (``tangram.speedup``; nothing declared, so ``P(m) = 1/m``) and what it predicts on 1 and 2 cores."""
     print(f"{label}: learned", flush=True)
     for row in sorted((r for r in profiles if r["signature"].startswith("test|")), key=lambda r: r["signature"]):
         speedup = row["speedup"]
         if not speedup:
             print(f"    {row['signature']}: no runs (T1 {row['t1_s']:.2f} s over {row['samples']} samples)", flush=True)
             continue
-        a, b, c = speedup["serial_s"], speedup["scale"], speedup["per_worker_s"]
-        trusted = speedup["trusted_units"]
-        predicted = {m: a + b / min(m, trusted) + c * m for m in range(1, ELASTIC_MAX + 1)}
+        fit = SpeedupFit(speedup["serial_s"], speedup["scale"], speedup["per_worker_s"], speedup["harness_s"],
+                         speedup["trusted_units"])
+        predicted = {m: fit.duration(UNDECLARED, m) for m in range(1, ELASTIC_MAX + 1)}
         by_units = "; ".join(f"{u['units']:g} cores/W{u['workers']}: {u['runs']}x median {u['median_s']:.2f} s"
                              for u in speedup["by_units"])
         predictions = ", ".join(f"T({m}) {t:.2f} s" for m, t in predicted.items())
-        print(f"    {row['signature']}: {speedup['runs']} runs [{by_units}]; fit T = {a:.2f} + {b:.2f}/m + "
-              f"{c:.2f}·W, trusted to {trusted:g} cores; predicts {predictions}", flush=True)
+        print(f"    {row['signature']}: {speedup['runs']} runs [{by_units}]; fit serial {fit.serial_s:.2f} s, parallel "
+              f"{fit.scale:.2f} s, {fit.per_worker_s:.2f} CPU s per worker, {fit.harness_s:.2f} s to go parallel, "
+              f"trusted to {fit.trusted:g} cores; predicts {predictions}", flush=True)
 
 
 def check_exit_codes(exit_codes: dict[str, dict[str, set[int | None]]]) -> bool:

@@ -148,8 +148,8 @@ def share(spare: int, claimants: Sequence[Claimant], by_remaining: bool = False)
 @dataclass(frozen=True, slots=True)
 class WorkerCost:
     """What starting workers costs an action, in wall seconds: each worker, and running in parallel at all (a
-    controller: one worker runs plain pytest). Learned per signature (``tangram.speedup``) once it has run with
-    more than one worker."""
+    controller: one worker runs plain pytest). Learned per signature (``tangram.speedup``) once a run of it had
+    more workers than cores."""
 
     per_worker_s: float
     harness_s: float = 0.0

@@ -66,8 +66,7 @@ def size_of(elasticity: Elasticity) -> float:
 
 def declared(elasticity: Elasticity, units: float) -> float:
     """``P(m)``: the duration the action declares on ``units`` (t1 1 s and E 1 where it declares none)."""
-    t1 = 1.0 if elasticity.t1 is None else elasticity.t1
-    return t1 / (elasticity.efficiency_at(units) * units)
+    return size_of(elasticity) / (elasticity.efficiency_at(units) * units)
 
 
 @dataclass(frozen=True, slots=True)
