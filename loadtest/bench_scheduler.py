@@ -7,7 +7,10 @@ apart from the steady-state passes that follow.
 
 With ``--learn`` every completion is observed (``tangram.dispatch.ended``), the actions belong to 64 suites (one
 signature each), and the scheduler plans with the speed-up models it learns (``tangram.speedup``) instead of the
-declared profiles alone: what learning adds to a pass.
+declared profiles alone. What learning adds to a pass is measured in pairs: every pass is also planned, on the same
+queue and cluster, by a scheduler whose model keeps the declarations (its plan is dropped), the two in alternating
+order, so the machine's noise falls on both alike; ``learning/declared`` is the geometric mean of the median per-pass
+ratio in each order.
 
 With ``--resize`` the manager can resize running cpu allocations, so elastic actions run malleable
 (``tangram.malleable``): each plan is applied as the simulator applies it (shrinks, starts, grows through
@@ -21,9 +24,11 @@ from __future__ import annotations
 
 import argparse
 import heapq
+import math
 import random
 import statistics
 import time
+from collections.abc import Iterable
 
 from managers.base import Allocation, ResourceManager
 from managers.counted import CountedUnitsManager
@@ -31,7 +36,7 @@ from tangram import dispatch
 from tangram.action import Action, Demand, Elasticity, Kind
 from tangram.durations import DurationModel
 from tangram.queue import FCFSQueue
-from tangram.scheduler import Resize, Scheduler
+from tangram.scheduler import Plan, Resize, Scheduler
 
 #: suites (signatures) the actions of ``--learn`` belong to
 SUITES = 64
@@ -56,6 +61,39 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def planned(scheduler: Scheduler, reference: Scheduler | None, queue: FCFSQueue, running: Iterable[Action],
+            now: float, times: list[float], reference_times: list[float]) -> Plan:
+    """One pass by ``scheduler`` (timed into ``times``; its plan is applied) and, with a ``reference``, the same
+    pass planned by it (timed into ``reference_times``; its plan is dropped), the order alternating pass by pass."""
+    held = list(running)
+    plan: Plan | None = None
+    order = (scheduler, reference) if reference is None or len(times) % 2 else (reference, scheduler)
+    for current in order:
+        if current is None:
+            continue
+        started = time.perf_counter()
+        outcome = current.schedule(queue, iter(held), now)
+        (times if current is scheduler else reference_times).append(time.perf_counter() - started)
+        if current is scheduler:
+            plan = outcome
+    assert plan is not None
+    return plan
+
+
+def paired(times: list[float], reference_times: list[float]) -> dict[str, float]:
+    """The declared model's steady-state pass median and, when measured, what learning adds: the median per-pass
+    ratio with the learning scheduler first and with it second, and their geometric mean (the second pass of a pair
+    runs on caches the first warmed, worth ±10% here, so neither order alone is the cost)."""
+    if not reference_times:
+        return {}
+    ratios = [t / r for t, r in zip(times, reference_times)]
+    learning_first = statistics.median(ratios[1::2])  # ``planned`` runs the learning scheduler first on odd passes
+    learning_second = statistics.median(ratios[2::2])
+    return {"declared_median_ms": statistics.median(reference_times[1:]) * 1e3,
+            "learning_first": learning_first, "learning_second": learning_second,
+            "learning/declared": math.sqrt(learning_first * learning_second)}
+
+
 def ended(durations: DurationModel, action: Action, now: float, learn: bool) -> None:
     """With ``learn``, observe the completion as the broker does (its execution time is what it was expected)."""
     if learn:
@@ -74,6 +112,7 @@ def run(actions_n: int, passes: int, nodes: int, cores: int, seed: int, depth: i
     })
     durations = DurationModel()
     scheduler = Scheduler([manager], durations, depth=depth, horizon=horizon)
+    reference = Scheduler([manager], DurationModel(), depth=depth, horizon=horizon) if learn else None
     queue = FCFSQueue()
     for seq in range(actions_n):
         queue.push(make_action(seq, 0.0, rng))
@@ -82,11 +121,11 @@ def run(actions_n: int, passes: int, nodes: int, cores: int, seed: int, depth: i
     completions: list[tuple[float, str]] = []
     now = 0.0
     pass_times: list[float] = []
+    reference_times: list[float] = []
     acts: list[float] = []
     while len(pass_times) < passes:
-        started = time.perf_counter()
-        placements = scheduler.schedule(queue, (a for a, _ in running.values()), now).placements
-        pass_times.append(time.perf_counter() - started)
+        placements = planned(scheduler, reference, queue, (a for a, _ in running.values()), now, pass_times,
+                             reference_times).placements
         for placement in placements:
             action = placement.action
             queue.remove(action.id)
@@ -120,6 +159,7 @@ def run(actions_n: int, passes: int, nodes: int, cores: int, seed: int, depth: i
         "completed": len(acts),
         "mean_act_s": statistics.fmean(acts),
         "virtual_time_s": now,
+        **paired(pass_times, reference_times),
     }
 
 
@@ -134,6 +174,7 @@ def run_resizing(actions_n: int, passes: int, nodes: int, cores: int, seed: int,
     owner: dict[str, ResourceManager] = {r: manager for r in manager.resources}
     durations = DurationModel()
     scheduler = Scheduler([manager], durations, depth=depth, horizon=horizon)
+    reference = Scheduler([manager], DurationModel(), depth=depth, horizon=horizon) if learn else None
     queue = FCFSQueue()
     for seq in range(actions_n):
         queue.push(make_action(seq, 0.0, rng))
@@ -144,6 +185,7 @@ def run_resizing(actions_n: int, passes: int, nodes: int, cores: int, seed: int,
     versions: dict[str, int] = {}
     now = 0.0
     pass_times: list[float] = []
+    reference_times: list[float] = []
     apply_times: list[float] = []
     resizes: list[int] = []
     acts: list[float] = []
@@ -164,10 +206,9 @@ def run_resizing(actions_n: int, passes: int, nodes: int, cores: int, seed: int,
         return None
 
     while len(pass_times) < passes:
-        started = time.perf_counter()
-        plan = scheduler.schedule(queue, (a for a, _ in running.values()), now)
+        plan = planned(scheduler, reference, queue, (a for a, _ in running.values()), now, pass_times,
+                       reference_times)
         applying = time.perf_counter()
-        pass_times.append(applying - started)
         resizes.append(len(plan.resizes))
         for decision in plan.shrinks():
             resized(decision)
@@ -216,6 +257,7 @@ def run_resizing(actions_n: int, passes: int, nodes: int, cores: int, seed: int,
         "resizes/pass": statistics.fmean(resizes[1:]),
         "resizes_p99": percentile(resizes[1:], 0.99),
         "apply_med_ms": statistics.median(apply_times[1:]) * 1e3,
+        **paired(pass_times, reference_times),
     }
 
 

@@ -176,6 +176,5 @@ def _durations(fit: SpeedupFit, elasticity: Elasticity, counts: tuple[int, ...])
 @functools.lru_cache(maxsize=16384)
 def _learned_profile(fit: SpeedupFit, elasticity: Elasticity, counts: tuple[int, ...],
                      workers: int | None) -> Profile:
-    top = counts[-1]
-    times = np.array([fit.duration(elasticity, k, workers) for k in range(1, top + 1)])
+    times = fit.curve(elasticity, counts[-1], workers)
     return profile_of_curve(np.concatenate([[0.0], times[0] / times]), counts)

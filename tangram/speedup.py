@@ -54,6 +54,8 @@ ROBUST_SCALE = 0.25
 ROBUST_ROUNDS = 4
 #: the least share of the runs' median scale the fitted ``b`` keeps
 MIN_SCALE_SHARE = 1e-3
+#: how far apart (largest / smallest units) runs must be before serial time and start-up are told from parallel work
+SPREAD_TO_SEPARATE = 2.0
 #: how much harder the pull on each term than on the serial time ``a``: where runs at too few counts leave the terms
 #: unresolved, the fit leans to the reading that promises the most from more units (per-worker cost least of all)
 DOUBT = (1.0, 1.0, 10.0, 3.0)
@@ -108,6 +110,18 @@ class SpeedupFit:
         w = units if workers is None else workers
         fixed = self.serial_s + (self.harness_s + self.per_worker_s * w / min(units, w) if w > 1 else 0.0)
         return size_of(elasticity) * fixed + self.scale * parallel
+
+    def curve(self, elasticity: Elasticity, top: int, workers: int | None = None) -> np.ndarray:
+        """``duration`` at 1, 2, ..., ``top`` units in one vectorised step (the malleable sharing needs the whole
+        curve of every action whose fit changed, at each pass)."""
+        units = np.arange(1, top + 1, dtype=float)
+        capped = np.minimum(units, self.trusted)
+        points = elasticity.efficiency
+        efficiency = (np.interp(capped, elasticity.counts, [e for _, e in points]) if points
+                      else np.ones_like(capped))
+        w = units if workers is None else np.full_like(units, float(workers))
+        fixed = self.serial_s + np.where(w > 1, self.harness_s + self.per_worker_s * w / np.minimum(units, w), 0.0)
+        return size_of(elasticity) * fixed + self.scale * size_of(elasticity) / (efficiency * capped)
 
     def widened(self, trusted: float) -> SpeedupFit:
         return SpeedupFit(self.serial_s, self.scale, self.per_worker_s, self.harness_s, trusted)
@@ -166,11 +180,13 @@ def fit_runs(runs: tuple[Run, ...]) -> SpeedupFit:
     pull = math.sqrt(PRIOR_WEIGHT) * np.asarray(DOUBT) * share
     design = features / seconds[:, None]
     # runs at one unit count cannot tell serial time or start-up from parallel work (whatever sizes the actions
-    # declare): until a second count is seen, only the scale is fitted
-    free = slice(None) if len(np.unique(np.round(units, 1))) > 1 else slice(1, 2)
+    # declare), nor can runs at counts close together (29-32 cores change the parallel part by a tenth, less than
+    # one run's noise: found reading a whole suite as serial and starting the next runs on one core): until counts
+    # a doubling apart are seen, only the scale is fitted
+    free = slice(None) if units.max() >= SPREAD_TO_SEPARATE * units.min() else slice(1, 2)
     # a run is an outlier against the other runs at its (units, workers), never a whole count against the rest: a
     # count the model cannot fit says the model is wrong, not the runs
-    _, group = np.unique(np.column_stack([np.round(units, 1), workers]), axis=0, return_inverse=True)
+    _, group = np.unique(np.round(units * 10.0) * float(1 << 20) + workers, return_inverse=True)
     group = group.ravel()
     weights = np.ones_like(seconds)
     coefficients = prior
@@ -180,9 +196,18 @@ def fit_runs(runs: tuple[Run, ...]) -> SpeedupFit:
         coefficients = np.zeros(4)
         coefficients[free] = fitted
         residual = design @ coefficients - 1.0
-        typical = np.array([np.median(residual[group == g]) for g in range(group.max() + 1)])
+        typical = _group_medians(residual, group)
         weights = np.sqrt(1.0 / (1.0 + ((residual - typical[group]) / ROBUST_SCALE) ** 2))
     a, b, c, d = (float(x) for x in coefficients)
     # the declared parallel work never vanishes: a duration of zero on one unit would make every speed-up undefined
     b = max(b, MIN_SCALE_SHARE * scale)
     return SpeedupFit(a, b, c, d, EXPLORE_FACTOR * max(r.units for r in runs))
+
+
+def _group_medians(values: np.ndarray, group: np.ndarray) -> np.ndarray:
+    """The median of ``values`` in each group (``group`` numbers them 0..n-1), in one sort: the fit runs at every
+    completion, and a median per group in a Python loop was most of its time."""
+    ordered = values[np.lexsort((values, group))]
+    counts = np.bincount(group)
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    return (ordered[starts + (counts - 1) // 2] + ordered[starts + counts // 2]) / 2.0

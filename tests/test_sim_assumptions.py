@@ -35,6 +35,8 @@ def test_overrides_are_typed_and_later_items_win():
     ("costs.api_retries=1.5", "an integer of at least 0"),
     ("api.concurrency=0", "an integer of at least 1"),
     ("static.batch=0", "an integer of at least 1"),
+    ("step.steps=0", "an integer of at least 1"),
+    ("step.window_s=0", "a number of at least 1"),
 ])
 def test_what_cannot_be_set_is_refused_naming_the_item(item, reason):
     with pytest.raises(ValueError) as refused:

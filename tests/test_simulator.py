@@ -298,16 +298,16 @@ def test_pod_waits_for_room_on_the_node() -> None:
 def test_pod_test_run_capped_at_pod_limit() -> None:
     cluster = Cluster(cpu_nodes=1, cores_per_node=8, costs=POD_COSTS)
     efficiency = ((1, 1.0), (4, 0.5), (8, 0.5))
-    # An idle 8-core node, but the pod's limit is 4 CPUs: pytest -n 4 first starts its workers, 0.05 + 4 * 0.22 =
-    # 0.93 CPU seconds on 4 cores (0.2325 s); then speed-up E(4)*4 = 2, so 8 s of work take 4 s; all after the 1 s
-    # pod start: finish 5.2325.
+    # An idle 8-core node, but the pod's limit is 4 CPUs: pytest -n 4 first starts its workers, 0.33 + 4 * 0.185 *
+    # 8 = 6.25 CPU seconds on 4 cores (1.5625 s); then speed-up E(4)*4 = 2, so 8 s of work take 4 s; all after the
+    # 1 s pod start: finish 6.5625.
     trace = hand_trace(one_call("a", Call("test", 0.0, 8.0, efficiency=efficiency)))
     rec = run(trace, cluster, "baseline").records[0]
     assert rec.units == 4
     assert rec.queue_s == 0.0
     assert rec.overhead_s == pytest.approx(1.0)
-    assert rec.exec_s == pytest.approx(4.2325)
-    assert rec.finish_s == pytest.approx(5.2325)
+    assert rec.exec_s == pytest.approx(5.5625)
+    assert rec.finish_s == pytest.approx(6.5625)
 
 
 def test_pod_later_calls_run_at_once() -> None:
@@ -326,7 +326,7 @@ def test_pod_later_calls_run_at_once() -> None:
 # 3. hand-computed cases: the broker on CPU, fixed DoP against elastic
 # ---------------------------------------------------------------------------------------------------------------
 
-CPU_COSTS = Costs(dispatch_s=0.01, env_create_s=0.5, xdist_start_cpu_s=0.0, xdist_worker_cpu_s=0.0)  # no start-up
+CPU_COSTS = Costs(dispatch_s=0.01, env_create_s=0.5, xdist_start_cpu_s=0.0, xdist_worker_share=0.0)  # no start-up
 # (the cases below count it only where they say so)
 FLAT = ((1, 1.0), (32, 1.0))  # E(m) = 1 everywhere: perfectly scalable
 SUBLINEAR = ((1, 1.0), (4, 0.8), (16, 0.5), (32, 0.25))  # E(m)*m grows up to m = 18, so at most 16 is best
@@ -624,7 +624,7 @@ def test_trajectories_holding_memory_go_on_while_a_new_one_waits_for_memory() ->
 
 def test_each_worker_costs_a_share_of_the_suite_when_calibrated() -> None:
     """``costs.xdist_worker_share``: each worker imports and collects the whole suite, so its start-up grows with it."""
-    old, calibrated = Costs(), Costs(xdist_start_cpu_s=0.33, xdist_worker_cpu_s=0.0, xdist_worker_share=0.185)
+    old, calibrated = Costs(xdist_start_cpu_s=0.05, xdist_worker_cpu_s=0.22, xdist_worker_share=0.0), Costs()
     assert xdist_cpu_s(old, 4, 100.0) == xdist_cpu_s(old, 4, 1.0) == pytest.approx(0.05 + 4 * 0.22)
     assert xdist_cpu_s(calibrated, 4, 100.0) == pytest.approx(0.33 + 4 * 18.5)
     assert xdist_cpu_s(calibrated, 1, 100.0) == 0.0  # plain pytest starts no worker
@@ -640,3 +640,16 @@ def test_the_suite_curve_fit_recovers_the_simulators_parameters() -> None:
     assert [fitted[k] for k in ("work_s", "serial", "xdist_start_cpu_s", "xdist_worker_cpu_s")] == pytest.approx(
         truth, rel=1e-3, abs=1e-3)
     assert fitted["worst_error"] < 1e-6
+
+
+def test_serverless_loads_at_the_static_dop_where_the_broker_takes_every_idle_gpu() -> None:
+    """The ServerlessLLM-style baseline restores a model on demand like the broker, but only at its static DoP."""
+    service = ServiceModel("rm", dops=(1, 2, 4, 8), host_memory_mb=10_240, static_dop=4)
+    cluster = Cluster(gpu_node_sizes=(8,), services=(service,), costs=GPU_COSTS)
+    trace = hand_trace(one_call("a", Call("reward", 0.0, 3.0, "rm", GPU_EFFICIENCY, 3.0)))
+    serverless = by_key(run(trace, cluster, "serverless"))[("a", 0)]
+    broker = by_key(run(trace, cluster, "tangram"))[("a", 0)]
+    # serverless: 4 GPUs; restore 10240 MiB / 1024 / 4 GPUs / 5 GB/s = 0.5 s; exec 3 / (0.75 x 4) = 1 s
+    assert (serverless.units, serverless.overhead_s, serverless.exec_s) == (4, pytest.approx(0.5), pytest.approx(1.0))
+    # the broker gives a lone call the node's 8: restore 0.25 s, exec 3 / (0.55 x 8)
+    assert (broker.units, broker.overhead_s, broker.exec_s) == (8, pytest.approx(0.25), pytest.approx(3 / 4.4))

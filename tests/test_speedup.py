@@ -22,7 +22,7 @@ from tangram.cli import status_view
 from tangram.durations import DurationModel
 from tangram.scheduler import Scheduler
 from tangram.sim.broker_station import NoSandboxes
-from tangram.speedup import Run, Speedup, declared
+from tangram.speedup import Run, Speedup, SpeedupFit, declared
 from tangram.store import Store
 from tests.docker_nodes import cpu_config, docker_engines
 from tests.harness import live_broker
@@ -131,6 +131,21 @@ def test_failed_cancelled_and_killed_runs_are_not_observed() -> None:
     bench.run(bench.action(Demand.range(1, 32)), lambda m: 0.2, result={"exit_code": None, "signal": 9})
     assert not bench.durations.speedups
     assert bench.durations.fit(bench.action(Demand.range(1, 32))) is None  # still unknown: next run at the minimum
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(st.integers(1, 32), st.floats(0.05, 1.0), max_size=4), st.none() | st.floats(0.1, 100.0),
+       st.tuples(st.floats(0, 2), st.floats(0.001, 2), st.floats(0, 2), st.floats(0, 2)),
+       st.sampled_from([float("inf"), 2.0, 5.5, 16.0]), st.none() | st.integers(1, 8), st.integers(1, 40))
+def test_the_vectorised_curve_is_the_duration_at_every_count(
+        efficiency: dict[int, float], t1: float | None, coefficients: tuple[float, float, float, float],
+        trusted: float, workers: int | None, top: int) -> None:
+    """``SpeedupFit.curve`` (what the malleable sharing reads, in one numpy step) equals ``duration`` count by count:
+    interpolated, clamped and undeclared efficiencies, capped trust, fixed or per-unit workers."""
+    elasticity = Elasticity("cpu", tuple(sorted(efficiency.items())), t1=t1)
+    fit = SpeedupFit(*coefficients, trusted)
+    expected = [fit.duration(elasticity, k, workers) for k in range(1, top + 1)]
+    assert fit.curve(elasticity, top, workers).tolist() == pytest.approx(expected, rel=1e-12)
 
 
 @settings(max_examples=200, deadline=None)
@@ -283,3 +298,20 @@ async def test_a_real_short_suite_settles_at_one_core_within_three_runs(tmp_path
         console.print(status_view(live.url, resources, body["profiles"]))
         shown = console.export_text()
         assert "learned speed-up" in shown and "suite|mini" in shown and "(4)" in shown and "(1)" in shown
+
+
+def test_runs_at_counts_close_together_fit_the_scale_only() -> None:
+    """Runs at 29-32 cores cannot tell serial time from parallel work (P changes by a tenth, less than a run's
+    noise). Found in the simulator: such runs were read as a wholly serial suite, and the next runs of the signature
+    started on one core with 238 cores free. Until runs a doubling apart exist, only the scale moves."""
+    elasticity = Elasticity("cpu", ((1, 1.0), (32, 0.6)), t1=60.0)
+    noisy = (1.3, 0.8, 1.25, 0.85, 1.2, 0.9)  # slower at 29 than at 32, then the reverse: noise, not a curve
+    runs = [Run(float(m), m, declared(elasticity, m), declared(elasticity, m) * noise, 60.0)
+            for m, noise in zip((29, 32, 30, 31, 32, 29), noisy)]
+    fit = Speedup(runs).fit(elasticity)
+    assert (fit.serial_s, fit.per_worker_s, fit.harness_s) == (0.0, 0.0, 0.0)
+    assert fit.duration(elasticity, 32) < fit.duration(elasticity, 8) < fit.duration(elasticity, 1)
+    # a doubling apart, the same runs tell: faster than declared at 8 and slower at 29-32 is serial time
+    wider = Speedup([*runs, *(Run(8.0, 8, declared(elasticity, 8), declared(elasticity, 8) * x, 60.0)
+                              for x in (0.72, 0.78))])
+    assert wider.fit(elasticity).serial_s > 0

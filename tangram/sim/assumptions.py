@@ -15,12 +15,16 @@ from types import MappingProxyType
 from typing import Any
 
 from tangram.sim.cluster import ApiModel, Costs, StaticServing
+from tangram.sim.training import StepParams
 from tangram.sim.workloads import CodingParams, MopdParams, SearchParams
 
 #: what each group overrides; the search upstreams (``api``) take their quota and concurrency, the static GPU
-#: deployment's servers (``static``) their batching
+#: deployment's servers (``static``) their batching, a training run (``step``) its steps
 GROUPS: Mapping[str, type] = MappingProxyType({"costs": Costs, "coding": CodingParams, "mopd": MopdParams,
-                                               "search": SearchParams, "api": ApiModel, "static": StaticServing})
+                                               "search": SearchParams, "api": ApiModel, "static": StaticServing,
+                                               "step": StepParams})
+#: fields below 1 mean nothing: an upstream or a server takes some calls, a run has a step, a window some time
+AT_LEAST_ONE = frozenset({"static.batch", "step.steps", "step.window_s"})
 #: fields a scenario sets itself (what it sweeps or how it is defined), so an override would be silently lost
 SCENARIO_FIELDS = frozenset({"coding.batch", "mopd.batch", "mopd.teachers", "search.batch", "search.task",
                              "api.name", "api.period_s"})
@@ -47,6 +51,9 @@ class Assumptions:
     def static(self) -> StaticServing:
         return StaticServing(**self.overrides.get("static", {}))
 
+    def step(self) -> StepParams:
+        return StepParams(**self.overrides.get("step", {}))
+
     def api(self, base: ApiModel) -> ApiModel:
         return replace(base, **self.overrides.get("api", {}))
 
@@ -70,7 +77,7 @@ def parse(items: Iterable[str]) -> Assumptions:
         if name in SCENARIO_FIELDS:
             raise ValueError(f"{item!r}: the scenarios set {name} themselves")
         default = getattr(GROUPS[group](**_required(group)), attribute)
-        least = 1 if group == "api" or name == "static.batch" else 0  # an upstream or a server takes some calls
+        least = 1 if group == "api" or name in AT_LEAST_ONE else 0
         overrides.setdefault(group, {})[attribute] = _value(item, default, text.strip(), least)
     return Assumptions({group: MappingProxyType(values) for group, values in overrides.items()})
 

@@ -136,7 +136,8 @@ def action_for(run: CallRun, seq: int, now: float, test_demand: Demand = ELASTIC
 class BrokerStation:
     def __init__(self, cluster: Cluster, *, test_demand: Demand = ELASTIC_TEST, depth: int = 2,
                  horizon: int = 64, malleable: bool = True, share_by_remaining: bool = False,
-                 arrivals: bool = True, worker_overhead: float = CpuConfig.worker_overhead) -> None:
+                 arrivals: bool = True, worker_overhead: float = CpuConfig.worker_overhead,
+                 static_dops: bool = False) -> None:
         self.cluster = cluster
         self.costs: Costs = cluster.costs
         self.test_demand = test_demand
@@ -145,7 +146,8 @@ class BrokerStation:
         self.owner: dict[str, ResourceManager] = {r: m for m in self.managers for r in m.resources}
         self.cpu = next((m for m in self.managers if isinstance(m, CpuManager)), None)
         self.gpu = next((m for m in self.managers if isinstance(m, GpuManager)), None)
-        self.dops = {s.name: s.dops for s in cluster.services}
+        # with ``static_dops`` a service runs only at its static deployment's DoP: loaded on demand, never resized
+        self.dops = {s.name: (s.static_dop,) if static_dops else s.dops for s in cluster.services}
         self.durations = DurationModel()
         self.arrivals = ArrivalModel() if arrivals else None
         self.scheduler = Scheduler(self.managers, self.durations, depth=depth, horizon=horizon,

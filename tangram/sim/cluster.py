@@ -49,14 +49,14 @@ class Costs:
 
     dispatch_s: float = 0.00141  # per exec action: cgroup writes + executor socket (docs/PERFORMANCE.md median)
     env_create_s: float = 1.0  # an AOE sandbox on a trajectory's first exec (docker create + start; assumed)
-    # ``pytest -n W`` (W > 1) costs CPU to start its controller and each worker before any test runs (measured
-    # here with a 20-module suite: 0.05 s + 0.22 s per worker over plain pytest; suites with heavy imports cost more)
-    xdist_start_cpu_s: float = 0.05
-    xdist_worker_cpu_s: float = 0.22
-    # and per worker this share of the run's single-core work (each worker imports and collects the whole suite):
-    # fitted to five real suites, 0.012-0.27, median 0.18 (``loadtest.bench_suite_curves``); 0 here, the model
-    # every figure before the calibration used
-    xdist_worker_share: float = 0.0
+    # ``pytest -n W`` (W > 1) costs CPU to start its controller and each worker before any test runs: a fixed part
+    # and, per worker, a share of the run's single-core work (each worker imports and collects the whole suite).
+    # Fitted to five real PyPI suites on this machine (``loadtest.bench_suite_curves``, docs/EVALUATION.md): start
+    # 0-1.48 s, median 0.33; share 0.012-0.27, median 0.185. Before that calibration (issue 15) the model was a
+    # fixed 0.05 s + 0.22 s per worker, measured on one 20-module suite (``xdist_worker_cpu_s``, 0 now)
+    xdist_start_cpu_s: float = 0.33
+    xdist_worker_cpu_s: float = 0.0
+    xdist_worker_share: float = 0.185
     h2d_gb_per_s: float = 25.0  # pinned host->GPU copy per GPU (PCIe 5 x16 in practice; assumed, unmeasured)
     evict_s: float = 0.05  # freeing a victim's GPU memory before a restore (assumed)
     pod_start_s: float = 2.0  # a Kubernetes pod from bound to running (image present; assumed)

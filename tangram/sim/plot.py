@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from pathlib import Path
 
@@ -11,10 +12,12 @@ from tangram.sim.scenarios import Outcome
 DOP_SHADES = {"dop1": "#fdd0a2", "dop2": "#fdae6b", "dop4": "#fd8d3c", "dop8": "#f16913", "dop16": "#d94801",
               "dop32": "#8c2d04"}
 COLORS = {"tangram": "#1f77b4", "baseline": "#d62728", "pods-ideal": "#e377c2", "tangram-min4": "#9467bd",
-          "tangram-paper": "#7f7f7f", "tangram-moldable": "#bcbd22", "tangram-srpt": "#17becf", **DOP_SHADES}
+          "tangram-paper": "#7f7f7f", "tangram-moldable": "#bcbd22", "tangram-srpt": "#17becf", "serverless": "#2ca02c",
+          **DOP_SHADES}
 LABELS = {"tangram": "ARL-Tangram (malleable, simulated)", "baseline": "pods", "pods-ideal": "pods, free control plane",
           "tangram-min4": "elastic DoP 4-32 (moldable)", "tangram-paper": "paper's algorithm (moldable)",
           "tangram-moldable": "moldable + arrivals", "tangram-srpt": "malleable, by remaining work",
+          "serverless": "ServerlessLLM-style (on demand, fixed DoP)",
           **{name: f"fixed DoP {name[3:]}" for name in DOP_SHADES}}
 
 
@@ -24,6 +27,9 @@ def plot(outcome: Outcome, path: str | Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    if outcome.series:
+        _series(outcome, path)
+        return
     bars = outcome.scenario in ("breakdown", "e2e")
     named = {} if bars else _x_labels(outcome)  # unrelated settings (sensitivity): markers only, each x named
     figure, axes = plt.subplots(figsize=(9, 5) if named else (7, 4.2), dpi=110)
@@ -45,6 +51,31 @@ def plot(outcome: Outcome, path: str | Path) -> None:
         axes.legend(**({"loc": "upper left", "bbox_to_anchor": (1.01, 1.0), "fontsize": 8} if named else {}))
     axes.set_title(outcome.title, fontsize=10)
     axes.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+
+
+def _series(outcome: Outcome, path: str | Path) -> None:
+    """One panel per workload: each policy's mean ACT per time window over the run (Fig. 6), log scale."""
+    import matplotlib.pyplot as plt
+
+    workloads = list(dict.fromkeys(name.partition("/")[0] for name in outcome.series))
+    figure, panels = plt.subplots(len(workloads), 1, figsize=(7, 2.6 * len(workloads)), dpi=110, squeeze=False)
+    for axes, workload in zip(panels[:, 0], workloads):
+        for name, rows in outcome.series.items():
+            label, _, policy = name.partition("/")
+            if label == workload and rows:
+                axes.plot([row[0] / 60 for row in rows], [math.nan if row[1] is None else row[1] for row in rows],
+                          color=COLORS.get(policy),
+                          label=LABELS.get(policy, policy), linewidth=1)
+        axes.set_title(workload, fontsize=9)
+        axes.set_ylabel("mean ACT (s)")
+        axes.set_yscale("log")
+        axes.grid(alpha=0.3)
+    panels[-1, 0].set_xlabel("time since training started (min)")
+    panels[0, 0].legend(fontsize=8)
+    figure.suptitle(outcome.title, fontsize=10)
     figure.tight_layout()
     figure.savefig(path)
     plt.close(figure)

@@ -52,6 +52,16 @@ def pods_ideal(cluster: Cluster) -> Mapping[str, Station]:
     return baseline(replace(cluster, costs=free))
 
 
+def serverless(cluster: Cluster) -> Mapping[str, Station]:
+    """ServerlessLLM-style reward serving (the paper's second GPU baseline, Fig. 8b): a model is loaded on demand
+    from host memory onto an instance of its static deployment's DoP (4 GPUs for a teacher) wherever GPUs are free,
+    evicted least recently used, and never reallocated elastically. It runs on the broker's own queue, GPU manager
+    and restore cost, so the difference from ``tangram`` is elastic reallocation alone. Not modelled: its own
+    system overhead, higher than the broker's per the paper (favours it), and batching inside a loaded instance (the
+    broker's instances do not batch either)."""
+    return dict.fromkeys(KINDS, BrokerStation(cluster, static_dops=True))
+
+
 FIXED_DOPS = (1, 2, 4, 8, 16, 32)
 
 POLICIES: dict[str, Policy] = {
@@ -63,4 +73,5 @@ POLICIES: dict[str, Policy] = {
     **{f"dop{d}": broker(test_demand=Demand.fixed(d)) for d in FIXED_DOPS},
     "baseline": baseline,
     "pods-ideal": pods_ideal,
+    "serverless": serverless,
 }

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from managers.cpu_config import CpuConfig
@@ -19,6 +19,7 @@ from tangram.sim.cluster import ApiModel, Cluster, Costs, ServiceModel, gpu_node
 from tangram.sim.engine import simulate
 from tangram.sim.policies import FIXED_DOPS, POLICIES, broker
 from tangram.sim.trace import Trace
+from tangram.sim.training import train
 from tangram.sim.workloads import (
     CodingParams,
     ai_coding,
@@ -60,11 +61,16 @@ class Outcome:
     points: list[Point]
     figures: list[dict[str, Any]]  # {"name", "paper", "ours", "ratio"}; paper/ours are numbers or text
     notes: list[str]
+    #: time series by name, as [time, value or None, count] rows (the training scenario's ACT per window)
+    series: dict[str, list[list[Any]]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        return {"scenario": self.scenario, "title": self.title, "x_label": self.x_label,
+        body = {"scenario": self.scenario, "title": self.title, "x_label": self.x_label,
                 "figures": self.figures, "notes": self.notes,
                 "points": [{"x": p.x, "policy": p.policy, **p.summary} for p in self.points]}
+        if self.series:
+            body["series"] = self.series
+        return body
 
     def act(self, policy: str, x: float) -> float:
         return next(p.summary["mean_trajectory_act_s"] for p in self.points if p.policy == policy and p.x == x)
@@ -216,13 +222,19 @@ def gpu_batch(_scale: float, seed: int, progress: Progress = _stderr,
     batches = [256, 512, 1024, 2048]
     for batch in batches:
         trace = mopd(assumed.mopd(batch=batch, teachers=10), seed)
-        _run(trace, cluster, ("tangram", "baseline"), batch, points, progress, f"gpu batch {batch:5d}")
+        _run(trace, cluster, ("tangram", "baseline", "serverless"), batch, points, progress, f"gpu batch {batch:5d}")
     out = Outcome("gpu-batch", "MOPD, ten reward services: ACT vs batch size (Fig. 8b left)", "RL batch size",
                   points, [], [MOPD_FULL_SCALE])
     out.figures += [_figure("static / broker ACT at batch 1,024", 3.4,
                             out.act("baseline", batches[2]) / out.act("tangram", batches[2])),
                     _figure("static / broker ACT at batch 2,048", 18.1,
-                            out.act("baseline", batches[3]) / out.act("tangram", batches[3]))]
+                            out.act("baseline", batches[3]) / out.act("tangram", batches[3])),
+                    _figure("ServerlessLLM-style / broker ACT at batch 1,024", 101.8,
+                            out.act("serverless", batches[2]) / out.act("tangram", batches[2]),
+                            "on demand at the static DoP, no elastic reallocation"),
+                    _figure("ServerlessLLM-style / broker ACT at batch 2,048", "fails (timeouts)",
+                            out.act("serverless", batches[3]) / out.act("tangram", batches[3]),
+                            "on demand at the static DoP, no elastic reallocation")]
     return out
 
 
@@ -304,12 +316,59 @@ def e2e(scale: float, seed: int, progress: Progress = _stderr,
     return out
 
 
+#: the paper's step-duration speed-ups (§6.2): AI coding 1.4x, DeepSearch 1.5x, MOPD "relatively small"
+STEP_SPEEDUPS: tuple[float | str, ...] = (1.4, "small", 1.5)
+
+
+def training(scale: float, seed: int, progress: Progress = _stderr,
+             assumed: Assumptions = NONE_ASSUMED) -> Outcome:
+    """The paper's step duration and Fig. 6: ``step.steps`` RL steps of each workload (a fresh batch per step,
+    rollout then ``step.train_s`` of training) under the broker and the baseline of ``e2e``, with the mean ACT of
+    the calls ending in each time window over the run."""
+    nodes = round(CPU_NODES * scale)
+    params = assumed.step()
+    runs: list[tuple[str, Callable[[int], Trace], Cluster]] = [
+        ("AI coding", lambda s: ai_coding(assumed.coding(batch=round(1280 * scale)), s),
+         _cpu(round(1280 * scale), scale, assumed)),
+        ("MOPD", lambda s: mopd(assumed.mopd(batch=2048), s), _gpu(36, _teachers(9), assumed)),
+        ("DeepSearch", lambda s: deepsearch(assumed.search(batch=round(2048 * scale)), s),
+         _gpu(8 * nodes, (replace(JUDGE, static_replicas=nodes),), assumed, _search_apis(scale, assumed))),
+    ]
+    points: list[Point] = []
+    series: dict[str, list[list[Any]]] = {}
+    for x, (label, make, cluster) in enumerate(runs):
+        for policy in ("tangram", "baseline"):
+            run = train(make, cluster, POLICIES[policy], policy, params, seed)
+            summary = run.summary()
+            points.append(Point(x, policy, summary))
+            series[f"{label}/{policy}"] = [[round(t, 1), None if act is None else round(act, 4), n]
+                                           for t, act, n in run.windows(params.window_s)]
+            progress(f"training {label:>10} {policy:>8}: step {summary['mean_step_s']:8.1f} s "
+                     f"(rollout {summary['mean_rollout_s']:.1f} s + training {params.train_s:g} s)")
+    out = Outcome("training", f"RL training: step duration and ACT per {params.window_s:g} s window (Fig. 6)",
+                  "workload", points, [],
+                  [*(f"x = {i}: {label}" for i, (label, _, _) in enumerate(runs)),
+                   (f"{params.steps} steps of rollout then {params.train_s:g} s of training (assumed); "
+                    f"{MOPD_FULL_SCALE}")], series)
+    for x, (label, _, _) in enumerate(runs):
+        step = {p.policy: p.summary["mean_step_s"] for p in points if p.x == x}
+        rollout = {p.policy: p.summary["mean_rollout_s"] for p in points if p.x == x}
+        out.figures += [_figure(f"{label}: step duration, baseline / broker", STEP_SPEEDUPS[x],
+                                step["baseline"] / step["tangram"]),
+                        _figure(f"{label}: rollout makespan, baseline / broker", None,
+                                rollout["baseline"] / rollout["tangram"])]
+    return out
+
+
 Variation = tuple[str, str, dict[str, Any], dict[str, Any], float | None]
 
 #: the values tried for each assumption, defaults among them: (name, value label, workload params, costs, the CPU
 #: manager's worker overhead share)
 TRIED: tuple[Variation, ...] = (
-    *(("xdist CPU per worker", f"{s:.2f} s", {}, {"xdist_worker_cpu_s": s}, None) for s in (0.0, 0.22, 0.5, 1.0)),
+    *(("xdist start-up per worker, share of the suite", f"{x:.1%}", {}, {"xdist_worker_share": x}, None)
+      for x in (0.012, 0.185, 0.27)),  # the five measured suites' least, median and most
+    ("test-run model", "before calibration (0.05 s + 0.22 s per worker)", {},
+     {"xdist_start_cpu_s": 0.05, "xdist_worker_cpu_s": 0.22, "xdist_worker_share": 0.0}, None),
     *(("sandbox creation", f"{s:.1f} s", {}, {"env_create_s": s}, None) for s in (0.4, 1.0, 2.0)),
     *(("test-run serial fraction", f"{low:.0%}-{high:.0%}", {"serial_low": low, "serial_high": high}, {}, None)
       for low, high in ((0.0, 0.02), (0.01, 0.10), (0.05, 0.25))),
@@ -365,4 +424,4 @@ def sensitivity(scale: float, seed: int, progress: Progress = _stderr,
 
 SCENARIOS: dict[str, Callable[..., Outcome]] = {
     "coding-batch": coding_batch, "coding-capacity": coding_capacity, "dop": dop, "gpu-batch": gpu_batch,
-    "gpu-cost": gpu_cost, "breakdown": breakdown, "e2e": e2e, "sensitivity": sensitivity}
+    "gpu-cost": gpu_cost, "breakdown": breakdown, "e2e": e2e, "training": training, "sensitivity": sensitivity}
