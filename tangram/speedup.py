@@ -17,13 +17,14 @@ than the parallel part gains. A declaration is thus a prior the runs correct, no
 the declaration (``a = c = d = 0, b = 1``).
 
 The fit is least squares on relative errors with non-negative coefficients (SciPy's NNLS), pulled toward the
-declaration only as far as the runs leave a direction open: one run fixes the scale, each count observed after it
-overrules the prior there, and what the runs cannot yet tell apart (serial time, worker start-up, the fixed parallel
-cost) is read as the one that predicts the most gain from more units, so that those get tried (optimism where it is
-unsure). Bad observations are kept out or down-weighted: only succeeded actions are observed (a timed-out,
-OOM-killed, failed or cancelled run never is, nor one killed by a signal), and a few rounds of reweighting (Cauchy
-weights on a run's relative residual against the median of the runs at its units and workers) make a run that waited
-on a lock and took several times longer than the other runs at its count count for almost nothing.
+declaration only as far as the runs leave a direction open: one run fixes the scale (so do runs at counts less
+than a doubling apart, whose difference is within a run's noise), each count observed after it overrules the prior
+there, and what the runs cannot yet tell apart (serial time, worker start-up, the fixed parallel cost) is read as the
+one that predicts the most gain from more units, so that those get tried (optimism where it is unsure). Bad
+observations are kept out or down-weighted: only succeeded actions are observed (a timed-out, OOM-killed, failed or
+cancelled run never is, nor one killed by a signal), and a few rounds of reweighting (Cauchy weights on a run's
+relative residual against the median of the runs at its units and workers) make a run that waited on a lock and took
+several times longer than the other runs at its count count for almost nothing.
 
 Exploration: predictions are trusted up to twice the largest unit count observed (or the declared efficiency's
 largest count): beyond it the model promises no further gain, so the scheduler tries one doubling at a time and

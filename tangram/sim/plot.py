@@ -21,6 +21,11 @@ LABELS = {"tangram": "ARL-Tangram (malleable, simulated)", "baseline": "pods", "
           **{name: f"fixed DoP {name[3:]}" for name in DOP_SHADES}}
 
 
+#: what the ``baseline`` policy is for each workload of a series plot
+SERIES_BASELINES = {"AI coding": "pods", "MOPD": "static deployment",
+                    "DeepSearch": "direct API calls, static judge"}
+
+
 def plot(outcome: Outcome, path: str | Path) -> None:
     import matplotlib
 
@@ -67,14 +72,15 @@ def _series(outcome: Outcome, path: str | Path) -> None:
             label, _, policy = name.partition("/")
             if label == workload and rows:
                 axes.plot([row[0] / 60 for row in rows], [math.nan if row[1] is None else row[1] for row in rows],
-                          color=COLORS.get(policy),
-                          label=LABELS.get(policy, policy), linewidth=1)
+                          color=COLORS.get(policy), linewidth=1,
+                          label=SERIES_BASELINES.get(workload, "baseline") if policy == "baseline"
+                          else LABELS.get(policy, policy))
         axes.set_title(workload, fontsize=9)
         axes.set_ylabel("mean ACT (s)")
         axes.set_yscale("log")
         axes.grid(alpha=0.3)
+        axes.legend(fontsize=7, loc="upper right")
     panels[-1, 0].set_xlabel("time since training started (min)")
-    panels[0, 0].legend(fontsize=8)
     figure.suptitle(outcome.title, fontsize=10)
     figure.tight_layout()
     figure.savefig(path)

@@ -65,9 +65,9 @@ class Outcome:
     series: dict[str, list[list[Any]]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        body = {"scenario": self.scenario, "title": self.title, "x_label": self.x_label,
-                "figures": self.figures, "notes": self.notes,
-                "points": [{"x": p.x, "policy": p.policy, **p.summary} for p in self.points]}
+        body: dict[str, Any] = {"scenario": self.scenario, "title": self.title, "x_label": self.x_label,
+                                "figures": self.figures, "notes": self.notes,
+                                "points": [{"x": p.x, "policy": p.policy, **p.summary} for p in self.points]}
         if self.series:
             body["series"] = self.series
         return body
