@@ -83,7 +83,7 @@ def planned(scheduler: Scheduler, reference: Scheduler | None, queue: FCFSQueue,
 def paired(times: list[float], reference_times: list[float]) -> dict[str, float]:
     """The declared model's steady-state pass median and, when measured, what learning adds: the median per-pass
     ratio with the learning scheduler first and with it second, and their geometric mean (the second pass of a pair
-    runs on caches the first warmed, worth ±10% here, so neither order alone is the cost)."""
+    runs on caches the first warmed, worth 5-25% here, so neither order alone is the cost)."""
     if not reference_times:
         return {}
     ratios = [t / r for t, r in zip(times, reference_times)]

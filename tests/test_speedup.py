@@ -315,3 +315,17 @@ def test_runs_at_counts_close_together_fit_the_scale_only() -> None:
     wider = Speedup([*runs, *(Run(8.0, 8, declared(elasticity, 8), declared(elasticity, 8) * x, 60.0)
                               for x in (0.72, 0.78))])
     assert wider.fit(elasticity).serial_s > 0
+
+
+@pytest.mark.parametrize("resize", [False, True])
+def test_the_learning_bench_plans_each_pass_twice_on_the_same_state(resize: bool) -> None:
+    """``bench_scheduler --learn``: both schedulers plan every pass (the declared one's plan dropped), so each has a
+    time per pass, and the figure is the geometric mean of the two orders' median ratios."""
+    from loadtest.bench_scheduler import run
+
+    figures = run(256, 41, 1, 64, 1, 2, 16, resize=resize, learn=True)
+    assert figures["passes"] == 41 and figures["completed"] > 0
+    first, second = figures["learning_first"], figures["learning_second"]
+    assert first > 0 and second > 0 and figures["declared_median_ms"] > 0
+    assert figures["learning/declared"] == pytest.approx((first * second) ** 0.5)
+    assert "learning/declared" not in run(256, 11, 1, 64, 1, 2, 16, resize=resize, learn=False)
