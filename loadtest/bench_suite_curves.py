@@ -31,6 +31,7 @@ from scipy.optimize import least_squares
 
 from loadtest.bench_real_suites import PYTEST, Step, exec_body, fresh_broker, run_trajectories, unpack_step
 from loadtest.suites import DEFAULT_CACHE_DIR, SUITES, Fetched, fetch
+from sandboxes.cgroup import parse_cpu_list
 from tangram.sim.cluster import Costs, xdist_cpu_s
 from tangram.sim.execution import Execution
 from tangram.sim.trace import Call
@@ -95,7 +96,7 @@ async def measure(fetched: list[Fetched], cores: str, engine: str, rounds: int, 
                   ) -> dict[str, dict[Config, list[float]]]:
     """Each suite in its own sandbox, alone on the node: ``rounds`` passes over the configurations (the order
     reversed every other round). Returns the commands' own run times per suite and configuration."""
-    plan = configs(len(_cores(cores)))
+    plan = configs(len(parse_cpu_list(cores)))
     times: dict[str, dict[Config, list[float]]] = {}
     async with fresh_broker(cores, engine) as url:
         for item in fetched:
@@ -111,14 +112,6 @@ async def measure(fetched: list[Fetched], cores: str, engine: str, rounds: int, 
                 times[name][config].append(outcome.duration_s)
             print(f"{name}: {len(order)} runs in {time.perf_counter() - started:.0f} s", flush=True)
     return times
-
-
-def _cores(text: str) -> list[int]:
-    cores: list[int] = []
-    for part in text.split(","):
-        low, _, high = part.partition("-")
-        cores += list(range(int(low), int(high or low) + 1))
-    return cores
 
 
 def report(times: dict[str, dict[Config, list[float]]]) -> dict[str, Any]:
