@@ -18,13 +18,14 @@ the declaration (``a = c = d = 0, b = 1``).
 
 The fit is least squares on relative errors with non-negative coefficients (SciPy's NNLS), pulled toward the
 declaration only as far as the runs leave a direction open: one run fixes the scale (so do runs at counts less
-than a doubling apart, whose difference is within a run's noise), each count observed after it overrules the prior
-there, and what the runs cannot yet tell apart (serial time, worker start-up, the fixed parallel cost) is read as the
-one that predicts the most gain from more units, so that those get tried (optimism where it is unsure). Bad
-observations are kept out or down-weighted: only succeeded actions are observed (a timed-out, OOM-killed, failed or
-cancelled run never is, nor one killed by a signal), and a few rounds of reweighting (Cauchy weights on a run's
-relative residual against the median of the runs at its units and workers) make a run that waited on a lock and took
-several times longer than the other runs at its count count for almost nothing.
+than a doubling apart, whose difference is within a run's noise; plain runs beside runs with more workers than
+units there fix the workers' cost too), each count observed after it overrules the prior there, and what the runs
+cannot yet tell apart (serial time, worker start-up, the fixed parallel cost) is read as the one that predicts the
+most gain from more units, so that those get tried (optimism where it is unsure). Bad observations are kept out or
+down-weighted: only succeeded actions are observed (a timed-out, OOM-killed, failed or cancelled run never is, nor
+one killed by a signal), and a few rounds of reweighting (Cauchy weights on a run's relative residual against the
+median of the runs at its units and workers) make a run that waited on a lock and took several times longer than
+the other runs at its count count for almost nothing.
 
 Exploration: predictions are trusted up to twice the largest unit count observed (or the declared efficiency's
 largest count): beyond it the model promises no further gain, so the scheduler tries one doubling at a time and
@@ -183,8 +184,15 @@ def fit_runs(runs: tuple[Run, ...]) -> SpeedupFit:
     # runs at one unit count cannot tell serial time or start-up from parallel work (whatever sizes the actions
     # declare), nor can runs at counts close together (29-32 cores change the parallel part by a tenth, less than
     # one run's noise: found reading a whole suite as serial and starting the next runs on one core): until counts
-    # a doubling apart are seen, only the scale is fitted
-    free = slice(None) if units.max() >= SPREAD_TO_SEPARATE * units.min() else slice(1, 2)
+    # a doubling apart are seen, only the scale is fitted, and the workers' cost with it once plain runs and runs
+    # with more workers than units were both seen (plain pytest on one core and two workers squeezed onto it tell
+    # that cost apart, not serial time: found as a squeezed run read as a larger suite)
+    if units.max() >= SPREAD_TO_SEPARATE * units.min():
+        free = np.arange(4)
+    elif np.any(workers == 1) and np.any(workers > units + 0.5):
+        free = np.arange(1, 4)
+    else:
+        free = np.arange(1, 2)
     # a run is an outlier against the other runs at its (units, workers), never a whole count against the rest: a
     # count the model cannot fit says the model is wrong, not the runs
     _, group = np.unique(np.round(units * 10.0) * float(1 << 20) + workers, return_inverse=True)

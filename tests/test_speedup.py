@@ -317,6 +317,21 @@ def test_runs_at_counts_close_together_fit_the_scale_only() -> None:
     assert wider.fit(elasticity).serial_s > 0
 
 
+def test_a_squeezed_run_at_the_same_count_is_read_as_worker_cost_not_a_larger_suite() -> None:
+    """pyflakes on one core, measured through the broker (2026-11-26): plain pytest 1.27 s, two workers squeezed
+    onto the core 2.19 s. Runs at one count fit the scale only, which read the pair as a 1.5 s suite (the plain run
+    predicted 18% slow, the squeezed one 31% fast, so it looked cheap to squeeze again); plain and squeezed runs
+    together tell the workers' cost apart, serial time still not."""
+    runs = [Run(1.0, 1, declared(UNDECLARED, 1), 1.27), Run(1.0, 2, declared(UNDECLARED, 1), 2.19)]
+    fit = Speedup(runs).fit(UNDECLARED)
+    assert fit.duration(UNDECLARED, 1) == pytest.approx(1.27, rel=0.02)
+    assert fit.duration(UNDECLARED, 1, workers=2) == pytest.approx(2.19, rel=0.02)
+    assert fit.serial_s == 0.0 and fit.per_worker_s + fit.harness_s > 0
+    # squeezed runs alone (no plain run to set them against) still fit the scale only
+    squeezed = Speedup([Run(1.0, 2, declared(UNDECLARED, 1), 2.19)] * 2).fit(UNDECLARED)
+    assert (squeezed.serial_s, squeezed.per_worker_s, squeezed.harness_s) == (0.0, 0.0, 0.0)
+
+
 @pytest.mark.parametrize("resize", [False, True])
 def test_the_learning_bench_plans_each_pass_twice_on_the_same_state(resize: bool) -> None:
     """``bench_scheduler --learn``: both schedulers plan every pass (the declared one's plan dropped), so each has a
