@@ -20,6 +20,7 @@ from managers.base import Allocation, Lessor, ResourceManager
 from tangram import dispatch
 from tangram.action import Action, Kind, State
 from tangram.arrivals import ArrivalModel
+from tangram.backoff import AllocationBackoff
 from tangram.durations import DurationModel
 from tangram.errors import ActionFailed, BadRequest, Conflict, NotFound, Unprocessable
 from tangram.metrics import Metrics
@@ -68,6 +69,7 @@ class Broker:
         self.arrivals = ArrivalModel(alpha=ewma_alpha)
         self.scheduler = Scheduler(self.managers, self.durations, depth=depth, horizon=horizon)
         self.queue = make_queue(policy)
+        self.backoff = AllocationBackoff()
         self.metrics = Metrics()
         self.metrics.watch(lambda: dict(self.queue.depth_by_resource()), self._units)
         for manager in self.managers:
@@ -294,6 +296,7 @@ class Broker:
         action = self.queue.remove(action_id)
         if action is not None:
             self.ledger.unqueue(action)
+            self.backoff.forget(action_id)
         return action
 
     def _validate(self, action: Action, where: str) -> None:
@@ -407,6 +410,8 @@ class Broker:
         started = time.perf_counter()
         now = time.time()
         queue = self.ledger.admissible(self.queue, self.environment_host) if self.ledger.tenancy.limited else self.queue
+        if self.backoff:
+            queue = [action for action in queue if not self.backoff.waiting(action.id, now)]
         host = self.environment_host
         holds = host.holds_environment if host is not None else None
         plan = self.scheduler.schedule(queue, (r.action for r in self.running.values()), now,
@@ -458,9 +463,20 @@ class Broker:
         action = placement.action
         try:
             allocations = dispatch.start(self.owner, self.durations, placement, now)
-        except Exception:
-            log.exception("allocation of %s failed; it stays queued", action.id)
+        except Exception as error:  # noqa: BLE001 - a manager refused what its fit accepted: back off, then fail
             self.scheduler.reshare()
+            delay = self.backoff.failed(action.id, time.time())
+            if delay is not None:
+                log.warning("allocation of %s failed (%d of %d tries; next in %.1f s): %r", action.id,
+                            self.backoff.count(action.id), self.backoff.attempts, delay, error)
+                asyncio.get_running_loop().call_later(delay, self.kick)
+                return
+            log.error("allocation of %s failed %d times, failing it: %r", action.id, self.backoff.attempts, error)
+            self._dequeue(action.id)
+            self._finish(action, State.FAILED, error={
+                "code": "allocation_failed",
+                "message": f"allocating {placement.units} failed {self.backoff.attempts} times; last: {error!r}"})
+            self.kick()  # actions it held back (FCFS) may go now
             return
         self._dequeue(action.id)
         action.state = State.RUNNING
