@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tangram.errors import BadRequest
-from tangram.parse import NAME
+from tangram.names import NAME
 
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}\Z")  # \Z: "$" would let a final newline through
 #: a plain pytest invocation at the start of a command or after a shell separator, not already given -n

@@ -140,7 +140,7 @@ async def _with_store(args: argparse.Namespace, work: Any) -> Any:
 def _token_create(args: argparse.Namespace) -> int:
     """A token for a task or the admin into the store: the token on stdout (only here, once), the rest on stderr."""
     from tangram.auth import mint
-    from tangram.parse import NAME
+    from tangram.names import NAME
 
     if (args.task is None) == (not args.admin):
         print("tangram: give a TASK or --admin (a token belongs to exactly one of them)", file=sys.stderr)

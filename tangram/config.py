@@ -14,7 +14,8 @@ from managers.basic import BasicResourceConfig, UpstreamConfig
 from managers.cpu_config import CpuConfig, parse_cpu_config
 from managers.gpu_config import GpuConfig, parse_gpu_config
 from tangram.errors import ConfigError
-from tangram.parse import NAME, Limits
+from tangram.names import NAME
+from tangram.parse import Limits
 from tangram.tenants import CAP_NAMES, TaskCaps, Tenancy
 
 DEFAULT_DB = "sqlite+aiosqlite:///tangram.db"

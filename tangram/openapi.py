@@ -7,7 +7,8 @@ from typing import Any
 
 from tangram.action import Kind, State
 from tangram.config import ServerConfig
-from tangram.parse import MAX_EFFICIENCY_POINTS, Limits
+from tangram.names import NAME, RESOURCE, json_pattern
+from tangram.parse import COUNT, MAX_EFFICIENCY_POINTS, Limits
 
 #: what a record answered by a submit leads to; the fuzzer's stateful runs follow these (submit -> get -> cancel)
 SPEEDUP_DESCRIPTION = ("the speed-up model of an elastic signature, null before its first run: T(m, W) = t1 * ("
@@ -152,8 +153,8 @@ def openapi_document(server: ServerConfig, limits: Limits, resources: Sequence[s
          "properties": {"choices": {"type": "array", "items": units, "minItems": 1,
                                     "maxItems": limits.max_choices}}},
     ]}
-    name = {"type": "string", "pattern": r"^[A-Za-z0-9][A-Za-z0-9._:\-/]{0,127}$"}
-    resource_name = {"type": "string", "pattern": r"^[a-z][a-z0-9_]*(\.[A-Za-z0-9_\-]+)*$"}
+    name = {"type": "string", "pattern": json_pattern(NAME)}
+    resource_name = {"type": "string", "pattern": json_pattern(RESOURCE)}
     id_param = {"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}
     wait_params = [
         {"name": "wait", "in": "query", "schema": {"type": "string", "enum": ["true", "false", "1", "0"]},
@@ -172,7 +173,7 @@ def openapi_document(server: ServerConfig, limits: Limits, resources: Sequence[s
                 "t1": _nullable({"type": "number", "exclusiveMinimum": 0,
                                  "description": "seconds on one unit; learned if absent"}),
                 "efficiency": {"type": "object", "maxProperties": MAX_EFFICIENCY_POINTS,
-                               "propertyNames": {"pattern": "^[1-9][0-9]{0,8}$"},
+                               "propertyNames": {"pattern": json_pattern(COUNT)},
                                "additionalProperties": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
                                "description": "E(m) by unit count m; getDur(m) = t1 / (E(m) * m); none: E = 1. "
                                               "A prior: the broker learns the real curve from completed runs"}}},

@@ -9,10 +9,8 @@ from typing import Any
 
 from tangram.action import Action, Demand, Elasticity, Kind
 from tangram.errors import BadRequest
+from tangram.names import NAME, RESOURCE
 
-# \Z, not $: Python's $ also matches before a trailing newline, which would let "task\n" through
-NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:\-/]{0,127}\Z")
-RESOURCE = re.compile(r"^[a-z][a-z0-9_]*(\.[A-Za-z0-9_\-]+)*\Z")
 #: a unit count as an efficiency key: "8", never "08", " 8", "+8" or "8_0", which int() would also take
 COUNT = re.compile(r"^[1-9][0-9]{0,8}\Z")
 #: efficiency points one action may declare

@@ -1,0 +1,89 @@
+"""The import contract: which of our packages may import which, checked on the source's import statements and their
+transitive closure (an import inside a function counts too), so that a layering fault fails here, not in review."""
+
+from __future__ import annotations
+
+import ast
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("tangram", "managers", "sandboxes", "reward_services", "clients", "loadtest")
+
+#: the service around the core: HTTP, the store, the config loader, the request parser, the CLI
+SERVICE_LAYER = frozenset({"tangram.broker", "tangram.api", "tangram.api_common", "tangram.environments_api",
+                           "tangram.profiles_api", "tangram.services_api", "tangram.status_page", "tangram.auth",
+                           "tangram.store", "tangram.config", "tangram.parse", "tangram.openapi", "tangram.service",
+                           "tangram.cli"})
+#: the scheduling algorithms and their vocabulary: pure Python, numpy and SciPy
+ALGORITHMS = ("tangram.action", "tangram.errors", "tangram.names", "tangram.dparrange", "tangram.estimate",
+              "tangram.malleable", "tangram.speedup", "tangram.durations", "tangram.backoff", "tangram.queue",
+              "tangram.arrivals")
+#: what the algorithms never import: the web server, the database, the container engine, the metrics exporter
+INFRASTRUCTURE = frozenset({"aiohttp", "sqlalchemy", "docker", "prometheus_client", "uvloop", "torch"})
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(path): path for package in PACKAGES for path in (ROOT / package).rglob("*.py")}
+
+
+@cache
+def _imports(module: str) -> tuple[frozenset[str], frozenset[str]]:
+    """(our modules, top-level outside packages) that ``module`` imports directly."""
+    ours: set[str] = set()
+    outside: set[str] = set()
+    for node in ast.walk(ast.parse(MODULES[module].read_text())):
+        if isinstance(node, ast.ImportFrom):
+            assert node.level == 0, f"{module}: relative import"
+            names = [node.module or ""] + [f"{node.module}.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        else:
+            continue
+        for name in names:
+            if name in MODULES:
+                ours.add(name)
+            elif name.split(".")[0] not in PACKAGES:
+                outside.add(name.split(".")[0])
+    return frozenset(ours), frozenset(outside)
+
+
+def reaches(module: str) -> tuple[set[str], set[str]]:
+    """Every module of ours ``module`` imports transitively, and every outside package any of them imports."""
+    seen: set[str] = set()
+    stack = [module]
+    outside: set[str] = set()
+    while stack:
+        ours, theirs = _imports(stack.pop())
+        outside |= theirs
+        for name in ours - seen:
+            seen.add(name)
+            stack.append(name)
+    return seen, outside
+
+
+def test_the_contract_sees_the_whole_tree() -> None:
+    assert len(MODULES) > 100 and "tangram.broker" in MODULES and "managers.cpu" in MODULES
+    ours, outside = reaches("tangram.service")
+    assert "managers.cpu" in ours and "aiohttp" in outside  # it follows imports: a broken walk would pass anything
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m.split(".")[0] in
+                                          ("managers", "sandboxes", "reward_services")))
+def test_managers_sandboxes_and_services_never_reach_the_service_layer(module: str) -> None:
+    ours, _ = reaches(module)
+    assert not ours & SERVICE_LAYER, f"{module} imports {sorted(ours & SERVICE_LAYER)}"
+
+
+@pytest.mark.parametrize("module", ALGORITHMS)
+def test_the_algorithms_import_no_infrastructure_and_no_manager(module: str) -> None:
+    ours, outside = reaches(module)
+    assert not outside & INFRASTRUCTURE, f"{module} reaches {sorted(outside & INFRASTRUCTURE)}"
+    assert all(name.startswith("tangram.") for name in ours), f"{module} imports {sorted(ours)}"
+    assert not ours & SERVICE_LAYER
