@@ -32,7 +32,7 @@ from sandboxes.backend import Leftover, Sandbox, SandboxBackend, SandboxError, S
 from sandboxes.docker import DockerBackend
 from sandboxes.local import LocalProcessBackend
 from tangram.action import Action, Kind, new_action_id
-from tangram.errors import ActionFailed, BadRequest, Conflict, NotFound, Unprocessable
+from tangram.errors import ActionFailed, BadRequest, Conflict, NotFound, TooMany, Unavailable, Unprocessable
 from tangram.malleable import WorkerCost, workers_for
 
 log = logging.getLogger("tangram.cpu")
@@ -295,8 +295,8 @@ class CpuManager(ResourceManager):
 
     def _check_room(self, field: str) -> None:
         if len(self.environments) >= self.config.max_environments:
-            raise BadRequest(field, f"the broker holds {len(self.environments)} environments, its limit; delete "
-                                    f"idle ones or wait for their TTL", status=429)
+            raise TooMany(field, f"the broker holds {len(self.environments)} environments, its limit; delete "
+                                 f"idle ones or wait for their TTL")
 
     def allocate(self, action: Action, units: Mapping[str, int], pools: Mapping[str, str]) -> Allocation:
         node = self.nodes[pools[RESOURCE]]
@@ -500,15 +500,15 @@ class CpuManager(ResourceManager):
             admit(memory)
         fitting = [n for n in self.nodes.values() if n.memory_reserved + memory <= n.memory_mb]
         if not fitting:
-            raise BadRequest("memory_mb", f"no node has {memory} MiB unreserved now; retry later", status=503)
+            raise Unavailable("memory_mb", f"no node has {memory} MiB unreserved now; retry later")
         node = min(fitting, key=lambda n: (n.memory_load_after(memory), -len(n.cores.free)))
         env = self._reserve(task, trajectory, node, image or self.config.default_image, memory, files,
                             ephemeral=False)
         try:
             await self._sandbox(env)
         except ActionFailed as failure:
-            status = 422 if failure.code in ("image_not_found", "image_without_python3") else 503
-            raise BadRequest("image", failure.message, status=status, code=failure.code) from None
+            refused = Unprocessable if failure.code in ("image_not_found", "image_without_python3") else Unavailable
+            raise refused("image", failure.message, code=failure.code) from None
         return env
 
     def get_environment(self, env_id: str) -> Environment:

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from tangram.errors import BadRequest
+from tangram.errors import BadRequest, TooLarge
 from tangram.names import NAME
 
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}\Z")  # \Z: "$" would let a final newline through
@@ -98,7 +98,7 @@ def parse_files(raw: Any, where: str, limits: ExecLimits) -> dict[str, bytes]:
     if not isinstance(raw, dict):
         raise BadRequest(where, 'must map relative paths to text or {"base64": "..."}')
     if len(raw) > limits.max_files:
-        raise BadRequest(where, f"at most {limits.max_files} files", status=413)
+        raise TooLarge(where, f"at most {limits.max_files} files")
     files: dict[str, bytes] = {}
     total = 0
     for path, content in raw.items():
@@ -117,7 +117,7 @@ def parse_files(raw: Any, where: str, limits: ExecLimits) -> dict[str, bytes]:
             raise BadRequest(field_name, 'must be text or {"base64": "..."}')
         total += len(data)
         if total > limits.max_files_bytes:
-            raise BadRequest(where, f"files exceed {limits.max_files_bytes} bytes in all", status=413)
+            raise TooLarge(where, f"files exceed {limits.max_files_bytes} bytes in all")
         files[normal] = data
     return files
 
@@ -132,7 +132,7 @@ def _command(raw: Any, where: str, limits: ExecLimits) -> str | tuple[str, ...]:
     else:
         raise BadRequest(where, "must be a non-empty shell string or a non-empty list of argument strings")
     if size > limits.max_command_bytes:
-        raise BadRequest(where, f"is {size} bytes; the limit is {limits.max_command_bytes}", status=413)
+        raise TooLarge(where, f"is {size} bytes; the limit is {limits.max_command_bytes}")
     if any("\x00" in p for p in ([parts] if isinstance(parts, str) else parts)):
         raise BadRequest(where, "must not contain NUL")
     return parts

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tangram.errors import BadRequest
+from tangram.errors import BadRequest, TooLarge
 
 SPEC_FIELDS = frozenset({"service", "input"})
 INPUT_FIELDS = {
@@ -95,7 +95,7 @@ class _Budget:
             raise BadRequest(field, "must be a string")
         self.left -= len(value.encode())
         if self.left < 0:
-            raise BadRequest(self.where, f"text over all items exceeds {self.limit} bytes", status=413)
+            raise TooLarge(self.where, f"text over all items exceeds {self.limit} bytes")
         return value
 
 
@@ -103,7 +103,7 @@ def _items(value: Any, field: str, limits: RewardLimits) -> list[Any]:
     if not isinstance(value, list) or not value:
         raise BadRequest(field, "must be a non-empty list")
     if len(value) > limits.max_items:
-        raise BadRequest(field, f"{len(value)} items; at most {limits.max_items} per action", status=413)
+        raise TooLarge(field, f"{len(value)} items; at most {limits.max_items} per action")
     return value
 
 

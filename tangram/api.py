@@ -19,7 +19,8 @@ from tangram.auth import AUTH, add_auth, authenticate, claim_task, principal_of
 from tangram.broker import Broker
 from tangram.config import AccessConfig, ServerConfig, load_config
 from tangram.environments_api import add_environment_routes
-from tangram.errors import BadRequest, ConfigError
+from tangram.errors import BadRequest, ConfigError, RequestError, TooLarge, Unprocessable
+from tangram.http_errors import headers_of, status_of
 from tangram.openapi import openapi_document
 from tangram.parse import Limits, parse_action
 from tangram.profiles_api import add_profile_routes
@@ -33,8 +34,8 @@ log = logging.getLogger("tangram.api")
 async def errors_as_json(request: web.Request, handler: Any) -> web.StreamResponse:
     try:
         return await handler(request)
-    except BadRequest as error:  # 401 and 429 carry headers (WWW-Authenticate, Retry-After)
-        return json_response(error.to_json(), status=error.status, headers=getattr(error, "headers", None))
+    except RequestError as error:
+        return json_response(error.to_json(), status=status_of(error), headers=headers_of(error))
     except web.HTTPException as error:
         if error.status < 400:
             raise
@@ -94,7 +95,7 @@ async def submit_batch(request: web.Request) -> web.Response:
     if not isinstance(items, list) or not items:
         raise BadRequest("actions", "must be a non-empty list")
     if len(items) > limit:
-        raise BadRequest("actions", f"has {len(items)} actions; at most {limit} per batch", status=413)
+        raise TooLarge("actions", f"has {len(items)} actions; at most {limit} per batch")
     limits = request.app[LIMITS]
     principal = principal_of(request)
     actions = [parse_action(claim_task(item, principal, f"actions[{i}]."), limits, where=f"actions[{i}].")
@@ -196,7 +197,7 @@ async def reload(request: web.Request) -> web.Response:
         try:
             access = load_config(source).access
         except ConfigError as error:
-            raise BadRequest("config", f"{source}: {error}; nothing was reloaded", status=422) from None
+            raise Unprocessable("config", f"{source}: {error}; nothing was reloaded") from None
     await auth.refresh()
     auth.configure(access)
     request.app[BROKER].set_tenancy(access.tenancy)

@@ -31,7 +31,7 @@ from aiohttp import web
 
 from tangram.api_common import BROKER, json_response, read_json
 from tangram.config import AccessConfig
-from tangram.errors import BadRequest, Conflict, NotFound
+from tangram.errors import BadRequest, Conflict, Forbidden, NotFound, Unauthorized
 from tangram.parse import known_fields, parse_name
 from tangram.store import Store, StoredToken
 
@@ -74,23 +74,6 @@ def mint(task: str | None, note: str) -> tuple[StoredToken, str]:
     row = StoredToken(id="tok_" + secrets.token_hex(8), sha256=token_sha256(token), task=task, note=note,
                       created_at=time.time())
     return row, token
-
-
-class Unauthorized(BadRequest):
-    """401 with ``WWW-Authenticate: Bearer`` (RFC 6750): no token, or one the broker does not know."""
-
-    def __init__(self, reason: str, *, invalid: bool) -> None:
-        super().__init__("authorization", reason, status=401)
-        self.invalid = invalid
-
-    @property
-    def headers(self) -> dict[str, str]:
-        return {"WWW-Authenticate": 'Bearer realm="tangram"' + (', error="invalid_token"' if self.invalid else "")}
-
-
-class Forbidden(BadRequest):
-    def __init__(self, field: str, reason: str) -> None:
-        super().__init__(field, reason, status=403)
 
 
 @dataclass(frozen=True, slots=True)

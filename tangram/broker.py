@@ -22,7 +22,7 @@ from tangram.action import Action, Kind, State
 from tangram.arrivals import ArrivalModel
 from tangram.backoff import AllocationBackoff
 from tangram.durations import DurationModel
-from tangram.errors import ActionFailed, BadRequest, Conflict, NotFound, Unprocessable
+from tangram.errors import ActionFailed, BadRequest, Conflict, NotFound, RequestError, Unavailable, Unprocessable
 from tangram.metrics import Metrics
 from tangram.queue import make_queue
 from tangram.scheduler import Placement, Resize, Scheduler
@@ -131,7 +131,7 @@ class Broker:
                 continue
             try:
                 self._validate(action, "")
-            except BadRequest as error:  # the config changed under it: it could never run here
+            except RequestError as error:  # the config changed under it: it could never run here
                 self._finish(action, State.FAILED, error={"code": "not_runnable", "message": "after a restart: "
                                                           f"{error.field}: {error.reason}"})
                 failed += 1
@@ -209,19 +209,17 @@ class Broker:
     async def submit(self, actions: Sequence[Action]) -> list[tuple[Action, bool]]:
         """Queue actions (all or none are validated first). Returns each record and whether it is new."""
         if self.draining:
-            raise BadRequest("actions", "the broker is shutting down; submit again in a moment (to its successor)",
-                             status=503)
+            raise Unavailable("actions", "the broker is shutting down; submit again in a moment (to its successor)")
         for index, action in enumerate(actions):
             self._validate(action, f"actions[{index}]." if len(actions) > 1 else "")
         if len(self.queue) + len(actions) > self.max_queue:
-            raise BadRequest("actions", f"the queue is full ({self.max_queue} actions); retry later", status=503)
+            raise Unavailable("actions", f"the queue is full ({self.max_queue} actions); retry later")
         try:
             stored = await self._stored_idempotent(actions)
         except Exception as error:  # noqa: BLE001 - any driver error: the database cannot answer now
             log.error("idempotency lookup failed: %r", error)
-            raise BadRequest("store", "the database is unavailable, so this broker cannot tell whether these "
-                                      "idempotency keys were used before; retry with the same keys", status=503) \
-                from None
+            raise Unavailable("store", "the database is unavailable, so this broker cannot tell whether these "
+                                       "idempotency keys were used before; retry with the same keys") from None
         if self.ledger.tenancy.limited:  # after the last await: nothing is queued between the check and the pushes
             self._check_caps(actions, stored)
         results: list[tuple[Action, bool]] = []
@@ -248,8 +246,8 @@ class Broker:
                 await asyncio.gather(*(self.store.durable(a) for a in fresh))
             except Exception as error:  # queued and still pending in the store, which keeps retrying
                 log.error("submit not durable yet: %r", error)
-                raise BadRequest("store", "accepted but not yet durable (database unavailable); resubmit with "
-                                          "the same idempotency_key to learn its fate", status=503) from None
+                raise Unavailable("store", "accepted but not yet durable (database unavailable); resubmit with "
+                                           "the same idempotency_key to learn its fate") from None
         return results
 
     def _check_caps(self, actions: Sequence[Action], stored: dict[tuple[str, str], Action]) -> None:
@@ -316,7 +314,7 @@ class Broker:
             for manager in {id(self.owner[r]): self.owner[r] for r in action.demands}.values():
                 if manager is not self.executor[action.kind]:
                     manager.validate(action)
-        except BadRequest as error:
+        except RequestError as error:
             if where:
                 error.field = where + error.field
             raise

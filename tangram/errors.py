@@ -5,14 +5,17 @@ from __future__ import annotations
 from typing import Any
 
 
-class BadRequest(Exception):
-    """A client error: rendered as ``{"error": {"field": ..., "reason": ...}}`` with ``status``."""
+class RequestError(Exception):
+    """A request the broker refuses, naming the offending field and the reason. It carries no HTTP status: the HTTP
+    layer maps each class to one (``tangram.http_errors``), so the domain says *what* went wrong, not how HTTP
+    spells it. ``extra`` goes into the error body; ``retry_after_s`` says when trying again makes sense."""
 
-    def __init__(self, field: str, reason: str, status: int = 400, **extra: Any) -> None:
+    retry_after_s: float | None = None
+
+    def __init__(self, field: str, reason: str, **extra: Any) -> None:
         super().__init__(f"{field}: {reason}")
         self.field = field
         self.reason = reason
-        self.status = status
         self.extra = extra
 
     def to_json(self) -> dict[str, Any]:
@@ -21,21 +24,52 @@ class BadRequest(Exception):
         return {"error": body}
 
 
-class NotFound(BadRequest):
-    def __init__(self, field: str, reason: str) -> None:
-        super().__init__(field, reason, status=404)
+class BadRequest(RequestError):
+    """Malformed: a field of the wrong type, out of its range, or unknown."""
 
 
-class Conflict(BadRequest):
-    def __init__(self, field: str, reason: str) -> None:
-        super().__init__(field, reason, status=409)
+class TooLarge(RequestError):
+    """Over a size limit: too many items, files or bytes in one request."""
 
 
-class Unprocessable(BadRequest):
+class NotFound(RequestError):
+    """No such action, environment, service or token."""
+
+
+class Conflict(RequestError):
+    """Refused in the state the object is in (already finished, already has an environment)."""
+
+
+class Unprocessable(RequestError):
     """Well-formed but impossible, e.g. a demand no node could ever satisfy."""
 
-    def __init__(self, field: str, reason: str) -> None:
-        super().__init__(field, reason, status=422)
+
+class Unauthorized(RequestError):
+    """No token, or one the broker does not know (``invalid``)."""
+
+    def __init__(self, reason: str, *, invalid: bool) -> None:
+        super().__init__("authorization", reason)
+        self.invalid = invalid
+
+
+class Forbidden(RequestError):
+    """A known token without the scope or the task this request needs."""
+
+
+class TooMany(RequestError):
+    """A limit that clears with time: a task at one of its caps, the broker at its environment limit."""
+
+    def __init__(self, field: str, reason: str, retry_after_s: float | None = None, **extra: Any) -> None:
+        super().__init__(field, reason, **extra)
+        self.retry_after_s = retry_after_s
+
+
+class Unavailable(RequestError):
+    """The broker cannot take this now (draining, queue full, database down, no memory free): retry later."""
+
+    def __init__(self, field: str, reason: str, retry_after_s: float | None = None, **extra: Any) -> None:
+        super().__init__(field, reason, **extra)
+        self.retry_after_s = retry_after_s
 
 
 class ConfigError(Exception):

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, fields
 from typing import Protocol, runtime_checkable
 
 from tangram.action import Action
-from tangram.errors import BadRequest
+from tangram.errors import TooMany
 
 #: Retry-After for an environment or memory cap: room comes back when the task's sandboxes are deleted or idle out,
 #: which the broker cannot foresee
@@ -73,17 +73,12 @@ class Tenancy:
         return not self.defaults.unlimited or any(not caps.unlimited for caps in self.tasks.values())
 
 
-class OverCap(BadRequest):
-    """429: a task is at one of its caps. ``Retry-After`` says when trying again makes sense."""
+class OverCap(TooMany):
+    """A task is at one of its caps; ``retry_after_s`` says when trying again makes sense."""
 
     def __init__(self, task: str, cap: str, limit: int, reason: str, retry_after_s: int) -> None:
-        super().__init__("task", reason, status=429, cap=cap, limit=limit)
+        super().__init__("task", reason, retry_after_s, cap=cap, limit=limit)
         self.task = task
-        self.retry_after_s = retry_after_s
-
-    @property
-    def headers(self) -> dict[str, str]:
-        return {"Retry-After": str(self.retry_after_s)}
 
 
 @runtime_checkable

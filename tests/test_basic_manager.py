@@ -15,6 +15,7 @@ from aiohttp import web
 from managers.basic import BasicManager, BasicResourceConfig, UpstreamConfig
 from tangram.action import Action, Demand, Kind
 from tangram.errors import ActionFailed, BadRequest, ConfigError, Unprocessable
+from tangram.http_errors import status_of
 
 
 class Clock:
@@ -324,7 +325,7 @@ def test_api_action_routes_to_exactly_one_upstream(checker: BasicManager) -> Non
 def test_demand_beyond_capacity_is_unprocessable(checker: BasicManager) -> None:
     with pytest.raises(Unprocessable) as err:
         checker.validate(api(units=3))
-    assert (err.value.field, err.value.status) == ("demand.api.search", 422)
+    assert (err.value.field, status_of(err.value)) == ("demand.api.search", 422)
 
 
 def test_foreign_resources_are_rejected_for_basic_kinds(checker: BasicManager) -> None:
