@@ -15,11 +15,11 @@ import statistics
 import time
 from collections import Counter
 
-from managers.base import ResourceManager
 from managers.counted import CountedUnitsManager
 from managers.gpu import GpuManager
 from managers.gpu_config import parse_gpu_config
-from tangram.action import Action, Demand, Elasticity, Kind
+from tangram.core.action import Action, Demand, Elasticity, Kind
+from tangram.core.seam import ResourceManager
 from tangram.durations import DurationModel
 from tangram.scheduler import Placement, Scheduler
 

@@ -48,8 +48,8 @@ from aiohttp import web
 from clients import AsyncTangramClient
 from clients.records import ActionRecord
 from loadtest.suites import DEFAULT_CACHE_DIR, SUITES, Fetched, fetch
-from tangram.action import Elasticity
 from tangram.config import ServerConfig, parse_config
+from tangram.core.action import Elasticity
 from tangram.service import running_broker
 from tangram.speedup import SpeedupFit
 

@@ -13,7 +13,7 @@ order, so the machine's noise falls on both alike; ``learning/declared`` is the 
 ratio in each order.
 
 With ``--resize`` the manager can resize running cpu allocations, so elastic actions run malleable
-(``tangram.malleable``): each plan is applied as the simulator applies it (shrinks, starts, grows through
+(``tangram.core.malleable``): each plan is applied as the simulator applies it (shrinks, starts, grows through
 ``tangram.dispatch``) and a resized action's completion is re-timed from its remaining estimated work.
 
     python -m loadtest.bench_scheduler [--actions 2048] [--passes 1000] [--nodes 5] [--cores-per-node 256] [--resize]
@@ -30,10 +30,10 @@ import statistics
 import time
 from collections.abc import Iterable
 
-from managers.base import Allocation, ResourceManager
 from managers.counted import CountedUnitsManager
 from tangram import dispatch
-from tangram.action import Action, Demand, Elasticity, Kind
+from tangram.core.action import Action, Demand, Elasticity, Kind
+from tangram.core.seam import Allocation, ResourceManager
 from tangram.durations import DurationModel
 from tangram.queue import FCFSQueue
 from tangram.scheduler import Plan, Resize, Scheduler

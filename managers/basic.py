@@ -22,11 +22,11 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from managers.base import Allocation, Fit, Outcome, PoolStatus, ResourceManager
 from managers.quota import QuotaWindow
 from managers.upstream import Upstream, UpstreamConfig, check_config, validate_spec
-from tangram.action import Action, Kind
-from tangram.errors import BadRequest, ConfigError, Unprocessable
+from tangram.core.action import Action, Kind
+from tangram.core.errors import BadRequest, ConfigError, Unprocessable
+from tangram.core.seam import Allocation, Fit, Outcome, PoolStatus, ResourceManager
 
 __all__ = ["BasicManager", "BasicResourceConfig", "UpstreamConfig"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, TypeVar
 
-from tangram.errors import ConfigError
+from tangram.core.errors import ConfigError
 
 T = TypeVar("T")
 

@@ -4,7 +4,7 @@ Used directly by the simulator and the scheduling benchmark, and as the allocati
 on. A pool is chosen per action and resource at fit time (the one with the most free units, leaving room to
 scale); an action's units of one resource never span pools.
 
-Resources named in ``resizable`` hold malleable allocations (``tangram.malleable``): the scheduler lends the units
+Resources named in ``resizable`` hold malleable allocations (``tangram.core.malleable``): the scheduler lends the units
 running elastic actions hold above their floors to queued ones and resizes those actions in place, as the CPU
 manager does with cpusets. Only the books change here; nothing runs, so there is nothing to re-pin.
 """
@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from managers.base import Allocation, Fit, PoolStatus, ResourceManager
-from tangram.action import Action
-from tangram.errors import Unprocessable
-from tangram.malleable import WorkerCost
+from tangram.core.action import Action
+from tangram.core.errors import Unprocessable
+from tangram.core.malleable import WorkerCost
+from tangram.core.seam import Allocation, Fit, PoolStatus, ResourceManager
 
 
 class CountedFit(Fit):

@@ -23,7 +23,6 @@ from typing import Any
 
 from docker.tls import TLSConfig
 
-from managers.base import Allocation, Fit, Outcome, PoolStatus, ResourceManager
 from managers.cores import CorePool, host_numa_nodes
 from managers.cpu_config import CpuConfig, CpuNodeConfig
 from managers.environment import Environment, EnvState
@@ -31,9 +30,10 @@ from managers.exec_spec import executor_request, parse_exec_spec, parse_files
 from sandboxes.backend import Leftover, Sandbox, SandboxBackend, SandboxError, SandboxSpec
 from sandboxes.docker import DockerBackend
 from sandboxes.local import LocalProcessBackend
-from tangram.action import Action, Kind, new_action_id
-from tangram.errors import ActionFailed, BadRequest, Conflict, NotFound, TooMany, Unavailable, Unprocessable
-from tangram.malleable import WorkerCost, workers_for
+from tangram.core.action import Action, Kind, new_action_id
+from tangram.core.errors import ActionFailed, BadRequest, Conflict, NotFound, TooMany, Unavailable, Unprocessable
+from tangram.core.malleable import WorkerCost, workers_for
+from tangram.core.seam import Allocation, Fit, Outcome, PoolStatus, ResourceManager
 
 log = logging.getLogger("tangram.cpu")
 

@@ -12,7 +12,7 @@ from managers.config_checks import check_table, int_limits, positive_int
 from managers.exec_spec import ExecLimits
 from sandboxes.cgroup import parse_cpu_list
 from sandboxes.image import DEFAULT_IMAGE
-from tangram.errors import ConfigError
+from tangram.core.errors import ConfigError
 
 BACKENDS = ("auto", "docker", "local")
 UNIX_PATH_MAX = 107

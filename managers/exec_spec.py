@@ -10,8 +10,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from tangram.errors import BadRequest, TooLarge
-from tangram.names import NAME
+from tangram.core.errors import BadRequest, TooLarge
+from tangram.core.names import NAME
 
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}\Z")  # \Z: "$" would let a final newline through
 #: a plain pytest invocation at the start of a command or after a shell separator, not already given -n

@@ -24,16 +24,16 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from managers.base import Allocation, Fit, Outcome, PoolStatus, ResourceManager
 from managers.chunk_operator import ChunkOperator
 from managers.chunks import Chunk, ChunkAllocator, Preference, after_allocating
 from managers.gpu_config import GpuConfig, GpuNodeConfig
 from managers.residency import Residency, Slot, SlotState
 from reward_services.backend import ServiceBackend, ServiceError, ServiceSpec
 from reward_services.requests import parse_reward_input, parse_reward_spec
-from tangram.action import Action, Kind
-from tangram.dparrange import DPOperator
-from tangram.errors import ActionFailed, BadRequest, ConfigError, NotFound, Unprocessable
+from tangram.core.action import Action, Kind
+from tangram.core.dparrange import DPOperator
+from tangram.core.errors import ActionFailed, BadRequest, ConfigError, NotFound, Unprocessable
+from tangram.core.seam import Allocation, Fit, Outcome, PoolStatus, ResourceManager
 
 log = logging.getLogger("tangram.gpu")
 

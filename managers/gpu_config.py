@@ -12,7 +12,7 @@ from managers.config_checks import check_table, int_limits, positive_int
 from managers.gpu_discovery import discover_gpus
 from reward_services.backend import LEGAL_DOPS, TASKS, ServiceSpec
 from reward_services.requests import RewardLimits
-from tangram.errors import ConfigError
+from tangram.core.errors import ConfigError
 
 BACKENDS = ("torch", "sglang")
 DEVICE_TYPES = ("cuda", "cpu")

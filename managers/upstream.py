@@ -23,7 +23,7 @@ from urllib.parse import unquote
 import aiohttp
 from yarl import URL
 
-from tangram.errors import ActionFailed, BadRequest, ConfigError
+from tangram.core.errors import ActionFailed, BadRequest, ConfigError
 
 METHODS = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE", "HEAD"})
 SPEC_FIELDS = frozenset({"method", "path", "query", "headers", "body", "body_text"})

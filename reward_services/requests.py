@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tangram.errors import BadRequest, TooLarge
+from tangram.core.errors import BadRequest, TooLarge
 
 SPEC_FIELDS = frozenset({"service", "input"})
 INPUT_FIELDS = {

@@ -173,7 +173,7 @@ def minilm_section(args: argparse.Namespace, report: dict[str, Any]) -> dict[str
 def eoe_section(args: argparse.Namespace, report: dict[str, Any]) -> dict[str, Any]:
     from managers.gpu import GpuManager
     from managers.gpu_config import parse_gpu_config
-    from tangram.action import Action, Demand, Kind
+    from tangram.core.action import Action, Demand, Kind
 
     service = {"backend": "torch", "model": "synthetic", "task": "similarity", "dops": [1],
                "gpu_memory_mb": args.size_mb + 64, "host_memory_mb": args.size_mb * 2}

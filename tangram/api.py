@@ -13,13 +13,13 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from tangram.action import Action
 from tangram.api_common import BROKER, LIMITS, SERVER, json_response, read_json
 from tangram.auth import AUTH, add_auth, authenticate, claim_task, principal_of
 from tangram.broker import Broker
 from tangram.config import AccessConfig, ServerConfig, load_config
+from tangram.core.action import Action
+from tangram.core.errors import BadRequest, ConfigError, RequestError, TooLarge, Unprocessable
 from tangram.environments_api import add_environment_routes
-from tangram.errors import BadRequest, ConfigError, RequestError, TooLarge, Unprocessable
 from tangram.http_errors import headers_of, status_of
 from tangram.openapi import openapi_document
 from tangram.parse import Limits, parse_action

@@ -9,7 +9,7 @@ from aiohttp import web
 
 from tangram.broker import Broker
 from tangram.config import ServerConfig
-from tangram.errors import BadRequest
+from tangram.core.errors import BadRequest
 from tangram.parse import Limits
 
 BROKER = web.AppKey("broker", Broker)

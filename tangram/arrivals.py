@@ -14,7 +14,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tangram.action import Action
+from tangram.core.action import Action
 
 #: a trajectory idle this many think times is taken to have ended (it deleted nothing the broker saw)
 GIVE_UP_THINKS = 10.0

@@ -31,7 +31,7 @@ from aiohttp import web
 
 from tangram.api_common import BROKER, json_response, read_json
 from tangram.config import AccessConfig
-from tangram.errors import BadRequest, Conflict, Forbidden, NotFound, Unauthorized
+from tangram.core.errors import BadRequest, Conflict, Forbidden, NotFound, Unauthorized
 from tangram.parse import known_fields, parse_name
 from tangram.store import Store, StoredToken
 

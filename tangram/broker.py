@@ -16,13 +16,13 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from managers.base import Allocation, Lessor, ResourceManager
 from tangram import dispatch
-from tangram.action import Action, Kind, State
 from tangram.arrivals import ArrivalModel
 from tangram.backoff import AllocationBackoff
+from tangram.core.action import Action, Kind, State
+from tangram.core.errors import ActionFailed, BadRequest, Conflict, NotFound, RequestError, Unavailable, Unprocessable
+from tangram.core.seam import Allocation, Lessor, ResourceManager
 from tangram.durations import DurationModel
-from tangram.errors import ActionFailed, BadRequest, Conflict, NotFound, RequestError, Unavailable, Unprocessable
 from tangram.metrics import Metrics
 from tangram.queue import make_queue
 from tangram.scheduler import Placement, Resize, Scheduler

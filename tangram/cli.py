@@ -23,7 +23,7 @@ from rich.table import Table
 from rich.text import Text
 
 from tangram.config import load_config
-from tangram.errors import ConfigError
+from tangram.core.errors import ConfigError
 from tangram.sim.commands import add_commands as add_simulation_commands
 
 
@@ -140,7 +140,7 @@ async def _with_store(args: argparse.Namespace, work: Any) -> Any:
 def _token_create(args: argparse.Namespace) -> int:
     """A token for a task or the admin into the store: the token on stdout (only here, once), the rest on stderr."""
     from tangram.auth import mint
-    from tangram.names import NAME
+    from tangram.core.names import NAME
 
     if (args.task is None) == (not args.admin):
         print("tangram: give a TASK or --admin (a token belongs to exactly one of them)", file=sys.stderr)

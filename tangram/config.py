@@ -13,8 +13,8 @@ from typing import Any
 from managers.basic import BasicResourceConfig, UpstreamConfig
 from managers.cpu_config import CpuConfig, parse_cpu_config
 from managers.gpu_config import GpuConfig, parse_gpu_config
-from tangram.errors import ConfigError
-from tangram.names import NAME
+from tangram.core.errors import ConfigError
+from tangram.core.names import NAME
 from tangram.parse import Limits
 from tangram.tenants import CAP_NAMES, TaskCaps, Tenancy
 

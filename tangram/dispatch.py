@@ -4,11 +4,11 @@ from ends the same way."""
 
 from __future__ import annotations
 
-from managers.base import Allocation, ResourceManager
-from tangram.action import Action
 from tangram.arrivals import ArrivalModel
+from tangram.core.action import Action
+from tangram.core.malleable import Malleable
+from tangram.core.seam import Allocation, ResourceManager
 from tangram.durations import DurationModel
-from tangram.malleable import Malleable
 from tangram.scheduler import Placement, Resize, allocate_placement
 
 Allocations = list[tuple[ResourceManager, Allocation]]

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tangram.action import Action, Elasticity
-from tangram.malleable import Profile, WorkerCost, profile_of_curve
+from tangram.core.action import Action, Elasticity
+from tangram.core.malleable import Profile, WorkerCost, profile_of_curve
 from tangram.speedup import PRIOR, Run, Speedup, SpeedupFit, declared, size_of
 
 

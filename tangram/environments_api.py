@@ -8,10 +8,10 @@ from aiohttp import web
 from managers.cpu import CpuManager
 from managers.environment import Environment
 from managers.exec_spec import parse_files, parse_image, parse_memory_mb
-from tangram.action import Kind
 from tangram.api_common import BROKER, json_response, read_json
 from tangram.auth import claim_task, listed_task, principal_of
-from tangram.errors import NotFound, Unprocessable
+from tangram.core.action import Kind
+from tangram.core.errors import NotFound, Unprocessable
 from tangram.parse import known_fields, parse_name
 
 FIELDS = frozenset({"task", "trajectory", "image", "memory_mb", "files"})

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from tangram.errors import (
+from tangram.core.errors import (
     BadRequest,
     Conflict,
     Forbidden,

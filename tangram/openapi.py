@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from tangram.action import Kind, State
 from tangram.config import ServerConfig
-from tangram.names import NAME, RESOURCE, json_pattern
+from tangram.core.action import Kind, State
+from tangram.core.names import NAME, RESOURCE, json_pattern
 from tangram.parse import COUNT, MAX_EFFICIENCY_POINTS, Limits
 
 #: what a record answered by a submit leads to; the fuzzer's stateful runs follow these (submit -> get -> cancel)

@@ -7,9 +7,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from tangram.action import Action, Demand, Elasticity, Kind
-from tangram.errors import BadRequest
-from tangram.names import NAME, RESOURCE
+from tangram.core.action import Action, Demand, Elasticity, Kind
+from tangram.core.errors import BadRequest
+from tangram.core.names import NAME, RESOURCE
 
 #: a unit count as an efficiency key: "8", never "08", " 8", "+8" or "8_0", which int() would also take
 COUNT = re.compile(r"^[1-9][0-9]{0,8}\Z")

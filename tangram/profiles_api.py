@@ -10,10 +10,10 @@ from typing import Any
 
 from aiohttp import web
 
-from tangram.action import Elasticity
 from tangram.api_common import BROKER, json_response
 from tangram.auth import listed_task
-from tangram.errors import BadRequest
+from tangram.core.action import Elasticity
+from tangram.core.errors import BadRequest
 from tangram.speedup import Speedup
 
 DEFAULT_LIMIT = 1000

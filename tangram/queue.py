@@ -11,7 +11,7 @@ import abc
 from collections import Counter
 from collections.abc import Iterator
 
-from tangram.action import Action
+from tangram.core.action import Action
 
 
 class QueuePolicy(abc.ABC):

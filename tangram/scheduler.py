@@ -15,7 +15,7 @@ One pass:
    trajectories are expected to submit, are estimated on a completion heap.
    Evict the last member while the objective improves; the first too only while an action holding the resource
    runs (its end triggers a later pass), so a pass on idle units always starts something.
-4. **Malleable groups** (the key resource's manager can resize running allocations, ``tangram.malleable``): the
+4. **Malleable groups** (the key resource's manager can resize running allocations, ``tangram.core.malleable``): the
    units running malleable actions hold above their floors are lent to step 1, and each pool's spare units are
    shared among its malleable actions, running and starting, by marginal-gain water-filling (the summed
    speed-up); members whose share is a core or more start with it, running ones whose share changed are resized.
@@ -27,13 +27,13 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from managers.base import Allocation, Fit, ResourceManager
-from tangram.action import Action
 from tangram.arrivals import Expected
-from tangram.dparrange import DPTable, dp_arrange
+from tangram.core.action import Action
+from tangram.core.dparrange import DPTable, dp_arrange
+from tangram.core.malleable import Claimant, share
+from tangram.core.seam import Allocation, Fit, ResourceManager
 from tangram.durations import DurationModel
 from tangram.estimate import INF, CompletionHeap, Waiting, estimate
-from tangram.malleable import Claimant, share
 
 #: relative gain below which an eviction is not worth it (objectives that differ only by float rounding)
 IMPROVEMENT = 1e-9

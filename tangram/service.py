@@ -12,7 +12,6 @@ import uvloop
 from aiohttp import web
 from sqlalchemy.engine import make_url
 
-from managers.base import ResourceManager
 from managers.basic import BasicManager
 from managers.counted import CountedUnitsManager
 from managers.cpu import CpuManager
@@ -20,6 +19,7 @@ from managers.gpu import GpuManager
 from tangram.api import build_app
 from tangram.broker import Broker
 from tangram.config import Config
+from tangram.core.seam import ResourceManager
 from tangram.store import Store
 
 log = logging.getLogger("tangram")

@@ -5,9 +5,9 @@ from __future__ import annotations
 from aiohttp import web
 
 from managers.gpu import GpuManager
-from tangram.action import Kind
 from tangram.api_common import BROKER, json_response
-from tangram.errors import NotFound
+from tangram.core.action import Kind
+from tangram.core.errors import NotFound
 
 
 def _manager(request: web.Request) -> GpuManager | None:

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.optimize import nnls
 
-from tangram.action import Elasticity
+from tangram.core.action import Elasticity
 
 #: runs kept per (task, signature): the newest, so a suite that changes over training is followed
 RUNS_KEPT = 32

@@ -16,7 +16,7 @@ from pathlib import Path
 from aiohttp import web
 
 from tangram.api_common import BROKER, json_response
-from tangram.errors import BadRequest
+from tangram.core.errors import BadRequest
 from tangram.history import History
 
 HISTORY = web.AppKey("history", History)

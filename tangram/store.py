@@ -44,7 +44,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.pool import StaticPool
 
-from tangram.action import Action, State
+from tangram.core.action import Action, State
 from tangram.parse import Limits, parse_action
 
 log = logging.getLogger(__name__)

@@ -21,8 +21,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Protocol, runtime_checkable
 
-from tangram.action import Action
-from tangram.errors import TooMany
+from tangram.core.action import Action
+from tangram.core.errors import TooMany
 
 #: Retry-After for an environment or memory cap: room comes back when the task's sandboxes are deleted or idle out,
 #: which the broker cannot foresee

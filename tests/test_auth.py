@@ -23,7 +23,7 @@ from clients import AsyncTangramClient
 from clients.errors import ForbiddenError, NotFoundError, UnauthorizedError
 from tangram.auth import mint, new_token, token_sha256
 from tangram.config import load_config, parse_config
-from tangram.errors import ConfigError
+from tangram.core.errors import ConfigError
 from tangram.service import running_broker
 from tangram.store import Store, StoredToken, TokenRow
 from tests.docker_nodes import local_cpu

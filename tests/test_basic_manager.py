@@ -13,8 +13,8 @@ import pytest
 from aiohttp import web
 
 from managers.basic import BasicManager, BasicResourceConfig, UpstreamConfig
-from tangram.action import Action, Demand, Kind
-from tangram.errors import ActionFailed, BadRequest, ConfigError, Unprocessable
+from tangram.core.action import Action, Demand, Kind
+from tangram.core.errors import ActionFailed, BadRequest, ConfigError, Unprocessable
 from tangram.http_errors import status_of
 
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from managers.chunk_operator import ChunkOperator
 from managers.chunks import LEVELS, Chunk, ChunkAllocator, after_allocating, tiles
-from tangram.dparrange import dp_arrange
+from tangram.core.dparrange import dp_arrange
 
 
 def test_tiles_are_the_largest_aligned_chunks():

@@ -17,7 +17,7 @@ import pytest
 
 from tangram.auth import new_token, token_sha256
 from tangram.config import ADMIN_TOKEN_ENV, load_config, parse_config
-from tangram.errors import ConfigError
+from tangram.core.errors import ConfigError
 
 
 @pytest.mark.parametrize("raw,key", [

@@ -7,10 +7,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from managers.base import Allocation, ResourceManager
 from managers.counted import CountedUnitsManager
 from tangram import dispatch
-from tangram.action import Action, Demand, Elasticity, Kind
+from tangram.core.action import Action, Demand, Elasticity, Kind
+from tangram.core.seam import Allocation, ResourceManager
 from tangram.durations import DurationModel
 from tangram.queue import FCFSQueue
 from tangram.scheduler import Plan, Resize, Scheduler

@@ -15,7 +15,7 @@ from sandboxes.backend import SandboxSpec
 from sandboxes.cgroup import ContainerCgroup
 from sandboxes.docker import DockerBackend
 from sandboxes.image import DEFAULT_IMAGE
-from tangram.action import Kind
+from tangram.core.action import Kind
 from tests.docker_nodes import cpu_config, docker_engines, labelled_containers, new_broker_id
 from tests.harness import Live, live_broker
 

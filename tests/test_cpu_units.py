@@ -13,8 +13,8 @@ from managers.cpu import CpuManager, CpuNode
 from managers.cpu_config import CpuNodeConfig, parse_cpu_config
 from managers.exec_spec import ExecLimits, executor_request, parse_exec_spec, rewrite_pytest
 from sandboxes.cgroup import cpu_list, parse_cpu_list
-from tangram.action import Action, Demand, Kind
-from tangram.errors import BadRequest, ConfigError
+from tangram.core.action import Action, Demand, Kind
+from tangram.core.errors import BadRequest, ConfigError
 from tests.docker_nodes import cpu_config
 from tests.harness import live_broker
 

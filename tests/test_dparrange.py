@@ -8,7 +8,7 @@ import math
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tangram.dparrange import BasicOperator, dp_arrange
+from tangram.core.dparrange import BasicOperator, dp_arrange
 
 
 class SubtractingOperator(BasicOperator):

@@ -16,8 +16,8 @@ import pytest
 from managers.gpu import GpuManager
 from managers.gpu_config import parse_gpu_config
 from managers.gpu_discovery import discover_gpus
-from tangram.action import Action, Demand, Kind
-from tangram.errors import ConfigError
+from tangram.core.action import Action, Demand, Kind
+from tangram.core.errors import ConfigError
 from tests.harness import live_broker
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

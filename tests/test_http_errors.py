@@ -6,8 +6,8 @@ import inspect
 
 import pytest
 
-from tangram import errors
-from tangram.errors import (
+from tangram.core import errors
+from tangram.core.errors import (
     BadRequest,
     Conflict,
     NotFound,

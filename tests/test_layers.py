@@ -17,10 +17,9 @@ SERVICE_LAYER = frozenset({"tangram.broker", "tangram.api", "tangram.api_common"
                            "tangram.profiles_api", "tangram.services_api", "tangram.status_page", "tangram.auth",
                            "tangram.store", "tangram.config", "tangram.parse", "tangram.openapi", "tangram.service",
                            "tangram.cli"})
-#: the scheduling algorithms and their vocabulary: pure Python, numpy and SciPy
-ALGORITHMS = ("tangram.action", "tangram.errors", "tangram.names", "tangram.dparrange", "tangram.estimate",
-              "tangram.malleable", "tangram.speedup", "tangram.durations", "tangram.backoff", "tangram.queue",
-              "tangram.arrivals")
+#: the scheduling algorithms above the floor: pure Python, numpy and SciPy over the core
+ALGORITHMS = ("tangram.estimate", "tangram.speedup", "tangram.durations", "tangram.backoff", "tangram.queue",
+              "tangram.arrivals", "tangram.scheduler", "tangram.dispatch")
 #: what the algorithms never import: the web server, the database, the container engine, the metrics exporter
 INFRASTRUCTURE = frozenset({"aiohttp", "sqlalchemy", "docker", "prometheus_client", "uvloop", "torch"})
 
@@ -31,6 +30,8 @@ def _module_name(path: Path) -> str:
 
 
 MODULES = {_module_name(path): path for package in PACKAGES for path in (ROOT / package).rglob("*.py")}
+#: the floor: it imports nothing of ours outside itself
+CORE = tuple(sorted(m for m in MODULES if m.startswith("tangram.core")))
 
 
 @cache
@@ -70,6 +71,7 @@ def reaches(module: str) -> tuple[set[str], set[str]]:
 
 def test_the_contract_sees_the_whole_tree() -> None:
     assert len(MODULES) > 100 and "tangram.broker" in MODULES and "managers.cpu" in MODULES
+    assert {"tangram.core.action", "tangram.core.seam", "tangram.core.errors"} <= set(CORE)
     ours, outside = reaches("tangram.service")
     assert "managers.cpu" in ours and "aiohttp" in outside  # it follows imports: a broken walk would pass anything
 
@@ -79,6 +81,13 @@ def test_the_contract_sees_the_whole_tree() -> None:
 def test_managers_sandboxes_and_services_never_reach_the_service_layer(module: str) -> None:
     ours, _ = reaches(module)
     assert not ours & SERVICE_LAYER, f"{module} imports {sorted(ours & SERVICE_LAYER)}"
+
+
+@pytest.mark.parametrize("module", CORE)
+def test_the_core_imports_nothing_of_ours_outside_it_and_no_infrastructure(module: str) -> None:
+    ours, outside = reaches(module)
+    assert all(name.startswith("tangram.core") for name in ours), f"{module} imports {sorted(ours)}"
+    assert not outside & (INFRASTRUCTURE | {"scipy"}), f"{module} reaches {sorted(outside & INFRASTRUCTURE)}"
 
 
 @pytest.mark.parametrize("module", ALGORITHMS)

@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 from managers.cpu import CpuManager, CpuNode
 from managers.cpu_config import CpuConfig, CpuNodeConfig
-from tangram.action import Action, Demand, Elasticity, Kind
-from tangram.malleable import Claimant, Malleable, Profile, WorkerCost, profile_of_curve, share, workers_for
+from tangram.core.action import Action, Demand, Elasticity, Kind
+from tangram.core.malleable import Claimant, Malleable, Profile, WorkerCost, profile_of_curve, share, workers_for
 from tangram.sim.broker_station import NoSandboxes
 from tests.docker_nodes import cpu_config, docker_engines
 from tests.harness import Live, live_broker

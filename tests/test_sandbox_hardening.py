@@ -19,7 +19,7 @@ import pytest
 
 from sandboxes.backend import LABEL_BROKER, LABEL_TRAJECTORY
 from tangram.config import parse_config
-from tangram.errors import ConfigError
+from tangram.core.errors import ConfigError
 from tests.docker_nodes import cpu_config, docker_engines
 from tests.harness import Live, live_broker
 

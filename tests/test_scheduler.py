@@ -6,8 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from managers.counted import CountedUnitsManager
-from tangram.action import Action, Demand, Elasticity, Kind
 from tangram.arrivals import Expected
+from tangram.core.action import Action, Demand, Elasticity, Kind
 from tangram.durations import DurationModel
 from tangram.scheduler import Scheduler
 

@@ -10,7 +10,7 @@ from collections import defaultdict
 
 import pytest
 
-from tangram.action import Kind
+from tangram.core.action import Kind
 from tangram.sim.cluster import Cluster
 from tangram.sim.records import CallRecord
 from tangram.sim.replay import action_body, command_for, compare, main, replay

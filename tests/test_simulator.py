@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tangram.action import Demand
+from tangram.core.action import Demand
 from tangram.sim import policies, workloads
 from tangram.sim.broker_station import ELASTIC_TEST
 from tangram.sim.cluster import ApiModel, Cluster, Costs, ServiceModel, StaticServing, xdist_cpu_s

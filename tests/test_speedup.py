@@ -12,13 +12,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from rich.console import Console
 
-from managers.base import ResourceManager
 from managers.counted import CountedUnitsManager
 from managers.cpu import CpuManager, CpuNode
 from managers.cpu_config import CpuConfig, CpuNodeConfig
 from tangram import dispatch
-from tangram.action import Action, Demand, Elasticity, Kind
 from tangram.cli import status_view
+from tangram.core.action import Action, Demand, Elasticity, Kind
+from tangram.core.seam import ResourceManager
 from tangram.durations import DurationModel
 from tangram.scheduler import Scheduler
 from tangram.sim.broker_station import NoSandboxes

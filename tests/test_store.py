@@ -16,7 +16,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from tangram.action import Action, State
+from tangram.core.action import Action, State
 from tangram.parse import parse_action
 from tangram.store import ActionRow, Store, TransitionRow
 

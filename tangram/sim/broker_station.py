@@ -16,7 +16,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from managers.base import Allocation, ResourceManager
 from managers.basic import BasicManager, BasicResourceConfig
 from managers.cpu import CpuManager, CpuNode
 from managers.cpu_config import CpuConfig, CpuNodeConfig
@@ -26,8 +25,9 @@ from managers.residency import SlotState
 from reward_services.backend import ServiceBackend, ServiceInstance, ServiceSpec
 from sandboxes.backend import Leftover, Sandbox, SandboxBackend, SandboxSpec
 from tangram import dispatch
-from tangram.action import Action, Demand, Kind
 from tangram.arrivals import ArrivalModel, Expected
+from tangram.core.action import Action, Demand, Kind
+from tangram.core.seam import Allocation, ResourceManager
 from tangram.durations import DurationModel
 from tangram.queue import FCFSQueue
 from tangram.scheduler import Plan, Resize, Scheduler

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-from tangram.action import Demand
+from tangram.core.action import Demand
 from tangram.sim.broker_station import BrokerStation
 from tangram.sim.cluster import Cluster
 from tangram.sim.direct_api import DirectApiStation

@@ -29,7 +29,7 @@ from typing import Any
 
 import aiohttp
 
-from tangram.action import Demand
+from tangram.core.action import Demand
 from tangram.sim import policies
 from tangram.sim.cluster import Cluster
 from tangram.sim.engine import Stalled, simulate

@@ -14,7 +14,7 @@ from typing import Any
 
 import orjson
 
-from tangram.action import Elasticity
+from tangram.core.action import Elasticity
 
 #: call kinds: a non-scalable tool call on one core, an elastic test run on cores, a reward inference on GPUs,
 #: a call to a rate-limited API

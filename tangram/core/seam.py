@@ -18,11 +18,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from prometheus_client import CollectorRegistry
+from tangram.core.action import Action, Kind
+from tangram.core.dparrange import BasicOperator, DPOperator
+from tangram.core.malleable import WorkerCost
 
-from tangram.action import Action, Kind
-from tangram.dparrange import BasicOperator, DPOperator
-from tangram.malleable import WorkerCost
+
+class MetricsRegistry(Protocol):
+    """Where a manager registers its metrics: a ``prometheus_client.CollectorRegistry`` (named by shape here, so
+    the seam does not import the exporter)."""
+
+    def register(self, collector: Any) -> None: ...
 
 
 @dataclass(slots=True)
@@ -168,7 +173,7 @@ class ResourceManager(abc.ABC):
         """Seconds until capacity frees up by itself (quota windows, lease TTLs); None if never."""
         return None
 
-    def register_metrics(self, registry: CollectorRegistry) -> None:
+    def register_metrics(self, registry: MetricsRegistry) -> None:
         """Add this manager's own Prometheus metrics (restores, evictions, ...) to the broker's registry."""
 
     async def start(self) -> None:

@@ -1,6 +1,6 @@
 """DPArrange (Appendix B, Algorithm 3): optimal discrete allocation of units among scalable candidates.
 
-Two readings of the paper are fixed here (see DESIGN.md):
+Two readings of the paper are fixed here (docs/SCHEDULING.md, departures):
 
 * Greedy eviction only ever drops the *last* candidate, so the DP row ``t`` already is the optimum for the
   prefix of length ``t``: one table answers every prefix (``DPTable.best(t)``).

@@ -11,7 +11,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from tangram.malleable import Malleable
+    from tangram.core.malleable import Malleable
 
 
 class Kind(StrEnum):
@@ -147,7 +147,7 @@ class Action:
     result: Any = None
     error: dict[str, Any] | None = None
     expected_duration_s: float | None = None
-    #: while it runs with resizable units: its bounds, units over time and progress (``tangram.malleable``)
+    #: while it runs with resizable units: its bounds, units over time and progress (``tangram.core.malleable``)
     malleable: Malleable | None = None
     #: a finished malleable action's record as the store returned it (``malleable`` is not rebuilt)
     resized: dict[str, Any] | None = None
