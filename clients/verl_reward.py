@@ -124,10 +124,10 @@ async def _test_score(client: AsyncTangramClient, data_source: str, code: str, t
     ran = record.timings.get("execution_s") is not None
     if not record.succeeded and not (ran and (record.error or {}).get("code") in SOLUTION_FAULTS):
         raise ActionError(record)  # not the solution's doing (a queue deadline, a sandbox not made): no score
-    outcome = record.result if record.succeeded else record.error
+    outcome: dict[str, Any] = (record.result if record.succeeded else record.error) or {}
     passed, total = count_tests(outcome.get("stdout") or "") if record.succeeded else (0, 0)
     return {"score": passed / total if total else 0.0, "tests_passed": float(passed), "tests_total": float(total),
-            "exit_code": float(outcome.get("exit_code") if outcome.get("exit_code") is not None else -1),
+            "exit_code": float(-1 if outcome.get("exit_code") is None else outcome["exit_code"]),
             "cores": float(len(outcome.get("cores") or []))}
 
 

@@ -187,7 +187,8 @@ class BrokerShellTool(BaseTool):
         self.command_spec = {key: config[key] for key in ("output_limit", "pytest_parallel")
                              if config.get(key) is not None}
         self.clients = LoopClients(str(config.get("broker_url") or DEFAULT_URL), task, int(config.get("retries", 3)))
-        super().__init__(config, tool_schema)
+        # verl's BaseTool takes None (it falls back to get_openai_tool_schema), though its annotation says otherwise
+        super().__init__(config, tool_schema)  # type: ignore[arg-type]
         self.signature = str(config.get("signature") or self.name)
         self._files: dict[str, dict[str, Any]] = {}  # instance id -> files its trajectory starts with
         self._environments: dict[str, str] = {}  # trajectory (verl request id) -> broker environment id

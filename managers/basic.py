@@ -46,7 +46,7 @@ class BasicResourceConfig:
 class _Resource:
     """Live state of one resource: units held now and the quota window."""
 
-    __slots__ = ("config", "window", "upstream", "held", "leases")
+    __slots__ = ("config", "held", "leases", "upstream", "window")
 
     def __init__(self, config: BasicResourceConfig, clock: Callable[[], float]) -> None:
         self.config = config
@@ -76,7 +76,7 @@ class BasicFit(Fit):
     back only with time, so the manager turns it into a wake-up time in ``next_change_in``.
     """
 
-    __slots__ = ("_concurrency", "_quota", "_added", "_placed", "_quota_short")
+    __slots__ = ("_added", "_concurrency", "_placed", "_quota", "_quota_short")
 
     def __init__(self, concurrency: dict[str, float], quota: dict[str, float], quota_short: dict[str, int]) -> None:
         self._concurrency = concurrency
@@ -130,8 +130,9 @@ class BasicManager(ResourceManager):
             if config.name in self._res:
                 raise ConfigError(f"basic.{config.name}", "resource defined twice")
             self._res[config.name] = _Resource(config, clock)
-        self._capacity = {name: r.config.concurrency if r.config.concurrency is not None else r.config.quota
-                          for name, r in self._res.items()}
+        # a resource has a concurrency, a quota or both (checked above): its capacity is the first it has
+        self._capacity: dict[str, int] = {name: r.config.concurrency or r.config.quota or 0
+                                          for name, r in self._res.items()}
         self._quota_short: dict[str, int] = {}
         self._leases: dict[str, float] = {}  # action id -> expiry
         self._lease_heap: list[tuple[float, str]] = []  # (expiry, action id); stale entries skipped lazily
@@ -343,8 +344,8 @@ def _check_config(config: BasicResourceConfig) -> None:
     for key, value in (("concurrency", config.concurrency), ("quota", config.quota)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ConfigError(f"{name}.{key}", "must be a positive integer")
-    for key, value in (("period_s", config.period_s), ("lease_ttl_s", config.lease_ttl_s)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+    for key, seconds in (("period_s", config.period_s), ("lease_ttl_s", config.lease_ttl_s)):
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < math.inf:
             raise ConfigError(f"{name}.{key}", "must be a positive number of seconds")
     if config.upstream is not None:
         check_config(config.upstream, f"{name}.upstream")

@@ -152,9 +152,8 @@ def executor_request(spec: ExecSpec, cores: tuple[int, ...], timeout_s: float, w
     pytest on the same core. ``tag`` names the command for a later re-pin (``op: cpus``)."""
     n = workers or len(cores)
     if isinstance(spec.command, str):
-        command: str | list[str] = spec.command.replace("{parallel_num}", str(n))
-        if spec.pytest_parallel and n > 1:
-            command = rewrite_pytest(command, n)
+        text = spec.command.replace("{parallel_num}", str(n))
+        command: str | list[str] = rewrite_pytest(text, n) if spec.pytest_parallel and n > 1 else text
     else:
         command = [p.replace("{parallel_num}", str(n)) for p in spec.command]
         if spec.pytest_parallel and n > 1 and command and posixpath.basename(command[0]) == "pytest" \

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import Counter, Histogram
 
 from managers.chunk_operator import ChunkOperator
 from managers.chunks import Chunk, ChunkAllocator, Preference, after_allocating
@@ -33,7 +33,7 @@ from reward_services.requests import parse_reward_input, parse_reward_spec
 from tangram.core.action import Action, Kind
 from tangram.core.dparrange import DPOperator
 from tangram.core.errors import ActionFailed, BadRequest, ConfigError, NotFound, Unprocessable
-from tangram.core.seam import Allocation, Fit, Outcome, PoolStatus, ResourceManager
+from tangram.core.seam import Allocation, Fit, MetricsRegistry, Outcome, PoolStatus, ResourceManager
 
 log = logging.getLogger("tangram.gpu")
 
@@ -80,7 +80,7 @@ class GpuFit(Fit):
 
     def try_add(self, action: Action, units: Mapping[str, int]) -> bool:
         k = units[RESOURCE]
-        service = action.spec.get("service")
+        service = str(action.spec.get("service"))
         options = []
         for name, node in self.manager.nodes.items():
             level = self.free[name].smallest_fitting_level(k)
@@ -194,14 +194,16 @@ class GpuManager(ResourceManager):
             for backend in node.backends.values():
                 await backend.close()
 
-    def register_metrics(self, registry: CollectorRegistry) -> None:
+    def register_metrics(self, registry: MetricsRegistry) -> None:
         labels = ["node", "service", "dop"]
         self.restores = Counter("tangram_gpu_restores", "Service restores from host memory to GPUs", labels,
-                                registry=registry)
+                                registry=None)
         self.evictions = Counter("tangram_gpu_evictions", "Services evicted from GPUs (host copy kept)", labels,
-                                 registry=registry)
+                                 registry=None)
         self.restore_seconds = Histogram("tangram_gpu_restore_seconds", "Time to restore a service to its GPUs",
-                                         labels, buckets=RESTORE_SECONDS, registry=registry)
+                                         labels, buckets=RESTORE_SECONDS, registry=None)
+        for metric in (self.restores, self.evictions, self.restore_seconds):
+            registry.register(metric)
 
     # -- the scheduler's view -------------------------------------------------------------------------------
 

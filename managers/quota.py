@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 
 class QuotaWindow:
-    __slots__ = ("limit", "period_s", "_clock", "_grants", "_used")
+    __slots__ = ("_clock", "_grants", "_used", "limit", "period_s")
 
     def __init__(self, limit: int, period_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         if limit < 1:

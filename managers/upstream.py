@@ -15,7 +15,7 @@ import random
 import re
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 from typing import Any
 from urllib.parse import unquote
@@ -156,9 +156,8 @@ class Upstream:
                         return {"status": resp.status, "headers": _result_headers(resp.headers),
                                 "body": _decode(resp, raw), "attempts": attempts}
                     last_status, last_error = resp.status, f"HTTP {resp.status}"
-                    delay = _retry_after(resp) if resp.status in (429, 503) else None
-                    if delay is None:
-                        delay = self._backoff(attempt)
+                    asked = _retry_after(resp) if resp.status in (429, 503) else None
+                    delay = self._backoff(attempt) if asked is None else asked
             except (aiohttp.ClientError, TimeoutError) as exc:
                 last_status = None
                 last_error = f"timed out after {self.config.timeout_s} s" if isinstance(exc, TimeoutError) \
@@ -205,8 +204,8 @@ def _retry_after(resp: aiohttp.ClientResponse) -> float | None:
         except (TypeError, ValueError):
             return None
         if when.tzinfo is None:
-            when = when.replace(tzinfo=timezone.utc)
-        seconds = max(0.0, (when - datetime.now(timezone.utc)).total_seconds())
+            when = when.replace(tzinfo=UTC)
+        seconds = max(0.0, (when - datetime.now(UTC)).total_seconds())
     return seconds if seconds <= MAX_RETRY_AFTER_S else None
 
 

@@ -61,8 +61,8 @@ def load_sentence_transformer(reference: str) -> EmbeddingModel:
     return EmbeddingModel(model, _sentence_transformer_features)
 
 
-def _sentence_transformer_features(module: torch.nn.Module, texts: list[str]) -> Any:
-    return module.preprocess(texts)
+def _sentence_transformer_features(module: Any, texts: list[str]) -> Any:
+    return module.preprocess(texts)  # a SentenceTransformer's, which torch.nn.Module does not declare
 
 
 def model_directory(reference: str) -> Path:
@@ -115,6 +115,8 @@ class _SharedModel:
     def replica(self) -> Iterator[torch.nn.Module]:
         """A skeleton replica for one forward at a time (the skeleton itself is only ever copied, never run)."""
         with self._lock:
+            if self._skeleton is None:
+                raise RuntimeError("replica() before load(): the model has no skeleton to copy yet")
             module = self._idle.pop() if self._idle else copy.deepcopy(self._skeleton)
         try:
             yield module
@@ -286,7 +288,7 @@ class TorchInstance(ServiceInstance):
             traceback.clear_frames(error.__traceback__)  # their frames hold device tensors
         if errors:
             raise ServiceError("inference_failed", f"{self.spec.name}: {_describe(errors[0])}") from errors[0]
-        return {"scores": [score for shard in results for score in shard]}
+        return {"scores": [score for shard in results if not isinstance(shard, BaseException) for score in shard]}
 
     async def close(self) -> None:
         if self._closed:

@@ -129,13 +129,10 @@ class LocalProcessBackend(SandboxBackend):
             target.write_bytes(data)
         (root / LABELS_FILE).write_bytes(orjson.dumps(spec.labels()))
         env = {**os.environ, MARKER: spec.env_id, "PYTHONUNBUFFERED": "1"}
-        log = open(root / "executor.log", "wb")
-        try:
+        with (root / "executor.log").open("wb") as log:  # the child keeps its own copy of the descriptor
             process = psutil.Popen([sys.executable, EXECUTOR_PATH, "serve", "--socket", str(root / "exec.sock")],
                                    cwd=workspace, env=env, stdin=subprocess.DEVNULL, stdout=log,
                                    stderr=subprocess.STDOUT, start_new_session=True)
-        finally:
-            log.close()
         sandbox = LocalSandbox(spec.env_id, root, process, spec.memory_mb)
         try:
             await wait_ready(sandbox.socket, READY_TIMEOUT_S)

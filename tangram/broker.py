@@ -35,7 +35,7 @@ log = logging.getLogger("tangram.broker")
 class _Running:
     """An action being executed: every manager's allocation, and the executor's own (empty if it owns none)."""
 
-    __slots__ = ("action", "allocations", "allocation", "task", "cancel_reason", "failure", "after")
+    __slots__ = ("action", "after", "allocation", "allocations", "cancel_reason", "failure", "task")
 
     def __init__(self, action: Action, allocations: list[tuple[ResourceManager, Allocation]],
                  allocation: Allocation, after: frozenset[asyncio.Task[None]]) -> None:
@@ -244,7 +244,7 @@ class Broker:
             self.kick()
             try:
                 await asyncio.gather(*(self.store.durable(a) for a in fresh))
-            except Exception as error:  # queued and still pending in the store, which keeps retrying
+            except Exception as error:  # noqa: BLE001 - queued and still pending in the store, which keeps retrying
                 log.error("submit not durable yet: %r", error)
                 raise Unavailable("store", "accepted but not yet durable (database unavailable); resubmit with "
                                            "the same idempotency_key to learn its fate") from None
@@ -407,7 +407,8 @@ class Broker:
         self.passes += 1
         started = time.perf_counter()
         now = time.time()
-        queue = self.ledger.admissible(self.queue, self.environment_host) if self.ledger.tenancy.limited else self.queue
+        queue: Iterable[Action] = (self.ledger.admissible(self.queue, self.environment_host)
+                                   if self.ledger.tenancy.limited else self.queue)
         if self.backoff:
             queue = [action for action in queue if not self.backoff.waiting(action.id, now)]
         host = self.environment_host

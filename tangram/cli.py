@@ -17,7 +17,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from rich.console import Console, Group
+from rich.console import Console, Group, RenderableType
 from rich.live import Live
 from rich.table import Table
 from rich.text import Text
@@ -95,7 +95,7 @@ def status_view(url: str, body: dict[str, Any], profiles: list[dict[str, Any]] |
                             f"p50 {_fmt(stats['act_p50_s'])}  p90 {_fmt(stats['act_p90_s'])}  "
                             f"p99 {_fmt(stats['act_p99_s'])}")
     learned = speedup_table(profiles or [])
-    parts = [table, summary] if learned is None else [table, summary, learned]
+    parts: list[RenderableType] = [table, summary] if learned is None else [table, summary, learned]
     return Group(*parts, Text(f"status page: {url}/ui", style="dim"))
 
 

@@ -19,7 +19,7 @@ ACTION_LINKS = {name: {"operationId": operation, "parameters": {"id": "$response
                 for name, operation in (("GetAction", "getAction"), ("CancelAction", "cancelAction"),
                                         ("ReleaseLease", "releaseLease"))}
 #: request examples, on the default config's resources: shown where this broker has every resource one demands
-ACTION_EXAMPLES = {
+ACTION_EXAMPLES: dict[str, dict[str, Any]] = {
     "lease": {"summary": "two units of a quota until DELETE /v1/leases/{id}, or 1 s",
               "value": {"task": "demo", "kind": "lease", "demand": {"lease.local": 2}, "spec": {"ttl_s": 1}}},
     "exec": {"summary": "a shell command in the trajectory's sandbox",
@@ -93,7 +93,7 @@ def _secure(paths: dict[str, Any], public_status: bool) -> None:
 
 
 def _admin_paths(server: ServerConfig) -> dict[str, Any]:
-    token = {"type": "object", "required": ["id", "task", "admin", "source"], "properties": {
+    token: dict[str, Any] = {"type": "object", "required": ["id", "task", "admin", "source"], "properties": {
         "id": {"type": "string"}, "task": {"type": ["string", "null"]}, "admin": {"type": "boolean"},
         "source": {"type": "string", "enum": ["config", "store"]}, "note": {"type": "string"},
         "created_at": {"type": ["number", "null"]}, "revoked_at": {"type": ["number", "null"]}}}
@@ -292,7 +292,7 @@ def openapi_document(server: ServerConfig, limits: Limits, resources: Sequence[s
                      "429": _over_cap("the task is at a cap (max_queued, max_environments, max_memory_mb; the "
                                       "body's cap names it), or a new sandbox would exceed cpu.max_environments"),
                      "503": _error("queue full, or the broker is shutting down")}
-    document = {
+    document: dict[str, Any] = {
         "openapi": "3.1.0",
         "info": {"title": "ARL-Tangram broker", "version": "0.1.0",
                  "description": "Action-level resource broker for agentic RL."},

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, overload
 
 from tangram.core.action import Action, Demand, Elasticity, Kind
 from tangram.core.errors import BadRequest
@@ -92,6 +92,14 @@ def _units(value: Any, field: str, limits: Limits) -> int:
     if value > limits.max_units:
         raise BadRequest(field, f"must be at most {limits.max_units} units")
     return value
+
+
+@overload
+def parse_name(value: Any, field: str, required: Literal[True]) -> str: ...
+
+
+@overload
+def parse_name(value: Any, field: str, required: bool) -> str | None: ...
 
 
 def parse_name(value: Any, field: str, required: bool) -> str | None:

@@ -52,13 +52,12 @@ async def list_profiles(request: web.Request) -> web.Response:
     task = listed_task(request)
     limit = _limit(request)
     durations = request.app[BROKER].durations
-    rows = sorted(({"task": t, "signature": signature, "t1_s": round(profile.t1, 6), "samples": profile.samples}
-                   for (t, signature), profile in durations.profiles.items() if task is None or t == task),
-                  key=lambda row: (-row["samples"], row["task"], row["signature"]))
-    shown = rows[:limit]
-    for row in shown:
-        row["speedup"] = speedup_json(durations.speedups.get((row["task"], row["signature"])))
-    return json_response({"profiles": shown, "total": len(rows)})
+    keys = sorted(((t, signature) for t, signature in durations.profiles if task is None or t == task),
+                  key=lambda key: (-durations.profiles[key].samples, *key))
+    shown = [{"task": t, "signature": signature, "t1_s": round(durations.profiles[(t, signature)].t1, 6),
+              "samples": durations.profiles[(t, signature)].samples,
+              "speedup": speedup_json(durations.speedups.get((t, signature)))} for t, signature in keys[:limit]]
+    return json_response({"profiles": shown, "total": len(keys)})
 
 
 def add_profile_routes(app: web.Application) -> None:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from tangram.arrivals import Expected
 from tangram.core.action import Action
 from tangram.core.dparrange import DPTable, dp_arrange
-from tangram.core.malleable import Claimant, share
+from tangram.core.malleable import Claimant, Malleable, share
 from tangram.core.seam import Allocation, Fit, ResourceManager
 from tangram.durations import DurationModel
 from tangram.estimate import INF, CompletionHeap, Waiting, estimate
@@ -82,8 +82,8 @@ def allocate_placement(owner: Mapping[str, ResourceManager],
         by_manager.setdefault(id(manager), (manager, {}))[1][resource] = units
     allocations: list[tuple[ResourceManager, Allocation]] = []
     try:
-        for manager, units in by_manager.values():
-            allocations.append((manager, manager.allocate(placement.action, units, placement.pools)))
+        for manager, granted in by_manager.values():
+            allocations.append((manager, manager.allocate(placement.action, granted, placement.pools)))
     except Exception:
         for manager, allocation in allocations:
             manager.release(allocation)
@@ -124,9 +124,8 @@ class Scheduler:
         on ``resource`` (``tangram.arrivals``): the moldable groups' estimate counts them after the queue."""
         fits = {id(m): m.fit() for m in self.managers}
         running = list(running)
-        malleable = [a for a in running if a.malleable is not None]
-        for action in malleable:
-            held = action.malleable
+        malleable = [(a, held) for a in running if (held := a.malleable) is not None]
+        for _, held in malleable:
             if held.units > held.floor:
                 fits[id(self.owner[held.resource])].lend(held.resource, held.pool, held.units - held.floor)
         queue = list(queue)
@@ -134,7 +133,7 @@ class Scheduler:
         if not candidates and not malleable:
             return Plan([], [])
         groups: dict[str, list[Action]] = defaultdict(list)
-        shared: dict[str, list[Action]] = {a.malleable.resource: [] for a in malleable}
+        shared: dict[str, list[Action]] = {held.resource: [] for _, held in malleable}
         placements: list[Placement] = []
         for action in candidates:
             key = action.key_resource if self.durations.scalable(action) else None
@@ -197,7 +196,8 @@ class Scheduler:
 
     # -- step 4 -------------------------------------------------------------------------------------------
 
-    def _share(self, resource: str, members: list[Action], candidates: list[Action], malleable: list[Action],
+    def _share(self, resource: str, members: list[Action], candidates: list[Action],
+               malleable: list[tuple[Action, Malleable]],
                fits: dict[int, Fit], now: float, placements: list[Placement], resizes: list[Resize]) -> None:
         """Start every member and share each pool's spare units among its malleable actions (water-filling)."""
         manager = self.owner[resource]
@@ -209,9 +209,9 @@ class Scheduler:
                 pool = fit.pool_of(action, resource)
                 spare[pool] = spare.get(pool, fit.free_before(resource, pool)) - action.demands[resource].min
         pools: dict[str, list[Action]] = defaultdict(list)
-        for action in malleable:
-            if action.malleable.resource == resource:
-                pools[action.malleable.pool].append(action)
+        for action, held in malleable:
+            if held.resource == resource:
+                pools[held.pool].append(action)
         for action in members:
             pools[fit.pool_of(action, resource)].append(action)
         largest = manager.largest_pool(resource)
@@ -224,8 +224,8 @@ class Scheduler:
             claimants = [self._claimant(action, resource, largest, now) for action in actions]
             units = share(free, claimants, self.share_by_remaining)
             for action, k in zip(actions, units):
-                held = action.malleable
-                if held is None:  # a member: starts now, unless its first units gain less than others'
+                running_as = action.malleable
+                if running_as is None:  # a member: starts now, unless its first units gain less than others'
                     if k == 0:
                         continue
                     demand = action.min_units()
@@ -235,7 +235,7 @@ class Scheduler:
                     placement.workers = manager.workers(action, resource, k, expected,
                                                         self.durations.worker_cost(action, k))
                     placements.append(placement)
-                elif k != held.units:
+                elif k != running_as.units:
                     resizes.append(Resize(action, resource, k))
 
     def _claimant(self, action: Action, resource: str, largest: int, now: float) -> Claimant:
@@ -340,10 +340,10 @@ class Scheduler:
                 break
             best_t, best_obj, best_res = t, obj, reserve
 
-        counts: dict[str, int] = defaultdict(int)
+        kept: dict[str, int] = defaultdict(int)
         for member in members[:best_t]:
-            counts[member.pool] += 1
-        return [(m.action, plan(m.pool, counts[m.pool], best_res)[2][m.rank][1]) for m in members[:best_t]]
+            kept[member.pool] += 1
+        return [(m.action, plan(m.pool, kept[m.pool], best_res)[2][m.rank][1]) for m in members[:best_t]]
 
     def _base_heap(self, resource: str, running: list[Action], fit: Fit, now: float,
                    others: list[tuple[float, int]]) -> CompletionHeap:

@@ -34,6 +34,7 @@ from sqlalchemy import (
     bindparam,
     event,
     func,
+    insert,
     select,
     update,
 )
@@ -198,6 +199,7 @@ def _snapshot(action: Action) -> Action:
 
 def _transition_time(action: Action) -> float:
     """When the action entered its current state, from its own timestamps when it has them."""
+    at: float | None
     if action.state is State.QUEUED:
         at = action.submitted_at
     elif action.state is State.RUNNING:
@@ -397,7 +399,7 @@ class Store:
             self._inflight = batch
             try:
                 rejected = await self._write(batch)
-            except Exception as exc:  # the database is unreachable or failing: nothing in the batch is lost
+            except Exception as exc:  # noqa: BLE001 - the database is unreachable or failing: nothing is lost
                 self._inflight = _Batch()
                 self.failures += 1
                 log.error("store write of %d actions failed (attempt %d): %r",
@@ -457,8 +459,8 @@ class Store:
                     rejected[row["id"]] = row_exc
             rows = [row for row in rows if row["id"] not in rejected]
             await self._commit(rows, batch, rejected)
-        for action_id, exc in rejected.items():
-            log.error("store rejected action %s: %r", action_id, exc)
+        for action_id, refusal in rejected.items():
+            log.error("store rejected action %s: %r", action_id, refusal)
             self._states.pop(action_id, None)
         return rejected
 
@@ -574,7 +576,7 @@ class Store:
 
     async def add_token(self, token: StoredToken) -> None:
         async with self.engine.begin() as conn:
-            await conn.execute(TokenRow.__table__.insert().values(
+            await conn.execute(insert(TokenRow).values(
                 id=token.id, sha256=token.sha256, task=token.task, note=token.note, created_at=token.created_at,
                 revoked_at=token.revoked_at))
 
@@ -609,9 +611,10 @@ class Store:
                     for start in range(0, len(wanted), _LOOKUP_CHUNK):
                         chunk = wanted[start:start + _LOOKUP_CHUNK]
                         params = {"tasks": list({task for task, _ in chunk}), "keys": list({key for _, key in chunk})}
-                        for task, key, record in await conn.execute(_FIND_KEYS, params):
-                            records[(task, key)] = record
-            except Exception as exc:
+                        for found_task, found_key, record in await conn.execute(_FIND_KEYS, params):
+                            if found_key is not None:  # matched one of ``keys``: never None (the column allows it)
+                                records[(found_task, found_key)] = record
+            except Exception as exc:  # noqa: BLE001 - any driver error goes to every waiting lookup
                 for _, future in lookups:
                     if not future.done():
                         future.set_exception(exc)

@@ -38,8 +38,8 @@ BAD = [
     (b'{"task": "t", "kind": "lease", "demand": {"lease.gpu-quota": 1}, "timeout_s": -1}', "timeout_s", 400),
     (b'{"task": "t", "kind": "lease", "demand": {"lease.gpu-quota": 1}, "colour": "red"}', "colour", 400),
     (b'{"task": "t", "kind": "exec", "demand": {"cpu": 1}}', "kind", 422),
-    (b'{"task": "t", "kind": "lease", "demand": {"cpu": {"choices": [1, 2]}}, '
-     b'"elasticity": {"resource": "cpu", "efficiency": {"2": 1.5}}}', "elasticity.efficiency.2", 400),
+    ((b'{"task": "t", "kind": "lease", "demand": {"cpu": {"choices": [1, 2]}}, '
+      b'"elasticity": {"resource": "cpu", "efficiency": {"2": 1.5}}}'), "elasticity.efficiency.2", 400),
     (b'{"task": "t", "kind": "lease", "demand": {"lease.gpu-quota": {"min": 1, "max": 2}}, '
      b'"elasticity": {"resource": "lease.gpu-quota", "efficiency": {' +
      b", ".join(b'"%d": 1.0' % m for m in range(1, 1026)) + b"}}}", "elasticity.efficiency", 400),
@@ -93,7 +93,7 @@ async def test_lease_lifecycle_wait_release_and_idempotency(db):
         assert code == 200 and returned["result"]["returned"] == "released"
         code, second = await live.call("GET", f"/v1/actions/{waiting['id']}?wait=true&wait_timeout_s=5")
         assert second["state"] == "succeeded"
-        code, again = await live.call("DELETE", f"/v1/leases/{granted['id']}")
+        code, _ = await live.call("DELETE", f"/v1/leases/{granted['id']}")
         assert code == 409
         _, resources = await live.call("GET", "/v1/resources")
         row = next(r for r in resources["resources"] if r["resource"] == "lease.gpu-quota")

@@ -93,7 +93,8 @@ def test_serve_and_status_end_to_end(tmp_path):
             data=b'{"task": "demo", "kind": "lease", "demand": {"lease.local": 3}}')
         assert b'"succeeded"' in urllib.request.urlopen(request, timeout=10).read()
         status = subprocess.run([sys.executable, "-m", "tangram.cli", "status", "--url", url],
-                                capture_output=True, text=True, timeout=30, env={**os.environ, "COLUMNS": "200"})
+                                capture_output=True, text=True, timeout=30, env={**os.environ, "COLUMNS": "200"},
+                                check=False)
         assert status.returncode == 0, status.stderr
         assert "lease.local" in status.stdout and "64" in status.stdout and "leases held 1" in status.stdout
         row = next(line for line in status.stdout.splitlines() if "lease.local" in line)
@@ -109,10 +110,10 @@ def test_serve_and_status_end_to_end(tmp_path):
         output, _ = server.communicate(timeout=30)
     assert server.returncode == 0, output  # SIGTERM stops it cleanly, store flushed
     bad = subprocess.run([sys.executable, "-m", "tangram.cli", "serve", "--config", str(tmp_path / "none.toml")],
-                         capture_output=True, text=True, timeout=30)
+                         capture_output=True, text=True, timeout=30, check=False)
     assert bad.returncode == 2 and "does not exist" in bad.stderr
     down = subprocess.run([sys.executable, "-m", "tangram.cli", "status", "--url", f"http://127.0.0.1:{free_port()}"],
-                          capture_output=True, text=True, timeout=30)
+                          capture_output=True, text=True, timeout=30, check=False)
     assert down.returncode == 1 and "cannot reach" in down.stdout
 
 

@@ -178,7 +178,7 @@ async def test_two_nodes_balance_memory_and_keep_trajectory_affinity(db):
         broker_id = config["cpu"]["broker_id"]
         assert len(labelled_containers(engine_of[node_a], broker_id)) == 1
         assert len(labelled_containers(engine_of[node_b], broker_id)) == 1
-        status, body = await live.call("GET", "/v1/resources")
+        _, body = await live.call("GET", "/v1/resources")
         memory = {r["pool"]: r["in_use"] for r in body["resources"] if r["resource"] == "memory_mb"}
         assert memory == {node_a: 512, node_b: 256}
     assert labelled_containers(first, broker_id) == [] and labelled_containers(second, broker_id) == []

@@ -107,8 +107,8 @@ def test_bad_cpu_config_names_the_key(raw, key):
 
 def _manager_with_nodes(memory: dict[str, int], cores: dict[str, list[int]]) -> CpuManager:
     manager = CpuManager(parse_cpu_config({}))
-    for name in memory:
-        node_config = CpuNodeConfig(name=name, cores=tuple(cores[name]), memory_mb=memory[name])
+    for name, memory_mb in memory.items():
+        node_config = CpuNodeConfig(name=name, cores=tuple(cores[name]), memory_mb=memory_mb)
         manager.nodes[name] = CpuNode(node_config, backend=None, numa=[cores[name]])  # type: ignore[arg-type]
     return manager
 
@@ -185,7 +185,7 @@ async def test_environment_deleted_while_an_action_waits_for_it_fails_that_actio
         status, env = await live.call("POST", "/v1/environments", json={"task": "t"})
         assert status == 201, env
         blocker = {"task": "t", "kind": "exec", "demand": {"cpu": 1}, "spec": {"command": "sleep 0.5"}}
-        status, first = await live.call("POST", "/v1/actions", json=blocker)
+        status, _ = await live.call("POST", "/v1/actions", json=blocker)
         waiting = {**blocker, "spec": {"command": "echo never", "environment": env["id"]}}
         status, second = await live.call("POST", "/v1/actions", json=waiting)
         assert second["state"] == "queued"  # the only core is busy

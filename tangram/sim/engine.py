@@ -111,10 +111,10 @@ def simulate(trace: Trace, cluster: Cluster, policy: Policy, name: str) -> RunRe
             _, i, index = heapq.heappop(wakeups)
             trajectory = trajectories[i]
             call = trajectory.calls[index]
-            station = routes.get(call.kind)
-            if station is None:
+            route = routes.get(call.kind)
+            if route is None:
                 raise ValueError(f"policy {name!r} has no station for {call.kind} calls")
-            station.submit(CallRun(trajectory, i, index, call, now), now)
+            route.submit(CallRun(trajectory, i, index, call, now), now)
             in_flight += 1
         for station in stations:
             station.dispatch(now)

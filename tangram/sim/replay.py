@@ -25,7 +25,7 @@ import sys
 import time
 import uuid
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 import aiohttp
 
@@ -140,7 +140,7 @@ def cluster_of(resources: Sequence[dict[str, Any]]) -> Cluster:
                    **({"node_memory_mb": min(memory)} if memory else {}))
 
 
-def _number(value: Any) -> bool:
+def _number(value: Any) -> TypeGuard[float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
@@ -150,12 +150,12 @@ def record_of(answer: dict[str, Any], trajectory: Trajectory, index: int, submit
     replay start) and ``elapsed_s`` how long the client waited for the answer (used only where timings lack)."""
     call = trajectory.calls[index]
     timings = answer.get("timings") or {}
-    act = timings.get("act_s")
-    act = act if _number(act) else elapsed_s
-    queue = timings.get("queue_s")
-    queue = queue if _number(queue) else act  # never started: all of it was queueing
-    execution = timings.get("execution_s")
-    execution = execution if _number(execution) else 0.0
+    reported = timings.get("act_s")
+    act = reported if _number(reported) else elapsed_s
+    reported = timings.get("queue_s")
+    queue = reported if _number(reported) else act  # never started: all of it was queueing
+    reported = timings.get("execution_s")
+    execution = reported if _number(reported) else 0.0
     result = answer.get("result")
     measured = result.get("duration_s") if isinstance(result, dict) else None
     exec_s = measured if _number(measured) else execution
@@ -388,7 +388,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def build_trace(batch: int, compress: float, seed: int, turns: float | None = None,
                 memory_mb: int | None = None) -> Trace:
-    params = CodingParams(batch=batch, **({"turns_median": turns} if turns is not None else {}))
+    params = CodingParams(batch=batch)
+    if turns is not None:
+        params = dataclasses.replace(params, turns_median=turns)
     trace = compressed(ai_coding(params, seed), compress)
     return with_memory(trace, memory_mb) if memory_mb is not None else trace
 
