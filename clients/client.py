@@ -8,7 +8,6 @@ exponentially with jitter, and honour ``Retry-After``.
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -20,6 +19,7 @@ import orjson
 
 from clients.errors import BrokerUnreachable, ConflictError, WaitTimeout, api_error
 from clients.records import ActionRecord
+from tangram.core.retry import backoff_s, retry_after_s
 
 #: statuses worth retrying: the broker is overloaded (queue full, over a cap) and says so
 RETRY_STATUSES = frozenset({429, 503})
@@ -83,12 +83,10 @@ class AsyncTangramClient:
     # -- transport ------------------------------------------------------------------------------------------
 
     def _delay(self, attempt: int, retry_after: str | None) -> float:
-        if retry_after is not None:
-            try:
-                return min(max(float(retry_after), 0.0), self.max_backoff_s)
-            except ValueError:
-                pass
-        return random.uniform(0, min(self.max_backoff_s, self.backoff_s * 2 ** attempt))
+        asked = retry_after_s(retry_after)
+        if asked is not None:
+            return min(asked, self.max_backoff_s)
+        return backoff_s(attempt, self.backoff_s, self.max_backoff_s)
 
     async def _request(self, method: str, path: str, *, body: Any = None, params: dict[str, str] | None = None,
                        timeout_s: float | None = None) -> tuple[int, Any]:

@@ -11,12 +11,9 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import random
 import re
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from datetime import UTC, datetime
-from email.utils import parsedate_to_datetime
 from typing import Any
 from urllib.parse import unquote
 
@@ -24,6 +21,7 @@ import aiohttp
 from yarl import URL
 
 from tangram.core.errors import ActionFailed, BadRequest, ConfigError
+from tangram.core.retry import backoff_s, retry_after_s
 
 METHODS = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE", "HEAD"})
 SPEC_FIELDS = frozenset({"method", "path", "query", "headers", "body", "body_text"})
@@ -167,9 +165,7 @@ class Upstream:
                            status=last_status, attempts=attempts)
 
     def _backoff(self, attempt: int) -> float:
-        """Exponential in the attempt, jittered to half..full so retrying callers spread out."""
-        ceiling = min(MAX_RETRY_AFTER_S, self.config.backoff_s * 2 ** attempt)
-        return ceiling * random.uniform(0.5, 1.0)
+        return backoff_s(attempt, self.config.backoff_s, MAX_RETRY_AFTER_S)
 
     async def _read_capped(self, resp: aiohttp.ClientResponse, attempts: int) -> bytes:
         cap = self.config.max_body_bytes
@@ -193,20 +189,8 @@ def _retryable(status: int) -> bool:
 
 def _retry_after(resp: aiohttp.ClientResponse) -> float | None:
     """Seconds the upstream asked us to wait, if given and short enough to wait inside one action."""
-    value = resp.headers.get("Retry-After", "").strip()
-    if not value:
-        return None
-    if value.isdigit():
-        seconds = float(value)
-    else:
-        try:
-            when = parsedate_to_datetime(value)
-        except (TypeError, ValueError):
-            return None
-        if when.tzinfo is None:
-            when = when.replace(tzinfo=UTC)
-        seconds = max(0.0, (when - datetime.now(UTC)).total_seconds())
-    return seconds if seconds <= MAX_RETRY_AFTER_S else None
+    seconds = retry_after_s(resp.headers.get("Retry-After"))
+    return seconds if seconds is not None and seconds <= MAX_RETRY_AFTER_S else None
 
 
 def _result_headers(headers: Mapping[str, str]) -> dict[str, str]:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tangram.core.retry import backoff_s
+
 #: failed allocations of one action before it is failed
 ATTEMPTS = 5
 #: the first retry's delay, doubled after each failure up to ``MAX_DELAY_S`` (0.1 + 0.2 + 0.4 + 0.8 s in all)
@@ -50,7 +52,7 @@ class AllocationBackoff:
         if count >= self.attempts:
             self._failures.pop(action_id, None)
             return None
-        delay = min(self.max_delay_s, self.first_delay_s * 2 ** (count - 1))
+        delay = backoff_s(count - 1, self.first_delay_s, self.max_delay_s, jitter=False)
         self._failures[action_id] = _Failures(count, now + delay)
         return delay
 

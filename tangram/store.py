@@ -46,6 +46,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.pool import StaticPool
 
 from tangram.core.action import Action, State
+from tangram.core.retry import backoff_s
 from tangram.parse import Limits, parse_action
 
 log = logging.getLogger(__name__)
@@ -410,7 +411,7 @@ class Store:
                             future.set_exception(exc)
                     batch.waiters.clear()
                 self._put_back(batch)
-                await asyncio.sleep(min(self.backoff_s * 2 ** (self.failures - 1), self.max_backoff_s))
+                await asyncio.sleep(backoff_s(self.failures - 1, self.backoff_s, self.max_backoff_s, jitter=False))
                 continue
             self._inflight = _Batch()
             self.failures = 0

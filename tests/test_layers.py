@@ -96,3 +96,10 @@ def test_the_algorithms_import_no_infrastructure_and_no_manager(module: str) -> 
     assert not outside & INFRASTRUCTURE, f"{module} reaches {sorted(outside & INFRASTRUCTURE)}"
     assert all(name.startswith("tangram.") for name in ours), f"{module} imports {sorted(ours)}"
     assert not ours & SERVICE_LAYER
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith("clients")))
+def test_the_client_needs_only_the_core(module: str) -> None:
+    """A rollout that imports the client must not import the broker, its store or its managers."""
+    ours, _ = reaches(module)
+    assert all(name.startswith(("clients", "tangram.core")) for name in ours), f"{module} imports {sorted(ours)}"
