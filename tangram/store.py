@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import operator
 import time
 from collections import OrderedDict
@@ -45,14 +44,11 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.pool import StaticPool
 
-from tangram.core.action import Action, State
+from tangram.core.action import Action, Demand, Elasticity, Kind, State
 from tangram.core.retry import backoff_s
-from tangram.parse import Limits, parse_action
 
 log = logging.getLogger(__name__)
 
-# Records were validated when submitted; rebuilding one must not fail because the broker's limits changed since.
-_REBUILD_LIMITS = Limits(max_units=2**62, max_resources=2**31, max_choices=2**31, max_timeout_s=math.inf)
 # Ids of recently finished actions, so that a late re-save of a terminal action appends no second transition.
 _FINISHED_MEMORY = 65_536
 _UNFINISHED = (State.QUEUED.value, State.RUNNING.value)
@@ -169,12 +165,13 @@ def action_record(action: Action) -> dict[str, Any]:
 
 def action_from_record(record: dict[str, Any]) -> Action:
     """Rebuild an Action exactly from ``action_record`` output (after a JSON round trip)."""
-    body = {name: record[name] for name in ("task", "trajectory", "kind", "demand", "elasticity", "spec",
-                                            "timeout_s", "idempotency_key") if record.get(name) is not None}
-    action = parse_action(body, _REBUILD_LIMITS)
-    # Set after parsing: a derived signature may exceed what a client is allowed to send.
-    action.signature = record["signature"]
-    action.id = record["id"]
+    elasticity = record.get("elasticity")
+    action = Action(task=record["task"], kind=Kind(record["kind"]),
+                    demands={name: Demand.from_json(value) for name, value in record["demand"].items()},
+                    spec=record.get("spec") or {}, trajectory=record.get("trajectory"),
+                    elasticity=None if elasticity is None else Elasticity.from_json(elasticity),
+                    timeout_s=float(record["timeout_s"]), idempotency_key=record.get("idempotency_key"),
+                    signature=record["signature"], id=record["id"])
     action.state = State(record["state"])
     action.submitted_at = record["submitted_at"]
     action.started_at = record["started_at"]

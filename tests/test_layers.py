@@ -103,3 +103,8 @@ def test_the_client_needs_only_the_core(module: str) -> None:
     """A rollout that imports the client must not import the broker, its store or its managers."""
     ours, _ = reaches(module)
     assert all(name.startswith(("clients", "tangram.core")) for name in ours), f"{module} imports {sorted(ours)}"
+
+
+def test_the_store_rebuilds_records_without_the_request_parser() -> None:
+    ours, _ = reaches("tangram.store")
+    assert "tangram.parse" not in ours and not ours & {"tangram.api", "tangram.broker"}

@@ -10,15 +10,16 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import orjson
 import pytest
 from sqlalchemy import event, func, select
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from tangram.core.action import Action, State
+from tangram.core.action import Action, Demand, State
 from tangram.parse import parse_action
-from tangram.store import ActionRow, Store, TransitionRow
+from tangram.store import ActionRow, Store, TransitionRow, action_from_record, action_record
 
 FIELDS = [f.name for f in dataclasses.fields(Action)]
 
@@ -382,3 +383,16 @@ async def test_a_database_from_an_older_version_gets_new_indexes_at_open(tmp_pat
         plan = conn.execute("EXPLAIN QUERY PLAN SELECT record FROM actions WHERE kind = 'lease' "
                             "AND state = 'succeeded' AND finished_at >= 0").fetchall()
     assert "ix_actions_kind_state_finished_at" in str(plan)
+
+
+def test_a_record_is_rebuilt_whatever_the_request_limits_are_now() -> None:
+    """Records were checked when submitted; the store's codec does not check them again, so a record beyond
+    today's request limits (a demand, a deadline, a derived signature longer than a client may send) still loads."""
+    action = rich_action()
+    action.demands["cpu"] = Demand.range(1, 2_000_000)  # over the parser's million units
+    action.timeout_s = 1e9
+    action.signature = "exec|" + "x" * 1000
+    record = orjson.loads(orjson.dumps(action_record(action)))
+    rebuilt = action_from_record(record)
+    assert rebuilt.to_json() == action.to_json()
+    assert rebuilt.elasticity == action.elasticity and rebuilt.seq == action.seq

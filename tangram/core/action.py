@@ -71,6 +71,16 @@ class Demand:
             return {"min": self.min, "max": self.max}
         return {"choices": list(self.choices)}
 
+    @classmethod
+    def from_json(cls, value: Any) -> Demand:
+        """The inverse of ``to_json``, for records the broker wrote itself (a client's demand is checked by the
+        request parser, ``tangram.parse``, instead)."""
+        if isinstance(value, int):
+            return cls.fixed(value)
+        if "choices" in value:
+            return cls(tuple(value["choices"]))
+        return cls.range(value["min"], value["max"])
+
 
 @dataclass(frozen=True, slots=True)
 class Elasticity:
@@ -110,6 +120,13 @@ class Elasticity:
         if self.t1 is not None:
             body["t1"] = self.t1
         return body
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any]) -> Elasticity:
+        """The inverse of ``to_json``, for records the broker wrote itself."""
+        points = tuple(sorted((int(m), float(e)) for m, e in body.get("efficiency", {}).items()))
+        t1 = body.get("t1")
+        return cls(body["resource"], points, None if t1 is None else float(t1))
 
 
 _ids = random.Random(os.urandom(32))
