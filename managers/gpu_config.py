@@ -10,11 +10,11 @@ import psutil
 
 from managers.config_checks import check_table, int_limits, positive_int
 from managers.gpu_discovery import discover_gpus
-from reward_services.backend import LEGAL_DOPS, TASKS, ServiceSpec
+from reward_services.backend import BACKEND_OPTIONS, LEGAL_DOPS, TASKS, ServiceSpec
 from reward_services.requests import RewardLimits
 from tangram.core.errors import ConfigError
 
-BACKENDS = ("torch", "sglang")
+BACKENDS = tuple(BACKEND_OPTIONS)
 DEVICE_TYPES = ("cuda", "cpu")
 #: what the torch worker computes (an embedding model); SGLang serves every task
 BACKEND_TASKS = {"torch": ("similarity",), "sglang": TASKS}
@@ -113,8 +113,7 @@ def _service(name: str, raw: Any) -> ServiceSpec:
             or not all(d in LEGAL_DOPS and not isinstance(d, bool) for d in dops)):
         raise ConfigError(f"{where}.dops", f"must be a list of distinct degrees of parallelism from {list(LEGAL_DOPS)}")
     options = raw.get("options", {})
-    if not isinstance(options, dict):
-        raise ConfigError(f"{where}.options", "must be a table")
+    check_table(options, f"{where}.options", BACKEND_OPTIONS[backend])
     return ServiceSpec(name=name, backend=backend, model=model, task=task, dops=tuple(sorted(dops)),
                        gpu_memory_mb=positive_int(raw.get("gpu_memory_mb"), f"{where}.gpu_memory_mb"),
                        host_memory_mb=positive_int(raw.get("host_memory_mb"), f"{where}.host_memory_mb"),

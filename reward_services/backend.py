@@ -22,6 +22,11 @@ from typing import Any
 TASKS = ("similarity", "classify", "score", "generate")
 #: degrees of parallelism a chunk can have: intervals of 1, 2, 4 or 8 GPUs aligned to their size
 LEGAL_DOPS = (1, 2, 4, 8)
+#: the ``options`` each backend reads (``reward_services/torch_worker.py``, ``reward_services/sglang.py`` say what
+#: each means); a config naming another is refused, so a typo is not silently ignored
+BACKEND_OPTIONS = {"torch": frozenset({"batch_size"}),
+                   "sglang": frozenset({"command", "args", "env", "cwd", "start_timeout_s", "release_timeout_s",
+                                        "request_timeout_s"})}
 
 
 @dataclass(frozen=True)

@@ -166,6 +166,12 @@ def test_config_errors_name_the_key():
                      ({**gpu_section({}), "services": {"s": {**service(), "dops": [3]}}}, "gpu.services.s.dops"),
                      ({**gpu_section({}), "services": {"s": {**service(), "task": "generate"}}}, "gpu.services.s.task"),
                      ({**gpu_section({}), "services": {"s": {**service(), "backend": "x"}}}, "gpu.services.s.backend"),
+                     # a typo in a backend's options is refused, not silently ignored
+                     ({**gpu_section({}), "services": {"s": {**service(), "options": {"batchsize": 8}}}},
+                      "gpu.services.s.options.batchsize"),
+                     ({**gpu_section({}), "services": {"s": {**service(), "options": {"args": []}}}},
+                      "gpu.services.s.options.args"),  # an sglang option on a torch service
+                     ({**gpu_section({}), "services": {"s": {**service(), "options": [1]}}}, "gpu.services.s.options"),
                      ({"enabled": "yes"}, "gpu.enabled"), ({"bogus": 1}, "gpu.bogus")]:
         with pytest.raises(ConfigError) as caught:
             parse_gpu_config(raw)
