@@ -3,23 +3,48 @@ only its task's environments; another task's are 404, as if they did not exist."
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from typing import Protocol, runtime_checkable
+
 from aiohttp import web
 
-from managers.cpu import CpuManager
 from managers.environment import Environment
-from managers.exec_spec import parse_files, parse_image, parse_memory_mb
+from managers.exec_spec import ExecLimits, parse_files, parse_image, parse_memory_mb
 from tangram.api_common import BROKER, json_response, read_json
 from tangram.auth import claim_task, listed_task, principal_of
 from tangram.core.action import Kind
 from tangram.core.errors import NotFound, Unprocessable
 from tangram.parse import known_fields, parse_name
+from tangram.tenants import EnvironmentHost
 
 FIELDS = frozenset({"task", "trajectory", "image", "memory_mb", "files"})
 
 
-def _manager(request: web.Request) -> CpuManager:
+class _Limited(Protocol):
+    limits: ExecLimits
+
+
+@runtime_checkable
+class EnvironmentManager(EnvironmentHost, Protocol):
+    """What these endpoints need of the manager that executes ``exec`` actions: the trajectory environments it keeps
+    and their per-task use for the caps (the CPU manager's; a manager is found by what it can do, not by its
+    class)."""
+
+    config: _Limited
+    environments: Mapping[str, Environment]
+
+    async def create_environment(self, task: str, trajectory: str | None, image: str | None, memory_mb: int | None,
+                                 files: dict[str, bytes],
+                                 admit: Callable[[int], None] | None = None) -> Environment: ...
+
+    def get_environment(self, env_id: str) -> Environment: ...
+
+    async def delete_environment(self, env_id: str) -> Environment: ...
+
+
+def _manager(request: web.Request) -> EnvironmentManager:
     manager = request.app[BROKER].executor.get(Kind.EXEC)
-    if not isinstance(manager, CpuManager):
+    if not isinstance(manager, EnvironmentManager):
         raise Unprocessable("path", "this broker has no CPU manager (enable [cpu] in its config)")
     return manager
 
@@ -46,7 +71,7 @@ async def list_environments(request: web.Request) -> web.Response:
     return json_response({"environments": envs})
 
 
-def _environment(request: web.Request, manager: CpuManager) -> Environment:
+def _environment(request: web.Request, manager: EnvironmentManager) -> Environment:
     """The environment the path names, if the caller may see it; 404 otherwise."""
     env_id = request.match_info["id"]
     env = manager.get_environment(env_id)

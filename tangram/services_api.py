@@ -2,17 +2,25 @@
 
 from __future__ import annotations
 
+from typing import Any, Protocol, runtime_checkable
+
 from aiohttp import web
 
-from managers.gpu import GpuManager
 from tangram.api_common import BROKER, json_response
 from tangram.core.action import Kind
 from tangram.core.errors import NotFound
 
 
-def _manager(request: web.Request) -> GpuManager | None:
+@runtime_checkable
+class ServiceCatalog(Protocol):
+    """What these endpoints need of the manager that executes ``reward`` actions (the GPU manager's)."""
+
+    def describe_services(self) -> list[dict[str, Any]]: ...
+
+
+def _manager(request: web.Request) -> ServiceCatalog | None:
     manager = request.app[BROKER].executor.get(Kind.REWARD)
-    return manager if isinstance(manager, GpuManager) else None
+    return manager if isinstance(manager, ServiceCatalog) else None
 
 
 async def list_services(request: web.Request) -> web.Response:

@@ -233,3 +233,14 @@ async def test_learned_profiles_are_listed_most_observed_first_with_a_bounded_li
         for bad in ("0", "10001", "x", "-1"):
             code, reply = await live.call("GET", f"/v1/profiles?limit={bad}")
             assert (code, reply["error"]["field"]) == (400, "limit"), bad
+
+
+async def test_manager_endpoints_answer_by_what_the_broker_has(db):
+    """Environments and services are found by capability: a broker without a CPU or GPU manager says so."""
+    async with live_broker(LEASES, db) as live:
+        code, body = await live.call("POST", "/v1/environments", json={"task": "t1"})
+        assert code == 422 and body["error"]["field"] == "path" and "CPU manager" in body["error"]["reason"]
+        code, body = await live.call("GET", "/v1/services")
+        assert code == 200 and body == {"services": []}
+        code, body = await live.call("GET", "/v1/services/rm")
+        assert code == 404 and body["error"]["field"] == "name"
