@@ -18,18 +18,14 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
-
-from docker.tls import TLSConfig
 
 from managers.cores import CorePool, host_numa_nodes
 from managers.cpu_config import CpuConfig, CpuNodeConfig
 from managers.environment import Environment, EnvState
 from managers.exec_spec import executor_request, parse_exec_spec, parse_files
+from managers.sandbox_backends import SandboxFactory, open_sandbox_backend
 from sandboxes.backend import Leftover, Sandbox, SandboxBackend, SandboxError, SandboxSpec
-from sandboxes.docker import DockerBackend
-from sandboxes.local import LocalProcessBackend
 from tangram.core.action import Action, Kind, new_action_id
 from tangram.core.errors import ActionFailed, BadRequest, Conflict, NotFound, TooMany, Unavailable, Unprocessable
 from tangram.core.malleable import WorkerCost, workers_for
@@ -127,8 +123,12 @@ class CpuManager(ResourceManager):
     name = "cpu"
     kinds = frozenset({Kind.EXEC})
 
-    def __init__(self, config: CpuConfig) -> None:
+    def __init__(self, config: CpuConfig, open_backend: SandboxFactory = open_sandbox_backend) -> None:
+        """``open_backend(node, config)`` opens a node's sandbox backend at ``start`` (by default its Docker
+        engine, or local processes: ``managers/sandbox_backends.py``); ``add_node`` puts a node in service with
+        one already made (the simulator's)."""
         self.config = config
+        self._open_backend = open_backend
         self.nodes: dict[str, CpuNode] = {}
         self.environments: dict[str, Environment] = {}
         self.by_trajectory: dict[tuple[str, str], Environment] = {}
@@ -141,7 +141,7 @@ class CpuManager(ResourceManager):
 
     async def start(self) -> None:
         for node_config in self.config.nodes:
-            backend = await self._backend(node_config)
+            backend = await self._open_backend(node_config, self.config)
             numa = node_config.numa or (host_numa_nodes(node_config.cores) if node_config.engine.startswith("unix")
                                         else [node_config.cores])
             leftovers = await backend.adopt(self.config.broker_id)
@@ -158,33 +158,6 @@ class CpuManager(ResourceManager):
     def add_node(self, node: CpuNode) -> None:
         """Put a node in service (``start`` does it for every configured node; the simulator, directly)."""
         self.nodes[node.name] = node
-
-    async def _backend(self, node: CpuNodeConfig) -> SandboxBackend:
-        run_dir = Path(self.config.run_dir) / self.config.broker_id / node.name
-        if node.backend in ("docker", "auto"):
-            tls = None
-            if node.tls_ca or node.tls_cert:
-                cert = (node.tls_cert, node.tls_key) if node.tls_cert and node.tls_key else None
-                tls = TLSConfig(client_cert=cert, ca_cert=node.tls_ca, verify=bool(node.tls_ca))
-            docker_backend = DockerBackend(node.engine, run_dir=run_dir, cores=node.cores,
-                                           fast_path=bool(node.fast_path), tls=tls)
-            try:
-                await docker_backend.start()
-                if node.backend == "docker":
-                    return docker_backend
-                if await asyncio.to_thread(docker_backend.has_image, self.config.default_image):
-                    log.info("node %s: Docker engine %s", node.name, node.engine)
-                    return docker_backend
-                reason = f"it has no image {self.config.default_image!r} (build it: tangram image build)"
-                await docker_backend.close()
-            except SandboxError as error:
-                if node.backend == "docker":
-                    raise
-                reason = error.message
-            log.warning("node %s: local processes instead of Docker (%s); isolation is weak", node.name, reason)
-        local = LocalProcessBackend(run_dir)
-        await local.start()
-        return local
 
     async def close(self) -> None:
         if self._reaper is not None:
