@@ -53,22 +53,19 @@ import requests
 from aiohttp import web
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
-from sqlalchemy import select
 
 from clients import ActionRecord, ApiError, AsyncTangramClient, ConflictError, TangramError, WaitTimeout
+from loadtest.soak_faults import KILL_TIMEOUT_S, broker_sandboxes, kill_container, labelled_containers
+from loadtest.soak_verdict import CHECKS, Verdict, render, store_problems
 from loadtest.upstream import search_app
-from sandboxes.backend import LABEL_BROKER, LABEL_MANAGED
 from tangram.config import parse_config
 from tangram.service import running_broker
-from tangram.store import ActionRow, Store
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the reward model comes from a Python package
 
 log = logging.getLogger("loadtest.soak")
 
 ROOT = Path(__file__).resolve().parents[1]
-TERMINAL = ("succeeded", "failed", "cancelled", "timed_out")
 SCENARIOS = ("trajectory", "ephemeral", "api", "lease", "reward")
 DEFAULT_MIX = {"trajectory": 2, "ephemeral": 2, "api": 4, "lease": 3, "reward": 3}
 FAULT_KINDS = ("cancel_queued", "cancel_running", "cancel_too_late", "disconnect", "container_kill", "deadline")
@@ -85,16 +82,6 @@ TEXTS = ("pytest runs tests in parallel with pytest-xdist", "a cgroup cpuset pin
          "leases hold quota units while a model generates", "the broker queues every action first come first served")
 TEST_ELASTICITY_T1_S = 0.5
 REWARD_ELASTICITY = {"resource": "gpu", "t1": 0.2, "efficiency": {"1": 1.0, "2": 0.6}}
-# the checks of the verdict, each expecting zero
-CHECKS = ("lost", "not_exactly_one_terminal", "units_in_use", "leases_held", "actions_queued_or_running",
-          "environments_left", "containers_left_broker_up", "containers_left_after_stop", "leases_not_returned",
-          "wrong_results", "cancel_not_honoured", "internal_errors", "unexpected_http_errors", "broker_log_errors",
-          "broker_stop_errors", "driver_errors")
-EXAMPLES = 5  # ids or messages kept per failed check
-KILL_TIMEOUT_S = 20.0
-# where a local engine's cgroupfs driver keeps a container's freezer (cgroup v1, then v2) and what thaws it
-FREEZERS = (("/sys/fs/cgroup/freezer/docker/{id}/freezer.state", "THAWED"),
-            ("/sys/fs/cgroup/docker/{id}/cgroup.freeze", "0"))
 
 
 @dataclass(frozen=True)
@@ -558,7 +545,7 @@ class Soak:
         kills: list[asyncio.Task[None]] = []
 
         async def kill(container_id: str) -> None:
-            outcome = await loop.run_in_executor(threads, _kill, engine, container_id)
+            outcome = await loop.run_in_executor(threads, kill_container, engine, container_id)
             if outcome is None:
                 self.ledger.faults["container_kill"] += 1
             else:
@@ -573,7 +560,7 @@ class Soak:
                     except TimeoutError:
                         pass
                     try:
-                        found = await loop.run_in_executor(threads, _sandboxes, engine, self.target.broker_id, False)
+                        found = await loop.run_in_executor(threads, broker_sandboxes, engine, self.target.broker_id, False)
                     except (docker.errors.DockerException, requests.exceptions.RequestException) as error:
                         self.ledger.kill_notes[f"listing failed: {error}"[:200]] += 1
                         continue
@@ -649,162 +636,6 @@ class Soak:
         for row in body["resources"]:
             units[row["resource"]] += row["held"] if "held" in row else row["in_use"]
         return dict(units), body["stats"]
-
-
-def _sandboxes(engine: docker.APIClient, broker_id: str, stopped_too: bool) -> list[dict[str, Any]]:
-    """The broker's sandbox containers, from one listing (no inspect per container: they come and go meanwhile)."""
-    return engine.containers(all=stopped_too, filters={"label": [f"{LABEL_MANAGED}=1", f"{LABEL_BROKER}={broker_id}"]})
-
-
-def _kill(engine: docker.APIClient, container_id: str) -> str | None:
-    """SIGKILL the container; None when the signal went, else why not.
-
-    A kill that races with ``docker pause`` (the broker's ``docker exec`` path freezes idle sandboxes) can leave
-    the signal pending in a frozen container, and Docker 20.10 then waits for an exit that never comes, holding
-    the container's lock: every later call on it hangs. Past ``KILL_TIMEOUT_S`` the container's freezer is thawed
-    here, so the signal lands and the engine answers again (a shared engine must not stay wedged)."""
-    try:
-        engine.kill(container_id)
-    except docker.errors.NotFound:
-        return "gone before the kill"
-    except docker.errors.APIError as error:
-        if error.status_code == 409:
-            return "stopped before the kill"
-        return f"engine answered {error.status_code}: {error.explanation}"[:200]
-    except requests.exceptions.Timeout:
-        for pattern, thawed in FREEZERS:
-            freezer = Path(pattern.format(id=container_id))
-            if freezer.exists():
-                freezer.write_text(thawed)
-                log.warning("kill of %s: no answer in %.0f s; thawed its freezer", container_id[:12], KILL_TIMEOUT_S)
-                return None
-        return f"no answer in {KILL_TIMEOUT_S:.0f} s and no local freezer to thaw"
-    except requests.exceptions.RequestException as error:
-        return f"engine unreachable: {error}"[:200]
-    return None
-
-
-def labelled_containers(engine: str, broker_id: str) -> list[str]:
-    """The broker's containers by name and status; an engine that does not answer is itself a finding."""
-    client = docker.APIClient(base_url=engine, timeout=60)
-    try:
-        return sorted(f"{c['Names'][0].lstrip('/')} ({c['Status']})" for c in _sandboxes(client, broker_id, True))
-    except (docker.errors.DockerException, requests.exceptions.RequestException) as error:
-        return [f"the engine did not list them: {error}"[:300]]
-    finally:
-        client.close()
-
-
-async def store_problems(store_url: str, task: str, states: dict[str, str], sample: int,
-                         seed: int) -> dict[str, list[str]]:
-    """What the store says against the API: every action of the run stored, in the state the API gives, no action
-    the driver never learned of (a second action for one submit), and for a sample of actions transitions that
-    end in exactly one terminal state, the API's."""
-    problems: dict[str, list[str]] = {"store_missing": [], "store_state_mismatch": [], "store_unknown_actions": [],
-                                      "store_transitions_wrong": []}
-    store = await Store.open(store_url)
-    try:
-        async with store.engine.connect() as conn:
-            stored = dict((await conn.execute(select(ActionRow.id, ActionRow.state)
-                                              .where(ActionRow.task == task))).all())
-        for action_id, state in states.items():
-            if action_id not in stored:
-                problems["store_missing"].append(action_id)
-            elif stored[action_id] != state:
-                problems["store_state_mismatch"].append(f"{action_id}: store {stored[action_id]}, API {state}")
-        problems["store_unknown_actions"] = sorted(set(stored) - set(states))
-        ids = sorted(states)
-        chosen = ids if sample == 0 or sample >= len(ids) else random.Random(f"{seed}-store").sample(ids, sample)
-        for action_id in chosen:
-            path = [state for state, _ in await store.transitions(action_id)]
-            terminal = [state for state in path if state in TERMINAL]
-            if len(terminal) != 1 or path[-1] != terminal[0] or terminal[0] != states[action_id]:
-                problems["store_transitions_wrong"].append(f"{action_id}: {' -> '.join(path) or 'none'} "
-                                                           f"(API {states[action_id]})")
-    finally:
-        await store.close()
-    return problems
-
-
-# -- the verdict --------------------------------------------------------------------------------------------------
-
-@dataclass
-class Verdict:
-    options: SoakOptions
-    soak: Soak
-    states: dict[str, str] = field(default_factory=dict)
-    store: dict[str, list[str]] | None = None
-    units: dict[str, int] = field(default_factory=dict)
-    broker_stats: dict[str, Any] = field(default_factory=dict)
-    environments_cleaned: int = 0
-    skipped: dict[str, str] = field(default_factory=dict)
-    elapsed_s: float = 0.0
-
-    def to_json(self) -> dict[str, Any]:
-        ledger = self.soak.ledger
-        submitted = len(ledger.actions)
-        terminal = {i: s for i, s in self.states.items() if s in TERMINAL}
-        not_terminal = sorted(set(ledger.actions) - set(terminal))
-        changed = sorted(f"{i}: first {t.seen}, now {self.states[i]}" for i, t in ledger.actions.items()
-                         if i in terminal and t.seen != self.states[i])
-        breakdown: dict[str, list[str]] = {"not_terminal": not_terminal, "terminal_state_changed": changed,
-                                           **(self.store or {})}
-        wrong_ids = sorted({entry.split(":")[0] for entries in breakdown.values() for entry in entries})
-        # check -> (value, examples); most values count the problems the ledger met
-        measured = {name: (len(entries), entries) for name, entries in ledger.problems.items()}
-        measured["lost"] = (len(not_terminal), not_terminal)
-        measured["not_exactly_one_terminal"] = (len(wrong_ids), wrong_ids)
-        measured["units_in_use"] = (sum(self.units.values()),
-                                    [f"{name}: {units}" for name, units in sorted(self.units.items()) if units])
-        leases = self.broker_stats.get("leases", 0)
-        measured["leases_held"] = (leases, [f"{leases} leases still granted"] if leases else [])
-        busy = self.broker_stats.get("queued", 0) + self.broker_stats.get("running", 0)
-        measured["actions_queued_or_running"] = (busy, [f"{busy} actions"] if busy else [])
-        checks = {name: {"value": measured[name][0], "ok": measured[name][0] == 0,
-                         "examples": measured[name][1][:EXAMPLES]}
-                  for name in CHECKS if name not in self.skipped}
-        by_kind = Counter(t.request.kind for t in ledger.actions.values())
-        return {
-            "ok": all(check["ok"] for check in checks.values()),
-            "options": {k: v for k, v in vars(self.options).items() if k != "token"},
-            "elapsed_s": round(self.elapsed_s, 1),
-            "submitted": submitted,
-            "terminal": len(terminal),
-            "by_kind": dict(sorted(by_kind.items())),
-            "by_state": {state: sum(1 for s in terminal.values() if s == state) for state in TERMINAL},
-            "error_codes": dict(ledger.error_codes.most_common()),
-            "faults": dict(ledger.faults),
-            "kill_notes": dict(ledger.kill_notes),
-            "units_in_use": self.units,
-            "environments_cleaned_at_end": self.environments_cleaned,
-            "not_exactly_one_terminal_breakdown": {k: len(v) for k, v in breakdown.items()},
-            "checks": checks,
-            "skipped_checks": self.skipped,
-        }
-
-
-def render(verdict: dict[str, Any], console: Console) -> None:
-    table = Table(title=f"soak verdict: {'PASS' if verdict['ok'] else 'FAIL'}", show_lines=False)
-    table.add_column("what")
-    table.add_column("value", justify="right")
-    table.add_column("")
-    table.add_row("actions submitted", str(verdict["submitted"]), "")
-    for kind, count in verdict["by_kind"].items():
-        table.add_row(f"  {kind}", str(count), "")
-    for state, count in verdict["by_state"].items():
-        table.add_row(f"ended {state}", str(count), "")
-    for fault, count in verdict["faults"].items():
-        table.add_row(f"fault {fault}", str(count), "")
-    for name, check in verdict["checks"].items():
-        mark = "[green]ok[/]" if check["ok"] else "[red]FAIL[/] " + "; ".join(check["examples"])[:200]
-        table.add_row(name.replace("_", " "), str(check["value"]), mark)
-    for name, why in verdict["skipped_checks"].items():
-        table.add_row(name.replace("_", " "), "-", f"skipped: {why}")
-    table.add_row("elapsed", f"{verdict['elapsed_s']} s", "")
-    console.print(table)
-    if verdict["error_codes"]:
-        console.print("action errors by kind:code  " + ", ".join(f"{k}={v}" for k, v in verdict["error_codes"].items()),
-                      highlight=False)
 
 
 # -- running against a broker -------------------------------------------------------------------------------------

@@ -10,7 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from loadtest.soak import FAULT_KINDS, TERMINAL, SoakOptions, broker_config, soak_local
+from loadtest.soak import FAULT_KINDS, SoakOptions, broker_config, soak_local
+from loadtest.soak_verdict import TERMINAL
 from tests.docker_nodes import docker_engines, new_broker_id
 
 ACTIONS = 300
