@@ -23,6 +23,7 @@ from tangram.core.action import Action, Kind, State
 from tangram.core.errors import ActionFailed, BadRequest, Conflict, NotFound, RequestError, Unavailable, Unprocessable
 from tangram.core.seam import Allocation, Lessor, ResourceManager
 from tangram.durations import DurationModel
+from tangram.idempotency import IdempotencyIndex
 from tangram.metrics import Metrics
 from tangram.queue import make_queue
 from tangram.scheduler import Placement, Resize, Scheduler
@@ -85,7 +86,7 @@ class Broker:
         self._resizing: set[asyncio.Task[None]] = set()
         self._shrinking: set[asyncio.Task[None]] = set()
         self.leases: dict[str, list[tuple[ResourceManager, Allocation]]] = {}
-        self.idempotency: dict[tuple[str, str], str] = {}
+        self.idempotency = IdempotencyIndex()
         self.recent: collections.deque[Action] = collections.deque(maxlen=1000)
         self._forget: collections.deque[tuple[float, str]] = collections.deque()
         self._waiters: dict[str, asyncio.Event] = {}
@@ -119,8 +120,7 @@ class Broker:
         resumed = failed = 0
         for action in await self.store.load_unfinished():
             self.actions[action.id] = action
-            if action.idempotency_key is not None:
-                self.idempotency[(action.task, action.idempotency_key)] = action.id
+            self.idempotency.remember(action)
             if action.state is State.RUNNING:
                 action.units, action.placement = {}, {}  # nothing is held in this process
                 self._finish(action, State.FAILED, error={
@@ -164,8 +164,7 @@ class Broker:
                                     min(expires_at, now))
                 continue
             self.actions[action.id] = action
-            if action.idempotency_key is not None:
-                self.idempotency[(action.task, action.idempotency_key)] = action.id
+            self.idempotency.remember(action)
             self.leases[action.id] = [(lessor, allocation)]
             self.ledger.hold(action)
             held += 1
@@ -215,7 +214,7 @@ class Broker:
         if len(self.queue) + len(actions) > self.max_queue:
             raise Unavailable("actions", f"the queue is full ({self.max_queue} actions); retry later")
         try:
-            stored = await self._stored_idempotent(actions)
+            stored = await self.idempotency.stored(actions, self.store)
         except Exception as error:  # noqa: BLE001 - any driver error: the database cannot answer now
             log.error("idempotency lookup failed: %r", error)
             raise Unavailable("store", "the database is unavailable, so this broker cannot tell whether these "
@@ -225,7 +224,7 @@ class Broker:
         results: list[tuple[Action, bool]] = []
         fresh: list[Action] = []
         for action in actions:
-            existing = self._idempotent(action, stored)
+            existing = self.idempotency.existing(action, stored, self.actions)
             if existing is not None:
                 results.append((existing, False))
                 continue
@@ -233,8 +232,7 @@ class Broker:
             action.seq = self._seq
             action.submitted_at = time.time()
             self.actions[action.id] = action
-            if action.idempotency_key is not None:
-                self.idempotency[(action.task, action.idempotency_key)] = action.id
+            self.idempotency.remember(action)
             self._enqueue(action)
             self.arrivals.submitted(action, action.submitted_at)
             self.metrics.count_submit(action)
@@ -256,7 +254,7 @@ class Broker:
         fresh: list[Action] = []
         keys: set[tuple[str, str]] = set()
         for action in actions:
-            if self._idempotent(action, stored) is not None:
+            if self.idempotency.existing(action, stored, self.actions) is not None:
                 continue
             if action.idempotency_key is not None:
                 if (action.task, action.idempotency_key) in keys:
@@ -318,21 +316,6 @@ class Broker:
             if where:
                 error.field = where + error.field
             raise
-
-    async def _stored_idempotent(self, actions: Sequence[Action]) -> dict[tuple[str, str], Action]:
-        """Earlier actions under these idempotency keys that memory no longer holds: one query per submit."""
-        unknown = [(a.task, a.idempotency_key) for a in actions
-                   if a.idempotency_key is not None and (a.task, a.idempotency_key) not in self.idempotency]
-        return await self.store.find_many_by_idempotency(unknown) if unknown else {}
-
-    def _idempotent(self, action: Action, stored: dict[tuple[str, str], Action]) -> Action | None:
-        if action.idempotency_key is None:
-            return None
-        ident = (action.task, action.idempotency_key)
-        known = self.idempotency.get(ident)
-        if known is not None and known in self.actions:
-            return self.actions[known]
-        return stored.get(ident)
 
     async def get(self, action_id: str, task: str | None = None) -> Action:
         """The action's record; with ``task``, another task's action is as missing as one that never was."""
@@ -603,8 +586,8 @@ class Broker:
             _, action_id = self._forget.popleft()
             if action_id not in self.leases:
                 action = self.actions.pop(action_id, None)
-                if action is not None and action.idempotency_key is not None:
-                    self.idempotency.pop((action.task, action.idempotency_key), None)
+                if action is not None:
+                    self.idempotency.forget(action)
         if self.durations.dirty:  # a run of a speed-up model is always a profile's sample too
             self.store.save_profiles(self.durations.take_dirty())
             self.store.save_speedups(self.durations.take_dirty_runs())
