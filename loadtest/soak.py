@@ -560,7 +560,8 @@ class Soak:
                     except TimeoutError:
                         pass
                     try:
-                        found = await loop.run_in_executor(threads, broker_sandboxes, engine, self.target.broker_id, False)
+                        found = await loop.run_in_executor(threads, broker_sandboxes, engine, self.target.broker_id,
+                                                           False)
                     except (docker.errors.DockerException, requests.exceptions.RequestException) as error:
                         self.ledger.kill_notes[f"listing failed: {error}"[:200]] += 1
                         continue
