@@ -116,7 +116,7 @@ class BasicFit(Fit):
         return (POOL,)
 
 
-class BasicManager(ResourceManager):
+class BasicManager(ResourceManager[None]):
     """Concurrency and quota limits per resource; proxies ``api`` actions and grants ``lease`` actions."""
 
     name = "basic"
@@ -154,7 +154,7 @@ class BasicManager(ResourceManager):
         quota = {name: r.quota_free(now) for name, r in self._res.items()}
         return BasicFit(concurrency, quota, self._quota_short)
 
-    def allocate(self, action: Action, units: Mapping[str, int], pools: Mapping[str, str]) -> Allocation:
+    def allocate(self, action: Action, units: Mapping[str, int], pools: Mapping[str, str]) -> Allocation[None]:
         now = self._clock()
         for resource, n in units.items():
             r = self._res[resource]
@@ -167,7 +167,7 @@ class BasicManager(ResourceManager):
                 r.window.take(n, now)
         return _allocation(action.id, units)
 
-    def release(self, allocation: Allocation) -> None:
+    def release(self, allocation: Allocation[None]) -> None:
         if allocation.released:
             return
         allocation.released = True
@@ -221,18 +221,18 @@ class BasicManager(ResourceManager):
 
     # -- execution ----------------------------------------------------------------------------------------
 
-    def complete_now(self, action: Action, allocation: Allocation) -> Outcome | None:
+    def complete_now(self, action: Action, allocation: Allocation[None]) -> Outcome | None:
         """A lease grant needs no I/O, so the broker can finish it without a task."""
         return self._grant(action, allocation) if action.kind is Kind.LEASE else None
 
-    async def execute(self, action: Action, allocation: Allocation) -> Outcome:
+    async def execute(self, action: Action, allocation: Allocation[None]) -> Outcome:
         if action.kind is Kind.API:
             return await self._proxy(action, allocation)
         if action.kind is Kind.LEASE:
             return self._grant(action, allocation)
         raise NotImplementedError(f"{self.name} does not execute {action.kind.value} actions")
 
-    async def _proxy(self, action: Action, allocation: Allocation) -> Outcome:
+    async def _proxy(self, action: Action, allocation: Allocation[None]) -> Outcome:
         if self._session is None:
             raise RuntimeError("BasicManager.start() was not awaited")
         upstream = self._upstream_resource(action).upstream
@@ -255,12 +255,12 @@ class BasicManager(ResourceManager):
                 return
             await asyncio.sleep(wait)
 
-    def _grant(self, action: Action, allocation: Allocation) -> Outcome:
+    def _grant(self, action: Action, allocation: Allocation[None]) -> Outcome:
         ttl = self._lease_ttl(action)
         self._hold_lease(allocation, ttl)
         return Outcome({"lease_id": action.id, "expires_in_s": ttl, "units": dict(allocation.units)}, hold=True)
 
-    def _hold_lease(self, allocation: Allocation, ttl_s: float) -> None:
+    def _hold_lease(self, allocation: Allocation[None], ttl_s: float) -> None:
         expiry = self._clock() + ttl_s
         self._leases[allocation.action_id] = expiry
         heapq.heappush(self._lease_heap, (expiry, allocation.action_id))
@@ -270,7 +270,7 @@ class BasicManager(ResourceManager):
     def longest_lease_s(self) -> float:
         return max((r.config.lease_ttl_s for r in self._res.values()), default=0.0)
 
-    def regrant(self, action: Action, remaining_s: float) -> Allocation | None:
+    def regrant(self, action: Action, remaining_s: float) -> Allocation[None] | None:
         """Hold a lease a previous process granted for the rest of its TTL. Its units count as held even if the
         config shrank meanwhile; its quota is not taken again (the quota windows of a new process start empty)."""
         if not action.units or any(name not in self._res for name in action.units):
@@ -330,7 +330,7 @@ class BasicManager(ResourceManager):
             self._session = None
 
 
-def _allocation(action_id: str, units: Mapping[str, int]) -> Allocation:
+def _allocation(action_id: str, units: Mapping[str, int]) -> Allocation[None]:
     return Allocation(action_id, dict(units), dict.fromkeys(units, POOL), placement={"resource": dict(units)})
 
 

@@ -58,7 +58,7 @@ class CountedFit(Fit):
         return tuple(self._before[resource])
 
 
-class CountedUnitsManager(ResourceManager):
+class CountedUnitsManager(ResourceManager[None]):
     """Resources given as ``{resource: {pool: capacity}}``; executes nothing by itself.
 
     ``resizable`` names the resources whose running allocations may change size (their elastic actions run
@@ -89,7 +89,7 @@ class CountedUnitsManager(ResourceManager):
                 for resource, pools in self.capacity.items()}
         return CountedFit(free)
 
-    def allocate(self, action: Action, units: Mapping[str, int], pools: Mapping[str, str]) -> Allocation:
+    def allocate(self, action: Action, units: Mapping[str, int], pools: Mapping[str, str]) -> Allocation[None]:
         for resource, n in units.items():
             pool = pools[resource]
             if self.in_use[resource][pool] + n > self.capacity[resource][pool]:
@@ -109,7 +109,7 @@ class CountedUnitsManager(ResourceManager):
             return units
         return max(units, min(action.demands[resource].max, self.largest_pool(resource)))
 
-    def resize(self, allocation: Allocation, resource: str, units: int) -> None:
+    def resize(self, allocation: Allocation[None], resource: str, units: int) -> None:
         if not self.resizable(resource):
             raise NotImplementedError(f"{self.name} cannot resize {resource!r}")
         if allocation.released:
@@ -123,7 +123,7 @@ class CountedUnitsManager(ResourceManager):
         self.in_use[resource][pool] += delta
         allocation.units[resource] = units
 
-    def release(self, allocation: Allocation) -> None:
+    def release(self, allocation: Allocation[None]) -> None:
         if allocation.released:
             return
         allocation.released = True

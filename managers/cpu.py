@@ -119,7 +119,12 @@ class CpuFit(Fit):
         return tuple(self.before)
 
 
-class CpuManager(ResourceManager):
+#: a CPU allocation's handle: the environment it runs in (None: deleted since submit, the action fails at run),
+#: its node and its cores
+CpuHandle = tuple[Environment | None, str, tuple[int, ...]]
+
+
+class CpuManager(ResourceManager[CpuHandle]):
     name = "cpu"
     kinds = frozenset({Kind.EXEC})
 
@@ -271,7 +276,7 @@ class CpuManager(ResourceManager):
             raise TooMany(field, f"the broker holds {len(self.environments)} environments, its limit; delete "
                                  f"idle ones or wait for their TTL")
 
-    def allocate(self, action: Action, units: Mapping[str, int], pools: Mapping[str, str]) -> Allocation:
+    def allocate(self, action: Action, units: Mapping[str, int], pools: Mapping[str, str]) -> Allocation[CpuHandle]:
         node = self.nodes[pools[RESOURCE]]
         env = self.environment_of(action)
         if env is None and action.spec.get("environment") is not None:  # deleted since submit: fails at run
@@ -302,10 +307,10 @@ class CpuManager(ResourceManager):
         cost = learned or WorkerCost(self.config.worker_start_s / units)
         return workers_for(units, cap, expected_s, cost, self.config.worker_overhead)
 
-    def resize(self, allocation: Allocation, resource: str, units: int) -> None:
+    def resize(self, allocation: Allocation[CpuHandle], resource: str, units: int) -> None:
         if allocation.released:
             raise RuntimeError(f"resize of released allocation {allocation.action_id}")
-        env, node_name, cores = allocation.handle
+        env, node_name, cores = allocation.held()
         pool = self.nodes[node_name].cores
         cores = pool.shrink(cores, units) if units < len(cores) else pool.grow(cores, units - len(cores))
         allocation.handle = (env, node_name, cores)
@@ -314,11 +319,11 @@ class CpuManager(ResourceManager):
             allocation.placement[RESOURCE] = {**allocation.placement[RESOURCE], "cores": list(cores),
                                               "numa_nodes": pool.numa_of(cores)}
 
-    async def apply_resize(self, allocation: Allocation) -> None:
+    async def apply_resize(self, allocation: Allocation[CpuHandle]) -> None:
         """Move the sandbox onto the union of its actions' cores and re-pin this action's command. An action whose
         command has not started yet (its sandbox is being created) or has ended is left alone: ``execute`` reads
         the allocation's cores when it starts the command."""
-        env, _, cores = allocation.handle
+        env, _, cores = allocation.held()
         if env is None or allocation.released or env.sandbox is None:
             return
         async with env.lock:
@@ -334,7 +339,7 @@ class CpuManager(ResourceManager):
                 raise ActionFailed("resize_failed", f"moving the command onto cores {list(cores)} failed: "
                                                     f"{error.message}", environment=env.id) from None
 
-    def release(self, allocation: Allocation) -> None:
+    def release(self, allocation: Allocation[CpuHandle]) -> None:
         if allocation.released or allocation.handle is None:
             return
         allocation.released = True
@@ -499,8 +504,8 @@ class CpuManager(ResourceManager):
 
     # -- execution ------------------------------------------------------------------------------------------
 
-    async def execute(self, action: Action, allocation: Allocation) -> Outcome:
-        env = allocation.handle[0]
+    async def execute(self, action: Action, allocation: Allocation[CpuHandle]) -> Outcome:
+        env = allocation.held()[0]
         if env is None:
             raise ActionFailed("environment_destroyed", f"environment {action.spec.get('environment')} was "
                                                         f"deleted after this action was submitted")
@@ -512,7 +517,7 @@ class CpuManager(ResourceManager):
             remaining = action.submitted_at + action.timeout_s - time.time() - DEADLINE_MARGIN_S
             try:
                 async with env.lock:
-                    cores = allocation.handle[2]  # as resized while the sandbox was being created
+                    cores = allocation.held()[2]  # as resized while the sandbox was being created
                     env.running[action.id] = cores
                     await sandbox.set_cores(env.union_cores())
                 workers = action.malleable.workers if action.malleable is not None else None
@@ -531,7 +536,7 @@ class CpuManager(ResourceManager):
         finally:
             if env.ephemeral and not env.running:
                 await self._destroy(env)
-        return Outcome(self._result(response, env, allocation.handle[2], setup_s))
+        return Outcome(self._result(response, env, allocation.held()[2], setup_s))
 
     async def _settle(self, env: Environment, sandbox: Sandbox) -> None:
         """Shrink the sandbox to the cores still in use, or freeze it, before the cores go back to the pool."""

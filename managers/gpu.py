@@ -118,7 +118,11 @@ class GpuFit(Fit):
         return ChunkOperator(counts)
 
 
-class GpuManager(ResourceManager):
+#: a GPU allocation's handle: its node and chunk
+GpuHandle = tuple[str, Chunk]
+
+
+class GpuManager(ResourceManager[GpuHandle]):
     name = "gpu"
     kinds = frozenset({Kind.REWARD})
 
@@ -233,7 +237,7 @@ class GpuManager(ResourceManager):
             raise Unprocessable("demand.gpu", f"service {name!r} runs at DoP {list(spec.dops)}, not {unsupported}")
         parse_reward_input(spec.task, raw, self.config.limits)
 
-    def allocate(self, action: Action, units: Mapping[str, int], pools: Mapping[str, str]) -> Allocation:
+    def allocate(self, action: Action, units: Mapping[str, int], pools: Mapping[str, str]) -> Allocation[GpuHandle]:
         node = self.nodes[pools[RESOURCE]]
         service = action.spec["service"]
         chunk = node.chunks.allocate(units[RESOURCE], node.chunk_key(service))
@@ -243,7 +247,7 @@ class GpuManager(ResourceManager):
         return Allocation(action.id, dict(units), dict(pools), placement={RESOURCE: placement},
                           handle=(node.name, chunk))
 
-    def release(self, allocation: Allocation) -> None:
+    def release(self, allocation: Allocation[GpuHandle]) -> None:
         if allocation.released or allocation.handle is None:
             return
         allocation.released = True
@@ -280,8 +284,8 @@ class GpuManager(ResourceManager):
 
     # -- execution ------------------------------------------------------------------------------------------
 
-    async def execute(self, action: Action, allocation: Allocation) -> Outcome:
-        node_name, chunk = allocation.handle
+    async def execute(self, action: Action, allocation: Allocation[GpuHandle]) -> Outcome:
+        node_name, chunk = allocation.held()
         node = self.nodes[node_name]
         spec = self.services[action.spec["service"]]
         request = parse_reward_input(spec.task, action.spec["input"], self.config.limits)

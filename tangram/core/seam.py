@@ -16,7 +16,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 from tangram.core.action import Action, Kind
 from tangram.core.dparrange import BasicOperator, DPOperator
@@ -30,16 +30,27 @@ class MetricsRegistry(Protocol):
     def register(self, collector: Any) -> None: ...
 
 
+#: what a manager keeps in its allocations to find their resources again (the CPU manager: environment, node and
+#: cores; the GPU manager: node and chunk); typed per manager, so only the manager that made a handle reads it
+Handle = TypeVar("Handle")
+
+
 @dataclass(slots=True)
-class Allocation:
+class Allocation(Generic[Handle]):
     """Concrete resources granted to one action. ``placement`` is shown to clients; ``handle`` is private."""
 
     action_id: str
     units: dict[str, int]
     pools: dict[str, str]
     placement: dict[str, Any] = field(default_factory=dict)
-    handle: Any = None
+    handle: Handle | None = None
     released: bool = False
+
+    def held(self) -> Handle:
+        """The handle its manager set; reading one that was never set is a bug of that manager."""
+        if self.handle is None:
+            raise RuntimeError(f"the allocation of {self.action_id} has no handle")
+        return self.handle
 
 
 @dataclass(slots=True)
@@ -104,7 +115,7 @@ class Fit(abc.ABC):
         return BasicOperator()
 
 
-class ResourceManager(abc.ABC):
+class ResourceManager(abc.ABC, Generic[Handle]):
     """Owns some resource types: their capacity, topology, allocation and the execution of some action kinds."""
 
     name: str = "manager"
@@ -125,11 +136,11 @@ class ResourceManager(abc.ABC):
         """A fresh scratch copy of current free capacity."""
 
     @abc.abstractmethod
-    def allocate(self, action: Action, units: Mapping[str, int], pools: Mapping[str, str]) -> Allocation:
+    def allocate(self, action: Action, units: Mapping[str, int], pools: Mapping[str, str]) -> Allocation[Handle]:
         """Grant ``units`` in ``pools`` (this manager's resources only). The scheduler only asks for what fits."""
 
     @abc.abstractmethod
-    def release(self, allocation: Allocation) -> None:
+    def release(self, allocation: Allocation[Handle]) -> None:
         """Return an allocation's units. Idempotent."""
 
     def resizable(self, resource: str) -> bool:
@@ -142,20 +153,20 @@ class ResourceManager(abc.ABC):
         ``learned``: what its workers were seen to cost, when its signature has run with several."""
         return units
 
-    def resize(self, allocation: Allocation, resource: str, units: int) -> None:
+    def resize(self, allocation: Allocation[Handle], resource: str, units: int) -> None:
         """Change a running allocation to ``units`` of ``resource`` in the same pool, in the books at once: units
         given up are free for the next allocation, units added are taken. ``apply_resize`` makes it real."""
         raise NotImplementedError(f"{self.name} cannot resize {resource!r}")
 
-    async def apply_resize(self, allocation: Allocation) -> None:
+    async def apply_resize(self, allocation: Allocation[Handle]) -> None:
         """Move the running action onto its allocation's current units. Raise ``ActionFailed`` if it cannot: the
         caller then ends the action (a shrink that did not happen must not leave two actions on one unit)."""
 
-    async def execute(self, action: Action, allocation: Allocation) -> Outcome:
+    async def execute(self, action: Action, allocation: Allocation[Handle]) -> Outcome:
         """Run ``action`` on ``allocation``. Raise ``ActionFailed`` for expected failures."""
         raise NotImplementedError(f"{self.name} executes no actions")
 
-    def complete_now(self, action: Action, allocation: Allocation) -> Outcome | None:
+    def complete_now(self, action: Action, allocation: Allocation[Handle]) -> Outcome | None:
         """Finish an action synchronously when it needs no I/O (granting a lease); None means use ``execute``.
 
         Saves a task per action on the hottest path: thousands of lease grants a second.
@@ -196,6 +207,6 @@ class Lessor(Protocol):
     def longest_lease_s(self) -> float:
         """The longest TTL a lease can have here: older grants cannot be held any more."""
 
-    def regrant(self, action: Action, remaining_s: float) -> Allocation | None:
+    def regrant(self, action: Action, remaining_s: float) -> Allocation[Any] | None:
         """Hold ``action.units`` again for the ``remaining_s`` of the lease's TTL, even past today's capacity (the
         units are in use whatever the config says now); None if a resource it holds no longer exists here."""

@@ -268,7 +268,7 @@ class BrokerStation:
             run.units = action.units["gpu"]
             run.exec_s = call.duration(run.units)
             allocation = next(a for m, a in allocations if m is self.gpu)
-            node_name, chunk = allocation.handle
+            node_name, chunk = allocation.held()
             run.pool = f"{node_name}:{chunk.start}+{chunk.size}"
             restore = self._make_resident(self.gpu.nodes[node_name], str(call.target), chunk)  # type: ignore[union-attr]
             run.overhead_s = restore
