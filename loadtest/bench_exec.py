@@ -85,7 +85,8 @@ async def pytest_speedup(engine: str, tests: int, sleep_s: float) -> dict[int, f
     async def body(http: aiohttp.ClientSession, url: str) -> dict[int, float]:
         times = {}
         for cores in (1, 2):
-            action = {"task": "bench", "trajectory": f"py{cores}", "kind": "exec", "demand": {"cpu": cores},
+            action: dict[str, Any] = {"task": "bench", "trajectory": f"py{cores}", "kind": "exec",
+                                      "demand": {"cpu": cores},
                       "spec": {"command": "pytest -q -p no:cacheprovider test_suite.py", "pytest_parallel": True,
                                "files": {"test_suite.py": suite}}}
             await submit(http, url, {**action, "spec": {**action["spec"], "command": "true"}})  # environment

@@ -95,8 +95,12 @@ def run_wrk(url: str, connections: int, seconds: int) -> tuple[float, int]:
         script.flush()
         out = subprocess.run(["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "-s", script.name,
                               url + "/v1/actions"], capture_output=True, text=True, check=True).stdout
-    rate = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
-    requests, bad = map(int, re.search(r"STATUS (\d+) (\d+)", out).groups())
+    rate_line = re.search(r"Requests/sec:\s+([\d.]+)", out)
+    status_line = re.search(r"STATUS (\d+) (\d+)", out)
+    if rate_line is None or status_line is None:
+        raise SystemExit(f"wrk printed no rate or status line:\n{out}")
+    rate = float(rate_line.group(1))
+    requests, bad = map(int, status_line.groups())
     if bad:
         raise RuntimeError(f"wrk saw {bad} non-2xx responses")
     return rate, requests

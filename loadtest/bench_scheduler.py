@@ -28,7 +28,8 @@ import math
 import random
 import statistics
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 from managers.counted import CountedUnitsManager
 from tangram import dispatch
@@ -56,7 +57,7 @@ def make_action(seq: int, now: float, rng: random.Random) -> Action:
     return action
 
 
-def percentile(values: list[float], q: float) -> float:
+def percentile(values: Sequence[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
@@ -117,7 +118,7 @@ def run(actions_n: int, passes: int, nodes: int, cores: int, seed: int, depth: i
     for seq in range(actions_n):
         queue.push(make_action(seq, 0.0, rng))
     next_seq = actions_n
-    running: dict[str, tuple[Action, object]] = {}
+    running: dict[str, tuple[Action, Allocation[Any]]] = {}
     completions: list[tuple[float, str]] = []
     now = 0.0
     pass_times: list[float] = []
@@ -143,7 +144,7 @@ def run(actions_n: int, passes: int, nodes: int, cores: int, seed: int, depth: i
             finished.append(heapq.heappop(completions)[1])
         for action_id in finished:
             action, allocation = running.pop(action_id)
-            manager.release(allocation)  # type: ignore[arg-type]
+            manager.release(allocation)
             ended(durations, action, now, learn)
             acts.append(now - action.submitted_at)
             queue.push(make_action(next_seq, now, rng))

@@ -57,7 +57,7 @@ def test_step(item: Fetched, config: Config) -> Step:
     return Step("test", exec_body(item.suite.name, f"curve-{cores}c{workers}w", command, cores))
 
 
-def simulated_s(params: Sequence[float], config: Config) -> float:
+def simulated_s(params: Sequence[float] | np.ndarray, config: Config) -> float:
     """The simulator's execution time for one test run of ``config``: ``params`` = (work s, serial fraction,
     xdist start CPU s, xdist CPU s per worker)."""
     work, serial, start, per_worker = (float(x) for x in params)

@@ -184,6 +184,7 @@ def eoe_section(args: argparse.Namespace, report: dict[str, Any]) -> dict[str, A
     async def cycle() -> dict[str, Any]:
         manager = GpuManager(config)
         backend = manager.nodes["gpu0"].backends["torch"]
+        assert isinstance(backend, TorchBackend)
         for name in ("first", "second"):
             backend.register_model(name, synthetic_model(args.size_mb))
         await manager.start()
