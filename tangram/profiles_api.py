@@ -52,12 +52,12 @@ async def list_profiles(request: web.Request) -> web.Response:
     task = listed_task(request)
     limit = _limit(request)
     durations = request.app[BROKER].durations
-    keys = sorted(((t, signature) for t, signature in durations.profiles if task is None or t == task),
-                  key=lambda key: (-durations.profiles[key].samples, *key))
-    shown = [{"task": t, "signature": signature, "t1_s": round(durations.profiles[(t, signature)].t1, 6),
-              "samples": durations.profiles[(t, signature)].samples,
-              "speedup": speedup_json(durations.speedups.get((t, signature)))} for t, signature in keys[:limit]]
-    return json_response({"profiles": shown, "total": len(keys)})
+    matching = sorted(((key, profile) for key, profile in durations.profiles.items() if task is None or key[0] == task),
+                      key=lambda item: (-item[1].samples, *item[0]))
+    shown = [{"task": t, "signature": signature, "t1_s": round(profile.t1, 6), "samples": profile.samples,
+              "speedup": speedup_json(durations.speedups.get((t, signature)))}
+             for (t, signature), profile in matching[:limit]]
+    return json_response({"profiles": shown, "total": len(matching)})
 
 
 def add_profile_routes(app: web.Application) -> None:

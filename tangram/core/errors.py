@@ -10,12 +10,11 @@ class RequestError(Exception):
     layer maps each class to one (``tangram.http_errors``), so the domain says *what* went wrong, not how HTTP
     spells it. ``extra`` goes into the error body; ``retry_after_s`` says when trying again makes sense."""
 
-    retry_after_s: float | None = None
-
-    def __init__(self, field: str, reason: str, **extra: Any) -> None:
+    def __init__(self, field: str, reason: str, retry_after_s: float | None = None, **extra: Any) -> None:
         super().__init__(f"{field}: {reason}")
         self.field = field
         self.reason = reason
+        self.retry_after_s = retry_after_s
         self.extra = extra
 
     def to_json(self) -> dict[str, Any]:
@@ -59,17 +58,9 @@ class Forbidden(RequestError):
 class TooMany(RequestError):
     """A limit that clears with time: a task at one of its caps, the broker at its environment limit."""
 
-    def __init__(self, field: str, reason: str, retry_after_s: float | None = None, **extra: Any) -> None:
-        super().__init__(field, reason, **extra)
-        self.retry_after_s = retry_after_s
-
 
 class Unavailable(RequestError):
     """The broker cannot take this now (draining, queue full, database down, no memory free): retry later."""
-
-    def __init__(self, field: str, reason: str, retry_after_s: float | None = None, **extra: Any) -> None:
-        super().__init__(field, reason, **extra)
-        self.retry_after_s = retry_after_s
 
 
 class ConfigError(Exception):
