@@ -43,7 +43,7 @@ def queue(size: int, rng: random.Random) -> list[Action]:
         efficiency = tuple((m, max(0.3, 1.0 - decay * (m - 1))) for m in (1, 2, 4, 8))
         action = Action(task="bench", kind=Kind.REWARD, demands={"gpu": Demand((1, 2, 4, 8))},
                         elasticity=Elasticity("gpu", efficiency, t1=rng.lognormvariate(2.0, 0.8)),
-                        spec={"service": f"s{rng.randrange(SERVICES)}"})
+                        spec={"service": f"s{rng.randrange(SERVICES)}", "input": {"pairs": [["", ""]]}})
         action.seq = seq
         actions.append(action)
     return actions

@@ -51,7 +51,7 @@ def make_action(seq: int, now: float, rng: random.Random) -> Action:
     action = Action(task="bench", kind=Kind.EXEC,
                     demands={"cpu": Demand.range(1, 32), "memory_mb": Demand.fixed(1024)},
                     elasticity=Elasticity("cpu", efficiency, t1=rng.lognormvariate(3.0, 1.0)),
-                    signature=f"suite-{seq % SUITES}")
+                    spec={"command": "true"}, signature=f"suite-{seq % SUITES}")
     action.seq = seq
     action.submitted_at = now
     return action

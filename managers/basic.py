@@ -19,18 +19,32 @@ import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Annotated
 
 import aiohttp
+from pydantic import Field, TypeAdapter
 
 from managers.quota import QuotaWindow
-from managers.upstream import Upstream, UpstreamConfig, check_config, validate_spec
+from managers.upstream import ApiSpec, Upstream, UpstreamConfig, check_config, validate_spec
 from tangram.core.action import Action, Kind
 from tangram.core.errors import BadRequest, ConfigError, Unprocessable
+from tangram.core.schema import Schema, parse
 from tangram.core.seam import Allocation, Fit, Outcome, PoolStatus, ResourceManager
 
 __all__ = ["BasicManager", "BasicResourceConfig", "UpstreamConfig"]
 
 POOL = "default"
+
+
+class LeaseSpec(Schema):
+    """A lease action's ``spec``: how long the units are held before they come back on their own."""
+
+    ttl_s: Annotated[float, Field(gt=0)] | None = Field(
+        default=None, description="seconds; at most (and by default) the smallest lease_ttl_s of its resources")
+
+
+LEASE_SPEC = TypeAdapter(LeaseSpec)
 
 
 @dataclass(frozen=True)
@@ -121,6 +135,7 @@ class BasicManager(ResourceManager[None]):
 
     name = "basic"
     kinds = frozenset({Kind.API, Kind.LEASE})
+    spec_types = MappingProxyType({Kind.API: ApiSpec, Kind.LEASE: LeaseSpec})
 
     def __init__(self, resources: list[BasicResourceConfig], clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
@@ -210,14 +225,11 @@ class BasicManager(ResourceManager[None]):
 
     def _lease_ttl(self, action: Action) -> float:
         """The requested TTL, bounded by (and defaulting to) the smallest ``lease_ttl_s`` among its resources."""
-        unknown = sorted(set(action.spec) - {"ttl_s"})
-        if unknown:
-            raise BadRequest(f"spec.{unknown[0]}", "unknown field; a lease spec allows only ttl_s")
         ceiling = min(self._res[name].config.lease_ttl_s for name in action.demands)
-        ttl = action.spec.get("ttl_s", ceiling)
-        if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 < ttl <= ceiling:
+        ttl = parse(LEASE_SPEC, action.spec, "spec").ttl_s
+        if ttl is not None and ttl > ceiling:
             raise BadRequest("spec.ttl_s", f"must be a number of seconds in (0, {ceiling}]")
-        return float(ttl)
+        return ceiling if ttl is None else ttl
 
     # -- execution ----------------------------------------------------------------------------------------
 

@@ -18,12 +18,13 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 from managers.cores import CorePool, host_numa_nodes
 from managers.cpu_config import CpuConfig, CpuNodeConfig
 from managers.environment import Environment, EnvState
-from managers.exec_spec import executor_request, parse_exec_spec, parse_files
+from managers.exec_spec import ExecSpec, ExecSpecBody, executor_request, parse_exec_spec
 from managers.sandbox_backends import SandboxFactory, open_sandbox_backend
 from sandboxes.backend import Leftover, Sandbox, SandboxBackend, SandboxError, SandboxSpec
 from tangram.core.action import Action, Kind, new_action_id
@@ -127,6 +128,7 @@ CpuHandle = tuple[Environment | None, str, tuple[int, ...]]
 class CpuManager(ResourceManager[CpuHandle]):
     name = "cpu"
     kinds = frozenset({Kind.EXEC})
+    spec_types = MappingProxyType({Kind.EXEC: ExecSpecBody})
 
     def __init__(self, config: CpuConfig, open_backend: SandboxFactory = open_sandbox_backend) -> None:
         """``open_backend(node, config)`` opens a node's sandbox backend at ``start`` (by default its Docker
@@ -211,14 +213,19 @@ class CpuManager(ResourceManager[CpuHandle]):
     def fit(self) -> CpuFit:
         return CpuFit(self)
 
-    @staticmethod
-    def trajectory_key(action: Action) -> tuple[str, str] | None:
-        if action.spec.get("environment") is None and action.trajectory is not None:
+    def exec_spec(self, action: Action) -> ExecSpec:
+        """The action's spec, parsed on first use (at submit) and kept on the action."""
+        if not isinstance(action.parsed_spec, ExecSpec):
+            action.parsed_spec = parse_exec_spec(action.spec, self.config.limits)
+        return action.parsed_spec
+
+    def trajectory_key(self, action: Action) -> tuple[str, str] | None:
+        if self.exec_spec(action).environment is None and action.trajectory is not None:
             return action.task, action.trajectory
         return None
 
     def environment_of(self, action: Action) -> Environment | None:
-        env_id = action.spec.get("environment")
+        env_id = self.exec_spec(action).environment
         if env_id is not None:
             return self.environments.get(env_id)
         key = self.trajectory_key(action)
@@ -229,12 +236,12 @@ class CpuManager(ResourceManager[CpuHandle]):
         return env.node if env is not None else None
 
     def memory_for(self, action: Action) -> int:
-        return action.spec.get("memory_mb") or self.config.default_memory_mb
+        return self.exec_spec(action).memory_mb or self.config.default_memory_mb
 
     def environment_demand(self, action: Action) -> int | None:
         """MiB of the environment ``action`` would create if it started now; None if it runs in an existing one (or
         names one, which must exist)."""
-        if action.kind is not Kind.EXEC or action.spec.get("environment") is not None:
+        if action.kind is not Kind.EXEC or self.exec_spec(action).environment is not None:
             return None
         return self.memory_for(action) if self.environment_of(action) is None else None
 
@@ -250,7 +257,7 @@ class CpuManager(ResourceManager[CpuHandle]):
             return
         if RESOURCE not in action.demands:
             raise BadRequest("demand.cpu", 'exec actions run on cores: add "cpu": 1 (or a range) to demand')
-        spec = parse_exec_spec(action.spec, self.config.limits)
+        spec = self.exec_spec(action)
         if spec.environment is not None:
             env = self.environments.get(spec.environment)
             if env is None or env.task != action.task:
@@ -279,15 +286,13 @@ class CpuManager(ResourceManager[CpuHandle]):
     def allocate(self, action: Action, units: Mapping[str, int], pools: Mapping[str, str]) -> Allocation[CpuHandle]:
         node = self.nodes[pools[RESOURCE]]
         env = self.environment_of(action)
-        if env is None and action.spec.get("environment") is not None:  # deleted since submit: fails at run
+        spec = self.exec_spec(action)
+        if env is None and spec.environment is not None:  # deleted since submit: fails at run
             cores = node.cores.take(units[RESOURCE])
             return Allocation(action.id, dict(units), dict(pools), handle=(None, node.name, cores))
         if env is None:
-            spec = action.spec
-            env = self._reserve(action.task, action.trajectory, node, spec.get("image") or self.config.default_image,
-                                self.memory_for(action),
-                                parse_files(spec.get("files", {}), "spec.files", self.config.limits),
-                                ephemeral=action.trajectory is None)
+            env = self._reserve(action.task, action.trajectory, node, spec.image or self.config.default_image,
+                                self.memory_for(action), dict(spec.files), ephemeral=action.trajectory is None)
         elif env.node != node.name:
             raise RuntimeError(f"environment {env.id} lives on {env.node}, not {node.name}")
         cores = node.cores.take(units[RESOURCE])
@@ -507,9 +512,9 @@ class CpuManager(ResourceManager[CpuHandle]):
     async def execute(self, action: Action, allocation: Allocation[CpuHandle]) -> Outcome:
         env = allocation.held()[0]
         if env is None:
-            raise ActionFailed("environment_destroyed", f"environment {action.spec.get('environment')} was "
+            raise ActionFailed("environment_destroyed", f"environment {self.exec_spec(action).environment} was "
                                                         f"deleted after this action was submitted")
-        spec = parse_exec_spec(action.spec, self.config.limits, with_files=False)  # checked at submit
+        spec = self.exec_spec(action)
         setup_started = time.perf_counter()
         try:
             sandbox = await self._sandbox(env)

@@ -8,16 +8,20 @@ import posixpath
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import Discriminator, Field, Tag, TypeAdapter
 
 from tangram.core.errors import BadRequest, TooLarge
-from tangram.core.names import NAME
+from tangram.core.names import Name, json_pattern
+from tangram.core.schema import Schema, explained, parse, tag
 
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}\Z")  # \Z: "$" would let a final newline through
 #: a plain pytest invocation at the start of a command or after a shell separator, not already given -n
 PYTEST = re.compile(r"(^|[;&|(]\s*|\s)((?:python3?\s+-m\s+)?pytest)(?=\s|$)(?![^;&|]*\s-n\s)")
-SPEC_FIELDS = frozenset({"command", "env", "cwd", "environment", "image", "memory_mb", "files", "pytest_parallel",
-                         "output_limit"})
+NO_NUL = "^[^\x00]*$"
+COMMAND_FORMS = "must be a non-empty shell string or a non-empty list of argument strings"
+FILE_FORMS = 'must be text or {"base64": "..."}'
 
 
 @dataclass(frozen=True)
@@ -32,8 +36,52 @@ class ExecLimits:
     max_output_limit: int = 16 << 20
 
 
+class Base64File(Schema):
+    """A file's bytes, base64-encoded (for content that is not text)."""
+
+    base64: str
+
+
+def _command_form(value: Any) -> str | None:
+    return tag("text") if isinstance(value, str) else tag("argv") if isinstance(value, list) else None
+
+
+def _file_form(value: Any) -> str | None:
+    return tag("text") if isinstance(value, str) else tag("base64") if isinstance(value, dict) else None
+
+
+Command = Annotated[Annotated[str, Field(pattern=explained(r"\S", COMMAND_FORMS)), Tag(tag("text"))]
+                    | Annotated[list[str], Field(min_length=1), Tag(tag("argv"))],
+                    Discriminator(_command_form, custom_error_type="command_form", custom_error_message=COMMAND_FORMS)]
+FileContent = Annotated[Annotated[str, Tag(tag("text"))] | Annotated[Base64File, Tag(tag("base64"))],
+                        Discriminator(_file_form, custom_error_type="file_form", custom_error_message=FILE_FORMS)]
+Files = dict[str, FileContent]
+Image = Annotated[str, Field(min_length=1, max_length=256, description="an image name the node's engine has")]
+MemoryMb = Annotated[int, Field(ge=16)]
+
+
+class ExecSpecBody(Schema):
+    """An exec action's ``spec``: a command in the trajectory's sandbox (or a named environment)."""
+
+    command: Command
+    env: dict[Annotated[str, Field(pattern=explained(json_pattern(ENV_NAME), "names must be shell identifiers"))],
+              Annotated[str, Field(pattern=explained(NO_NUL, "must not contain NUL"))]] | None = None
+    cwd: Annotated[str, Field(pattern=explained("^/[^\x00]*$", "must be an absolute path"))] | None = None
+    environment: Name | None = Field(default=None, description="an environment id")
+    image: Image | None = None
+    memory_mb: MemoryMb | None = None
+    files: Files | None = Field(default=None, description='relative path -> text or {"base64": "..."}')
+    pytest_parallel: bool | None = None
+    output_limit: Annotated[int, Field(ge=0)] | None = Field(default=None, description="bytes of output kept")
+
+
+EXEC_SPEC = TypeAdapter(ExecSpecBody)
+
+
 @dataclass(frozen=True)
 class ExecSpec:
+    """An exec spec as the CPU manager uses it: checked, defaults filled in, files decoded."""
+
     command: str | tuple[str, ...]
     env: Mapping[str, str] = field(default_factory=dict)
     cwd: str | None = None
@@ -45,97 +93,57 @@ class ExecSpec:
     output_limit: int = 1 << 20
 
 
-def parse_exec_spec(spec: Mapping[str, Any], limits: ExecLimits, where: str = "spec", *,
-                    with_files: bool = True) -> ExecSpec:
-    """Validate an exec spec. ``with_files=False`` skips decoding ``files``: at run time they are already in the
-    environment (they were checked at submit and copied in when it was created)."""
-    unknown = sorted(set(spec) - SPEC_FIELDS)
-    if unknown:
-        raise BadRequest(f"{where}.{unknown[0]}", f"unknown field; exec specs take {sorted(SPEC_FIELDS)}")
-    command = _command(spec.get("command"), f"{where}.command", limits)
-    env = spec.get("env", {})
-    if not isinstance(env, dict) or len(env) > limits.max_env_vars:
+def parse_exec_spec(spec: Mapping[str, Any], limits: ExecLimits, where: str = "spec") -> ExecSpec:
+    """Validate an exec spec once (at submit, or on the first use of a recovered action) into its typed value."""
+    body = parse(EXEC_SPEC, spec, where)
+    command = body.command if isinstance(body.command, str) else tuple(body.command)
+    _check_command(command, f"{where}.command", limits)
+    env = body.env or {}
+    if len(env) > limits.max_env_vars:
         raise BadRequest(f"{where}.env", f"must be an object of at most {limits.max_env_vars} variables")
-    for key, value in env.items():
-        if not ENV_NAME.match(key) or not isinstance(value, str) or "\x00" in value:
-            raise BadRequest(f"{where}.env.{key}", "names must be shell identifiers and values strings without NUL")
-    cwd = spec.get("cwd")
-    if cwd is not None and (not isinstance(cwd, str) or not cwd.startswith("/") or "\x00" in cwd):
-        raise BadRequest(f"{where}.cwd", "must be an absolute path")
-    environment = spec.get("environment")
-    if environment is not None and (not isinstance(environment, str) or not NAME.match(environment)):
-        raise BadRequest(f"{where}.environment", "must be an environment id")
-    image = parse_image(spec.get("image"), f"{where}.image")
-    memory = parse_memory_mb(spec.get("memory_mb"), f"{where}.memory_mb")
-    files = parse_files(spec.get("files", {}), f"{where}.files", limits) if with_files else {}
-    parallel = spec.get("pytest_parallel", False)
-    if not isinstance(parallel, bool):
-        raise BadRequest(f"{where}.pytest_parallel", "must be true or false")
-    output = spec.get("output_limit", limits.default_output_limit)
-    if isinstance(output, bool) or not isinstance(output, int) or not 0 <= output <= limits.max_output_limit:
+    output = limits.default_output_limit if body.output_limit is None else body.output_limit
+    if output > limits.max_output_limit:
         raise BadRequest(f"{where}.output_limit", f"must be an integer of bytes in [0, {limits.max_output_limit}]")
-    if environment is not None and (image is not None or memory is not None or spec.get("files")):
+    if body.environment is not None and (body.image is not None or body.memory_mb is not None or body.files):
         raise BadRequest(f"{where}.environment", "an existing environment already has its image, memory and "
                                                  "files; drop image, memory_mb and files")
-    return ExecSpec(command=command, env=dict(env), cwd=cwd, environment=environment, image=image,
-                    memory_mb=memory, files=files, pytest_parallel=parallel, output_limit=output)
+    return ExecSpec(command=command, env=env, cwd=body.cwd, environment=body.environment, image=body.image,
+                    memory_mb=body.memory_mb, files=decode_files(body.files or {}, f"{where}.files", limits),
+                    pytest_parallel=bool(body.pytest_parallel), output_limit=output)
 
 
-def parse_image(raw: Any, where: str) -> str | None:
-    if raw is not None and (not isinstance(raw, str) or not 0 < len(raw) <= 256):
-        raise BadRequest(where, "must be an image name the node's engine has")
-    return raw
-
-
-def parse_memory_mb(raw: Any, where: str) -> int | None:
-    if raw is not None and (isinstance(raw, bool) or not isinstance(raw, int) or raw < 16):
-        raise BadRequest(where, "must be an integer of at least 16")
-    return raw
-
-
-def parse_files(raw: Any, where: str, limits: ExecLimits) -> dict[str, bytes]:
-    """``{"relative/path": "text" | {"base64": "..."}}`` -> bytes per path inside the working directory."""
-    if not isinstance(raw, dict):
-        raise BadRequest(where, 'must map relative paths to text or {"base64": "..."}')
-    if len(raw) > limits.max_files:
+def decode_files(files: Files, where: str, limits: ExecLimits) -> dict[str, bytes]:
+    """Bytes per normalised path inside the working directory; 413 past the count or size limits."""
+    if len(files) > limits.max_files:
         raise TooLarge(where, f"at most {limits.max_files} files")
-    files: dict[str, bytes] = {}
+    decoded: dict[str, bytes] = {}
     total = 0
-    for path, content in raw.items():
+    for path, content in files.items():
         field_name = f"{where}.{path}"
-        normal = posixpath.normpath(path) if isinstance(path, str) else ""
+        normal = posixpath.normpath(path)
         if not path or path.startswith("/") or normal.startswith("..") or "\x00" in path or normal == ".":
             raise BadRequest(field_name, "must be a relative path inside the working directory")
         if isinstance(content, str):
             data = content.encode()
-        elif isinstance(content, dict) and set(content) == {"base64"} and isinstance(content["base64"], str):
+        else:
             try:
-                data = base64.b64decode(content["base64"], validate=True)
+                data = base64.b64decode(content.base64, validate=True)
             except (binascii.Error, ValueError):
                 raise BadRequest(field_name, "is not valid base64") from None
-        else:
-            raise BadRequest(field_name, 'must be text or {"base64": "..."}')
         total += len(data)
         if total > limits.max_files_bytes:
             raise TooLarge(where, f"files exceed {limits.max_files_bytes} bytes in all")
-        files[normal] = data
-    return files
+        decoded[normal] = data
+    return decoded
 
 
-def _command(raw: Any, where: str, limits: ExecLimits) -> str | tuple[str, ...]:
-    if isinstance(raw, str) and raw.strip():
-        size = len(raw.encode())
-        parts: tuple[str, ...] | str = raw
-    elif isinstance(raw, list) and raw and all(isinstance(p, str) for p in raw):
-        size = sum(len(p.encode()) + 1 for p in raw)
-        parts = tuple(raw)
-    else:
-        raise BadRequest(where, "must be a non-empty shell string or a non-empty list of argument strings")
+def _check_command(command: str | tuple[str, ...], where: str, limits: ExecLimits) -> None:
+    parts = (command,) if isinstance(command, str) else command
+    size = len(command.encode()) if isinstance(command, str) else sum(len(p.encode()) + 1 for p in parts)
     if size > limits.max_command_bytes:
         raise TooLarge(where, f"is {size} bytes; the limit is {limits.max_command_bytes}")
-    if any("\x00" in p for p in ([parts] if isinstance(parts, str) else parts)):
+    if any("\x00" in p for p in parts):
         raise BadRequest(where, "must not contain NUL")
-    return parts
 
 
 def rewrite_pytest(command: str, n: int) -> str:

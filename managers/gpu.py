@@ -20,6 +20,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 from prometheus_client import Counter, Histogram
@@ -29,7 +30,7 @@ from managers.chunks import Chunk, ChunkAllocator, Preference, after_allocating
 from managers.gpu_config import GpuConfig, GpuNodeConfig
 from managers.residency import Residency, Slot, SlotState
 from reward_services.backend import ServiceBackend, ServiceError, ServiceSpec
-from reward_services.requests import parse_reward_input, parse_reward_spec
+from reward_services.requests import RewardRequest, RewardSpecBody, parse_reward_input, parse_reward_spec
 from tangram.core.action import Action, Kind
 from tangram.core.dparrange import DPOperator
 from tangram.core.errors import ActionFailed, BadRequest, ConfigError, NotFound, Unprocessable
@@ -80,7 +81,7 @@ class GpuFit(Fit):
 
     def try_add(self, action: Action, units: Mapping[str, int]) -> bool:
         k = units[RESOURCE]
-        service = str(action.spec.get("service"))
+        service = self.manager.reward_request(action).service
         options = []
         for name, node in self.manager.nodes.items():
             level = self.free[name].smallest_fitting_level(k)
@@ -125,6 +126,7 @@ GpuHandle = tuple[str, Chunk]
 class GpuManager(ResourceManager[GpuHandle]):
     name = "gpu"
     kinds = frozenset({Kind.REWARD})
+    spec_types = MappingProxyType({Kind.REWARD: RewardSpecBody})
 
     def __init__(self, config: GpuConfig, make_backend: BackendFactory | None = None) -> None:
         """``make_backend(kind, node, config)`` builds a node's backend for a service kind (torch, sglang); the
@@ -224,7 +226,8 @@ class GpuManager(ResourceManager[GpuHandle]):
     def validate(self, action: Action) -> None:
         if action.kind is not Kind.REWARD:
             return
-        name, raw = parse_reward_spec(action.spec)
+        body = parse_reward_spec(action.spec)
+        name = body.service
         spec = self.services.get(name)
         if spec is None:
             raise NotFound("spec.service", f"no reward service {name!r}; this broker serves {sorted(self.services)}")
@@ -235,11 +238,18 @@ class GpuManager(ResourceManager[GpuHandle]):
         unsupported = [k for k in demand.choices if k not in spec.dops]
         if unsupported:
             raise Unprocessable("demand.gpu", f"service {name!r} runs at DoP {list(spec.dops)}, not {unsupported}")
-        parse_reward_input(spec.task, raw, self.config.limits)
+        action.parsed_spec = RewardRequest(name, parse_reward_input(spec.task, body.input, self.config.limits))
+
+    def reward_request(self, action: Action) -> RewardRequest:
+        """The action's spec as checked at submit (parsed here first for an action recovered from the store)."""
+        if not isinstance(action.parsed_spec, RewardRequest):
+            self.validate(action)
+        assert isinstance(action.parsed_spec, RewardRequest)
+        return action.parsed_spec
 
     def allocate(self, action: Action, units: Mapping[str, int], pools: Mapping[str, str]) -> Allocation[GpuHandle]:
         node = self.nodes[pools[RESOURCE]]
-        service = action.spec["service"]
+        service = self.reward_request(action).service
         chunk = node.chunks.allocate(units[RESOURCE], node.chunk_key(service))
         if chunk is None:
             raise RuntimeError(f"node {node.name} has no free chunk of {units[RESOURCE]} GPU(s)")
@@ -287,8 +297,8 @@ class GpuManager(ResourceManager[GpuHandle]):
     async def execute(self, action: Action, allocation: Allocation[GpuHandle]) -> Outcome:
         node_name, chunk = allocation.held()
         node = self.nodes[node_name]
-        spec = self.services[action.spec["service"]]
-        request = parse_reward_input(spec.task, action.spec["input"], self.config.limits)
+        reward = self.reward_request(action)
+        spec, request = self.services[reward.service], reward.request
         slot = node.residency.slot(spec.name, chunk)
         assert slot is not None, "every service has a slot on every chunk of each DoP it supports"
         where = {"node": node.name, "gpus": list(chunk.gpus), "service": spec.name}

@@ -14,17 +14,18 @@ import math
 import re
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any, Literal
 from urllib.parse import unquote
 
 import aiohttp
+from pydantic import Discriminator, Field, Tag, TypeAdapter
 from yarl import URL
 
 from tangram.core.errors import ActionFailed, BadRequest, ConfigError
+from tangram.core.names import json_pattern
 from tangram.core.retry import backoff_s, retry_after_s
+from tangram.core.schema import Schema, explained, parse, tag
 
-METHODS = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE", "HEAD"})
-SPEC_FIELDS = frozenset({"method", "path", "query", "headers", "body", "body_text"})
 #: never forwarded: connection-level headers, and those the client library must compute for the real upstream
 DROPPED_HEADERS = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization",
                              "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade", "host",
@@ -67,41 +68,43 @@ def check_config(config: UpstreamConfig, key: str) -> None:
         raise ConfigError(f"{key}.max_body_bytes", "must be a positive integer")
 
 
+def _query_form(value: Any) -> str | None:
+    if isinstance(value, str):
+        return tag("text")
+    return tag("number") if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+QueryValue = Annotated[Annotated[str, Tag(tag("text"))] | Annotated[float, Tag(tag("number"))],
+                       Discriminator(_query_form, custom_error_type="query_value",
+                                     custom_error_message="must be a string or a finite number")]
+
+
+class ApiSpec(Schema):
+    """An api action's ``spec``: one HTTP call under the resource's upstream (never another host)."""
+
+    method: Literal["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD"] | None = None
+    path: str = Field(min_length=1, max_length=MAX_PATH_CHARS,
+                      description="a path under the resource's upstream, starting with '/'")
+    query: dict[str, QueryValue] | None = None
+    headers: dict[Annotated[str, Field(pattern=explained(json_pattern(HEADER_NAME), "is not a valid header name"))],
+                  Annotated[str, Field(pattern=explained("^[^\r\n\x00]*$", "must not contain CR, LF or NUL"))]
+                  ] | None = None
+    body: Any = Field(default=None, description="a JSON body")
+    body_text: str | None = Field(default=None, description="a text body (not with body)")
+
+
+API_SPEC = TypeAdapter(ApiSpec)
+
+
 def validate_spec(spec: Mapping[str, Any]) -> None:
     """Reject an ``api`` spec the proxy would refuse or that could reach anything but the configured upstream."""
-    unknown = sorted(set(spec) - SPEC_FIELDS)
-    if unknown:
-        raise BadRequest(f"spec.{unknown[0]}", f"unknown field; allowed: {sorted(SPEC_FIELDS)}")
-    method = spec.get("method", "GET")
-    if method not in METHODS:
-        raise BadRequest("spec.method", f"must be one of {sorted(METHODS)}, got {method!r}")
-    _check_path(spec.get("path"))
-    query = spec.get("query", {})
-    if not isinstance(query, dict):
-        raise BadRequest("spec.query", "must be an object of names to strings or numbers")
-    for name, value in query.items():
-        if isinstance(value, bool) or not (isinstance(value, str) or _number(value)):
-            raise BadRequest(f"spec.query.{name}", "must be a string or a finite number")
-    headers = spec.get("headers", {})
-    if not isinstance(headers, dict):
-        raise BadRequest("spec.headers", "must be an object of header names to strings")
-    for name, value in headers.items():
-        if not HEADER_NAME.match(name):
-            raise BadRequest(f"spec.headers.{name}", "is not a valid header name")
-        if not isinstance(value, str) or any(c in value for c in "\r\n\0"):
-            raise BadRequest(f"spec.headers.{name}", "must be a string without CR, LF or NUL")
-    if "body_text" in spec:
-        if "body" in spec:
-            raise BadRequest("spec.body_text", "give either spec.body (JSON) or spec.body_text, not both")
-        if not isinstance(spec["body_text"], str):
-            raise BadRequest("spec.body_text", "must be a string")
+    body = parse(API_SPEC, spec, "spec")
+    _check_path(body.path)
+    if body.body_text is not None and "body" in spec:
+        raise BadRequest("spec.body_text", "give either spec.body (JSON) or spec.body_text, not both")
 
 
-def _check_path(path: Any) -> None:
-    if not isinstance(path, str) or not path:
-        raise BadRequest("spec.path", "is required: a path under the resource's upstream, starting with '/'")
-    if len(path) > MAX_PATH_CHARS:
-        raise BadRequest("spec.path", f"must be at most {MAX_PATH_CHARS} characters")
+def _check_path(path: str) -> None:
     if not path.startswith("/") or path.startswith("//") or "://" in path:
         raise BadRequest("spec.path", "must be a path starting with a single '/', never a URL")
     if any(c in path for c in "?#\\") or any(ord(c) < 0x21 or ord(c) == 0x7F for c in path):

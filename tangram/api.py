@@ -13,8 +13,8 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from tangram.api_common import BROKER, LIMITS, SERVER, json_response, read_json
-from tangram.auth import AUTH, add_auth, authenticate, claim_task, principal_of
+from tangram.api_common import BROKER, LIMITS, SERVER, json_response, read_body, read_json
+from tangram.auth import AUTH, add_auth, authenticate, own_task, principal_of
 from tangram.broker import Broker
 from tangram.config import AccessConfig, ServerConfig, load_config
 from tangram.core.action import Action
@@ -22,7 +22,7 @@ from tangram.core.errors import BadRequest, ConfigError, RequestError, TooLarge,
 from tangram.environments_api import add_environment_routes
 from tangram.http_errors import headers_of, status_of
 from tangram.openapi import openapi_document
-from tangram.parse import Limits, parse_action
+from tangram.parse import FLAGS, Limits, parse_action_json, parse_batch_json, to_action
 from tangram.profiles_api import add_profile_routes
 from tangram.services_api import add_service_routes
 from tangram.status_page import add_status_routes
@@ -50,10 +50,10 @@ async def errors_as_json(request: web.Request, handler: Any) -> web.StreamRespon
 
 
 def _flag(request: web.Request, name: str) -> bool:
-    value = request.query.get(name, "false").lower()
-    if value not in ("true", "false", "1", "0"):
-        raise BadRequest(name, "must be true or false")
-    return value in ("true", "1")
+    value = FLAGS.get(request.query.get(name, "false"))
+    if value is None:
+        raise BadRequest(name, f"must be one of {list(FLAGS)}")
+    return value
 
 
 def _wait_timeout(request: web.Request) -> float:
@@ -74,8 +74,9 @@ async def submit_action(request: web.Request) -> web.Response:
     broker = request.app[BROKER]
     wait = _flag(request, "wait")
     timeout = _wait_timeout(request)  # checked even without wait: a bad query is an error, never ignored
-    body = claim_task(await read_json(request), principal_of(request))
-    action = parse_action(body, request.app[LIMITS])
+    limits = request.app[LIMITS]
+    body = parse_action_json(await read_body(request), limits)
+    action = to_action(body, limits, own_task(body.task, principal_of(request)))
     [(record, created)] = await broker.submit([action])
     if wait:
         record = await broker.wait(record.id, timeout)
@@ -87,19 +88,14 @@ async def submit_action(request: web.Request) -> web.Response:
 
 async def submit_batch(request: web.Request) -> web.Response:
     broker = request.app[BROKER]
-    body = await read_json(request)
-    if not isinstance(body, dict) or set(body) != {"actions"}:
-        raise BadRequest("body", 'must be an object {"actions": [...]}')
-    items = body["actions"]
-    limit = request.app[SERVER].max_batch
-    if not isinstance(items, list) or not items:
-        raise BadRequest("actions", "must be a non-empty list")
-    if len(items) > limit:
-        raise TooLarge("actions", f"has {len(items)} actions; at most {limit} per batch")
     limits = request.app[LIMITS]
+    bodies = parse_batch_json(await read_body(request), limits)
+    limit = request.app[SERVER].max_batch
+    if len(bodies) > limit:
+        raise TooLarge("actions", f"has {len(bodies)} actions; at most {limit} per batch")
     principal = principal_of(request)
-    actions = [parse_action(claim_task(item, principal, f"actions[{i}]."), limits, where=f"actions[{i}].")
-               for i, item in enumerate(items)]
+    actions = [to_action(body, limits, own_task(body.task, principal, f"actions[{i}].task"), where=f"actions[{i}].")
+               for i, body in enumerate(bodies)]
     results = await broker.submit(actions)
     return json_response({"actions": [record.to_json() for record, _ in results],
                           "created": sum(created for _, created in results)}, status=200)
@@ -156,7 +152,10 @@ async def metrics(request: web.Request) -> web.Response:
 
 async def openapi(request: web.Request) -> web.Response:
     auth = request.app[AUTH]
-    return json_response(openapi_document(request.app[SERVER], request.app[LIMITS], list(request.app[BROKER].owner),
+    broker = request.app[BROKER]
+    specs = {kind.value: manager.spec_types[kind] for kind, manager in broker.executor.items()
+             if kind in manager.spec_types}
+    return json_response(openapi_document(request.app[SERVER], request.app[LIMITS], list(broker.owner), specs,
                                           secured=auth.enabled, public_status=auth.access.auth.public_status))
 
 

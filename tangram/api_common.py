@@ -21,10 +21,16 @@ def json_response(body: Any, status: int = 200, headers: dict[str, str] | None =
     return web.Response(body=orjson.dumps(body), status=status, content_type="application/json", headers=headers)
 
 
-async def read_json(request: web.Request) -> Any:
+async def read_body(request: web.Request) -> bytes:
+    """The request's bytes, for a typed parser that reads JSON itself; an empty body is a 400."""
     raw = await request.read()
     if not raw:
         raise BadRequest("body", "is empty; expected a JSON object")
+    return raw
+
+
+async def read_json(request: web.Request) -> Any:
+    raw = await read_body(request)
     try:
         return orjson.loads(raw)
     except orjson.JSONDecodeError as error:

@@ -25,14 +25,16 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 from aiohttp import web
+from pydantic import Field, TypeAdapter
 
-from tangram.api_common import BROKER, json_response, read_json
+from tangram.api_common import BROKER, json_response, read_body
 from tangram.config import AccessConfig
 from tangram.core.errors import BadRequest, Conflict, Forbidden, NotFound, Unauthorized
-from tangram.parse import known_fields, parse_name
+from tangram.core.names import Name
+from tangram.core.schema import Schema, parse_json
 from tangram.store import Store, StoredToken
 
 log = logging.getLogger("tangram.auth")
@@ -219,12 +221,16 @@ def claim_task(body: Any, principal: Principal, where: str = "") -> Any:
     """A task token's request body is about its own task: ``task`` is filled in when absent, 403 when another."""
     if principal.task is None or not isinstance(body, dict):
         return body
-    task = body.get("task")
-    if task is None:
-        return {**body, "task": principal.task}
+    return {**body, "task": own_task(body.get("task"), principal, where + "task")}
+
+
+def own_task(task: str | None, principal: Principal, field: str = "task") -> str | None:
+    """The task a typed request names, under ``principal``: a task token's own when absent, 403 when another."""
+    if principal.task is None or task is None:
+        return task or principal.task
     if task != principal.task:
-        raise Forbidden(where + "task", f"this token belongs to task {principal.task!r}")
-    return body
+        raise Forbidden(field, f"this token belongs to task {principal.task!r}")
+    return task
 
 
 def listed_task(request: web.Request) -> str | None:
@@ -261,21 +267,22 @@ async def refreshing(app: web.Application) -> AsyncIterator[None]:
 
 # -- token management: /v1/admin/tokens ----------------------------------------------------------------------
 
-TOKEN_FIELDS = frozenset({"task", "admin", "note"})
+class TokenRequest(Schema):
+    """A token for one task, or for the admin."""
+
+    task: Name | None = None
+    admin: bool = False
+    note: Annotated[str, Field(max_length=256)] = ""
+
+
+TOKEN_REQUEST = TypeAdapter(TokenRequest)
 
 
 async def create_token(request: web.Request) -> web.Response:
-    body = known_fields(await read_json(request), TOKEN_FIELDS, "tokens",
-                        'must be a JSON object: {"task": NAME} or {"admin": true}, and an optional "note"')
-    admin = body.get("admin", False)
-    if not isinstance(admin, bool):
-        raise BadRequest("admin", "must be true or false")
-    task = parse_name(body.get("task"), "task", required=False)
-    if admin == (task is not None):
+    body = parse_json(TOKEN_REQUEST, await read_body(request))
+    task, note = body.task, body.note
+    if body.admin == (task is not None):
         raise BadRequest("task", "a token belongs to exactly one task or to the admin: give task or admin: true")
-    note = body.get("note", "")
-    if not isinstance(note, str) or len(note) > 256:
-        raise BadRequest("note", "must be a string of at most 256 characters")
     row, token = await request.app[AUTH].create(task, note)
     # the only answer that ever holds the token: no cache, proxy or browser may keep it
     return json_response({**token_json(row), "token": token}, status=201, headers={"Cache-Control": "no-store"})

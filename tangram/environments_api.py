@@ -7,17 +7,30 @@ from collections.abc import Callable, Mapping
 from typing import Protocol, runtime_checkable
 
 from aiohttp import web
+from pydantic import Field, TypeAdapter
 
 from managers.environment import Environment
-from managers.exec_spec import ExecLimits, parse_files, parse_image, parse_memory_mb
-from tangram.api_common import BROKER, json_response, read_json
-from tangram.auth import claim_task, listed_task, principal_of
+from managers.exec_spec import ExecLimits, Files, Image, MemoryMb, decode_files
+from tangram.api_common import BROKER, json_response, read_body
+from tangram.auth import listed_task, own_task, principal_of
 from tangram.core.action import Kind
-from tangram.core.errors import NotFound, Unprocessable
-from tangram.parse import known_fields, parse_name
+from tangram.core.errors import BadRequest, NotFound, Unprocessable
+from tangram.core.names import Name
+from tangram.core.schema import Schema, parse_json
 from tangram.tenants import EnvironmentHost
 
-FIELDS = frozenset({"task", "trajectory", "image", "memory_mb", "files"})
+
+class EnvironmentRequest(Schema):
+    """A trajectory's sandbox, created ahead of its first action."""
+
+    task: Name | None = None
+    trajectory: Name | None = None
+    image: Image | None = None
+    memory_mb: MemoryMb | None = None
+    files: Files | None = Field(default=None, description='relative path -> text or {"base64": "..."}')
+
+
+ENVIRONMENT_REQUEST = TypeAdapter(EnvironmentRequest)
 
 
 class _Limited(Protocol):
@@ -51,13 +64,12 @@ def _manager(request: web.Request) -> EnvironmentManager:
 
 async def create_environment(request: web.Request) -> web.Response:
     manager = _manager(request)
-    body = known_fields(claim_task(await read_json(request), principal_of(request)), FIELDS, "environments")
-    task = parse_name(body.get("task"), "task", required=True)
-    trajectory = parse_name(body.get("trajectory"), "trajectory", required=False)
-    image = parse_image(body.get("image"), "image")
-    memory = parse_memory_mb(body.get("memory_mb"), "memory_mb")
-    files = parse_files(body.get("files", {}), "files", manager.config.limits)
-    assert task is not None
+    body = parse_json(ENVIRONMENT_REQUEST, await read_body(request))
+    task = own_task(body.task, principal_of(request))
+    if task is None:
+        raise BadRequest("task", "is required")
+    trajectory, image, memory = body.trajectory, body.image, body.memory_mb
+    files = decode_files(body.files or {}, "files", manager.config.limits)
     ledger = request.app[BROKER].ledger
     env = await manager.create_environment(task, trajectory, image, memory, files,
                                            admit=lambda mb: ledger.check_environment(task, trajectory, mb, manager))

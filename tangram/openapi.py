@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import copy
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+from tangram.auth import TOKEN_REQUEST
 from tangram.config import ServerConfig
 from tangram.core.action import Kind, State
-from tangram.core.names import NAME, RESOURCE, json_pattern
-from tangram.parse import COUNT, MAX_EFFICIENCY_POINTS, Limits
+from tangram.environments_api import EnvironmentRequest
+from tangram.parse import FLAGS, Limits, action_types
 
 #: what a record answered by a submit leads to; the fuzzer's stateful runs follow these (submit -> get -> cancel)
 SPEEDUP_DESCRIPTION = ("the speed-up model of an elastic signature, null before its first run: T(m, W) = t1 * ("
@@ -54,9 +59,60 @@ def _body(schema: dict[str, Any], examples: dict[str, Any]) -> dict[str, Any]:
     return {"schema": schema, "examples": examples} if examples else {"schema": schema}
 
 
-def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
-    """An optional request field: null is the same as leaving it out."""
-    return {"anyOf": [schema, {"type": "null"}]}
+def _request_schemas(limits: Limits, server: ServerConfig, resources: Sequence[str], *,
+                     task_required: bool) -> dict[str, Any]:
+    """The batch body's schema with every request type under ``$defs``, generated from the parser's own types.
+    Added here is only what the types cannot know: the resources this broker has, the batch bound of ``[server]``
+    and, without auth, that ``task`` is required (a task token fills it in)."""
+    batch = action_types(limits)[1].json_schema(ref_template="#/components/schemas/{model}")
+    batch["properties"]["actions"]["maxItems"] = server.max_batch
+    action = batch["$defs"]["Action"]
+    if resources:
+        action["properties"]["demand"]["propertyNames"] = {"enum": sorted(resources)}
+    _with_task(action, task_required)
+    return batch
+
+
+def _with_task(schema: dict[str, Any], required: bool) -> dict[str, Any]:
+    """Without auth nothing fills ``task`` in: the request must give it."""
+    if required:
+        schema["required"] = ["task", *schema.get("required", [])]
+        schema["properties"]["task"] = schema["properties"]["task"]["anyOf"][0]
+    return schema
+
+
+def _generated(model: type[BaseModel], schemas: dict[str, Any]) -> dict[str, Any]:
+    """``model``'s schema, its referenced types added to ``schemas``."""
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    schemas.update(schema.pop("$defs", {}))
+    return schema
+
+
+def _tagged_by_kind(action: dict[str, Any], specs: Mapping[str, type[BaseModel]]) -> dict[str, Any]:
+    """Per kind, the action with its kind's spec type (required where the type has required fields), and
+    ``Action`` as their union tagged by ``kind``; the spec types themselves, generated from the managers' models."""
+    if not specs:
+        return {}
+    refs, defs = models_json_schema([(model, "validation") for model in specs.values()],
+                                    ref_template="#/components/schemas/{model}")
+    schemas: dict[str, Any] = dict(defs.get("$defs", {}))
+    mapping = {}
+    for kind, model in sorted(specs.items()):
+        variant = copy.deepcopy(action)
+        variant["title"] = f"{kind} action"
+        variant["properties"]["kind"] = {"type": "string", "const": kind}
+        spec = refs[(model, "validation")]
+        if model.model_json_schema().get("required"):
+            variant["properties"]["spec"] = spec
+            variant["required"].append("spec")
+        else:
+            variant["properties"]["spec"] = {"anyOf": [spec, {"type": "null"}]}
+        name = f"{kind.capitalize()}Action"
+        schemas[name] = variant
+        mapping[kind] = f"#/components/schemas/{name}"
+    schemas["Action"] = {"oneOf": [{"$ref": ref} for ref in mapping.values()],
+                         "discriminator": {"propertyName": "kind", "mapping": mapping}}
+    return schemas
 
 
 def _error(description: str) -> dict[str, Any]:
@@ -119,10 +175,8 @@ def _admin_paths(server: ServerConfig) -> dict[str, Any]:
                           "422": _error("the config file does not parse; nothing changed")}}},
         "/v1/admin/tokens": {
             "post": {"operationId": "createToken", "summary": "Make a token for a task or the admin (shown once)",
-                     "requestBody": {"required": True, "content": {"application/json": {"schema": {
-                         "type": "object", "additionalProperties": False, "properties": {
-                             "task": {"type": "string"}, "admin": {"type": "boolean"},
-                             "note": {"type": "string", "maxLength": 256}}}}}},
+                     "requestBody": {"required": True, "content": {"application/json": {
+                         "schema": TOKEN_REQUEST.json_schema()}}},
                      "responses": {"201": _json(created, "the token, which is kept only as its SHA-256"),
                                    "400": _error("neither or both of task and admin")}},
             "get": {"operationId": "listTokens", "summary": "Tokens from the config and the store (never a hash)",
@@ -140,62 +194,29 @@ def _admin_paths(server: ServerConfig) -> dict[str, Any]:
 STATUS_PATHS = {"/", "/ui", "/v1/status/history", "/v1/resources", "/metrics"}
 
 
-def openapi_document(server: ServerConfig, limits: Limits, resources: Sequence[str] = (), *, secured: bool = False,
+def openapi_document(server: ServerConfig, limits: Limits, resources: Sequence[str] = (),
+                     specs: Mapping[str, type[BaseModel]] | None = None, *, secured: bool = False,
                      public_status: bool = True) -> dict[str, Any]:
     """``resources``: the names this broker has; a demand naming another is a 400, so the document lists them.
+    ``specs``: the spec type of each kind this broker executes (its managers' ``spec_types``); an action is then
+    one of those kinds, tagged by ``kind``.
     ``secured``: auth is on, so the document has bearer auth, its 401/403 answers and the admin endpoints."""
-    units = {"type": "integer", "minimum": 1, "maximum": limits.max_units}
-    demand_entry = {"oneOf": [
-        units,
-        {"type": "object", "required": ["min", "max"], "additionalProperties": False,
-         "properties": {"min": units, "max": units}, "description": "range; min <= max"},
-        {"type": "object", "required": ["choices"], "additionalProperties": False,
-         "properties": {"choices": {"type": "array", "items": units, "minItems": 1,
-                                    "maxItems": limits.max_choices}}},
-    ]}
-    name = {"type": "string", "pattern": json_pattern(NAME)}
-    resource_name = {"type": "string", "pattern": json_pattern(RESOURCE)}
     id_param = {"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}
     wait_params = [
-        {"name": "wait", "in": "query", "schema": {"type": "string", "enum": ["true", "false", "1", "0"]},
+        {"name": "wait", "in": "query", "schema": {"type": "string", "enum": list(FLAGS)},
          "description": "block until the action is terminal or wait_timeout_s passes"},
         {"name": "wait_timeout_s", "in": "query",
          "schema": {"type": "number", "minimum": 0, "maximum": server.max_wait_s}},
     ]
+    batch = _request_schemas(limits, server, resources, task_required=not secured)
+    request_types = batch.pop("$defs")
+    schemas_out: dict[str, Any] = {}
     schemas: dict[str, Any] = {
+        **request_types,
+        **_tagged_by_kind(request_types["Action"], specs or {}),
         "Error": {"type": "object", "required": ["error"], "properties": {"error": {
             "type": "object", "required": ["field", "reason"],
             "properties": {"field": {"type": "string"}, "reason": {"type": "string"}}}}},
-        "Elasticity": {
-            "type": "object", "required": ["resource"], "additionalProperties": False,
-            "properties": {
-                "resource": {"type": "string", "description": "key elasticity resource; must be in demand"},
-                "t1": _nullable({"type": "number", "exclusiveMinimum": 0,
-                                 "description": "seconds on one unit; learned if absent"}),
-                "efficiency": {"type": "object", "maxProperties": MAX_EFFICIENCY_POINTS,
-                               "propertyNames": {"pattern": json_pattern(COUNT)},
-                               "additionalProperties": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
-                               "description": "E(m) by unit count m; getDur(m) = t1 / (E(m) * m); none: E = 1. "
-                                              "A prior: the broker learns the real curve from completed runs"}}},
-        "Action": {
-            "type": "object", "required": ["task", "kind", "demand"], "additionalProperties": False,
-            "properties": {
-                "task": name,
-                "trajectory": _nullable(name),
-                "kind": {"type": "string", "enum": [k.value for k in Kind]},
-                "demand": {"type": "object", "minProperties": 1, "maxProperties": limits.max_resources,
-                           "propertyNames": {"enum": sorted(resources)} if resources else resource_name,
-                           "additionalProperties": demand_entry},
-                "elasticity": _nullable(_ref("Elasticity")),
-                "spec": _nullable({"type": "object", "description": "kind-specific; for api: method, path, query, "
-                                                                    "headers, body; for lease: ttl_s"}),
-                "timeout_s": _nullable({"type": "number", "exclusiveMinimum": 0, "maximum": limits.max_timeout_s,
-                                        "default": limits.default_timeout_s,
-                                        "description": "deadline from submission, queueing included"}),
-                "idempotency_key": _nullable({"type": "string", "minLength": 1, "maxLength": 256}),
-                "signature": _nullable({"type": "string", "maxLength": 256,
-                                        "description": "actions sharing (task, signature) share a learned "
-                                                       "duration"})}},
         "ActionRecord": {
             "type": "object",
             "required": ["id", "task", "kind", "state", "demand", "timings", "submitted_at"],
@@ -225,17 +246,7 @@ def openapi_document(server: ServerConfig, limits: Limits, resources: Sequence[s
                 "timings": {"type": "object", "properties": {
                     k: {"type": ["number", "null"]}
                     for k in ("queue_s", "execution_s", "restore_s", "overhead_s", "act_s")}}}},
-        "EnvironmentRequest": {
-            "type": "object", "required": ["task"], "additionalProperties": False,
-            "properties": {
-                "task": name, "trajectory": _nullable(name),
-                "image": _nullable({"type": "string", "minLength": 1, "maxLength": 256}),
-                "memory_mb": _nullable({"type": "integer", "minimum": 16}),
-                "files": _nullable({"type": "object", "description": 'relative path -> text or {"base64": "..."}',
-                                    "additionalProperties": {"oneOf": [
-                                        {"type": "string"},
-                                        {"type": "object", "required": ["base64"], "additionalProperties": False,
-                                         "properties": {"base64": {"type": "string"}}}]}})}},
+        "EnvironmentRequest": _with_task(_generated(EnvironmentRequest, schemas_out), required=not secured),
         "Environment": {
             "type": "object", "required": ["id", "task", "node", "image", "memory_mb", "state"],
             "properties": {
@@ -279,6 +290,7 @@ def openapi_document(server: ServerConfig, limits: Limits, resources: Sequence[s
                 "resource", "pool", "manager", "capacity", "in_use", "queued"]}},
             "stats": {"type": "object"}}},
     }
+    schemas.update(schemas_out)
     record = _json(_ref("ActionRecord"), "the action record")
     examples = {name: example for name, example in ACTION_EXAMPLES.items()
                 if set(example["value"]["demand"]) <= set(resources)}
@@ -309,9 +321,7 @@ def openapi_document(server: ServerConfig, limits: Limits, resources: Sequence[s
                 "operationId": "submitBatch",
                 "summary": "Submit many actions; all are validated before any is queued",
                 "requestBody": {"required": True, "content": {"application/json": _body(
-                    {"type": "object", "required": ["actions"], "additionalProperties": False,
-                     "properties": {"actions": {"type": "array", "minItems": 1, "maxItems": server.max_batch,
-                                                "items": _ref("Action")}}}, batch_examples)}},
+                    batch, batch_examples)}},
                 "responses": {"200": _json({"type": "object", "required": ["actions", "created"], "properties": {
                     "actions": {"type": "array", "items": _ref("ActionRecord")},
                     "created": {"type": "integer"}}}, "records in request order"),

@@ -1,22 +1,31 @@
-"""Turn a client's JSON action into an ``Action``, or a ``BadRequest`` naming the field and the reason."""
+"""A client's JSON action as typed request models (the validator and the OpenAPI schema in one declaration), and
+its conversion into an ``Action``. Bounds that the config sets (``[limits]``) are built into the models."""
 
 from __future__ import annotations
 
-import math
+import functools
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, overload
+from typing import Annotated, Any, ClassVar
+
+from pydantic import Discriminator, Field, Tag, TypeAdapter, model_validator
 
 from tangram.core.action import Action, Demand, Elasticity, Kind
 from tangram.core.errors import BadRequest
-from tangram.core.names import NAME, RESOURCE
+from tangram.core.names import RESOURCE, Name, json_pattern
+from tangram.core.schema import Schema, explained, parse, parse_json, tag
 
 #: a unit count as an efficiency key: "8", never "08", " 8", "+8" or "8_0", which int() would also take
 COUNT = re.compile(r"^[1-9][0-9]{0,8}\Z")
+COUNT_REASON = "key must be a unit count: digits, at least 1, no leading zero"
 #: efficiency points one action may declare
 MAX_EFFICIENCY_POINTS = 1024
-KNOWN_FIELDS = frozenset({"task", "trajectory", "kind", "demand", "elasticity", "spec", "timeout_s",
-                          "idempotency_key", "signature"})
+#: a string a client names something by: bounded, no NUL (PostgreSQL text cannot hold one)
+Label = Annotated[str, Field(max_length=256, pattern=explained("^[^\x00]*$", "must not contain NUL"))]
+#: the spellings of a query flag such as ``?wait=`` (Python's str() of a bool included)
+FLAGS = {"true": True, "True": True, "1": True, "false": False, "False": False, "0": False}
+DEMAND_FORMS = 'must be an integer, {"min": a, "max": b} or {"choices": [...]}'
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,151 +39,137 @@ class Limits:
     default_timeout_s: float = 600.0
 
 
-def parse_action(body: Any, limits: Limits = Limits(), where: str = "") -> Action:
-    """Validate one action object. ``where`` prefixes field names (e.g. ``actions[3].``) in batch errors."""
-    if not isinstance(body, dict):
-        raise BadRequest(where.rstrip(".") or "body", "must be a JSON object")
-    body = without_nulls(body)
-    unknown = sorted(set(body) - KNOWN_FIELDS)
-    if unknown:
-        raise BadRequest(where + unknown[0], "unknown field")
-    task = parse_name(body.get("task"), where + "task", required=True)
-    trajectory = parse_name(body.get("trajectory"), where + "trajectory", required=False)
-    kind_raw = body.get("kind")
-    try:
-        kind = Kind(kind_raw)
-    except ValueError:
-        raise BadRequest(where + "kind", f"must be one of {[k.value for k in Kind]}, got {kind_raw!r}") from None
-    demands = _demands(body.get("demand"), where + "demand", limits)
-    elasticity = _elasticity(body.get("elasticity"), where + "elasticity", demands)
-    spec = body.get("spec", {})
-    if not isinstance(spec, dict):
-        raise BadRequest(where + "spec", "must be a JSON object")
-    timeout = body.get("timeout_s", limits.default_timeout_s)
-    if not _number(timeout) or not 0 < timeout <= limits.max_timeout_s:
-        raise BadRequest(where + "timeout_s", f"must be a number in (0, {limits.max_timeout_s}]")
-    key = body.get("idempotency_key")
-    if key is not None and (not isinstance(key, str) or not 0 < len(key) <= 256 or "\x00" in key):
-        raise BadRequest(where + "idempotency_key", "must be a string of 1 to 256 characters, without NUL")
-    signature = body.get("signature", "")
-    if not isinstance(signature, str) or len(signature) > 256 or "\x00" in signature:
-        raise BadRequest(where + "signature", "must be a string of at most 256 characters, without NUL")
-    return Action(task=task, kind=kind, demands=demands, spec=spec, trajectory=trajectory,
-                  elasticity=elasticity, timeout_s=float(timeout), idempotency_key=key, signature=signature)
+class ElasticityBody(Schema):
+    """How the key resource speeds the action up; a prior the broker refines from completed runs."""
+
+    resource: str = Field(description="key elasticity resource; must be in demand")
+    efficiency: Annotated[dict[Annotated[str, Field(pattern=explained(json_pattern(COUNT), COUNT_REASON))],
+                               Annotated[float, Field(gt=0, le=1)]],
+                          Field(max_length=MAX_EFFICIENCY_POINTS)] | None = Field(
+        default=None, description="E(m) by unit count m; getDur(m) = t1 / (E(m) * m); none: E = 1. A prior: the "
+                                  "broker learns the real curve from completed runs")
+    t1: Annotated[float, Field(gt=0)] | None = Field(default=None, description="seconds on one unit; learned if "
+                                                                               "absent")
 
 
-def without_nulls(body: dict[str, Any]) -> dict[str, Any]:
-    """A field given as null is a field not given, for every field (records show absent ones as null)."""
-    return {key: value for key, value in body.items() if value is not None}
+def _demand_form(value: Any) -> str | None:
+    if isinstance(value, int):
+        return tag("units")
+    if isinstance(value, dict):
+        return tag("choices") if "choices" in value else tag("range")
+    return None
 
 
-def known_fields(body: Any, fields: frozenset[str], what: str, shape: str = "must be a JSON object") -> dict[str, Any]:
-    """A request body that must be a JSON object of ``fields`` only (``what`` names its kind in the error), with
-    null fields dropped."""
-    if not isinstance(body, dict):
-        raise BadRequest("body", shape)
-    body = without_nulls(body)
-    unknown = sorted(set(body) - fields)
-    if unknown:
-        raise BadRequest(unknown[0], f"unknown field; {what} take {sorted(fields)}")
-    return body
+class DemandRange(Schema):
+    """Any count from min to max."""
+
+    max_span: ClassVar[int] = Limits().max_choices
+    min: int = Field(ge=1)
+    max: int = Field(ge=1)
+
+    @model_validator(mode="after")
+    def ordered(self) -> DemandRange:
+        if self.min > self.max:
+            raise ValueError(f"min ({self.min}) is greater than max ({self.max})")
+        if self.max - self.min + 1 > self.max_span:
+            raise ValueError(f"a range may span at most {self.max_span} unit counts")
+        return self
 
 
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+class DemandChoices(Schema):
+    """One of the listed counts."""
+
+    choices: list[Annotated[int, Field(ge=1)]] = Field(min_length=1)
 
 
-def _units(value: Any, field: str, limits: Limits) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise BadRequest(field, "must be a positive integer number of units")
-    if value <= 0:
-        raise BadRequest(field, "must be at least 1 unit")
-    if value > limits.max_units:
-        raise BadRequest(field, f"must be at most {limits.max_units} units")
-    return value
+class ActionBody(Schema):
+    """One action as a client submits it; a null field is a field not given. ``action_types`` bounds it."""
+
+    task: Name | None = None
+    trajectory: Name | None = None
+    kind: Kind = Field(strict=False)
+    demand: Mapping[str, int | DemandRange | DemandChoices]
+    elasticity: ElasticityBody | None = None
+    spec: dict[str, Any] | None = Field(default=None, description="kind-specific; see the kind's spec schema")
+    timeout_s: float | None = Field(default=None, description="deadline from submission, queueing included")
+    idempotency_key: Annotated[Label, Field(min_length=1)] | None = None
+    signature: Label | None = Field(default=None, description="actions sharing (task, signature) share a learned "
+                                                              "duration")
 
 
-@overload
-def parse_name(value: Any, field: str, required: Literal[True]) -> str: ...
+class BatchBody(Schema):
+    """Many actions, all validated before any is queued."""
+
+    actions: Sequence[ActionBody] = Field(min_length=1)
 
 
-@overload
-def parse_name(value: Any, field: str, required: bool) -> str | None: ...
+@functools.cache
+def action_types(limits: Limits) -> tuple[TypeAdapter[ActionBody], TypeAdapter[BatchBody]]:
+    """The action and batch request types with the config's bounds in them (built once per config)."""
+    units = Annotated[int, Field(ge=1, le=limits.max_units)]
+
+    class BoundedRange(DemandRange):
+        max_span = limits.max_choices
+        min: units = Field(title="min")  # type: ignore[valid-type]
+        max: units = Field(title="max")  # type: ignore[valid-type]
+
+    class BoundedChoices(DemandChoices):
+        choices: list[units] = Field(min_length=1, max_length=limits.max_choices)  # type: ignore[valid-type]
+
+    entry = Annotated[Annotated[units, Tag(tag("units"))]  # type: ignore[valid-type]
+                      | Annotated[BoundedRange, Tag(tag("range"))] | Annotated[BoundedChoices, Tag(tag("choices"))],
+                      Discriminator(_demand_form, custom_error_type="demand_form", custom_error_message=DEMAND_FORMS)]
+
+    class Action(ActionBody):
+        demand: dict[Annotated[str, Field(pattern=explained(json_pattern(RESOURCE), "is not a valid resource name"))],
+                     entry] = Field(  # type: ignore[valid-type]
+            min_length=1, max_length=limits.max_resources)
+        timeout_s: Annotated[float, Field(gt=0, le=limits.max_timeout_s)] | None = Field(
+            default=None, description=f"deadline from submission, queueing included; default "
+                                      f"{limits.default_timeout_s}")
+
+    class Batch(BatchBody):
+        actions: list[Action] = Field(min_length=1)
+
+    return TypeAdapter(Action), TypeAdapter(Batch)
 
 
-def parse_name(value: Any, field: str, required: bool) -> str | None:
-    """A task, trajectory or other id: validated the same way wherever a client sends one."""
-    if value is None:
-        if required:
-            raise BadRequest(field, "is required")
-        return None
-    if not isinstance(value, str) or not NAME.match(value):
-        raise BadRequest(field, "must be 1-128 characters of letters, digits and ._:-/, starting alphanumeric")
-    return value
+def parse_action(body: Any, limits: Limits = Limits(), task: str | None = None) -> Action:
+    """Validate one decoded action object; ``task`` fills in an absent task (a task token's own)."""
+    return to_action(parse(action_types(limits)[0], body), limits, task)
 
 
-def _demands(value: Any, field: str, limits: Limits) -> dict[str, Demand]:
-    if not isinstance(value, dict) or not value:
-        raise BadRequest(field, "must be a non-empty object mapping resource names to units")
-    if len(value) > limits.max_resources:
-        raise BadRequest(field, f"names at most {limits.max_resources} resources")
-    demands: dict[str, Demand] = {}
-    for name, spec in value.items():
-        where = f"{field}.{name}"
-        if not RESOURCE.match(name):
-            raise BadRequest(where, "is not a valid resource name")
-        demands[name] = _demand(spec, where, limits)
-    return demands
+def parse_action_json(raw: bytes, limits: Limits) -> ActionBody:
+    """One action straight from the request's bytes, as its typed body (``to_action`` makes the ``Action``)."""
+    return parse_json(action_types(limits)[0], raw)
 
 
-def _demand(spec: Any, field: str, limits: Limits) -> Demand:
-    if isinstance(spec, dict):
-        if set(spec) == {"min", "max"}:
-            low = _units(spec["min"], field + ".min", limits)
-            high = _units(spec["max"], field + ".max", limits)
-            if low > high:
-                raise BadRequest(field, f"min ({low}) is greater than max ({high})")
-            if high - low + 1 > limits.max_choices:
-                raise BadRequest(field, f"a range may span at most {limits.max_choices} unit counts")
-            return Demand.range(low, high)
-        if set(spec) == {"choices"}:
-            choices = spec["choices"]
-            if not isinstance(choices, list) or not choices:
-                raise BadRequest(field + ".choices", "must be a non-empty list of unit counts")
-            if len(choices) > limits.max_choices:
-                raise BadRequest(field + ".choices", f"may list at most {limits.max_choices} counts")
-            counts = sorted({_units(c, field + ".choices", limits) for c in choices})
-            return Demand(tuple(counts))
-        raise BadRequest(field, 'must be an integer, {"min": a, "max": b} or {"choices": [...]}')
-    return Demand.fixed(_units(spec, field, limits))
+def parse_batch_json(raw: bytes, limits: Limits) -> list[ActionBody]:
+    """A batch's typed action bodies, in order."""
+    return list(parse_json(action_types(limits)[1], raw).actions)
 
 
-def _elasticity(value: Any, field: str, demands: dict[str, Demand]) -> Elasticity | None:
-    if value is None:
-        return None
-    if not isinstance(value, dict):
-        raise BadRequest(field, "must be an object with resource and optional efficiency and t1")
-    value = without_nulls(value)
-    unknown = sorted(set(value) - {"resource", "efficiency", "t1"})
-    if unknown:
-        raise BadRequest(f"{field}.{unknown[0]}", "unknown field")
-    resource = value.get("resource")
-    if not isinstance(resource, str) or resource not in demands:
-        raise BadRequest(field + ".resource", "must name a resource in demand")
-    t1 = value.get("t1")
-    if t1 is not None and (not _number(t1) or t1 <= 0):
-        raise BadRequest(field + ".t1", "must be a positive number of seconds")
-    raw = value.get("efficiency", {})  # none declared: the broker learns it (``tangram.speedup``)
-    if not isinstance(raw, dict) or len(raw) > MAX_EFFICIENCY_POINTS:
-        raise BadRequest(field + ".efficiency", f"must be an object mapping at most {MAX_EFFICIENCY_POINTS} unit "
-                                                f"counts to E in (0, 1]")
-    points: list[tuple[int, float]] = []
-    for count, eff in raw.items():
-        if not isinstance(count, str) or not COUNT.match(count):
-            raise BadRequest(f"{field}.efficiency.{count}", "key must be a unit count: digits, at least 1, no "
-                                                            "leading zero")
-        if not _number(eff) or not 0 < eff <= 1:
-            raise BadRequest(f"{field}.efficiency.{count}", "E(m) must be in (0, 1]")
-        points.append((int(count), float(eff)))
-    return Elasticity(resource=resource, efficiency=tuple(sorted(points)),
-                      t1=None if t1 is None else float(t1))
+def to_action(body: ActionBody, limits: Limits, task: str | None = None, where: str = "") -> Action:
+    """The ``Action`` a typed body asks for; checks what spans fields (the elasticity resource is in demand)."""
+    demands = {name: _demand(entry) for name, entry in body.demand.items()}
+    elasticity = None
+    if body.elasticity is not None:
+        declared = body.elasticity
+        if declared.resource not in demands:
+            raise BadRequest(where + "elasticity.resource", "must name a resource in demand")
+        points = tuple(sorted((int(m), e) for m, e in (declared.efficiency or {}).items()))
+        elasticity = Elasticity(resource=declared.resource, efficiency=points, t1=declared.t1)
+    owner = body.task or task
+    if owner is None:
+        raise BadRequest(where + "task", "is required")
+    return Action(task=owner, kind=body.kind, demands=demands, spec=body.spec or {}, trajectory=body.trajectory,
+                  elasticity=elasticity, timeout_s=limits.default_timeout_s if body.timeout_s is None
+                  else body.timeout_s, idempotency_key=body.idempotency_key, signature=body.signature or "")
+
+
+def _demand(entry: int | DemandRange | DemandChoices) -> Demand:
+    if isinstance(entry, int):
+        return Demand.fixed(entry)
+    if isinstance(entry, DemandChoices):
+        return Demand(tuple(sorted(set(entry.choices))))
+    return Demand.range(entry.min, entry.max)

@@ -28,6 +28,10 @@ import hypothesis
 import pytest
 import schemathesis
 
+from managers.basic import LeaseSpec
+from managers.exec_spec import ExecSpecBody
+from managers.upstream import ApiSpec
+from reward_services.requests import RewardSpecBody
 from tangram.config import ServerConfig
 from tangram.openapi import openapi_document
 from tangram.parse import Limits
@@ -64,7 +68,9 @@ def broker_config(run_dir: str) -> dict[str, Any]:
 
 #: the document this broker serves (checked below), loaded when the module is collected: schemathesis makes one
 #: test per operation from it. Its lazy from_fixture loader does not run under pytest 9.2 (it sets Node._nodeid).
-DOCUMENT = openapi_document(ServerConfig(**SERVER), Limits(), RESOURCES)
+#: the spec type of each kind, as the config's managers declare them
+SPECS = {"exec": ExecSpecBody, "reward": RewardSpecBody, "api": ApiSpec, "lease": LeaseSpec}
+DOCUMENT = openapi_document(ServerConfig(**SERVER), Limits(), RESOURCES, SPECS)
 SCHEMA = schemathesis.openapi.from_dict(DOCUMENT, config=schemathesis.Config.from_dict({
     "seed": SEED,
     "generation": {"max-examples": EXAMPLES_PER_OPERATION, "deterministic": True, "database": "none"},

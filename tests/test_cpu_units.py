@@ -71,7 +71,7 @@ def test_executor_request_substitutes_parallelism():
 @pytest.mark.parametrize("spec, field", [
     ({}, "spec.command"),
     ({"command": ""}, "spec.command"),
-    ({"command": ["ls", 3]}, "spec.command"),
+    ({"command": ["ls", 3]}, "spec.command[1]"),
     ({"command": "ls", "env": {"1BAD": "x"}}, "spec.env.1BAD"),
     ({"command": "ls", "env": {"A\n": "x"}}, "spec.env.A\n"),
     ({"command": "ls", "cwd": "relative"}, "spec.cwd"),

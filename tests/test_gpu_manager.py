@@ -194,7 +194,7 @@ def test_fit_prefers_the_node_where_the_service_is_resident_and_plans_with_chunk
     node = manager.nodes["n1"]
     slot = node.residency.slot("s", next(c for (name, c) in node.residency.slots if name == "s" and c.size == 2))
     slot.state = slot.state.RESIDENT  # as if restored earlier
-    action = Action(task="t", kind=Kind.REWARD, demands={"gpu": Demand((2,))}, spec={"service": "s"})
+    action = Action(task="t", kind=Kind.REWARD, demands={"gpu": Demand((2,))}, spec={"service": "s", "input": {"pairs": PAIRS}})
     fit = manager.fit()
     assert fit.try_add(action, {"gpu": 2}) and fit.pool_of(action, "gpu") == "n1"
     # the DP operator for n1 starts from the chunks left once this action holds its 2 GPUs: no 4-chunk remains

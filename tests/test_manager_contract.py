@@ -60,7 +60,7 @@ SUBJECTS = {
     "counted": Subject(lambda: CountedUnitsManager({"units": {"p0": 4, "p1": 4}}), "units", Kind.EXEC, (1, 2, 4),
                        {"command": "true"}),
     "cpu": Subject(_cpu, "cpu", Kind.EXEC, (1, 2, 4), {"command": "true"}),
-    "gpu": Subject(_gpu, "gpu", Kind.REWARD, (1, 2, 4), {"service": "s"}),
+    "gpu": Subject(_gpu, "gpu", Kind.REWARD, (1, 2, 4), {"service": "s", "input": {"pairs": [["a", "b"]]}}),
 }
 
 #: per action: its size (an index into the subject's sizes) and whether it is elastic up to the largest size

@@ -74,7 +74,7 @@ class Demand:
     @classmethod
     def from_json(cls, value: Any) -> Demand:
         """The inverse of ``to_json``, for records the broker wrote itself (a client's demand is checked by the
-        request parser, ``tangram.parse``, instead)."""
+        request types of ``tangram.parse`` instead)."""
         if isinstance(value, int):
             return cls.fixed(value)
         if "choices" in value:
@@ -168,6 +168,9 @@ class Action:
     malleable: Malleable | None = None
     #: a finished malleable action's record as the store returned it (``malleable`` is not rebuilt)
     resized: dict[str, Any] | None = None
+    #: ``spec`` as its manager parsed it (a typed value per kind): parsed once, at submit or on a recovered
+    #: action's first use, then read by allocation and execution
+    parsed_spec: Any = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.signature:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 from tangram.core.action import Action, Kind
@@ -121,6 +122,8 @@ class ResourceManager(abc.ABC, Generic[Handle]):
     name: str = "manager"
     #: action kinds this manager executes (at most one manager per kind)
     kinds: frozenset[Kind] = frozenset()
+    #: the typed ``spec`` of each kind it executes: the API document shows it, ``validate`` parses it
+    spec_types: Mapping[Kind, type] = MappingProxyType({})
 
     @property
     @abc.abstractmethod

@@ -111,7 +111,7 @@ def action_for(run: CallRun, seq: int, now: float, test_demand: Demand = ELASTIC
     (elastic when it is a range), rewards on a GPU chunk of the service's DoPs, API calls on one quota unit."""
     call = run.call
     trajectory = run.trajectory
-    spec: dict[str, Any] = {"memory_mb": trajectory.memory_mb}
+    spec: dict[str, Any] = {"command": "true", "memory_mb": trajectory.memory_mb}  # never run: a valid spec
     elasticity = None
     if call.kind == "tool":
         kind, demands, signature = Kind.EXEC, {"cpu": Demand.fixed(1)}, TOOL_SIGNATURE
@@ -121,7 +121,7 @@ def action_for(run: CallRun, seq: int, now: float, test_demand: Demand = ELASTIC
         elasticity = call.elasticity("cpu") if test_demand.elastic else None
     elif call.kind == "reward":
         kind, signature = Kind.REWARD, f"reward|{call.target}"
-        spec = {"service": call.target}
+        spec = {"service": call.target, "input": {"pairs": [["", ""]]}}  # the modelled services' task
         demands = {"gpu": Demand(dops)}
         elasticity = call.elasticity("gpu")
     else:

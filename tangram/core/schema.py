@@ -1,0 +1,92 @@
+"""The base of every typed request body, and the one translation of a schema failure into a ``BadRequest``.
+
+Request types are pydantic models: one declaration is the validator, the OpenAPI schema and the parsed value.
+They are strict (``true`` is not a count, ``"1"`` is not a number), refuse unknown fields and non-finite numbers,
+and report the first failure as the field path a client sent (``actions[3].demand.cpu.min``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
+
+from tangram.core.errors import BadRequest
+
+T = TypeVar("T")
+
+#: what a union's member tags look like in an error's location; resource and field names never have parentheses
+TAG_OPEN = "("
+
+#: reasons in the broker's own words, by pydantic error type; ``{...}`` takes the error's context (its bound)
+REASONS = {"missing": "is required", "extra_forbidden": "unknown field", "model_type": "must be a JSON object",
+           "dict_type": "must be a JSON object", "model_attributes_type": "must be a JSON object",
+           "greater_than_equal": "must be at least {ge}", "less_than_equal": "must be at most {le}",
+           "greater_than": "must be greater than {gt}", "less_than": "must be less than {lt}",
+           "too_short": "must have at least {min_length} entries", "too_long": "must have at most {max_length} "
+                                                                              "entries",
+           "string_too_short": "must have at least {min_length} characters",
+           "string_too_long": "must have at most {max_length} characters"}
+
+
+#: plain words for a pattern a client's string failed, by the pattern (``explained`` registers them)
+PATTERN_REASONS: dict[str, str] = {}
+
+
+def explained(pattern: str, reason: str) -> str:
+    """``pattern``, registered so that a string failing it is refused with ``reason`` rather than the regex."""
+    PATTERN_REASONS[pattern] = reason
+    return pattern
+
+
+class Schema(BaseModel):
+    """A request body: strict, closed, finite, immutable once parsed."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False, frozen=True)
+
+
+def tag(name: str) -> str:
+    """A union member's tag, recognisable in an error location (and skipped when naming the field)."""
+    return f"{TAG_OPEN}{name})"
+
+
+def field_path(location: tuple[int | str, ...], prefix: str = "") -> str:
+    """``("actions", 3, "demand", "cpu", "(range)", "min")`` -> ``actions[3].demand.cpu.min``."""
+    path = prefix.rstrip(".")
+    for part in location:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part == "[key]" or part.startswith(TAG_OPEN):
+            continue
+        else:
+            path = f"{path}.{part}" if path else part
+    return path or "body"
+
+
+def request_error(error: ValidationError, prefix: str = "") -> BadRequest:
+    """The first failure, named by its field path (``prefix`` names where the validated value sits)."""
+    first = error.errors(include_url=False)[0]
+    kind = first["type"]
+    if kind == "json_invalid":
+        return BadRequest(prefix.rstrip(".") or "body", f"is not valid JSON: {first['msg']}")
+    if kind == "string_pattern_mismatch" and first["ctx"]["pattern"] in PATTERN_REASONS:
+        return BadRequest(field_path(tuple(first["loc"]), prefix), PATTERN_REASONS[first["ctx"]["pattern"]])
+    template = REASONS.get(kind)
+    reason = template.format(**first.get("ctx", {})) if template else str(first["msg"]).removeprefix("Value error, ")
+    return BadRequest(field_path(tuple(first["loc"]), prefix), reason)
+
+
+def parse(adapter: TypeAdapter[T], value: Any, prefix: str = "") -> T:
+    """``value`` (decoded JSON) as the adapter's type, or the ``BadRequest`` naming the first bad field."""
+    try:
+        return adapter.validate_python(value)
+    except ValidationError as error:
+        raise request_error(error, prefix) from None
+
+
+def parse_json(adapter: TypeAdapter[T], raw: bytes, prefix: str = "") -> T:
+    """Raw JSON bytes straight into the adapter's type (one pass, no intermediate dicts)."""
+    try:
+        return adapter.validate_json(raw)
+    except ValidationError as error:
+        raise request_error(error, prefix) from None
