@@ -217,13 +217,6 @@ def principal_of(request: web.Request) -> Principal:
     return request[PRINCIPAL]
 
 
-def claim_task(body: Any, principal: Principal, where: str = "") -> Any:
-    """A task token's request body is about its own task: ``task`` is filled in when absent, 403 when another."""
-    if principal.task is None or not isinstance(body, dict):
-        return body
-    return {**body, "task": own_task(body.get("task"), principal, where + "task")}
-
-
 def own_task(task: str | None, principal: Principal, field: str = "task") -> str | None:
     """The task a typed request names, under ``principal``: a task token's own when absent, 403 when another."""
     if principal.task is None or task is None:
