@@ -125,6 +125,10 @@ class CpuFit(Fit):
 CpuHandle = tuple[Environment | None, str, tuple[int, ...]]
 
 
+#: what a non-exec action holding cores reads as: no environment, image, memory or files of its own
+NOT_EXEC = ExecSpec(command=())
+
+
 class CpuManager(ResourceManager[CpuHandle]):
     name = "cpu"
     kinds = frozenset({Kind.EXEC})
@@ -214,7 +218,10 @@ class CpuManager(ResourceManager[CpuHandle]):
         return CpuFit(self)
 
     def exec_spec(self, action: Action) -> ExecSpec:
-        """The action's spec, parsed on first use (at submit) and kept on the action."""
+        """The action's spec, parsed on first use (at submit) and kept on the action. Another kind that also
+        demands cores (a reward action may) has no exec spec: it reads as one with every field absent."""
+        if action.kind is not Kind.EXEC:
+            return NOT_EXEC
         if not isinstance(action.parsed_spec, ExecSpec):
             action.parsed_spec = parse_exec_spec(action.spec, self.config.limits)
         return action.parsed_spec

@@ -144,3 +144,13 @@ def test_every_plan_the_scheduler_makes_is_allocatable(name: str, running: list[
     for allocation in held:
         manager.release(allocation)
     assert sum(in_use(manager).values()) == 0
+
+
+def test_an_action_of_another_kind_holding_cores_has_no_exec_spec_to_parse():
+    """A reward action may demand cores beside its GPUs: the CPU manager places it without reading its spec as an
+    exec spec (which it is not, and which would fail to parse in the middle of a scheduling pass)."""
+    manager = _cpu()
+    action = Action(task="t", kind=Kind.REWARD, demands={"cpu": Demand.fixed(1)}, trajectory="tr",
+                    spec={"service": "s", "input": {"pairs": [["a", "b"]]}})
+    assert manager.fit().try_add(action, {"cpu": 1})
+    assert manager.environment_demand(action) is None and manager.environment_of(action) is None
