@@ -264,8 +264,8 @@ class TokenRequest(Schema):
     """A token for one task, or for the admin."""
 
     task: Name | None = None
-    admin: bool = False
-    note: Annotated[str, Field(max_length=256)] = ""
+    admin: bool | None = None
+    note: Annotated[str, Field(max_length=256)] | None = None
 
 
 TOKEN_REQUEST = TypeAdapter(TokenRequest)
@@ -273,8 +273,8 @@ TOKEN_REQUEST = TypeAdapter(TokenRequest)
 
 async def create_token(request: web.Request) -> web.Response:
     body = parse_json(TOKEN_REQUEST, await read_body(request))
-    task, note = body.task, body.note
-    if body.admin == (task is not None):
+    task, note = body.task, body.note or ""
+    if bool(body.admin) == (task is not None):
         raise BadRequest("task", "a token belongs to exactly one task or to the admin: give task or admin: true")
     row, token = await request.app[AUTH].create(task, note)
     # the only answer that ever holds the token: no cache, proxy or browser may keep it
