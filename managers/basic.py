@@ -226,7 +226,9 @@ class BasicManager(ResourceManager[None]):
     def _lease_ttl(self, action: Action) -> float:
         """The requested TTL, bounded by (and defaulting to) the smallest ``lease_ttl_s`` among its resources."""
         ceiling = min(self._res[name].config.lease_ttl_s for name in action.demands)
-        ttl = parse(LEASE_SPEC, action.spec, "spec").ttl_s
+        if not isinstance(action.parsed_spec, LeaseSpec):  # parsed at submit; kept for the grant
+            action.parsed_spec = parse(LEASE_SPEC, action.spec, "spec")
+        ttl = action.parsed_spec.ttl_s
         if ttl is not None and ttl > ceiling:
             raise BadRequest("spec.ttl_s", f"must be a number of seconds in (0, {ceiling}]")
         return ceiling if ttl is None else ttl

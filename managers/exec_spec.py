@@ -14,12 +14,11 @@ from pydantic import Discriminator, Field, Tag, TypeAdapter
 
 from tangram.core.errors import BadRequest, TooLarge
 from tangram.core.names import Name, json_pattern
-from tangram.core.schema import Schema, explained, parse, tag
+from tangram.core.schema import NO_NUL, Schema, explained, parse, tag
 
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}\Z")  # \Z: "$" would let a final newline through
 #: a plain pytest invocation at the start of a command or after a shell separator, not already given -n
 PYTEST = re.compile(r"(^|[;&|(]\s*|\s)((?:python3?\s+-m\s+)?pytest)(?=\s|$)(?![^;&|]*\s-n\s)")
-NO_NUL = "^[^\x00]*$"
 COMMAND_FORMS = "must be a non-empty shell string or a non-empty list of argument strings"
 FILE_FORMS = 'must be text or {"base64": "..."}'
 
@@ -65,7 +64,7 @@ class ExecSpecBody(Schema):
 
     command: Command
     env: dict[Annotated[str, Field(pattern=explained(json_pattern(ENV_NAME), "names must be shell identifiers"))],
-              Annotated[str, Field(pattern=explained(NO_NUL, "must not contain NUL"))]] | None = None
+              Annotated[str, Field(pattern=NO_NUL)]] | None = None
     cwd: Annotated[str, Field(pattern=explained("^/[^\x00]*$", "must be an absolute path"))] | None = None
     environment: Name | None = Field(default=None, description="an environment id")
     image: Image | None = None

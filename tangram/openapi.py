@@ -102,7 +102,7 @@ def _tagged_by_kind(action: dict[str, Any], specs: Mapping[str, type[BaseModel]]
         variant["title"] = f"{kind} action"
         variant["properties"]["kind"] = {"type": "string", "const": kind}
         spec = refs[(model, "validation")]
-        if model.model_json_schema().get("required"):
+        if any(field.is_required() for field in model.model_fields.values()):
             variant["properties"]["spec"] = spec
             variant["required"].append("spec")
         else:

@@ -14,7 +14,7 @@ from pydantic import Discriminator, Field, Tag, TypeAdapter, model_validator
 from tangram.core.action import Action, Demand, Elasticity, Kind
 from tangram.core.errors import BadRequest
 from tangram.core.names import RESOURCE, Name, json_pattern
-from tangram.core.schema import Schema, explained, parse, parse_json, tag
+from tangram.core.schema import NO_NUL, Schema, explained, parse, parse_json, tag
 
 #: a unit count as an efficiency key: "8", never "08", " 8", "+8" or "8_0", which int() would also take
 COUNT = re.compile(r"^[1-9][0-9]{0,8}\Z")
@@ -22,7 +22,7 @@ COUNT_REASON = "key must be a unit count: digits, at least 1, no leading zero"
 #: efficiency points one action may declare
 MAX_EFFICIENCY_POINTS = 1024
 #: a string a client names something by: bounded, no NUL (PostgreSQL text cannot hold one)
-Label = Annotated[str, Field(max_length=256, pattern=explained("^[^\x00]*$", "must not contain NUL"))]
+Label = Annotated[str, Field(max_length=256, pattern=NO_NUL)]
 #: the spellings of a query flag such as ``?wait=`` (Python's str() of a bool included)
 FLAGS = {"true": True, "True": True, "1": True, "false": False, "False": False, "0": False}
 DEMAND_FORMS = 'must be an integer, {"min": a, "max": b} or {"choices": [...]}'
@@ -134,9 +134,9 @@ def action_types(limits: Limits) -> tuple[TypeAdapter[ActionBody], TypeAdapter[B
     return TypeAdapter(Action), TypeAdapter(Batch)
 
 
-def parse_action(body: Any, limits: Limits = Limits(), task: str | None = None) -> Action:
-    """Validate one decoded action object; ``task`` fills in an absent task (a task token's own)."""
-    return to_action(parse(action_types(limits)[0], body), limits, task)
+def parse_action(body: Any, limits: Limits = Limits()) -> Action:
+    """Validate one decoded action object (the API reads bytes with ``parse_action_json`` instead)."""
+    return to_action(parse(action_types(limits)[0], body), limits)
 
 
 def parse_action_json(raw: bytes, limits: Limits) -> ActionBody:

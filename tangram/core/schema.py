@@ -39,6 +39,10 @@ def explained(pattern: str, reason: str) -> str:
     return pattern
 
 
+#: a string a client sends that PostgreSQL text, a header or a process argument could not hold
+NO_NUL = explained("^[^\x00]*$", "must not contain NUL")
+
+
 class Schema(BaseModel):
     """A request body: strict, closed, finite, immutable once parsed."""
 
