@@ -18,7 +18,7 @@ import heapq
 import math
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from types import MappingProxyType
 from typing import Annotated
 
@@ -26,8 +26,9 @@ import aiohttp
 from pydantic import Field, TypeAdapter
 
 from managers.quota import QuotaWindow
-from managers.upstream import ApiSpec, Upstream, UpstreamConfig, check_config, validate_spec
+from managers.upstream import ApiSpec, Upstream, UpstreamConfig, validate_spec
 from tangram.core.action import Action, Kind
+from tangram.core.config_tables import TABLE, Count, PositiveSeconds, table
 from tangram.core.errors import BadRequest, ConfigError, Unprocessable
 from tangram.core.schema import Schema, parse
 from tangram.core.seam import Allocation, Fit, Outcome, PoolStatus, ResourceManager
@@ -49,12 +50,16 @@ LEASE_SPEC = TypeAdapter(LeaseSpec)
 
 @dataclass(frozen=True)
 class BasicResourceConfig:
-    name: str                      # e.g. "api.search" (resource names are like "api.<name>" or "lease.<name>")
-    concurrency: int | None = None  # max units in use at once
-    quota: int | None = None       # max units granted per period (sliding window)
-    period_s: float = 60.0
-    upstream: UpstreamConfig | None = None   # required for `api` actions on this resource
-    lease_ttl_s: float = 300.0     # default and maximum TTL of a lease on this resource
+    """``[basic.NAME]``: a counted resource; ``api`` actions on it go to its upstream."""
+
+    __pydantic_config__ = TABLE
+
+    name: str  # e.g. "api.search" (resource names are like "api.<name>" or "lease.<name>")
+    concurrency: Count | None = None  # max units in use at once
+    quota: Count | None = None  # max units granted per period (sliding window)
+    period_s: PositiveSeconds = 60.0
+    upstream: UpstreamConfig | None = None  # required for `api` actions on this resource
+    lease_ttl_s: PositiveSeconds = 300.0  # default and maximum TTL of a lease on this resource
 
 
 class _Resource:
@@ -141,7 +146,7 @@ class BasicManager(ResourceManager[None]):
         self._clock = clock
         self._res: dict[str, _Resource] = {}
         for config in resources:
-            _check_config(config)
+            config = checked(config)
             if config.name in self._res:
                 raise ConfigError(f"basic.{config.name}", "resource defined twice")
             self._res[config.name] = _Resource(config, clock)
@@ -348,18 +353,11 @@ def _allocation(action_id: str, units: Mapping[str, int]) -> Allocation[None]:
     return Allocation(action_id, dict(units), dict.fromkeys(units, POOL), placement={"resource": dict(units)})
 
 
-def _check_config(config: BasicResourceConfig) -> None:
-    """Raise ``ConfigError`` naming the TOML key (``basic.<resource>.<key>``) of the first bad setting."""
-    if not isinstance(config.name, str) or not config.name:
-        raise ConfigError("basic", "resource names must be non-empty strings")
-    name = f"basic.{config.name}"
+def checked(config: BasicResourceConfig) -> BasicResourceConfig:
+    """``config`` validated as its TOML table would be; the ``ConfigError`` names the key
+    (``basic.<resource>.<key>``) of the first bad setting."""
+    where = f"basic.{config.name}"
+    config = table(BasicResourceConfig, asdict(config), where)
     if config.concurrency is None and config.quota is None:
-        raise ConfigError(f"{name}.concurrency", "set concurrency, quota or both")
-    for key, value in (("concurrency", config.concurrency), ("quota", config.quota)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ConfigError(f"{name}.{key}", "must be a positive integer")
-    for key, seconds in (("period_s", config.period_s), ("lease_ttl_s", config.lease_ttl_s)):
-        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < math.inf:
-            raise ConfigError(f"{name}.{key}", "must be a positive number of seconds")
-    if config.upstream is not None:
-        check_config(config.upstream, f"{name}.upstream")
+        raise ConfigError(f"{where}.concurrency", "set concurrency, quota or both")
+    return config

@@ -18,11 +18,12 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from types import MappingProxyType
 from typing import Any
 
 from managers.cores import CorePool, host_numa_nodes
-from managers.cpu_config import CpuConfig, CpuNodeConfig
+from managers.cpu_config import CpuConfig, CpuNodeConfig, on_this_host
 from managers.environment import Environment, EnvState
 from managers.exec_spec import ExecSpec, ExecSpecBody, executor_request, parse_exec_spec
 from managers.sandbox_backends import SandboxFactory, open_sandbox_backend
@@ -138,7 +139,7 @@ class CpuManager(ResourceManager[CpuHandle]):
         """``open_backend(node, config)`` opens a node's sandbox backend at ``start`` (by default its Docker
         engine, or local processes: ``managers/sandbox_backends.py``); ``add_node`` puts a node in service with
         one already made (the simulator's)."""
-        self.config = config
+        self.config = replace(config, nodes=tuple(on_this_host(node) for node in config.nodes))
         self._open_backend = open_backend
         self.nodes: dict[str, CpuNode] = {}
         self.environments: dict[str, Environment] = {}

@@ -12,6 +12,7 @@ from typing import Annotated, Any
 
 from pydantic import Discriminator, Field, Tag, TypeAdapter
 
+from tangram.core.config_tables import TABLE, Count
 from tangram.core.errors import BadRequest, TooLarge
 from tangram.core.names import Name, json_pattern
 from tangram.core.schema import NO_NUL, Schema, explained, parse, tag
@@ -25,14 +26,16 @@ FILE_FORMS = 'must be text or {"base64": "..."}'
 
 @dataclass(frozen=True)
 class ExecLimits:
-    """What one client may send or get back through an exec action or an environment."""
+    """What one client may send or get back through an exec action or an environment (``[cpu.limits]``)."""
 
-    max_command_bytes: int = 64 << 10
-    max_env_vars: int = 256
-    max_files: int = 1000
-    max_files_bytes: int = 16 << 20
-    default_output_limit: int = 1 << 20
-    max_output_limit: int = 16 << 20
+    __pydantic_config__ = TABLE
+
+    max_command_bytes: Count = 64 << 10
+    max_env_vars: Count = 256
+    max_files: Count = 1000
+    max_files_bytes: Count = 16 << 20
+    default_output_limit: Count = 1 << 20
+    max_output_limit: Count = 16 << 20
 
 
 class Base64File(Schema):

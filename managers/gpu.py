@@ -27,7 +27,7 @@ from prometheus_client import Counter, Histogram
 
 from managers.chunk_operator import ChunkOperator
 from managers.chunks import Chunk, ChunkAllocator, Preference, after_allocating
-from managers.gpu_config import GpuConfig, GpuNodeConfig
+from managers.gpu_config import GpuConfig, GpuNodeConfig, on_this_host
 from managers.residency import Residency, Slot, SlotState
 from reward_services.backend import ServiceBackend, ServiceError, ServiceSpec
 from reward_services.requests import RewardRequest, RewardSpecBody, parse_reward_input, parse_reward_spec
@@ -132,14 +132,14 @@ class GpuManager(ResourceManager[GpuHandle]):
         """``make_backend(kind, node, config)`` builds a node's backend for a service kind (torch, sglang); the
         simulator passes its own so that the manager's admission, chunks and residency run without GPUs."""
         make_backend = make_backend or _make_backend
-        self.config = config
+        self.config = config = on_this_host(config)
         self.services: dict[str, ServiceSpec] = {spec.name: spec for spec in config.services}
         self.nodes: dict[str, GpuNode] = {}
         self.restores: Counter | None = None
         self.evictions: Counter | None = None
         self.restore_seconds: Histogram | None = None
         for node_config in config.nodes:
-            backends = {spec.backend: make_backend(spec.backend, node_config, config)
+            backends: dict[str, ServiceBackend] = {spec.backend: make_backend(spec.backend, node_config, config)
                         for spec in config.services}
             self.nodes[node_config.name] = GpuNode(node_config, backends)
         self._admit()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import re
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -18,10 +17,11 @@ from typing import Annotated, Any, Literal
 from urllib.parse import unquote
 
 import aiohttp
-from pydantic import Discriminator, Field, Tag, TypeAdapter
+from pydantic import AfterValidator, Discriminator, Field, Strict, Tag, TypeAdapter
 from yarl import URL
 
-from tangram.core.errors import ActionFailed, BadRequest, ConfigError
+from tangram.core.config_tables import TABLE, Count, NonNegative, PositiveSeconds, Seconds
+from tangram.core.errors import ActionFailed, BadRequest
 from tangram.core.names import json_pattern
 from tangram.core.retry import backoff_s, retry_after_s
 from tangram.core.schema import Schema, explained, parse, tag
@@ -39,33 +39,30 @@ HEADER_NAME = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+\Z")  # \Z: "$" would le
 READ_CHUNK = 64 * 1024
 
 
+def _base_url(url: str) -> str:
+    try:
+        base = URL(url)
+    except (TypeError, ValueError):
+        raise ValueError("must be an http(s) URL") from None
+    if base.scheme not in ("http", "https") or not base.host:
+        raise ValueError("must be an absolute http:// or https:// URL with a host")
+    if base.query_string or base.fragment or base.user:
+        raise ValueError("must not carry credentials, a query or a fragment")
+    return url
+
+
 @dataclass(frozen=True)
 class UpstreamConfig:
-    base_url: str                  # e.g. "http://127.0.0.1:8081"; actions can never name another host
-    timeout_s: float = 30.0        # per attempt
-    max_retries: int = 3           # on 429 / 5xx / connection errors
-    backoff_s: float = 0.1         # base of exponential backoff with jitter; Retry-After honoured when <= 60 s
-    max_body_bytes: int = 1 << 20  # response body cap; larger -> ActionFailed("upstream_body_too_large")
+    """``[basic.NAME.upstream]``: where the resource's ``api`` actions go."""
 
+    __pydantic_config__ = TABLE
 
-def check_config(config: UpstreamConfig, key: str) -> None:
-    """Raise ``ConfigError`` for the first bad field; ``key`` is where the upstream sits in the config."""
-    try:
-        base = URL(config.base_url)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{key}.base_url", "must be an http(s) URL") from None
-    if base.scheme not in ("http", "https") or not base.host:
-        raise ConfigError(f"{key}.base_url", "must be an absolute http:// or https:// URL with a host")
-    if base.query_string or base.fragment or base.user:
-        raise ConfigError(f"{key}.base_url", "must not carry credentials, a query or a fragment")
-    if not (_number(config.timeout_s) and config.timeout_s > 0):
-        raise ConfigError(f"{key}.timeout_s", "must be a positive number of seconds")
-    if not (_integer(config.max_retries) and config.max_retries >= 0):
-        raise ConfigError(f"{key}.max_retries", "must be an integer >= 0")
-    if not (_number(config.backoff_s) and config.backoff_s >= 0):
-        raise ConfigError(f"{key}.backoff_s", "must be a number of seconds >= 0")
-    if not (_integer(config.max_body_bytes) and config.max_body_bytes > 0):
-        raise ConfigError(f"{key}.max_body_bytes", "must be a positive integer")
+    #: e.g. "http://127.0.0.1:8081"; actions can never name another host
+    base_url: Annotated[str, Strict(), AfterValidator(_base_url)]
+    timeout_s: PositiveSeconds = 30.0  # per attempt
+    max_retries: NonNegative = 3  # on 429 / 5xx / connection errors
+    backoff_s: Seconds = 0.1  # base of exponential backoff with jitter; Retry-After honoured when <= 60 s
+    max_body_bytes: Count = 1 << 20  # response body cap; larger -> ActionFailed("upstream_body_too_large")
 
 
 def _query_form(value: Any) -> str | None:
@@ -214,10 +211,3 @@ def _decode(resp: aiohttp.ClientResponse, raw: bytes) -> Any:
     except LookupError:
         return raw.decode("utf-8", errors="replace")
 
-
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _integer(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)

@@ -15,32 +15,42 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, get_args
+
+from pydantic import PlainValidator
+
+from reward_services.options import ServiceOptions
+from tangram.core.config_tables import TABLE, Count, Text
 
 #: what a service computes, and so which request body ``infer`` takes (see ``reward_services/requests.py``)
-TASKS = ("similarity", "classify", "score", "generate")
+Task = Literal["similarity", "classify", "score", "generate"]
+TASKS: tuple[str, ...] = get_args(Task)
 #: degrees of parallelism a chunk can have: intervals of 1, 2, 4 or 8 GPUs aligned to their size
 LEGAL_DOPS = (1, 2, 4, 8)
-#: the ``options`` each backend reads (``reward_services/torch_worker.py``, ``reward_services/sglang.py`` say what
-#: each means); a config naming another is refused, so a typo is not silently ignored
-BACKEND_OPTIONS = {"torch": frozenset({"batch_size"}),
-                   "sglang": frozenset({"command", "args", "env", "cwd", "start_timeout_s", "release_timeout_s",
-                                        "request_timeout_s"})}
+
+
+def _dops(value: Any) -> tuple[int, ...]:
+    if (not isinstance(value, (list, tuple)) or not value or len(set(value)) != len(value)
+            or not all(type(d) is int and d in LEGAL_DOPS for d in value)):
+        raise ValueError(f"must be a list of distinct degrees of parallelism from {list(LEGAL_DOPS)}")
+    return tuple(sorted(value))
 
 
 @dataclass(frozen=True)
 class ServiceSpec:
     """One registered reward service (a ``[gpu.services.NAME]`` table)."""
 
+    __pydantic_config__ = TABLE
+
     name: str
-    backend: str  # "torch" or "sglang"
-    model: str  # torch: a model directory or an installed model package; sglang: --model-path
-    task: str  # one of TASKS
-    dops: tuple[int, ...]  # supported degrees of parallelism, ascending, each in LEGAL_DOPS
-    gpu_memory_mb: int  # device memory one resident instance needs on each of its GPUs
-    host_memory_mb: int  # host memory one copy of the weights takes
-    options: Mapping[str, Any] = field(default_factory=dict)  # backend-specific settings
+    backend: Literal["torch", "sglang"]
+    model: Text  # torch: a model directory or an installed model package; sglang: --model-path
+    task: Task
+    dops: Annotated[tuple[int, ...], PlainValidator(_dops)]  # supported degrees of parallelism, ascending
+    gpu_memory_mb: Count  # device memory one resident instance needs on each of its GPUs
+    host_memory_mb: Count  # host memory one copy of the weights takes
+    options: ServiceOptions | None = None  # the backend's settings; None: its defaults
 
 
 class ServiceError(Exception):

@@ -17,6 +17,7 @@ from typing import Annotated, Any
 
 from pydantic import Field, TypeAdapter
 
+from tangram.core.config_tables import TABLE, Count
 from tangram.core.errors import BadRequest, TooLarge
 from tangram.core.schema import Schema, parse
 
@@ -25,9 +26,11 @@ from tangram.core.schema import Schema, parse
 class RewardLimits:
     """What one reward action may send: items per request and bytes of text over all items."""
 
-    max_items: int = 1024
-    max_input_bytes: int = 4 << 20
-    max_new_tokens: int = 4096
+    __pydantic_config__ = TABLE
+
+    max_items: Count = 1024
+    max_input_bytes: Count = 4 << 20
+    max_new_tokens: Count = 4096
 
 
 class RewardSpecBody(Schema):

@@ -35,9 +35,8 @@ SGLang facts this relies on, read in github.com/sgl-project/sglang (re-check the
   (``docs/supported_models/specialized/reward_models.md``, ``.../retrieval_ranking/embedding_models.md``);
   ``/v1/score`` needs a generative model.
 
-``spec.options`` (all optional): ``command`` (argv prefix, default ``["python3", "-m", "sglang.launch_server"]``),
-``args`` (extra server flags, appended), ``env`` (extra environment for the server) and ``cwd`` (its working
-directory), ``start_timeout_s`` (900), ``release_timeout_s`` (60), ``request_timeout_s`` (600, one HTTP call).
+``spec.options`` is a ``SglangOptions`` (``reward_services/options.py``): the command, extra flags, environment
+and working directory of the server, and its start, release and request timeouts.
 
 Without a probe ``evict`` returns as soon as the server acknowledges the release, which may be before the driver
 frees the memory: use one (``NvmlProbe``) wherever another instance may be restored right after.
@@ -60,8 +59,8 @@ import numpy as np
 import psutil
 
 from reward_services.backend import ServiceBackend, ServiceError, ServiceInstance, ServiceSpec
+from reward_services.options import SglangOptions, options_of
 
-DEFAULT_COMMAND = ("python3", "-m", "sglang.launch_server")
 #: tasks served by a model launched with --is-embedding (reward heads and embedding models)
 EMBEDDING_TASKS = frozenset({"classify", "similarity"})
 #: every region the memory saver pauses for a model without a draft model (sglang/srt/constants.py)
@@ -96,24 +95,18 @@ class NvmlProbe:
         return int(self._nvml.nvmlDeviceGetMemoryInfo(handle).used) >> 20
 
 
-def launch_command(spec: ServiceSpec, devices: Sequence[int], port: int, options: Mapping[str, Any]) -> list[str]:
-    """The server's argv: the command prefix, our flags, then ``options["args"]``."""
-    command = _strings(options, "command", DEFAULT_COMMAND)
-    if not command:
-        raise ServiceError("prepare_failed", "options.command must not be empty")
-    command += ["--model-path", spec.model, "--tp-size", str(len(devices)), "--host", "127.0.0.1",
+def launch_command(spec: ServiceSpec, devices: Sequence[int], port: int, options: SglangOptions) -> list[str]:
+    """The server's argv: the command prefix, our flags, then ``options.args``."""
+    command = [*options.command, "--model-path", spec.model, "--tp-size", str(len(devices)), "--host", "127.0.0.1",
                 "--port", str(port), "--enable-memory-saver", "--enable-weights-cpu-backup"]
     if spec.task in EMBEDDING_TASKS:
         command.append("--is-embedding")
-    return command + _strings(options, "args", ())
+    return command + list(options.args)
 
 
-def launch_env(devices: Sequence[int], options: Mapping[str, Any]) -> dict[str, str]:
-    """This process's environment, ``options["env"]``, and the chunk's GPUs numbered as NVML numbers them."""
-    extra = options.get("env", {})
-    if not isinstance(extra, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in extra.items()):
-        raise ServiceError("prepare_failed", "options.env must map names to strings")
-    return {**os.environ, **extra, "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+def launch_env(devices: Sequence[int], options: SglangOptions) -> dict[str, str]:
+    """This process's environment, ``options.env``, and the chunk's GPUs numbered as NVML numbers them."""
+    return {**os.environ, **options.env, "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
             "CUDA_VISIBLE_DEVICES": ",".join(str(device) for device in devices)}
 
 
@@ -148,6 +141,7 @@ class SglangInstance(ServiceInstance):
 
     def __init__(self, spec: ServiceSpec, devices: tuple[int, ...], backend: SglangBackend) -> None:
         super().__init__(spec, devices)
+        self.options = options_of(spec.name, spec.options, SglangOptions)
         self.backend = backend
         self.process: asyncio.subprocess.Process | None = None
         self.port: int | None = None
@@ -160,29 +154,26 @@ class SglangInstance(ServiceInstance):
         return f"http://127.0.0.1:{self.port}"
 
     async def prepare(self) -> None:
-        options = self.spec.options
+        options = self.options
         probe = self.backend.probe
         if probe is not None:
             self.baseline_mb = {device: probe.used_mb(device) for device in self.devices}
         self.port = free_port()
         command = launch_command(self.spec, self.devices, self.port, options)
         env = launch_env(self.devices, options)
-        cwd = options.get("cwd")
-        if cwd is not None and not isinstance(cwd, str):
-            raise ServiceError("prepare_failed", "options.cwd must be a directory path")
         self.backend.log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = self.backend.log_dir / f"{self.spec.name}-gpu{'_'.join(map(str, self.devices))}-{self.port}.log"
         log = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         try:
             self.process = await asyncio.create_subprocess_exec(
-                *command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd,
+                *command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=options.cwd,
                 start_new_session=True)  # its own process group: close() stops SGLang's subprocesses too
         except OSError as error:
             raise ServiceError("prepare_failed", f"cannot start {command[0]!r}: {error}") from None
         finally:
             os.close(log)
         try:
-            await self._wait_healthy(float(options.get("start_timeout_s", 900)))
+            await self._wait_healthy(options.start_timeout_s)
             try:
                 await self._release("prepare_failed")
             except ServiceError as error:
@@ -253,7 +244,7 @@ class SglangInstance(ServiceInstance):
 
     async def _wait_memory_freed(self, probe: DeviceMemoryProbe, before: dict[int, int], failure_code: str) -> None:
         """Poll until every device dropped by ``RELEASED_SHARE`` of the service's memory, or to its baseline."""
-        timeout = float(self.spec.options.get("release_timeout_s", 60))
+        timeout = self.options.release_timeout_s
         needed = RELEASED_SHARE * self.spec.gpu_memory_mb
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
@@ -317,7 +308,7 @@ class SglangInstance(ServiceInstance):
             raise ServiceError(failure_code, f"{path} answered 200 without JSON: {text[:MESSAGE_CHARS]!r}") from None
 
     def _request_timeout(self) -> float:
-        return float(self.spec.options.get("request_timeout_s", 600))
+        return self.options.request_timeout_s
 
     def _require_process(self) -> None:
         if self.process is None:
@@ -414,13 +405,6 @@ def _counted(items: list[Any], expected: int) -> list[Any]:
     if len(items) != expected:
         raise ValueError(f"{len(items)} results for {expected} inputs")
     return items
-
-
-def _strings(options: Mapping[str, Any], key: str, default: Sequence[str]) -> list[str]:
-    value = options.get(key, default)
-    if not isinstance(value, (list, tuple)) or not all(isinstance(item, str) for item in value):
-        raise ServiceError("prepare_failed", f"options.{key} must be a list of strings")
-    return list(value)
 
 
 def _server_message(text: str) -> str:

@@ -31,11 +31,10 @@ from torch.func import functional_call
 
 from reward_services.backend import ServiceBackend, ServiceError, ServiceInstance, ServiceSpec
 from reward_services.host_weights import DeviceWeights, HostWeights
+from reward_services.options import TorchOptions, options_of
 
 SUPPORTED_TASKS = ("similarity",)
 DEVICE_TYPES = ("cuda", "cpu")
-#: texts per forward pass unless ``options.batch_size`` says otherwise (sentence-transformers' default)
-DEFAULT_BATCH_SIZE = 32
 
 T = TypeVar("T")
 
@@ -209,9 +208,7 @@ class TorchInstance(ServiceInstance):
         if spec.task not in SUPPORTED_TASKS:
             raise ValueError(f"service {spec.name!r} has task {spec.task!r}: the torch backend serves only "
                              f"{list(SUPPORTED_TASKS)}")
-        batch_size = spec.options.get("batch_size", DEFAULT_BATCH_SIZE)
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"service {spec.name!r}: options.batch_size must be a positive integer")
+        batch_size = options_of(spec.name, spec.options, TorchOptions).batch_size
         if not devices:
             raise ValueError(f"service {spec.name!r}: an instance needs at least one device")
         super().__init__(spec, devices)

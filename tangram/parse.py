@@ -12,6 +12,7 @@ from typing import Annotated, Any, ClassVar
 from pydantic import Discriminator, Field, Tag, TypeAdapter, model_validator
 
 from tangram.core.action import Action, Demand, Elasticity, Kind
+from tangram.core.config_tables import TABLE, NonNegative, Seconds
 from tangram.core.errors import BadRequest
 from tangram.core.names import RESOURCE, Name, json_pattern
 from tangram.core.schema import NO_NUL, Schema, explained, parse, parse_json, tag
@@ -30,13 +31,15 @@ DEMAND_FORMS = 'must be an integer, {"min": a, "max": b} or {"choices": [...]}'
 
 @dataclass(frozen=True, slots=True)
 class Limits:
-    """Bounds on what one action may ask for."""
+    """Bounds on what one action may ask for (``[limits]``)."""
 
-    max_units: int = 1_000_000
-    max_resources: int = 16
-    max_choices: int = 64
-    max_timeout_s: float = 3600.0
-    default_timeout_s: float = 600.0
+    __pydantic_config__ = TABLE
+
+    max_units: NonNegative = 1_000_000
+    max_resources: NonNegative = 16
+    max_choices: NonNegative = 64
+    max_timeout_s: Seconds = 3600.0
+    default_timeout_s: Seconds = 600.0
 
 
 class ElasticityBody(Schema):

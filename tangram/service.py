@@ -16,6 +16,7 @@ from managers.basic import BasicManager
 from managers.counted import CountedUnitsManager
 from managers.cpu import CpuManager
 from managers.gpu import GpuManager
+from managers.gpu_config import wanted
 from tangram.api import build_app
 from tangram.broker import Broker
 from tangram.config import Config
@@ -33,7 +34,7 @@ def build_managers(config: Config) -> list[ResourceManager]:
         managers.append(CountedUnitsManager(config.pools))
     if config.cpu.enabled:
         managers.append(CpuManager(config.cpu))
-    if config.gpu.enabled:
+    if wanted(config.gpu):
         managers.append(GpuManager(config.gpu))
     return managers
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, fields
 from typing import Protocol, runtime_checkable
 
 from tangram.core.action import Action
+from tangram.core.config_tables import TABLE, NonNegative
 from tangram.core.errors import TooMany
 
 #: Retry-After for an environment or memory cap: room comes back when the task's sandboxes are deleted or idle out,
@@ -35,10 +36,12 @@ MAX_RETRY_S = 60
 class TaskCaps:
     """One task's caps; ``None`` is unlimited, 0 stops the task."""
 
-    max_running: int | None = None
-    max_queued: int | None = None
-    max_environments: int | None = None
-    max_memory_mb: int | None = None
+    __pydantic_config__ = TABLE
+
+    max_running: NonNegative | None = None
+    max_queued: NonNegative | None = None
+    max_environments: NonNegative | None = None
+    max_memory_mb: NonNegative | None = None
 
     def over(self, defaults: TaskCaps) -> TaskCaps:
         """These caps, with ``defaults`` for the ones not set here."""

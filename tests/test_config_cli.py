@@ -27,7 +27,7 @@ from tangram.core.errors import ConfigError
     ({"server": {"status_interval_s": 0}}, "server.status_interval_s"),
     ({"server": {"status_interval_s": 5, "status_keep_s": 1}}, "server.status_keep_s"),
     ({"scheduler": {"horizon": -1}}, "scheduler.horizon"),
-    ({"basic": {"api.x": {}}}, "basic.api.x"),
+    ({"basic": {"api.x": {}}}, "basic.api.x.concurrency"),
     ({"basic": {"api.x": {"concurrency": 0}}}, "basic.api.x.concurrency"),
     ({"basic": {"api.x": {"concurrency": 1, "upstream": {"base_url": "ftp://x"}}}}, "basic.api.x.upstream.base_url"),
     ({"basic": {"api.x": {"concurrency": 1, "colour": 1}}}, "basic.api.x.colour"),

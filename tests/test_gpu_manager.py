@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from managers.gpu import GpuManager
-from managers.gpu_config import parse_gpu_config
+from managers.gpu_config import parse_gpu_config, wanted
 from managers.gpu_discovery import discover_gpus
 from tangram.core.action import Action, Demand, Kind
 from tangram.core.errors import ConfigError
@@ -179,14 +179,20 @@ def test_config_errors_name_the_key():
 
 
 def test_discovery_finds_no_gpu_here_and_the_manager_stays_off():
+    """Reading the config probes nothing; the manager reads this host at its start, and "auto" finds no GPU here."""
     assert discover_gpus() == ()  # CI machines have no NVIDIA driver
-    assert parse_gpu_config({}).enabled is False
+    assert parse_gpu_config({}).enabled is None and not wanted(parse_gpu_config({}))
+    assert wanted(parse_gpu_config({"nodes": {"n": {"gpus": 1, "gpu_memory_mb": 10, "device_type": "cpu"}}}))
+    assert not wanted(parse_gpu_config({"enabled": False, "nodes": {"n": {"gpus": 1, "device_type": "cpu"}}}))
     with pytest.raises(ConfigError) as caught:
-        parse_gpu_config({"enabled": True})
+        GpuManager(parse_gpu_config({"enabled": True}))
     assert caught.value.key == "gpu.nodes"
     with pytest.raises(ConfigError) as caught:
-        parse_gpu_config({"nodes": {"n": {"gpu_memory_mb": 10}}})
+        GpuManager(parse_gpu_config({"nodes": {"n": {"gpu_memory_mb": 10}}}))
     assert caught.value.key == "gpu.nodes.n.gpus"
+    with pytest.raises(ConfigError) as caught:
+        GpuManager(parse_gpu_config({"nodes": {"n": {"gpus": 2}}}))
+    assert caught.value.key == "gpu.nodes.n.gpu_memory_mb"
 
 
 def test_fit_prefers_the_node_where_the_service_is_resident_and_plans_with_chunks():

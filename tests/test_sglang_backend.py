@@ -17,6 +17,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ import pytest
 import pytest_asyncio
 
 from reward_services.backend import ServiceError, ServiceSpec
+from reward_services.options import SglangOptions
 from reward_services.sglang import SglangBackend, SglangInstance, free_port, launch_command, launch_env
 from tests.sglang_standin import fake_completion, fake_embedding, fake_label_probs, fake_reward
 
@@ -104,9 +106,9 @@ def make_spec(model_dir: Path, memory_file: Path) -> SpecMaker:
                        "STANDIN_RELEASE_DELAY_S": "0.1", **(env or {})}
         return ServiceSpec(name=f"rm-{task}", backend="sglang", model=model or str(model_dir), task=task,
                            dops=(1, 2), gpu_memory_mb=GPU_MEMORY_MB, host_memory_mb=2000,
-                           options={"command": STANDIN, "cwd": str(REPO_ROOT), "env": standin_env,
-                                    "start_timeout_s": 30, "release_timeout_s": 10, "request_timeout_s": 10,
-                                    **options})
+                           options=SglangOptions(**{"command": STANDIN, "cwd": str(REPO_ROOT), "env": standin_env,
+                                                    "start_timeout_s": 30, "release_timeout_s": 10,
+                                                    "request_timeout_s": 10, **options}))
 
     return make
 
@@ -165,15 +167,15 @@ def test_launch_command_for_dop2_on_gpus_2_and_3() -> None:
     tail = ["--tp-size", "2", "--host", "127.0.0.1", "--port", "31000", "--enable-memory-saver",
             "--enable-weights-cpu-backup"]
     reward = ServiceSpec(name="rm", backend="sglang", model="/models/rm", task="classify", dops=(2,),
-                         gpu_memory_mb=1, host_memory_mb=1, options={})
-    assert launch_command(reward, (2, 3), 31000, reward.options) == [
+                         gpu_memory_mb=1, host_memory_mb=1)
+    assert launch_command(reward, (2, 3), 31000, SglangOptions()) == [
         "python3", "-m", "sglang.launch_server", "--model-path", "/models/rm", *tail, "--is-embedding"]
     judge = ServiceSpec(name="judge", backend="sglang", model="Qwen/Qwen2.5-7B-Instruct", task="generate", dops=(2,),
-                        gpu_memory_mb=1, host_memory_mb=1, options={"args": ["--mem-fraction-static", "0.8"]})
-    assert launch_command(judge, (2, 3), 31000, judge.options) == [
+                        gpu_memory_mb=1, host_memory_mb=1, options=SglangOptions(args=("--mem-fraction-static", "0.8")))
+    assert launch_command(judge, (2, 3), 31000, SglangOptions(args=("--mem-fraction-static", "0.8"))) == [
         "python3", "-m", "sglang.launch_server", "--model-path", "Qwen/Qwen2.5-7B-Instruct", *tail,
         "--mem-fraction-static", "0.8"]
-    env = launch_env((2, 3), {"env": {"HF_HOME": "/cache"}})
+    env = launch_env((2, 3), SglangOptions(env={"HF_HOME": "/cache"}))
     assert (env["CUDA_VISIBLE_DEVICES"], env["CUDA_DEVICE_ORDER"], env["HF_HOME"]) == ("2,3", "PCI_BUS_ID", "/cache")
 
 
@@ -184,7 +186,7 @@ async def test_prepared_server_runs_that_argv_and_env_and_holds_no_device_memory
     async with prepared(backend, spec, (2, 3)) as instance:
         server = psutil.Process(instance.process.pid)
         assert instance.port is not None
-        assert server.cmdline() == launch_command(spec, (2, 3), instance.port, spec.options)
+        assert server.cmdline() == launch_command(spec, (2, 3), instance.port, instance.options)
         assert ("--is-embedding" in server.cmdline()) == (task in ("classify", "similarity"))
         environ = server.environ()
         assert (environ["CUDA_VISIBLE_DEVICES"], environ["CUDA_DEVICE_ORDER"]) == ("2,3", "PCI_BUS_ID")
@@ -231,7 +233,7 @@ async def test_evict_fails_when_the_memory_is_not_freed_in_time(backend: SglangB
     spec = make_spec("generate", env={"STANDIN_RELEASE_DELAY_S": "1"})
     async with prepared(backend, spec, (0,)) as instance:
         await instance.restore()
-        spec.options["release_timeout_s"] = 0.3  # shorter than the driver takes from now on
+        instance.options = replace(instance.options, release_timeout_s=0.3)  # shorter than the driver now takes
         with pytest.raises(ServiceError) as failed:
             await instance.evict()
         assert failed.value.code == "evict_failed"

@@ -67,17 +67,22 @@ def field_path(location: tuple[int | str, ...], prefix: str = "") -> str:
     return path or "body"
 
 
-def request_error(error: ValidationError, prefix: str = "") -> BadRequest:
-    """The first failure, named by its field path (``prefix`` names where the validated value sits)."""
+def first_failure(error: ValidationError, prefix: str = "", reasons: dict[str, str] = REASONS) -> tuple[str, str]:
+    """(field path, reason) of the first failure, the reason from ``reasons`` by error type where it has one."""
     first = error.errors(include_url=False)[0]
     kind = first["type"]
     if kind == "json_invalid":
-        return BadRequest(prefix.rstrip(".") or "body", f"is not valid JSON: {first['msg']}")
+        return prefix.rstrip(".") or "body", f"is not valid JSON: {first['msg']}"
     if kind == "string_pattern_mismatch" and first["ctx"]["pattern"] in PATTERN_REASONS:
-        return BadRequest(field_path(tuple(first["loc"]), prefix), PATTERN_REASONS[first["ctx"]["pattern"]])
-    template = REASONS.get(kind)
+        return field_path(tuple(first["loc"]), prefix), PATTERN_REASONS[first["ctx"]["pattern"]]
+    template = reasons.get(kind)
     reason = template.format(**first.get("ctx", {})) if template else str(first["msg"]).removeprefix("Value error, ")
-    return BadRequest(field_path(tuple(first["loc"]), prefix), reason)
+    return field_path(tuple(first["loc"]), prefix), reason
+
+
+def request_error(error: ValidationError, prefix: str = "") -> BadRequest:
+    """The first failure, named by its field path (``prefix`` names where the validated value sits)."""
+    return BadRequest(*first_failure(error, prefix))
 
 
 def parse(adapter: TypeAdapter[T], value: Any, prefix: str = "") -> T:
