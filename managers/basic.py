@@ -29,7 +29,7 @@ from managers.quota import QuotaWindow
 from managers.upstream import ApiSpec, Upstream, UpstreamConfig, validate_spec
 from tangram.core.action import Action, Kind
 from tangram.core.config_tables import TABLE, Count, PositiveSeconds, table
-from tangram.core.errors import BadRequest, ConfigError, Unprocessable
+from tangram.core.errors import ConfigError, Unprocessable
 from tangram.core.schema import Schema, parse
 from tangram.core.seam import Allocation, Fit, Outcome, PoolStatus, ResourceManager
 
@@ -209,10 +209,10 @@ class BasicManager(ResourceManager[None]):
             return
         foreign = sorted(set(action.demands) - set(self._res))
         if foreign:
-            raise BadRequest(f"demand.{foreign[0]}", f"{action.kind.value} actions may only demand basic resources "
+            raise Unprocessable(f"demand.{foreign[0]}", f"{action.kind.value} actions may only demand basic resources "
                                                      f"({sorted(self._res)})")
         if not action.demands:
-            raise BadRequest("demand", f"{action.kind.value} actions must demand at least one basic resource")
+            raise Unprocessable("demand", f"{action.kind.value} actions must demand at least one basic resource")
         if action.kind is Kind.API:
             self._upstream_resource(action)
             validate_spec(action.spec)
@@ -224,7 +224,7 @@ class BasicManager(ResourceManager[None]):
         routed = [name for name in action.demands if self._res[name].upstream is not None]
         if len(routed) != 1:
             with_upstream = sorted(n for n, r in self._res.items() if r.upstream is not None)
-            raise BadRequest("demand", f"an api action must demand exactly one resource with an upstream "
+            raise Unprocessable("demand", f"an api action must demand exactly one resource with an upstream "
                                        f"(one of {with_upstream}), got {sorted(routed)}")
         return self._res[routed[0]]
 
@@ -235,7 +235,7 @@ class BasicManager(ResourceManager[None]):
             action.parsed_spec = parse(LEASE_SPEC, action.spec, "spec")
         ttl = action.parsed_spec.ttl_s
         if ttl is not None and ttl > ceiling:
-            raise BadRequest("spec.ttl_s", f"must be a number of seconds in (0, {ceiling}]")
+            raise Unprocessable("spec.ttl_s", f"must be a number of seconds in (0, {ceiling}]")
         return ceiling if ttl is None else ttl
 
     # -- execution ----------------------------------------------------------------------------------------
@@ -276,6 +276,10 @@ class BasicManager(ResourceManager[None]):
 
     def _grant(self, action: Action, allocation: Allocation[None]) -> Outcome:
         ttl = self._lease_ttl(action)
+        # the grant is the parsed spec's last reader; a held lease may stay in memory for its whole TTL, and the
+        # model (an instance and its fields-set, both tracked by the garbage collector) would be scanned by every
+        # full collection meanwhile. A later reader parses ``action.spec`` again.
+        action.parsed_spec = None
         self._hold_lease(allocation, ttl)
         return Outcome({"lease_id": action.id, "expires_in_s": ttl, "units": dict(allocation.units)}, hold=True)
 

@@ -29,7 +29,7 @@ from managers.exec_spec import ExecSpec, ExecSpecBody, executor_request, parse_e
 from managers.sandbox_backends import SandboxFactory, open_sandbox_backend
 from sandboxes.backend import Leftover, Sandbox, SandboxBackend, SandboxError, SandboxSpec
 from tangram.core.action import Action, Kind, new_action_id
-from tangram.core.errors import ActionFailed, BadRequest, Conflict, NotFound, TooMany, Unavailable, Unprocessable
+from tangram.core.errors import ActionFailed, Conflict, NotFound, TooMany, Unavailable, Unprocessable
 from tangram.core.malleable import WorkerCost, workers_for
 from tangram.core.seam import Allocation, Fit, Outcome, PoolStatus, ResourceManager
 
@@ -264,7 +264,7 @@ class CpuManager(ResourceManager[CpuHandle]):
         if action.kind is not Kind.EXEC:
             return
         if RESOURCE not in action.demands:
-            raise BadRequest("demand.cpu", 'exec actions run on cores: add "cpu": 1 (or a range) to demand')
+            raise Unprocessable("demand.cpu", 'exec actions run on cores: add "cpu": 1 (or a range) to demand')
         spec = self.exec_spec(action)
         if spec.environment is not None:
             env = self.environments.get(spec.environment)
@@ -491,7 +491,8 @@ class CpuManager(ResourceManager[CpuHandle]):
             admit(memory)
         fitting = [n for n in self.nodes.values() if n.memory_reserved + memory <= n.memory_mb]
         if not fitting:
-            raise Unavailable("memory_mb", f"no node has {memory} MiB unreserved now; retry later")
+            raise TooMany("memory_mb", f"no node has {memory} MiB unreserved now; delete idle environments or "
+                                       f"retry later")
         node = min(fitting, key=lambda n: (n.memory_load_after(memory), -len(n.cores.free)))
         env = self._reserve(task, trajectory, node, image or self.config.default_image, memory, files,
                             ephemeral=False)

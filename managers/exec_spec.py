@@ -13,9 +13,9 @@ from typing import Annotated, Any
 from pydantic import Discriminator, Field, Tag, TypeAdapter
 
 from tangram.core.config_tables import TABLE, Count
-from tangram.core.errors import BadRequest, TooLarge
+from tangram.core.errors import BadRequest, TooLarge, Unprocessable
 from tangram.core.names import Name, json_pattern
-from tangram.core.schema import NO_NUL, Schema, explained, parse, tag
+from tangram.core.schema import NO_NUL, WHOLE, NonNegativeInteger, Schema, explained, parse, tag
 
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}\Z")  # \Z: "$" would let a final newline through
 #: a plain pytest invocation at the start of a command or after a shell separator, not already given -n
@@ -59,7 +59,7 @@ FileContent = Annotated[Annotated[str, Tag(tag("text"))] | Annotated[Base64File,
                         Discriminator(_file_form, custom_error_type="file_form", custom_error_message=FILE_FORMS)]
 Files = dict[str, FileContent]
 Image = Annotated[str, Field(min_length=1, max_length=256, description="an image name the node's engine has")]
-MemoryMb = Annotated[int, Field(ge=16)]
+MemoryMb = Annotated[int, Field(ge=16), WHOLE]
 
 
 class ExecSpecBody(Schema):
@@ -74,7 +74,7 @@ class ExecSpecBody(Schema):
     memory_mb: MemoryMb | None = None
     files: Files | None = Field(default=None, description='relative path -> text or {"base64": "..."}')
     pytest_parallel: bool | None = None
-    output_limit: Annotated[int, Field(ge=0)] | None = Field(default=None, description="bytes of output kept")
+    output_limit: NonNegativeInteger | None = Field(default=None, description="bytes of output kept")
 
 
 EXEC_SPEC = TypeAdapter(ExecSpecBody)
@@ -102,12 +102,12 @@ def parse_exec_spec(spec: Mapping[str, Any], limits: ExecLimits, where: str = "s
     _check_command(command, f"{where}.command", limits)
     env = body.env or {}
     if len(env) > limits.max_env_vars:
-        raise BadRequest(f"{where}.env", f"must be an object of at most {limits.max_env_vars} variables")
+        raise TooLarge(f"{where}.env", f"must be an object of at most {limits.max_env_vars} variables")
     output = limits.default_output_limit if body.output_limit is None else body.output_limit
     if output > limits.max_output_limit:
-        raise BadRequest(f"{where}.output_limit", f"must be an integer of bytes in [0, {limits.max_output_limit}]")
+        raise Unprocessable(f"{where}.output_limit", f"must be an integer of bytes in [0, {limits.max_output_limit}]")
     if body.environment is not None and (body.image is not None or body.memory_mb is not None or body.files):
-        raise BadRequest(f"{where}.environment", "an existing environment already has its image, memory and "
+        raise Unprocessable(f"{where}.environment", "an existing environment already has its image, memory and "
                                                  "files; drop image, memory_mb and files")
     return ExecSpec(command=command, env=env, cwd=body.cwd, environment=body.environment, image=body.image,
                     memory_mb=body.memory_mb, files=decode_files(body.files or {}, f"{where}.files", limits),
@@ -124,14 +124,14 @@ def decode_files(files: Files, where: str, limits: ExecLimits) -> dict[str, byte
         field_name = f"{where}.{path}"
         normal = posixpath.normpath(path)
         if not path or path.startswith("/") or normal.startswith("..") or "\x00" in path or normal == ".":
-            raise BadRequest(field_name, "must be a relative path inside the working directory")
+            raise Unprocessable(field_name, "must be a relative path inside the working directory")
         if isinstance(content, str):
             data = content.encode()
         else:
             try:
                 data = base64.b64decode(content.base64, validate=True)
             except (binascii.Error, ValueError):
-                raise BadRequest(field_name, "is not valid base64") from None
+                raise Unprocessable(field_name, "is not valid base64") from None
         total += len(data)
         if total > limits.max_files_bytes:
             raise TooLarge(where, f"files exceed {limits.max_files_bytes} bytes in all")

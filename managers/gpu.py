@@ -233,12 +233,16 @@ class GpuManager(ResourceManager[GpuHandle]):
             raise NotFound("spec.service", f"no reward service {name!r}; this broker serves {sorted(self.services)}")
         demand = action.demands.get(RESOURCE)
         if demand is None:
-            raise BadRequest("demand.gpu", f'reward actions run on GPUs: add "gpu": {spec.dops[0]} (or a set such '
+            raise Unprocessable("demand.gpu", f'reward actions run on GPUs: add "gpu": {spec.dops[0]} (or a set such '
                                            f'as {{"choices": {list(spec.dops)}}}) to demand')
         unsupported = [k for k in demand.choices if k not in spec.dops]
         if unsupported:
             raise Unprocessable("demand.gpu", f"service {name!r} runs at DoP {list(spec.dops)}, not {unsupported}")
-        action.parsed_spec = RewardRequest(name, parse_reward_input(spec.task, body.input, self.config.limits))
+        try:
+            request = parse_reward_input(spec.task, body.input, self.config.limits)
+        except BadRequest as error:  # the document allows any object: the service's task decides its fields
+            raise Unprocessable(error.field, f"{error.reason} (input for a {spec.task} service)") from None
+        action.parsed_spec = RewardRequest(name, request)
 
     def reward_request(self, action: Action) -> RewardRequest:
         """The action's spec as checked at submit (parsed here first for an action recovered from the store)."""

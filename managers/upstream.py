@@ -21,7 +21,7 @@ from pydantic import AfterValidator, Discriminator, Field, Strict, Tag, TypeAdap
 from yarl import URL
 
 from tangram.core.config_tables import TABLE, Count, NonNegative, PositiveSeconds, Seconds
-from tangram.core.errors import ActionFailed, BadRequest
+from tangram.core.errors import ActionFailed, Unprocessable
 from tangram.core.names import json_pattern
 from tangram.core.retry import backoff_s, retry_after_s
 from tangram.core.schema import Schema, explained, parse, tag
@@ -98,17 +98,17 @@ def validate_spec(spec: Mapping[str, Any]) -> None:
     body = parse(API_SPEC, spec, "spec")
     _check_path(body.path)
     if body.body_text is not None and "body" in spec:
-        raise BadRequest("spec.body_text", "give either spec.body (JSON) or spec.body_text, not both")
+        raise Unprocessable("spec.body_text", "give either spec.body (JSON) or spec.body_text, not both")
 
 
 def _check_path(path: str) -> None:
     if not path.startswith("/") or path.startswith("//") or "://" in path:
-        raise BadRequest("spec.path", "must be a path starting with a single '/', never a URL")
+        raise Unprocessable("spec.path", "must be a path starting with a single '/', never a URL")
     if any(c in path for c in "?#\\") or any(ord(c) < 0x21 or ord(c) == 0x7F for c in path):
-        raise BadRequest("spec.path", "must not contain '?', '#', '\\', spaces or control characters "
+        raise Unprocessable("spec.path", "must not contain '?', '#', '\\', spaces or control characters "
                                       "(put parameters in spec.query)")
     if any(unquote(segment) in (".", "..") for segment in path.split("/")):
-        raise BadRequest("spec.path", "must not contain '.' or '..' segments")
+        raise Unprocessable("spec.path", "must not contain '.' or '..' segments")
 
 
 class Upstream:

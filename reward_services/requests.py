@@ -18,8 +18,8 @@ from typing import Annotated, Any
 from pydantic import Field, TypeAdapter
 
 from tangram.core.config_tables import TABLE, Count
-from tangram.core.errors import BadRequest, TooLarge
-from tangram.core.schema import Schema, parse
+from tangram.core.errors import TooLarge, Unprocessable
+from tangram.core.schema import Integer, NonNegativeInteger, PositiveInteger, Schema, parse
 
 
 @dataclass(frozen=True)
@@ -53,14 +53,14 @@ class ClassifyInput(Schema):
 class ScoreInput(Schema):
     query: str
     items: list[str] = Field(min_length=1)
-    label_token_ids: list[Annotated[int, Field(ge=0)]] = Field(min_length=1, max_length=64)
+    label_token_ids: list[NonNegativeInteger] = Field(min_length=1, max_length=64)
 
 
 class Sampling(Schema):
-    max_new_tokens: Annotated[int, Field(ge=1)] = 256
+    max_new_tokens: PositiveInteger = 256
     temperature: Annotated[float, Field(ge=0, le=10)] | None = None
     top_p: Annotated[float, Field(ge=0, le=1)] | None = None
-    top_k: int | None = None
+    top_k: Integer | None = None
     stop: list[Annotated[str, Field(min_length=1)]] = Field(default_factory=list, max_length=16)
 
 
@@ -103,7 +103,7 @@ def parse_reward_input(task: str, raw: Any, limits: RewardLimits, where: str = "
     if isinstance(body, GenerateInput):
         sampling = body.sampling_params or Sampling()
         if sampling.max_new_tokens > limits.max_new_tokens:
-            raise BadRequest(f"{where}.sampling_params.max_new_tokens",
+            raise Unprocessable(f"{where}.sampling_params.max_new_tokens",
                              f"must be an integer from 1 to {limits.max_new_tokens}")
         return {"prompts": body.prompts, "sampling_params": {
             **sampling.model_dump(exclude_unset=True, exclude_none=True), "max_new_tokens": sampling.max_new_tokens}}

@@ -358,7 +358,7 @@ class Broker:
     async def release_lease(self, action_id: str) -> Action:
         action = await self.get(action_id)
         if action.kind is not Kind.LEASE:
-            raise BadRequest("id", f"action {action_id!r} is not a lease")
+            raise NotFound("id", f"action {action_id!r} is not a lease")
         if action_id not in self.leases:
             if action.state is State.SUCCEEDED:
                 raise Conflict("id", "lease was already returned or expired")

@@ -11,9 +11,10 @@ from pydantic.json_schema import models_json_schema
 
 from tangram.auth import TOKEN_REQUEST
 from tangram.config import ServerConfig
-from tangram.core.action import Kind, State
+from tangram.core.schema import RequestJsonSchema
 from tangram.environments_api import EnvironmentRequest
 from tangram.parse import FLAGS, Limits, action_types
+from tangram.records import ActionRecord
 
 #: what a record answered by a submit leads to; the fuzzer's stateful runs follow these (submit -> get -> cancel)
 SPEEDUP_DESCRIPTION = ("the speed-up model of an elastic signature, null before its first run: T(m, W) = t1 * ("
@@ -64,7 +65,8 @@ def _request_schemas(limits: Limits, server: ServerConfig, resources: Sequence[s
     """The batch body's schema with every request type under ``$defs``, generated from the parser's own types.
     Added here is only what the types cannot know: the resources this broker has, the batch bound of ``[server]``
     and, without auth, that ``task`` is required (a task token fills it in)."""
-    batch = action_types(limits)[1].json_schema(ref_template="#/components/schemas/{model}")
+    batch = action_types(limits)[1].json_schema(ref_template="#/components/schemas/{model}",
+                                                   schema_generator=RequestJsonSchema)
     batch["properties"]["actions"]["maxItems"] = server.max_batch
     action = batch["$defs"]["Action"]
     if resources:
@@ -83,7 +85,7 @@ def _with_task(schema: dict[str, Any], required: bool) -> dict[str, Any]:
 
 def _generated(model: type[BaseModel], schemas: dict[str, Any]) -> dict[str, Any]:
     """``model``'s schema, its referenced types added to ``schemas``."""
-    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}", schema_generator=RequestJsonSchema)
     schemas.update(schema.pop("$defs", {}))
     return schema
 
@@ -94,7 +96,7 @@ def _tagged_by_kind(action: dict[str, Any], specs: Mapping[str, type[BaseModel]]
     if not specs:
         return {}
     refs, defs = models_json_schema([(model, "validation") for model in specs.values()],
-                                    ref_template="#/components/schemas/{model}")
+                                    ref_template="#/components/schemas/{model}", schema_generator=RequestJsonSchema)
     schemas: dict[str, Any] = dict(defs.get("$defs", {}))
     mapping = {}
     for kind, model in sorted(specs.items()):
@@ -176,7 +178,7 @@ def _admin_paths(server: ServerConfig) -> dict[str, Any]:
         "/v1/admin/tokens": {
             "post": {"operationId": "createToken", "summary": "Make a token for a task or the admin (shown once)",
                      "requestBody": {"required": True, "content": {"application/json": {
-                         "schema": TOKEN_REQUEST.json_schema()}}},
+                         "schema": TOKEN_REQUEST.json_schema(schema_generator=RequestJsonSchema)}}},
                      "responses": {"201": _json(created, "the token, which is kept only as its SHA-256"),
                                    "400": _error("neither or both of task and admin")}},
             "get": {"operationId": "listTokens", "summary": "Tokens from the config and the store (never a hash)",
@@ -217,35 +219,7 @@ def openapi_document(server: ServerConfig, limits: Limits, resources: Sequence[s
         "Error": {"type": "object", "required": ["error"], "properties": {"error": {
             "type": "object", "required": ["field", "reason"],
             "properties": {"field": {"type": "string"}, "reason": {"type": "string"}}}}},
-        "ActionRecord": {
-            "type": "object",
-            "required": ["id", "task", "kind", "state", "demand", "timings", "submitted_at"],
-            "properties": {
-                "id": {"type": "string"}, "task": {"type": "string"},
-                "trajectory": {"type": ["string", "null"]},
-                "kind": {"type": "string", "enum": [k.value for k in Kind]},
-                "state": {"type": "string", "enum": [s.value for s in State]},
-                "demand": {"type": "object"}, "elasticity": {"type": ["object", "null"]},
-                "spec": {"type": "object"}, "timeout_s": {"type": "number"},
-                "idempotency_key": {"type": ["string", "null"]}, "signature": {"type": "string"},
-                "submitted_at": {"type": "number"}, "started_at": {"type": ["number", "null"]},
-                "finished_at": {"type": ["number", "null"]},
-                "allocation": {"type": ["object", "null"], "properties": {
-                    "units": {"type": "object", "additionalProperties": {"type": "integer"}},
-                    "placement": {"type": "object"},
-                    "malleable": {"type": "object", "description": "an elastic action whose units changed as it "
-                                  "ran: its floor, workers, resizes, unit-seconds and [time, units] history",
-                                  "properties": {
-                                      "resource": {"type": "string"}, "floor": {"type": "integer"},
-                                      "workers": {"type": "integer"}, "resizes": {"type": "integer"},
-                                      "unit_seconds": {"type": "number"},
-                                      "history": {"type": "array", "items": {"type": "array"}}}}}},
-                "result": {},
-                "error": {"type": ["object", "null"], "properties": {
-                    "code": {"type": "string"}, "message": {"type": "string"}}},
-                "timings": {"type": "object", "properties": {
-                    k: {"type": ["number", "null"]}
-                    for k in ("queue_s", "execution_s", "restore_s", "overhead_s", "act_s")}}}},
+        "ActionRecord": _generated(ActionRecord, schemas_out),
         "EnvironmentRequest": _with_task(_generated(EnvironmentRequest, schemas_out), required=not secured),
         "Environment": {
             "type": "object", "required": ["id", "task", "node", "image", "memory_mb", "state"],
@@ -298,9 +272,12 @@ def openapi_document(server: ServerConfig, limits: Limits, resources: Sequence[s
         "actions": [example["value"] for example in examples.values()]}}} if examples else {}
     environment_examples = {"sandbox": {"summary": "a sandbox for a trajectory, with a file", "value": {
         "task": "demo", "trajectory": "traj-2", "files": {"notes.txt": "hello"}}}} if "cpu" in resources else {}
-    submit_errors = {"400": _error("invalid action"), "404": _error("unknown spec.environment or reward service"),
-                     "409": _error("spec.environment is lost"),
-                     "413": _error("body, command or files too large"), "422": _error("can never run here"),
+    submit_errors = {"400": _error("does not match the schemas"),
+                     "404": _error("unknown spec.environment or reward service"),
+                     "409": _error("spec.environment is lost"), "413": _error("body, command or files too large"),
+                     "422": _error("matches the schemas but breaks a rule they cannot state (min <= max, the "
+                                   "elasticity resource in the demand, an exec demands cpu, an api path stays on "
+                                   "its upstream, a reward input fits the service's task), or can never run here"),
                      "429": _over_cap("the task is at a cap (max_queued, max_environments, max_memory_mb; the "
                                       "body's cap names it), or a new sandbox would exceed cpu.max_environments"),
                      "503": _error("queue full, or the broker is shutting down")}
@@ -337,7 +314,7 @@ def openapi_document(server: ServerConfig, limits: Limits, resources: Sequence[s
                                          "409": _error("already terminal")}}},
             "/v1/leases/{id}": {"delete": {
                 "operationId": "releaseLease", "summary": "Return a granted lease's units", "parameters": [id_param],
-                "responses": {"200": record, "400": _error("not a lease"), "404": _error("unknown id"),
+                "responses": {"200": record, "404": _error("unknown id, or an action that is not a lease"),
                               "409": _error("not held")}}},
             "/v1/environments": {
                 "post": {"operationId": "createEnvironment", "summary": "Create a trajectory environment (sandbox) now",
@@ -348,7 +325,8 @@ def openapi_document(server: ServerConfig, limits: Limits, resources: Sequence[s
                                        "413": _error("files too large"),
                                        "422": _error("unknown image, memory beyond any node, no CPU manager"),
                                        "429": _over_cap("too many environments: the task's max_environments "
-                                                        "or max_memory_mb (named by cap), or cpu.max_environments"),
+                                                        "or max_memory_mb (named by cap), or cpu.max_environments; "
+                                                        "or no node has the memory unreserved now"),
                                        "503": _error("no node has the memory now, or the engine failed")}},
                 "get": {"operationId": "listEnvironments", "summary": "List environments",
                         "parameters": [{"name": "task", "in": "query", "required": False,

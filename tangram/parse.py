@@ -9,13 +9,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar
 
-from pydantic import Discriminator, Field, Tag, TypeAdapter, model_validator
+from pydantic import Discriminator, Field, Tag, TypeAdapter
 
 from tangram.core.action import Action, Demand, Elasticity, Kind
 from tangram.core.config_tables import TABLE, NonNegative, Seconds
-from tangram.core.errors import BadRequest
+from tangram.core.errors import BadRequest, Unprocessable
 from tangram.core.names import RESOURCE, Name, json_pattern
-from tangram.core.schema import NO_NUL, Schema, explained, parse, parse_json, tag
+from tangram.core.schema import NO_NUL, WHOLE, PositiveInteger, Schema, explained, parse, parse_json, tag
 
 #: a unit count as an efficiency key: "8", never "08", " 8", "+8" or "8_0", which int() would also take
 COUNT = re.compile(r"^[1-9][0-9]{0,8}\Z")
@@ -56,7 +56,7 @@ class ElasticityBody(Schema):
 
 
 def _demand_form(value: Any) -> str | None:
-    if isinstance(value, int):
+    if isinstance(value, (int, float)):
         return tag("units")
     if isinstance(value, dict):
         return tag("choices") if "choices" in value else tag("range")
@@ -67,22 +67,14 @@ class DemandRange(Schema):
     """Any count from min to max."""
 
     max_span: ClassVar[int] = Limits().max_choices
-    min: int = Field(ge=1)
-    max: int = Field(ge=1)
-
-    @model_validator(mode="after")
-    def ordered(self) -> DemandRange:
-        if self.min > self.max:
-            raise ValueError(f"min ({self.min}) is greater than max ({self.max})")
-        if self.max - self.min + 1 > self.max_span:
-            raise ValueError(f"a range may span at most {self.max_span} unit counts")
-        return self
+    min: PositiveInteger
+    max: PositiveInteger = Field(description="at least min; the range spans at most [limits] max_choices unit counts")
 
 
 class DemandChoices(Schema):
     """One of the listed counts."""
 
-    choices: list[Annotated[int, Field(ge=1)]] = Field(min_length=1)
+    choices: list[PositiveInteger] = Field(min_length=1)
 
 
 class ActionBody(Schema):
@@ -91,7 +83,7 @@ class ActionBody(Schema):
     task: Name | None = None
     trajectory: Name | None = None
     kind: Kind = Field(strict=False)
-    demand: Mapping[str, int | DemandRange | DemandChoices]
+    demand: Mapping[str, PositiveInteger | DemandRange | DemandChoices]
     elasticity: ElasticityBody | None = None
     spec: dict[str, Any] | None = Field(default=None, description="kind-specific; see the kind's spec schema")
     timeout_s: float | None = Field(default=None, description="deadline from submission, queueing included")
@@ -109,7 +101,7 @@ class BatchBody(Schema):
 @functools.cache
 def action_types(limits: Limits) -> tuple[TypeAdapter[ActionBody], TypeAdapter[BatchBody]]:
     """The action and batch request types with the config's bounds in them (built once per config)."""
-    units = Annotated[int, Field(ge=1, le=limits.max_units)]
+    units = Annotated[int, Field(ge=1, le=limits.max_units), WHOLE]
 
     class BoundedRange(DemandRange):
         max_span = limits.max_choices
@@ -153,13 +145,14 @@ def parse_batch_json(raw: bytes, limits: Limits) -> list[ActionBody]:
 
 
 def to_action(body: ActionBody, limits: Limits, task: str | None = None, where: str = "") -> Action:
-    """The ``Action`` a typed body asks for; checks what spans fields (the elasticity resource is in demand)."""
-    demands = {name: _demand(entry) for name, entry in body.demand.items()}
+    """The ``Action`` a typed body asks for. What spans fields, which the document states but its schema cannot
+    check (a range's min <= max, the elasticity resource in demand), is refused as unprocessable (422)."""
+    demands = {name: _demand(entry, f"{where}demand.{name}") for name, entry in body.demand.items()}
     elasticity = None
     if body.elasticity is not None:
         declared = body.elasticity
         if declared.resource not in demands:
-            raise BadRequest(where + "elasticity.resource", "must name a resource in demand")
+            raise Unprocessable(where + "elasticity.resource", "must name a resource in demand")
         points = tuple(sorted((int(m), e) for m, e in (declared.efficiency or {}).items()))
         elasticity = Elasticity(resource=declared.resource, efficiency=points, t1=declared.t1)
     owner = body.task or task
@@ -170,9 +163,14 @@ def to_action(body: ActionBody, limits: Limits, task: str | None = None, where: 
                   else body.timeout_s, idempotency_key=body.idempotency_key, signature=body.signature or "")
 
 
-def _demand(entry: int | DemandRange | DemandChoices) -> Demand:
+def _demand(entry: int | DemandRange | DemandChoices, where: str) -> Demand:
     if isinstance(entry, int):
         return Demand.fixed(entry)
+    if isinstance(entry, DemandRange):
+        if entry.min > entry.max:
+            raise Unprocessable(where, f"min ({entry.min}) is greater than max ({entry.max})")
+        if entry.max - entry.min + 1 > entry.max_span:
+            raise Unprocessable(where, f"a range may span at most {entry.max_span} unit counts")
     if isinstance(entry, DemandChoices):
         return Demand(tuple(sorted(set(entry.choices))))
     return Demand.range(entry.min, entry.max)

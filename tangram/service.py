@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 from collections.abc import AsyncIterator
@@ -63,6 +64,10 @@ async def serve(config: Config) -> None:
         await runner.setup()
         site = web.TCPSite(runner, config.server.host, config.server.port)
         await site.start()
+        # everything built so far (modules, classes, request schemas, the app) lives as long as the process:
+        # keep it out of the full collections that the actions' records trigger as they accumulate
+        gc.collect()
+        gc.freeze()
         log.info("ARL-Tangram broker listening on http://%s:%d (store %s)", config.server.host,
                  config.server.port, make_url(config.store.url).render_as_string(hide_password=True))
         stop = asyncio.Event()

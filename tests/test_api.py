@@ -30,7 +30,7 @@ BAD = [
     (b'{"task": "t", "kind": "teleport", "demand": {"lease.gpu-quota": 1}}', "kind", 400),
     (b'{"task": "t", "kind": "lease", "demand": {"lease.nope": 1}}', "demand.lease.nope", 400),
     (b'{"task": "t", "kind": "lease", "demand": {"lease.gpu-quota": {"min": 3, "max": 2}}}',
-     "demand.lease.gpu-quota", 400),
+     "demand.lease.gpu-quota", 422),  # well-formed by the document's schema, which cannot order min and max
     (b'{"task": "t", "kind": "lease", "demand": {"lease.gpu-quota": 0}}', "demand.lease.gpu-quota", 400),
     (b'{"task": "t", "kind": "lease", "demand": {"lease.gpu-quota": -2}}', "demand.lease.gpu-quota", 400),
     (b'{"task": "t", "kind": "lease", "demand": {"lease.gpu-quota": 5}}', "demand.lease.gpu-quota", 422),

@@ -5,10 +5,11 @@ twin."""
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import aiohttp
 import pytest
@@ -27,6 +28,8 @@ from clients import (
     WaitTimeout,
     unit_demand,
 )
+from clients.records import ActionRecord
+from tangram.records import ActionRecord as DocumentedRecord
 from tests.docker_nodes import cpu_config, docker_engines
 from tests.harness import live_broker, serving
 
@@ -74,6 +77,14 @@ async def front(target: str, **faults: int) -> AsyncIterator[Front]:
         yield proxy
 
 
+def documented(*records: ActionRecord) -> None:
+    """Each record is what the document's ``ActionRecord`` schema (generated from the same model) says, and the
+    client's typed fields are fields of it."""
+    assert {f.name for f in fields(ActionRecord)} - {"raw"} <= set(DocumentedRecord.model_fields)
+    for record in records:
+        DocumentedRecord.model_validate_json(json.dumps(record.raw))
+
+
 def test_unit_demand_shapes():
     assert unit_demand(2) == 2
     assert unit_demand((1, 8)) == {"min": 1, "max": 8}
@@ -89,6 +100,7 @@ async def test_lease_round_trip_and_typed_errors(db):
         async with client.leased({"lease.local": 2}, ttl_s=30) as lease:
             assert lease.succeeded and lease.kind == "lease" and lease.task == "client-test"
             assert lease.allocation == {"units": {"lease.local": 2}, "placement": lease.raw["allocation"]["placement"]}
+            documented(lease)
             row = next(r for r in (await client.resources())["resources"] if r["resource"] == "lease.local")
             assert row["in_use"] == 2
         row = next(r for r in (await client.resources())["resources"] if r["resource"] == "lease.local")
@@ -172,6 +184,7 @@ async def test_wait_timeout_cancel_and_action_errors(db):
             await client.cancel(blocked.id)
         short = await client.submit("lease", {"lease.local": 1}, {"ttl_s": 30}, timeout_s=0.3, wait=True)
         assert short.state == "timed_out" and short.error is not None
+        documented(holder, blocked, cancelled, short)
         await client.release_lease(holder.id)
 
 
@@ -189,6 +202,7 @@ async def test_exec_in_a_trajectory_sandbox_and_environments(db):
         with pytest.raises(ActionError) as timed_out:
             await client.exec("sleep 30", trajectory="traj-a", timeout_s=1)
         assert timed_out.value.record.state == "timed_out"
+        documented(first, second, failing, timed_out.value.record)
         assert [env["id"] for env in await client.environments()] == [env_id]
         made = await client.create_environment(files={"seed.txt": "7"})
         ran = await client.exec("cat seed.txt", environment=made["id"])

@@ -228,9 +228,9 @@ async def test_bad_input_and_unknown_images(db):
             (exec_action("x" * 70_000), 413, "spec.command"),
             (exec_action("true", files={"big": "x" * 2000}), 413, "spec.files"),
             (exec_action("true", memory_mb=1 << 30, trajectory="huge"), 422, "spec.memory_mb"),
-            (exec_action("true", files={"../escape": "x"}), 400, "spec.files.../escape"),
+            (exec_action("true", files={"../escape": "x"}), 422, "spec.files.../escape"),
             (exec_action("true", bogus=1), 400, "spec.bogus"),
-            ({**exec_action("true"), "demand": {"lease.local": 1}}, 400, "demand.cpu"),
+            ({**exec_action("true"), "demand": {"lease.local": 1}}, 422, "demand.cpu"),
         ]
         for body, expected, field in cases:
             status, answer = await live.call("POST", "/v1/actions", json=body)

@@ -14,7 +14,7 @@ from managers.cpu_config import CpuNodeConfig, parse_cpu_config
 from managers.exec_spec import ExecLimits, executor_request, parse_exec_spec, rewrite_pytest
 from sandboxes.cgroup import cpu_list, parse_cpu_list
 from tangram.core.action import Action, Demand, Kind
-from tangram.core.errors import BadRequest, ConfigError
+from tangram.core.errors import BadRequest, ConfigError, Unprocessable
 from tests.docker_nodes import cpu_config
 from tests.harness import live_broker
 
@@ -68,21 +68,22 @@ def test_executor_request_substitutes_parallelism():
     assert malleable["env"]["TANGRAM_NUM_CPUS"] == "4" and malleable["tag"] == "act_1"
 
 
-@pytest.mark.parametrize("spec, field", [
-    ({}, "spec.command"),
-    ({"command": ""}, "spec.command"),
-    ({"command": ["ls", 3]}, "spec.command[1]"),
-    ({"command": "ls", "env": {"1BAD": "x"}}, "spec.env.1BAD"),
-    ({"command": "ls", "env": {"A\n": "x"}}, "spec.env.A\n"),
-    ({"command": "ls", "cwd": "relative"}, "spec.cwd"),
-    ({"command": "ls", "memory_mb": 1}, "spec.memory_mb"),
-    ({"command": "ls", "files": {"/etc/passwd": "x"}}, "spec.files./etc/passwd"),
-    ({"command": "ls", "files": {"a": {"base64": "!!"}}}, "spec.files.a"),
-    ({"command": "ls", "output_limit": -1}, "spec.output_limit"),
-    ({"command": "ls", "environment": "env-1", "image": "x"}, "spec.environment"),
+@pytest.mark.parametrize("spec, field, refusal", [
+    ({}, "spec.command", BadRequest),
+    ({"command": ""}, "spec.command", BadRequest),
+    ({"command": ["ls", 3]}, "spec.command[1]", BadRequest),
+    ({"command": "ls", "env": {"1BAD": "x"}}, "spec.env.1BAD", BadRequest),
+    ({"command": "ls", "env": {"A\n": "x"}}, "spec.env.A\n", BadRequest),
+    ({"command": "ls", "cwd": "relative"}, "spec.cwd", BadRequest),
+    ({"command": "ls", "memory_mb": 1}, "spec.memory_mb", BadRequest),
+    ({"command": "ls", "output_limit": -1}, "spec.output_limit", BadRequest),
+    # what the document's schema allows but the broker refuses is unprocessable (422), not malformed (400)
+    ({"command": "ls", "files": {"/etc/passwd": "x"}}, "spec.files./etc/passwd", Unprocessable),
+    ({"command": "ls", "files": {"a": {"base64": "!!"}}}, "spec.files.a", Unprocessable),
+    ({"command": "ls", "environment": "env-1", "image": "x"}, "spec.environment", Unprocessable),
 ])
-def test_bad_exec_specs_name_the_field(spec, field):
-    with pytest.raises(BadRequest) as caught:
+def test_bad_exec_specs_name_the_field(spec, field, refusal):
+    with pytest.raises(refusal) as caught:
         parse_exec_spec(spec, ExecLimits())
     assert caught.value.field == field
 

@@ -7,9 +7,11 @@ and report the first failure as the field path a client sent (``actions[3].deman
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic.json_schema import GenerateJsonSchema, JsonSchemaValue
+from pydantic_core import core_schema
 
 from tangram.core.errors import BadRequest
 
@@ -41,6 +43,30 @@ def explained(pattern: str, reason: str) -> str:
 
 #: a string a client sends that PostgreSQL text, a header or a process argument could not hold
 NO_NUL = explained("^[^\x00]*$", "must not contain NUL")
+
+
+def _whole(value: Any) -> Any:
+    """JSON Schema's integer is a whole number however written: ``3.0`` is one; ``3.5`` and ``true`` are not."""
+    return int(value) if type(value) is float and value.is_integer() else value
+
+
+#: an integer field of a request, as the document's ``"type": "integer"`` means it; bounds go before ``WHOLE`` in
+#: the ``Annotated`` so that the document shows them as its minimum and maximum
+WHOLE = BeforeValidator(_whole)
+Integer = Annotated[int, WHOLE]
+PositiveInteger = Annotated[int, Field(ge=1), WHOLE]
+NonNegativeInteger = Annotated[int, Field(ge=0), WHOLE]
+
+
+class RequestJsonSchema(GenerateJsonSchema):
+    """The JSON Schema of request types as the validator reads them: a map whose keys have a pattern takes no other
+    keys (pydantic leaves ``additionalProperties`` open beside ``patternProperties``)."""
+
+    def dict_schema(self, schema: core_schema.DictSchema) -> JsonSchemaValue:
+        json_schema = super().dict_schema(schema)
+        if "patternProperties" in json_schema:
+            json_schema["additionalProperties"] = False
+        return json_schema
 
 
 class Schema(BaseModel):
