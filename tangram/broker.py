@@ -21,9 +21,10 @@ from tangram.arrivals import ArrivalModel
 from tangram.backoff import AllocationBackoff
 from tangram.core.action import Action, Kind, State
 from tangram.core.errors import ActionFailed, BadRequest, Conflict, NotFound, RequestError, Unavailable, Unprocessable
-from tangram.core.seam import Allocation, Lessor, ResourceManager
+from tangram.core.seam import Allocation, ResourceManager
 from tangram.durations import DurationModel
 from tangram.idempotency import IdempotencyIndex
+from tangram.leases import Leases
 from tangram.metrics import Metrics
 from tangram.queue import make_queue
 from tangram.scheduler import Placement, Resize, Scheduler
@@ -85,7 +86,7 @@ class Broker:
         #: starts wait for before using the units they free
         self._resizing: set[asyncio.Task[None]] = set()
         self._shrinking: set[asyncio.Task[None]] = set()
-        self.leases: dict[str, list[tuple[ResourceManager, Allocation]]] = {}
+        self.leases = Leases(store, self.ledger)
         self.idempotency = IdempotencyIndex()
         self.recent: collections.deque[Action] = collections.deque(maxlen=1000)
         self._forget: collections.deque[tuple[float, str]] = collections.deque()
@@ -138,37 +139,15 @@ class Broker:
                 continue
             self._enqueue(action)
             resumed += 1
-        held = await self._regrant_leases()
+        regranted = await self.leases.regrant(self.executor.get(Kind.LEASE))
+        for action in regranted:
+            self.actions[action.id] = action
+            self.idempotency.remember(action)
+        held = len(regranted)
         self.kick()
         if resumed or failed or held:
             log.warning("recovered from the store: %d queued actions resumed, %d unfinished ones ended failed, "
                         "%d leases held again", resumed, failed, held)
-
-    async def _regrant_leases(self) -> int:
-        """Leases a previous run granted and nobody returned hold their units again until their original expiry:
-        their clients still use the units, and a lease forgotten here would hand them to someone else. Those that
-        expired meanwhile are recorded as expired; those whose resource is gone, as ``resource_removed``."""
-        lessor = self.executor.get(Kind.LEASE)
-        if not isinstance(lessor, Lessor):
-            return 0
-        now = time.time()
-        held = 0
-        for action in await self.store.load_granted_leases(since=now - lessor.longest_lease_s()):
-            grant = action.result or {}
-            if "returned" in grant or action.id in self.leases or action.finished_at is None:
-                continue
-            expires_at = action.finished_at + float(grant.get("expires_in_s", 0.0))
-            allocation = lessor.regrant(action, expires_at - now) if expires_at > now else None
-            if allocation is None:
-                self._record_return(action, "expired" if expires_at <= now else "resource_removed",
-                                    min(expires_at, now))
-                continue
-            self.actions[action.id] = action
-            self.idempotency.remember(action)
-            self.leases[action.id] = [(lessor, allocation)]
-            self.ledger.hold(action)
-            held += 1
-        return held
 
     async def drain(self, timeout_s: float) -> int:
         """Stop taking and starting actions and give the running ones up to ``timeout_s`` to finish; the queued ones
@@ -357,12 +336,7 @@ class Broker:
 
     async def release_lease(self, action_id: str) -> Action:
         action = await self.get(action_id)
-        if action.kind is not Kind.LEASE:
-            raise NotFound("id", f"action {action_id!r} is not a lease")
-        if action_id not in self.leases:
-            if action.state is State.SUCCEEDED:
-                raise Conflict("id", "lease was already returned or expired")
-            raise Conflict("id", f"lease is {action.state.value}, not granted")
+        self.leases.check_releasable(action)
         self._return_lease(action, "released")
         return action
 
@@ -530,7 +504,7 @@ class Broker:
         action.result = result
         action.error = error
         if keep is not None:
-            self.leases[action.id] = keep
+            self.leases.hold(action, keep)
         dispatch.ended(self.durations, self.arrivals, action, action.finished_at, state is State.SUCCEEDED)
         self.store.save(action)
         self.metrics.record_finish(action)
@@ -541,18 +515,9 @@ class Broker:
             event.set()
 
     def _return_lease(self, action: Action, how: str) -> None:
-        dispatch.release(self.leases.pop(action.id))
-        self.ledger.unhold(action)
-        self._record_return(action, how, time.time())
+        self.leases.give_back(action, how)
         self._forget.append((time.time(), action.id))  # memory kept it past ``retain_s`` while it was held
         self.kick()
-
-    def _record_return(self, action: Action, how: str, at: float) -> None:
-        result = dict(action.result or {})
-        result["returned"] = how
-        result["returned_at"] = at
-        action.result = result
-        self.store.save(action)
 
     # -- time-driven work -----------------------------------------------------------------------------
 
@@ -571,12 +536,10 @@ class Broker:
 
     def tick(self) -> None:
         now = time.time()
-        for manager in self.managers:
-            if isinstance(manager, Lessor):
-                for action_id in manager.expired_leases():
-                    action = self.actions.get(action_id)
-                    if action is not None and action_id in self.leases:
-                        self._return_lease(action, "expired")
+        for action_id in self.leases.expired(self.managers):
+            action = self.actions.get(action_id)
+            if action is not None:
+                self._return_lease(action, "expired")
         for action in list(self.queue):
             if action.submitted_at + action.timeout_s <= now:
                 self._dequeue(action.id)
