@@ -209,8 +209,8 @@ class BasicManager(ResourceManager[None]):
             return
         foreign = sorted(set(action.demands) - set(self._res))
         if foreign:
-            raise Unprocessable(f"demand.{foreign[0]}", f"{action.kind.value} actions may only demand basic resources "
-                                                     f"({sorted(self._res)})")
+            raise Unprocessable(f"demand.{foreign[0]}", f"{action.kind.value} actions may only demand basic "
+                                                        f"resources ({sorted(self._res)})")
         if not action.demands:
             raise Unprocessable("demand", f"{action.kind.value} actions must demand at least one basic resource")
         if action.kind is Kind.API:
@@ -225,7 +225,7 @@ class BasicManager(ResourceManager[None]):
         if len(routed) != 1:
             with_upstream = sorted(n for n, r in self._res.items() if r.upstream is not None)
             raise Unprocessable("demand", f"an api action must demand exactly one resource with an upstream "
-                                       f"(one of {with_upstream}), got {sorted(routed)}")
+                                          f"(one of {with_upstream}), got {sorted(routed)}")
         return self._res[routed[0]]
 
     def _lease_ttl(self, action: Action) -> float:

@@ -107,8 +107,8 @@ def parse_exec_spec(spec: Mapping[str, Any], limits: ExecLimits, where: str = "s
     if output > limits.max_output_limit:
         raise Unprocessable(f"{where}.output_limit", f"must be an integer of bytes in [0, {limits.max_output_limit}]")
     if body.environment is not None and (body.image is not None or body.memory_mb is not None or body.files):
-        raise Unprocessable(f"{where}.environment", "an existing environment already has its image, memory and "
-                                                 "files; drop image, memory_mb and files")
+        raise Unprocessable(f"{where}.environment", "an existing environment already has its image, memory "
+                                                    "and files; drop image, memory_mb and files")
     return ExecSpec(command=command, env=env, cwd=body.cwd, environment=body.environment, image=body.image,
                     memory_mb=body.memory_mb, files=decode_files(body.files or {}, f"{where}.files", limits),
                     pytest_parallel=bool(body.pytest_parallel), output_limit=output)

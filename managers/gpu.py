@@ -233,8 +233,8 @@ class GpuManager(ResourceManager[GpuHandle]):
             raise NotFound("spec.service", f"no reward service {name!r}; this broker serves {sorted(self.services)}")
         demand = action.demands.get(RESOURCE)
         if demand is None:
-            raise Unprocessable("demand.gpu", f'reward actions run on GPUs: add "gpu": {spec.dops[0]} (or a set such '
-                                           f'as {{"choices": {list(spec.dops)}}}) to demand')
+            raise Unprocessable("demand.gpu", f'reward actions run on GPUs: add "gpu": {spec.dops[0]} (or a set '
+                                              f'such as {{"choices": {list(spec.dops)}}}) to demand')
         unsupported = [k for k in demand.choices if k not in spec.dops]
         if unsupported:
             raise Unprocessable("demand.gpu", f"service {name!r} runs at DoP {list(spec.dops)}, not {unsupported}")

@@ -106,7 +106,7 @@ def _check_path(path: str) -> None:
         raise Unprocessable("spec.path", "must be a path starting with a single '/', never a URL")
     if any(c in path for c in "?#\\") or any(ord(c) < 0x21 or ord(c) == 0x7F for c in path):
         raise Unprocessable("spec.path", "must not contain '?', '#', '\\', spaces or control characters "
-                                      "(put parameters in spec.query)")
+                                         "(put parameters in spec.query)")
     if any(unquote(segment) in (".", "..") for segment in path.split("/")):
         raise Unprocessable("spec.path", "must not contain '.' or '..' segments")
 

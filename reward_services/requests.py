@@ -104,7 +104,7 @@ def parse_reward_input(task: str, raw: Any, limits: RewardLimits, where: str = "
         sampling = body.sampling_params or Sampling()
         if sampling.max_new_tokens > limits.max_new_tokens:
             raise Unprocessable(f"{where}.sampling_params.max_new_tokens",
-                             f"must be an integer from 1 to {limits.max_new_tokens}")
+                                f"must be an integer from 1 to {limits.max_new_tokens}")
         return {"prompts": body.prompts, "sampling_params": {
             **sampling.model_dump(exclude_unset=True, exclude_none=True), "max_new_tokens": sampling.max_new_tokens}}
     if isinstance(body, SimilarityInput):

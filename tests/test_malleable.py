@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import time
 from typing import Any
 
@@ -18,6 +19,7 @@ from managers.cpu import CpuManager, CpuNode
 from managers.cpu_config import CpuConfig, CpuNodeConfig
 from tangram.core.action import Action, Demand, Elasticity, Kind
 from tangram.core.malleable import Claimant, Malleable, Profile, WorkerCost, profile_of_curve, share, workers_for
+from tangram.records import ActionRecord
 from tangram.sim.broker_station import NoSandboxes
 from tests.docker_nodes import cpu_config, docker_engines
 from tests.harness import Live, live_broker
@@ -240,6 +242,7 @@ async def test_a_tool_call_takes_a_core_from_a_running_test_run_and_gives_it_bac
         done = await wait_state(live, long_run, {"succeeded", "failed"})
         assert done["state"] == "succeeded", done
         assert tool["started_at"] < done["finished_at"]  # it did not wait for the test run holding both cores
+        ActionRecord.model_validate_json(json.dumps(done))  # the record the document describes, resizes and all
         malleable = done["allocation"]["malleable"]
         assert malleable["resizes"] >= 2 and malleable["workers"] == 2  # shrunk for the tool call, grown back
         units = [u for _, u in malleable["history"]]

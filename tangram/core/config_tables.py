@@ -1,6 +1,6 @@
 """TOML config tables read into the config's own frozen dataclasses, validated by pydantic from their annotations.
 
-A config dataclass declares its keys, defaults and bounds once (``port: Port = 8300``); ``table`` reads a TOML table
+A config dataclass declares its keys, defaults and bounds once (``depth: Count = 2``); ``table`` reads a TOML table
 into it and turns the first failure into a ``ConfigError`` naming the key as the file spells it
 (``cpu.nodes.n1.cores``). Types are strict: ``"80"`` is not a port and ``1`` is not ``true``; an integer is a number.
 Each dataclass sets ``__pydantic_config__ = TABLE`` so that an unknown key is refused, not ignored.
@@ -59,8 +59,7 @@ CONFIG_REASONS = {**REASONS, "dict_type": "must be a table", "dataclass_type": "
                   "int_type": "must be an integer", "float_type": "must be a number",
                   "bool_type": "must be true or false", "string_type": "must be a string",
                   "tuple_type": "must be a list", "list_type": "must be a list",
-                  "literal_error": "must be one of {expected}", "finite_number": "must be a finite number",
-                  "greater_than_equal": "must be at least {ge}"}
+                  "literal_error": "must be one of {expected}", "finite_number": "must be a finite number"}
 
 
 _ADAPTERS: dict[Any, TypeAdapter[Any]] = {}

@@ -59,7 +59,7 @@ NonNegativeInteger = Annotated[int, Field(ge=0), WHOLE]
 
 
 class RequestJsonSchema(GenerateJsonSchema):
-    """The JSON Schema of request types as the validator reads them: a map whose keys have a pattern takes no other
+    """The JSON Schema of our models as their validators read them: a map whose keys have a pattern takes no other
     keys (pydantic leaves ``additionalProperties`` open beside ``patternProperties``)."""
 
     def dict_schema(self, schema: core_schema.DictSchema) -> JsonSchemaValue:
