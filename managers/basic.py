@@ -358,10 +358,13 @@ def _allocation(action_id: str, units: Mapping[str, int]) -> Allocation[None]:
 
 
 def checked(config: BasicResourceConfig) -> BasicResourceConfig:
-    """``config`` validated as its TOML table would be; the ``ConfigError`` names the key
+    """``config`` (built in code) validated as its TOML table would be; the ``ConfigError`` names the key
     (``basic.<resource>.<key>``) of the first bad setting."""
-    where = f"basic.{config.name}"
-    config = table(BasicResourceConfig, asdict(config), where)
+    return with_capacity(table(BasicResourceConfig, asdict(config), f"basic.{config.name}"))
+
+
+def with_capacity(config: BasicResourceConfig) -> BasicResourceConfig:
+    """A validated ``config`` that sets a concurrency, a quota or both (its capacity is the first it has)."""
     if config.concurrency is None and config.quota is None:
-        raise ConfigError(f"{where}.concurrency", "set concurrency, quota or both")
+        raise ConfigError(f"basic.{config.name}.concurrency", "set concurrency, quota or both")
     return config

@@ -89,7 +89,8 @@ def parse_reward_spec(spec: Mapping[str, Any], where: str = "spec") -> RewardSpe
 
 
 def parse_reward_input(task: str, raw: Any, limits: RewardLimits, where: str = "spec.input") -> dict[str, Any]:
-    """Validate ``raw`` for ``task``; returns the backend's request (413 when too large, 400 when malformed)."""
+    """Validate ``raw`` for ``task``; returns the backend's request (413 when too large, 400 when malformed, 422
+    past the configured ``max_new_tokens``)."""
     body = parse(INPUTS[task], raw, where)
     for name in ("pairs", "texts", "items", "prompts"):
         items = getattr(body, name, None)

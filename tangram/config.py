@@ -12,7 +12,7 @@ from typing import Annotated, Any
 
 from pydantic import Field, PlainValidator, StrictStr
 
-from managers.basic import BasicResourceConfig, checked
+from managers.basic import BasicResourceConfig, with_capacity
 from managers.cpu_config import CpuConfig, parse_cpu_config
 from managers.gpu_config import GpuConfig, parse_gpu_config
 from tangram.core.config_tables import (
@@ -192,8 +192,8 @@ def parse_config(raw: dict[str, Any]) -> Config:
         gpu=parse_gpu_config(raw.get("gpu", {})),
     )
     if "basic" in raw:
-        config = replace(config, basic=tuple(checked(b) for b in named_tables(BasicResourceConfig, raw["basic"],
-                                                                                "basic")))
+        config = replace(config, basic=tuple(with_capacity(b) for b in named_tables(BasicResourceConfig,
+                                                                                      raw["basic"], "basic")))
     names = ([b.name for b in config.basic] + list(config.pools) + (["cpu"] if config.cpu.enabled else [])
              + (["gpu"] if config.gpu.enabled or config.gpu.nodes else []))
     duplicate = next((n for n in names if names.count(n) > 1), None)

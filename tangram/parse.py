@@ -166,11 +166,10 @@ def to_action(body: ActionBody, limits: Limits, task: str | None = None, where: 
 def _demand(entry: int | DemandRange | DemandChoices, where: str) -> Demand:
     if isinstance(entry, int):
         return Demand.fixed(entry)
-    if isinstance(entry, DemandRange):
-        if entry.min > entry.max:
-            raise Unprocessable(where, f"min ({entry.min}) is greater than max ({entry.max})")
-        if entry.max - entry.min + 1 > entry.max_span:
-            raise Unprocessable(where, f"a range may span at most {entry.max_span} unit counts")
     if isinstance(entry, DemandChoices):
         return Demand(tuple(sorted(set(entry.choices))))
+    if entry.min > entry.max:
+        raise Unprocessable(where, f"min ({entry.min}) is greater than max ({entry.max})")
+    if entry.max - entry.min + 1 > entry.max_span:
+        raise Unprocessable(where, f"a range may span at most {entry.max_span} unit counts")
     return Demand.range(entry.min, entry.max)
