@@ -27,6 +27,7 @@ from tangram.idempotency import IdempotencyIndex
 from tangram.leases import Leases
 from tangram.metrics import Metrics
 from tangram.queue import make_queue
+from tangram.recovery import triage
 from tangram.scheduler import Placement, Resize, Scheduler
 from tangram.store import Store
 from tangram.tenants import MAX_RETRY_S, EnvironmentHost, TaskLedger, Tenancy
@@ -114,40 +115,26 @@ class Broker:
 
     async def _recover(self) -> None:
         """Take over what a previous run of this broker left unfinished in the store (after a crash or ``kill -9``,
-        or the queue a clean stop left): queued actions queue again in their old order, under their deadlines and
-        idempotency keys; actions that were running cannot be re-attached (their results went to the dead
-        process), so they end ``failed`` with ``broker_restarted``, which tells the client that their effects
-        are unknown."""
-        resumed = failed = 0
-        for action in await self.store.load_unfinished():
-            self.actions[action.id] = action
-            self.idempotency.remember(action)
-            if action.state is State.RUNNING:
-                action.units, action.placement = {}, {}  # nothing is held in this process
-                self._finish(action, State.FAILED, error={
-                    "code": "broker_restarted",
-                    "message": "the broker restarted while this action ran; whether it took effect is unknown. "
-                               "Resubmit under a new idempotency_key if running it again is safe"})
-                failed += 1
-                continue
-            try:
-                self._validate(action, "")
-            except RequestError as error:  # the config changed under it: it could never run here
-                self._finish(action, State.FAILED, error={"code": "not_runnable", "message": "after a restart: "
-                                                          f"{error.field}: {error.reason}"})
-                failed += 1
-                continue
+        or the queue a clean stop left): ``tangram.recovery`` says what becomes of each action."""
+        triaged = triage(await self.store.load_unfinished(), lambda action: self._validate(action, ""))
+        for action, error in triaged.ended:
+            self._remember(action)
+            self._finish(action, State.FAILED, error=error)
+        for action in triaged.resumed:
+            self._remember(action)
             self._enqueue(action)
-            resumed += 1
         regranted = await self.leases.regrant(self.executor.get(Kind.LEASE))
         for action in regranted:
-            self.actions[action.id] = action
-            self.idempotency.remember(action)
-        held = len(regranted)
+            self._remember(action)
         self.kick()
-        if resumed or failed or held:
+        if triaged.resumed or triaged.ended or regranted:
             log.warning("recovered from the store: %d queued actions resumed, %d unfinished ones ended failed, "
-                        "%d leases held again", resumed, failed, held)
+                        "%d leases held again", len(triaged.resumed), len(triaged.ended), len(regranted))
+
+    def _remember(self, action: Action) -> None:
+        """Hold a recovered action's record in memory and under its idempotency key."""
+        self.actions[action.id] = action
+        self.idempotency.remember(action)
 
     async def drain(self, timeout_s: float) -> int:
         """Stop taking and starting actions and give the running ones up to ``timeout_s`` to finish; the queued ones

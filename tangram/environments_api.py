@@ -3,13 +3,13 @@ only its task's environments; another task's are 404, as if they did not exist."
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
 from typing import Protocol, runtime_checkable
 
 from aiohttp import web
 from pydantic import Field, TypeAdapter
 
 from managers.environment import Environment
+from managers.environments import Environments
 from managers.exec_spec import ExecLimits, Files, Image, MemoryMb, decode_files
 from tangram.api_common import BROKER, json_response, read_body
 from tangram.auth import listed_task, own_task, principal_of
@@ -39,20 +39,11 @@ class _Limited(Protocol):
 
 @runtime_checkable
 class EnvironmentManager(EnvironmentHost, Protocol):
-    """What these endpoints need of the manager that executes ``exec`` actions: the trajectory environments it keeps
-    and their per-task use for the caps (the CPU manager's; a manager is found by what it can do, not by its
-    class)."""
+    """What these endpoints need of the manager that executes ``exec`` actions: its trajectory environments and
+    their per-task use for the caps (the CPU manager's; a manager is found by what it can do, not by its class)."""
 
     config: _Limited
-    environments: Mapping[str, Environment]
-
-    async def create_environment(self, task: str, trajectory: str | None, image: str | None, memory_mb: int | None,
-                                 files: dict[str, bytes],
-                                 admit: Callable[[int], None] | None = None) -> Environment: ...
-
-    def get_environment(self, env_id: str) -> Environment: ...
-
-    async def delete_environment(self, env_id: str) -> Environment: ...
+    environments: Environments
 
 
 def _manager(request: web.Request) -> EnvironmentManager:
@@ -71,8 +62,8 @@ async def create_environment(request: web.Request) -> web.Response:
     trajectory, image, memory = body.trajectory, body.image, body.memory_mb
     files = decode_files(body.files or {}, "files", manager.config.limits)
     ledger = request.app[BROKER].ledger
-    env = await manager.create_environment(task, trajectory, image, memory, files,
-                                           admit=lambda mb: ledger.check_environment(task, trajectory, mb, manager))
+    env = await manager.environments.create(task, trajectory, image, memory, files,
+                                            admit=lambda mb: ledger.check_environment(task, trajectory, mb, manager))
     return json_response(env.to_json(), status=201, headers={"Location": f"/v1/environments/{env.id}"})
 
 
@@ -86,7 +77,7 @@ async def list_environments(request: web.Request) -> web.Response:
 def _environment(request: web.Request, manager: EnvironmentManager) -> Environment:
     """The environment the path names, if the caller may see it; 404 otherwise."""
     env_id = request.match_info["id"]
-    env = manager.get_environment(env_id)
+    env = manager.environments.named(env_id)
     own = principal_of(request).task
     if own is not None and env.task != own:
         raise NotFound("id", f"no environment {env_id!r}")
@@ -99,7 +90,7 @@ async def get_environment(request: web.Request) -> web.Response:
 
 async def delete_environment(request: web.Request) -> web.Response:
     manager = _manager(request)
-    env = await manager.delete_environment(_environment(request, manager).id)
+    env = await manager.environments.delete(_environment(request, manager).id)
     return json_response(env.to_json())
 
 

@@ -9,8 +9,9 @@ import psutil
 import pytest
 
 from managers.cores import CorePool
-from managers.cpu import CpuManager, CpuNode
+from managers.cpu import CpuManager
 from managers.cpu_config import CpuNodeConfig, parse_cpu_config
+from managers.cpu_node import CpuNode
 from managers.exec_spec import ExecLimits, executor_request, parse_exec_spec, rewrite_pytest
 from sandboxes.cgroup import cpu_list, parse_cpu_list
 from tangram.core.action import Action, Demand, Kind

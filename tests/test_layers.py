@@ -13,10 +13,11 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("tangram", "managers", "sandboxes", "reward_services", "clients", "loadtest")
 
 #: the service around the core: HTTP, the store, the config loader, the request parser, the CLI
-SERVICE_LAYER = frozenset({"tangram.broker", "tangram.leases", "tangram.api", "tangram.api_common",
-                           "tangram.environments_api", "tangram.profiles_api", "tangram.services_api", "tangram.status_page", "tangram.auth",
-                           "tangram.store", "tangram.config", "tangram.parse", "tangram.records", "tangram.openapi",
-                           "tangram.service", "tangram.cli"})
+SERVICE_LAYER = frozenset({"tangram.broker", "tangram.leases", "tangram.recovery", "tangram.api",
+                           "tangram.api_common", "tangram.environments_api", "tangram.profiles_api",
+                           "tangram.services_api", "tangram.status_page", "tangram.auth", "tangram.store",
+                           "tangram.config", "tangram.parse", "tangram.records", "tangram.openapi", "tangram.service",
+                           "tangram.cli"})
 #: the scheduling algorithms above the floor: pure Python, numpy and SciPy over the core
 ALGORITHMS = ("tangram.estimate", "tangram.speedup", "tangram.durations", "tangram.backoff", "tangram.queue",
               "tangram.arrivals", "tangram.scheduler", "tangram.dispatch")

@@ -15,8 +15,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from managers.cpu import CpuManager, CpuNode
+from managers.cpu import CpuManager
 from managers.cpu_config import CpuConfig, CpuNodeConfig
+from managers.cpu_node import CpuNode
 from tangram.core.action import Action, Demand, Elasticity, Kind
 from tangram.core.malleable import Claimant, Malleable, Profile, WorkerCost, profile_of_curve, share, workers_for
 from tangram.records import ActionRecord

@@ -13,8 +13,9 @@ from hypothesis import strategies as st
 
 from managers.basic import BasicManager, BasicResourceConfig
 from managers.counted import CountedUnitsManager
-from managers.cpu import CpuManager, CpuNode
+from managers.cpu import CpuManager
 from managers.cpu_config import CpuConfig, CpuNodeConfig
+from managers.cpu_node import CpuNode
 from managers.gpu import GpuManager
 from managers.gpu_config import parse_gpu_config
 from tangram.core.action import Action, Demand, Elasticity, Kind

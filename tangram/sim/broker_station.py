@@ -17,8 +17,9 @@ from collections.abc import Callable
 from typing import Any
 
 from managers.basic import BasicManager, BasicResourceConfig
-from managers.cpu import CpuManager, CpuNode
+from managers.cpu import CpuManager
 from managers.cpu_config import CpuConfig, CpuNodeConfig
+from managers.cpu_node import CpuNode
 from managers.gpu import GpuManager, GpuNode
 from managers.gpu_config import GpuConfig, GpuNodeConfig
 from managers.residency import SlotState
@@ -307,9 +308,9 @@ class BrokerStation:
             self.arrivals.forget(trajectory.task, trajectory.id)
         if self.cpu is None:
             return
-        env = self.cpu.by_trajectory.get((trajectory.task, trajectory.id))
+        env = self.cpu.environments.of_trajectory(trajectory.task, trajectory.id)
         if env is not None:
-            self.cpu.detach(env)
+            self.cpu.environments.detach(env)
         self.sandboxes.discard(trajectory.id)
 
     def stats(self) -> dict[str, object]:
