@@ -1,7 +1,8 @@
 """The status page: ``GET /ui`` (``GET /`` redirects there) and the time series it draws, ``/v1/status/history``.
 
-The page is static HTML, CSS and vanilla JS from ``tangram/static`` (no third-party code, nothing fetched from
-elsewhere, so it works offline); it polls the history and ``/v1/resources``. The sampler runs as long as the app
+The page is static HTML, CSS and JS from ``tangram/static``, its charts drawn by uPlot vendored there
+(``static/THIRD_PARTY.md``); nothing is fetched from elsewhere, so it works offline. It polls the history and
+``/v1/resources``. The sampler runs as long as the app
 does (an aiohttp cleanup context), so the broker itself knows nothing of it.
 """
 

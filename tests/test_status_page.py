@@ -30,19 +30,22 @@ SCREENSHOT_ENV = "TANGRAM_STATUS_SCREENSHOT"
 LEASES = {"lease.local": {"concurrency": 8}, "lease.gpu-quota": {"concurrency": 4}}
 CONFIG = {"basic": LEASES, "cpu": {"enabled": False}}
 
-# Every chart's series as the values they plot, read back from the SVG path coordinates and the plot geometry.
+# Every chart's series as the values it plots, read from the uPlot instance the page drew it with (the chart is a
+# canvas); ``pixel`` is one pixel of the plot area in the y axis' units, ``ymax`` the top of that axis.
 READ_CHARTS = """
 const charts = {};
 for (const id of ["chart-utilization", "chart-queue", "chart-act"]) {
-  const plot = document.getElementById(id).querySelector("g.plot");
-  if (plot === null) return null;
-  const top = Number(plot.dataset.top), bottom = Number(plot.dataset.bottom), ymax = Number(plot.dataset.ymax);
+  const holder = document.getElementById(id);
+  const plot = holder.chart;
+  if (plot === undefined) return null;
   const series = {};
-  for (const path of plot.querySelectorAll("path.series")) {
-    const pairs = [...path.getAttribute("d").matchAll(/[ML](-?[\\d.]+),(-?[\\d.]+)/g)];
-    series[path.dataset.series] = pairs.map((m) => ((bottom - Number(m[2])) / (bottom - top)) * ymax);
-  }
-  charts[id] = {series, pixel: ymax / (bottom - top), empty: plot.querySelector("text.empty")?.textContent ?? null};
+  plot.series.forEach((line, i) => {
+    if (i) series[line.label] = plot.data[i].filter((value) => value !== null);
+  });
+  const empty = holder.querySelector(".empty");
+  charts[id] = {series, ymax: plot.scales.y.max, pixel: plot.scales.y.max / (plot.bbox.height / devicePixelRatio),
+                shown: plot.series.every((line) => line.show), canvas: holder.querySelector("canvas") !== null,
+                empty: empty.hidden ? null : empty.textContent};
 }
 return charts;
 """
@@ -138,7 +141,8 @@ async def test_root_redirects_to_the_page_which_loads_only_its_own_files(db):
             assert response.status == 200 and response.content_type == "text/html"
             assert response.headers["Content-Security-Policy"].startswith("default-src 'self'")
             page = await response.text()
-        for asset, kind in (("/ui/status.js", "javascript"), ("/ui/status.css", "text/css")):
+        for asset, kind in (("/ui/status.js", "javascript"), ("/ui/status.css", "text/css"),
+                            ("/ui/uplot-1.6.32.min.js", "javascript"), ("/ui/uplot-1.6.32.min.css", "text/css")):
             assert f'"{asset}"' in page
             async with live.http.get(live.url + asset) as response:
                 assert response.status == 200 and kind in response.content_type
@@ -177,8 +181,10 @@ async def test_an_empty_history_shows_waiting_charts_and_the_live_table(db, brow
         assert {(r["resource"], r["capacity"]) for r in header["rows"]} == {("lease.local", 8), ("lease.gpu-quota", 4)}
         charts = await in_page(browser, READ_CHARTS)
         for chart in charts.values():
-            assert chart["empty"].startswith("No samples yet")
+            assert chart["empty"].startswith("No samples yet") and chart["canvas"]
             assert all(points == [] for points in chart["series"].values())
+        assert set(charts["chart-act"]["series"]) == {"p50", "p90", "p99"}
+        assert set(charts["chart-queue"]["series"]) == {"total"}
         assert await page_errors(browser) == []
 
 
@@ -242,7 +248,12 @@ async def test_live_charts_follow_the_broker_and_survive_its_loss(db, browser):
             assert sorted((r["resource"], r["pool"], r["in_use"], r["capacity"], r["queued"]) for r in header["rows"]) \
                 == sorted((r["resource"], r["pool"], r["in_use"], r["capacity"], r["queued"]) for r in rows)
 
+            for chart in charts.values():
+                assert chart["shown"] and chart["canvas"] and chart["empty"] is None
+                assert all(max(points) <= chart["ymax"] for points in chart["series"].values() if points)
+
             utilization = charts["chart-utilization"]
+            assert utilization["ymax"] == 100
             assert set(utilization["series"]) == {"api.search", "api.fast", "lease.local", "lease.gpu-quota"}
             assert int(header["samples"]) == len(shown) > 8
             for resource, points in utilization["series"].items():

@@ -1,11 +1,9 @@
 // The broker's status page: polls /v1/status/history (the sampled time series) and /v1/resources (the state now)
-// and draws SVG line charts. Plain browser JavaScript, no libraries, nothing loaded from elsewhere.
+// and draws line charts with uPlot (vendored: uplot-*.min.js, see THIRD_PARTY.md). Nothing is loaded from elsewhere.
 "use strict";
 
 (() => {
-  const SVG_NS = "http://www.w3.org/2000/svg";
-  const HEIGHT = 240;  // the chart's CSS height; its width follows the page, so text keeps its size
-  const MARGIN = { left: 60, right: 14, top: 12, bottom: 42 };
+  const HEIGHT = 240;  // the chart's CSS height; its width follows the page
   // Okabe-Ito colours: distinguishable with the common colour-vision deficiencies
   const PALETTE = ["#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00", "#000000", "#999999"];
   const ACT_SERIES = [
@@ -13,7 +11,7 @@
     { key: "act_p90_s", name: "p90", colour: "#E69F00" },
     { key: "act_p99_s", name: "p99", colour: "#D55E00" },
   ];
-  const TIME_STEPS_S = [1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600];
+  const INK = "#1f2328", MUTED = "#59636e", GRID = "#eaeef2";
 
   const state = {
     samples: [], lastT: null, intervalS: 2, keepS: 900, colours: new Map(), lastUpdate: null, now: null,
@@ -47,86 +45,60 @@
     return ticks;
   }
 
-  // -- SVG drawing --------------------------------------------------------------------------------------------
+  // -- charts ---------------------------------------------------------------------------------------------------
 
-  function element(name, attributes, text) {
-    const node = document.createElementNS(SVG_NS, name);
-    for (const [key, value] of Object.entries(attributes)) node.setAttribute(key, String(value));
-    if (text !== undefined) node.textContent = text;
-    return node;
+  // uPlot's columns: the sample times, then one column per series. A gap of more than `gapS` between samples (the
+  // broker was away) gets a row of nulls, which breaks every line there, as a null value does.
+  function columns(times, series, gapS) {
+    const xs = [];
+    const ys = series.map(() => []);
+    times.forEach((t, i) => {
+      if (i && t - times[i - 1] > gapS) {
+        xs.push(times[i - 1] + gapS);
+        ys.forEach((column) => column.push(null));
+      }
+      xs.push(t);
+      series.forEach((line, s) => ys[s].push(line.values[i] ?? null));
+    });
+    return [xs, ...ys];
   }
 
-  function timeTicks(tMin, tMax) {
-    const span = tMax - tMin;
-    const step = TIME_STEPS_S.find((s) => span / s <= 6) ?? TIME_STEPS_S[TIME_STEPS_S.length - 1];
-    const ticks = [];
-    for (let t = Math.ceil(tMin / step) * step; t <= tMax; t += step) ticks.push(t);
-    return ticks;
-  }
-
-  // Draw `series` ([{name, colour, points: [[t, value or null]], total?}]) into `svg`, replacing what was there;
-  // the first series is drawn on top. A null value, or a gap of more than `gapS` between samples (the broker was
-  // away), breaks the line. The plot area carries its geometry as data attributes, so a test can read a plotted
-  // value back from the path's coordinates.
-  function drawChart(svg, { series, yTicks, yTitle, formatTick, tMin, tMax, gapS, empty }) {
-    for (const child of Array.from(svg.children)) if (child.tagName !== "desc") child.remove();
-    const width = Math.max(320, Math.round(svg.getBoundingClientRect().width));
-    svg.setAttribute("viewBox", `0 0 ${width} ${HEIGHT}`);
-    const bottom = HEIGHT - MARGIN.bottom;
-    const right = width - MARGIN.right;
-    const yMax = yTicks[yTicks.length - 1];
-    const x = (t) => MARGIN.left + ((t - tMin) / (tMax - tMin)) * (right - MARGIN.left);
-    const y = (v) => bottom - (Math.min(v, yMax) / yMax) * (bottom - MARGIN.top);
-
-    const axes = element("g", { class: "axes", "aria-hidden": "true" });
-    for (const tick of yTicks) {
-      axes.append(element("line", { class: "grid", x1: MARGIN.left, x2: right, y1: y(tick), y2: y(tick) }));
-      axes.append(element("text", { x: MARGIN.left - 6, y: y(tick) + 4, "text-anchor": "end" }, formatTick(tick)));
+  // Draw `series` ([{name, colour, values (one per time, or null), total?}]) in the chart element `holder`, on the
+  // y ticks given; the first series is drawn on top. The uPlot instance stays on the element (`holder.chart`),
+  // kept while the series stay the same and made anew when they change; a test reads the plotted values from it.
+  function drawChart(holder, { series, times, yTicks, yTitle, formatTick, tMin, tMax, gapS, empty }) {
+    const shown = holder.querySelector(".empty");
+    shown.hidden = !empty;
+    shown.textContent = empty ?? "";
+    const width = Math.max(320, Math.round(holder.getBoundingClientRect().width));
+    const names = series.map((line) => `${line.name}:${line.colour}`).join("|");
+    const drawn = [...series].reverse();  // uPlot paints in order: the last on top
+    holder.xRange = [tMin, tMax];
+    holder.yRange = [0, yTicks[yTicks.length - 1]];
+    holder.yTicks = yTicks;
+    let chart = holder.chart;
+    if (chart === undefined || chart.names !== names) {
+      chart?.destroy();
+      chart = new uPlot({
+        width, height: HEIGHT, legend: { show: false }, cursor: { y: false },
+        scales: { x: { time: true, range: () => holder.xRange }, y: { range: () => holder.yRange } },
+        axes: [
+          { label: "time (local clock)", stroke: MUTED, labelFont: "13px system-ui", font: "12px system-ui",
+            grid: { stroke: GRID }, ticks: { stroke: MUTED } },
+          { label: yTitle, stroke: MUTED, labelFont: "13px system-ui", font: "12px system-ui", size: 56,
+            grid: { stroke: GRID }, ticks: { stroke: MUTED }, splits: () => holder.yTicks,
+            values: (u, splits) => splits.map(formatTick) },
+        ],
+        series: [{}, ...drawn.map((line) => ({
+          label: line.name, stroke: line.colour, width: 2, dash: line.total ? [5, 3] : undefined,
+          points: { size: 5, fill: line.colour },
+        }))],
+      }, null, holder);
+      chart.names = names;
+      holder.chart = chart;
     }
-    if (!empty) {
-      for (const t of timeTicks(tMin, tMax)) {
-        axes.append(element("line", { class: "axis", x1: x(t), x2: x(t), y1: bottom, y2: bottom + 4 }));
-        axes.append(element("text", { x: x(t), y: bottom + 16, "text-anchor": "middle" }, clock(t)));
-      }
-    }
-    axes.append(element("line", { class: "axis", x1: MARGIN.left, x2: right, y1: bottom, y2: bottom }));
-    axes.append(element("line", { class: "axis", x1: MARGIN.left, x2: MARGIN.left, y1: MARGIN.top, y2: bottom }));
-    axes.append(element("text", {
-      class: "axis-title", x: -(MARGIN.top + bottom) / 2, y: 14, transform: "rotate(-90)", "text-anchor": "middle",
-    }, yTitle));
-    axes.append(element("text", { class: "axis-title", x: (MARGIN.left + right) / 2, y: HEIGHT - 6,
-      "text-anchor": "middle" }, "time (local clock)"));
-    svg.append(axes);
-
-    const plot = element("g", { class: "plot", "data-top": MARGIN.top, "data-bottom": bottom, "data-ymax": yMax });
-    if (empty) {
-      plot.append(element("text", { class: "empty", x: (MARGIN.left + right) / 2, y: (MARGIN.top + bottom) / 2,
-        "text-anchor": "middle" }, empty));
-    }
-    for (const line of [...series].reverse()) {
-      const segments = [];
-      let previousT = null;
-      for (const [t, value] of line.points) {
-        if (value === null) {
-          previousT = null;
-          continue;
-        }
-        if (previousT === null || t - previousT > gapS) segments.push([]);
-        segments[segments.length - 1].push([x(t), y(value)]);
-        previousT = t;
-      }
-      const d = segments.map((segment) => segment.map(([px, py], i) => `${i ? "L" : "M"}${px.toFixed(2)},${
-        py.toFixed(2)}`).join(" ")).join(" ");
-      const path = element("path", { class: line.total ? "series total" : "series", d, stroke: line.colour,
-        "data-series": line.name });
-      path.append(element("title", {}, line.name));
-      plot.append(path);
-      for (const segment of segments.filter((points) => points.length === 1)) {
-        const [[cx, cy]] = segment;  // a lone point draws no line: mark it
-        plot.append(element("circle", { class: "marker", cx, cy, r: 2.5, fill: line.colour }));
-      }
-    }
-    svg.append(plot);
+    if (chart.width !== width) chart.setSize({ width, height: HEIGHT });
+    chart.setData(columns(times, drawn, gapS));
   }
 
   function drawLegend(list, entries) {
@@ -164,10 +136,11 @@
     const samples = state.samples;
     if (!samples.length) {
       const empty = `No samples yet: the broker samples every ${plain(state.intervalS)} s.`;
-      return { tMin: 0, tMax: 1, gapS: 0, empty };
+      return { times: [], tMin: 0, tMax: 1, gapS: 0, empty };
     }
     const tMax = samples[samples.length - 1].t;
-    return { tMin: Math.min(samples[0].t, tMax - state.intervalS), tMax, gapS: 3 * state.intervalS, empty: null };
+    return { times: samples.map((s) => s.t), tMin: Math.min(samples[0].t, tMax - state.intervalS), tMax,
+      gapS: 3 * state.intervalS, empty: null };
   }
 
   function describe(id, latest, parts) {
@@ -177,8 +150,8 @@
 
   function drawUtilization(range, latest) {
     const series = resourcesSeen().map((name) => ({
-      name, colour: colourOf(name), points: state.samples.map((s) => [s.t, name in s.utilization
-        ? s.utilization[name] * 100 : null]),
+      name, colour: colourOf(name),
+      values: state.samples.map((s) => (name in s.utilization ? s.utilization[name] * 100 : null)),
     }));
     drawChart(document.getElementById("chart-utilization"), { ...range, series, yTicks: [0, 25, 50, 75, 100],
       yTitle: "utilization (%)", formatTick: (v) => `${v}%` });
@@ -191,10 +164,9 @@
 
   function drawQueue(range, latest) {
     const perResource = resourcesSeen().map((name) => ({
-      name, colour: colourOf(name), points: state.samples.map((s) => [s.t, name in s.queued ? s.queued[name] : null]),
+      name, colour: colourOf(name), values: state.samples.map((s) => (name in s.queued ? s.queued[name] : null)),
     }));
-    const total = { name: "total", colour: "#1f2328", total: true,
-      points: state.samples.map((s) => [s.t, s.queued_total]) };
+    const total = { name: "total", colour: INK, total: true, values: state.samples.map((s) => s.queued_total) };
     const series = [total, ...perResource];
     const highest = Math.max(0, ...state.samples.map((s) => s.queued_total),
       ...state.samples.flatMap((s) => Object.values(s.queued)));
@@ -208,7 +180,7 @@
 
   function drawAct(range, latest) {
     const series = ACT_SERIES.map(({ key, name, colour }) => ({
-      name, colour, points: state.samples.map((s) => [s.t, s[key]]),
+      name, colour, values: state.samples.map((s) => s[key]),
     }));
     const highest = Math.max(0, ...state.samples.map((s) => s.act_p99_s ?? 0));
     drawChart(document.getElementById("chart-act"), { ...range, series, yTicks: ticksUpTo(highest, false),
