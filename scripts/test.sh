@@ -2,8 +2,8 @@
 # Install what the tests need and run them, on a fresh Debian machine as root: PostgreSQL from Debian's packages,
 # the project with its dev extras in .venv, two Docker engines (docker.io) standing for two nodes, the default sandbox
 # image built offline (debootstrap) and imported into both, headless Chromium for the status page tests, and
-# Prometheus's binaries for the deploy tests. Then the static checks (ruff, and mypy over all but tests/: [tool.mypy]
-# in pyproject.toml) and the suite. Extra arguments go to pytest.
+# Prometheus's binaries for the deploy tests. Then the static checks (ruff, and mypy over the packages, benchmarks,
+# scripts and tests: [tool.mypy] in pyproject.toml) and the suite. Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 eval "$(bash scripts/start-postgres.sh)"

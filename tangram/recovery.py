@@ -35,7 +35,7 @@ def triage(unfinished: Iterable[Action], check_runnable: Callable[[Action], None
     for action in unfinished:
         if action.state is State.RUNNING:
             action.units, action.placement = {}, {}
-            sorted_out.ended.append((action, BROKER_RESTARTED))
+            sorted_out.ended.append((action, dict(BROKER_RESTARTED)))  # each record its own error
             continue
         try:
             check_runnable(action)

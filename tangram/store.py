@@ -44,8 +44,9 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.pool import StaticPool
 
-from tangram.core.action import Action, Demand, Elasticity, Kind, State
+from tangram.core.action import Action, State
 from tangram.core.retry import backoff_s
+from tangram.records import action_from_stored, stored_record
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,6 @@ _FINISHED_MEMORY = 65_536
 _UNFINISHED = (State.QUEUED.value, State.RUNNING.value)
 # 64-bit ids and counters (a busy broker passes 2**31 transitions in days); SQLite autoincrements INTEGER only.
 _BIG = BigInteger().with_variant(Integer, "sqlite")
-_JSON_OPTIONS = orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY
 # Keys per idempotency query: tasks and keys stay under SQLite's oldest bound-parameter limit (999).
 _LOOKUP_CHUNK = 400
 
@@ -155,44 +155,9 @@ _FIND_KEYS = select(ActionRow.task, ActionRow.idempotency_key, ActionRow.record)
     ActionRow.idempotency_key.in_(bindparam("keys", expanding=True)))
 
 
-def action_record(action: Action) -> dict[str, Any]:
-    """The client-facing JSON of an action plus the internal fields ``to_json`` leaves out."""
-    record = action.to_json()
-    record["_internal"] = {"seq": action.seq, "execution_s": action.execution_s,
-                           "expected_duration_s": action.expected_duration_s}
-    return record
-
-
-def action_from_record(record: dict[str, Any]) -> Action:
-    """Rebuild an Action exactly from ``action_record`` output (after a JSON round trip)."""
-    elasticity = record.get("elasticity")
-    action = Action(task=record["task"], kind=Kind(record["kind"]),
-                    demands={name: Demand.from_json(value) for name, value in record["demand"].items()},
-                    spec=record.get("spec") or {}, trajectory=record.get("trajectory"),
-                    elasticity=None if elasticity is None else Elasticity.from_json(elasticity),
-                    timeout_s=float(record["timeout_s"]), idempotency_key=record.get("idempotency_key"),
-                    signature=record["signature"], id=record["id"])
-    action.state = State(record["state"])
-    action.submitted_at = record["submitted_at"]
-    action.started_at = record["started_at"]
-    action.finished_at = record["finished_at"]
-    allocation = record.get("allocation") or {}
-    action.units = allocation.get("units", {})
-    action.placement = allocation.get("placement", {})
-    action.resized = allocation.get("malleable")
-    action.result = record.get("result")
-    action.error = record.get("error")
-    internal = record.get("_internal", {})
-    action.seq = internal.get("seq", 0)
-    action.execution_s = internal.get("execution_s")
-    action.restore_s = record.get("timings", {}).get("restore_s")
-    action.expected_duration_s = internal.get("expected_duration_s")
-    return action
-
-
 def _snapshot(action: Action) -> Action:
     """A copy of an action whose record is not committed yet, as a database read would return it."""
-    return action_from_record(orjson.loads(orjson.dumps(action_record(action), option=_JSON_OPTIONS)))
+    return action_from_stored(stored_record(action))
 
 
 def _transition_time(action: Action) -> float:
@@ -488,7 +453,7 @@ class Store:
         rejected: dict[str, Exception] = {}
         for action in actions.values():
             try:
-                record = orjson.dumps(action_record(action), option=_JSON_OPTIONS).decode()
+                record = stored_record(action)
             except (TypeError, orjson.JSONEncodeError) as exc:  # e.g. a result that is not JSON
                 rejected[action.id] = exc
                 continue
@@ -624,7 +589,7 @@ class Store:
 
     def _loaded(self, record: str) -> Action:
         """Rebuild a stored action and remember its state, so saving it unchanged appends no transition."""
-        action = action_from_record(orjson.loads(record))
+        action = action_from_stored(record)
         if action.id not in self._states and action.id not in self._finished:
             if action.state.terminal:
                 self._remember_finished(action.id)

@@ -146,6 +146,7 @@ class StandinServer:
         try:
             return await handler(request)
         except Refused as refusal:
+            body: dict[str, Any]
             if request.path.startswith("/v1/"):
                 body = {"object": "error", "message": refusal.message, "param": None, "code": refusal.status,
                         "type": "BadRequestError" if refusal.status == 400 else "ServiceUnavailableError"}

@@ -27,6 +27,7 @@ from typing import Any
 import hypothesis
 import pytest
 import schemathesis
+from pydantic import BaseModel
 
 from managers.basic import LeaseSpec
 from managers.exec_spec import ExecSpecBody
@@ -44,7 +45,7 @@ STATEFUL_SCENARIOS = int(os.environ.get("TANGRAM_FUZZ_SCENARIOS", "30"))
 #: the broker's answers to a request it refuses; 413 and 422 are documented rejections (too large, never runnable)
 REJECTIONS = ["400", "404", "405", "409", "413", "422"]
 #: short waits; small batches (a negative batch of max_batch + 1 items stays small); a status history with samples
-SERVER = {"max_wait_s": 1.0, "max_batch": 20, "status_interval_s": 0.5}
+SERVER: dict[str, Any] = {"max_wait_s": 1.0, "max_batch": 20, "status_interval_s": 0.5}
 #: the resources of ``broker_config``, which the document lists as the only demandable ones
 RESOURCES = ("api.search", "cpu", "gpu", "lease.local")
 
@@ -69,7 +70,7 @@ def broker_config(run_dir: str) -> dict[str, Any]:
 #: the document this broker serves (checked below), loaded when the module is collected: schemathesis makes one
 #: test per operation from it. Its lazy from_fixture loader does not run under pytest 9.2 (it sets Node._nodeid).
 #: the spec type of each kind, as the config's managers declare them
-SPECS = {"exec": ExecSpecBody, "reward": RewardSpecBody, "api": ApiSpec, "lease": LeaseSpec}
+SPECS: dict[str, type[BaseModel]] = {"exec": ExecSpecBody, "reward": RewardSpecBody, "api": ApiSpec, "lease": LeaseSpec}
 DOCUMENT = openapi_document(ServerConfig(**SERVER), Limits(), RESOURCES, SPECS)
 SCHEMA = schemathesis.openapi.from_dict(DOCUMENT, config=schemathesis.Config.from_dict({
     "seed": SEED,
@@ -166,8 +167,8 @@ def in_task_of_scenario(case: schemathesis.Case, suffix: str) -> None:
     bodies = case.body.get("actions") if case.operation.path == "/v1/actions:batch" and isinstance(
         case.body, dict) else [case.body]
     for body in bodies if isinstance(bodies, list) else []:
-        if isinstance(body, dict) and isinstance(body.get("task"), str):
-            body["task"] += suffix
+        if isinstance(body, dict) and isinstance(task := body.get("task"), str):
+            body["task"] = task + suffix
     if isinstance(case.query, dict) and isinstance(case.query.get("task"), str):
         case.query["task"] += suffix
 

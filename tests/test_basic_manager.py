@@ -14,7 +14,7 @@ from aiohttp import web
 
 from managers.basic import BasicManager, BasicResourceConfig, UpstreamConfig
 from tangram.core.action import Action, Demand, Kind
-from tangram.core.errors import ActionFailed, BadRequest, ConfigError, Unprocessable
+from tangram.core.errors import ActionFailed, BadRequest, ConfigError, RequestError, Unprocessable
 from tangram.http_errors import status_of
 
 
@@ -344,7 +344,8 @@ def test_foreign_resources_are_rejected_for_basic_kinds(checker: BasicManager) -
     ({"ttl_s": 0}, "spec.ttl_s", BadRequest), ({"ttl_s": "5"}, "spec.ttl_s", BadRequest),
     ({"ttl": 5}, "spec.ttl", BadRequest),
     ({"ttl_s": 31}, "spec.ttl_s", Unprocessable)])  # over this resource's lease_ttl_s, which the schema cannot know
-def test_lease_spec_bounds(checker: BasicManager, spec: dict[str, Any], field: str, refusal: type) -> None:
+def test_lease_spec_bounds(checker: BasicManager, spec: dict[str, Any], field: str,
+                           refusal: type[RequestError]) -> None:
     with pytest.raises(refusal) as err:
         checker.validate(lease({"lease.slot": 1}, **spec))
     assert err.value.field == field
@@ -382,7 +383,8 @@ async def test_lease_ttl_defaults_to_the_resource_maximum_and_early_release_clea
                             BasicResourceConfig("lease.wide", concurrency=2, lease_ttl_s=300)], clock=clock)
     short, long = lease({"lease.slot": 1, "lease.wide": 1}), lease({"lease.wide": 1})
     short_alloc, long_alloc = allocate(manager, short), allocate(manager, long)
-    assert manager.complete_now(short, short_alloc).result["expires_in_s"] == 30.0  # granted without a task
+    granted = manager.complete_now(short, short_alloc)  # granted without a task
+    assert granted is not None and granted.result["expires_in_s"] == 30.0
     assert (await manager.execute(long, long_alloc)).result["expires_in_s"] == 300.0
     assert manager.next_change_in() == pytest.approx(30.0)
     manager.release(short_alloc)  # the client returned it early

@@ -71,8 +71,8 @@ class Front:
 
 
 @asynccontextmanager
-async def front(target: str, **faults: int) -> AsyncIterator[Front]:
-    proxy = Front(target, **faults)
+async def front(target: str, *, lose: int = 0, shed: int = 0) -> AsyncIterator[Front]:
+    proxy = Front(target, lose=lose, shed=shed)
     async with serving(proxy.handle) as proxy.url:
         yield proxy
 

@@ -61,7 +61,7 @@ CHARTED = {"tangram_queue_length", "tangram_action_completion_seconds_bucket", "
 COMPOSE_VARIANTS = {"compose": (COMPOSE,), "compose+sandboxes": (COMPOSE, SANDBOXES)}
 #: what a user must export for the sandboxes overlay
 OVERLAY_VARIABLES = {"DOCKER_GID": "4242"}
-LEASE = {"task": "deploy-test", "kind": "lease", "demand": {"lease.local": 1}, "spec": {"ttl_s": 60}}
+LEASE: dict[str, Any] = {"task": "deploy-test", "kind": "lease", "demand": {"lease.local": 1}, "spec": {"ttl_s": 60}}
 
 
 def project_version() -> str:
@@ -231,6 +231,13 @@ def healthcheck_module() -> ModuleType:
     return module
 
 
+def first_group(pattern: str, text: str, flags: int = 0) -> str:
+    """Group 1 of the first match of ``pattern`` in ``text``, which must match."""
+    match = re.search(pattern, text, flags)
+    assert match, f"{pattern!r} not found in {text!r}"
+    return match.group(1)
+
+
 def dockerfile_user() -> tuple[int, int]:
     match = re.search(r"^USER (\d+):(\d+)$", (DEPLOY / "Dockerfile").read_text(), re.MULTILINE)
     assert match, "the Dockerfile must name a numeric USER uid:gid (runAsNonRoot checks it)"
@@ -359,7 +366,7 @@ def test_grafana_reads_prometheus_and_the_provisioned_dashboard() -> None:
             assert source == {"type": "prometheus", "uid": datasource["uid"]}, panel["title"]
     assert CHARTED <= dashboard_metrics()
     act = [q for q in dashboard_queries() if "tangram_action_completion_seconds_bucket" in q]
-    assert {re.search(r"histogram_quantile\((0\.\d+)", q).group(1) for q in act} >= {"0.5", "0.9", "0.99"}
+    assert {first_group(r"histogram_quantile\((0\.\d+)", q) for q in act} >= {"0.5", "0.9", "0.99"}
 
 
 def test_kustomization_lists_every_manifest() -> None:
@@ -437,6 +444,7 @@ def test_k8s_postgres_volume_and_credentials_match_the_store_url() -> None:
     environment = env_values(container, objects)
     broker_env = env_values(only_container(objects[("Deployment", "tangram-broker")]), objects)
     url = make_url(broker_env[STORE_URL_ENV])
+    assert url.host is not None
     assert (url.username, url.password, url.database) == (environment["POSTGRES_USER"],
                                                          environment["POSTGRES_PASSWORD"], environment["POSTGRES_DB"])
     service = objects[("Service", url.host)]
@@ -460,7 +468,7 @@ def judge(gpu_memory_mb: int) -> dict[str, Any]:
 
 
 #: one virtual GPU on the CPU whose memory holds one judge at a time, so the second judge evicts the first
-GPU_BROKER = {"cpu": {"enabled": False}, "basic": {"lease.local": {"concurrency": 4}},
+GPU_BROKER: dict[str, Any] = {"cpu": {"enabled": False}, "basic": {"lease.local": {"concurrency": 4}},
               "gpu": {"nodes": {"n0": {"gpus": 1, "gpu_memory_mb": 150, "host_memory_mb": 1000, "device_type": "cpu"}},
                       "services": {"judge-a": judge(100), "judge-b": judge(100)}}}
 
@@ -752,7 +760,7 @@ def test_container_serves_leases_with_the_compose_config(broker_image: str, clie
         # the store is where TANGRAM_STORE_URL said, not the config file's default
         assert container.exec_run(["test", "-s", "/tmp/tangram.db"]).exit_code == 0
         status_file = Path(f"/proc/{container.attrs['State']['Pid']}/status").read_text()
-        uids = re.search(r"^Uid:\s+(.*)$", status_file, re.MULTILINE).group(1).split()
+        uids = first_group(r"^Uid:\s+(.*)$", status_file, re.MULTILINE).split()
         assert set(uids) == {str(dockerfile_user()[0])}  # the broker runs as the image's non-root user
         code, output = container.exec_run(["python3", "-c", PACKAGE_FILES_IN_CONTAINER, *expected_package_files()])
         assert code == 0, output

@@ -161,6 +161,13 @@ def raw_recv(sock: socket.socket) -> dict[str, Any] | None:
     return json.loads(body)
 
 
+def raw_reply(sock: socket.socket) -> dict[str, Any]:
+    """The next reply on a connection that must still be open."""
+    reply = raw_recv(sock)
+    assert reply is not None, "connection closed before a reply"
+    return reply
+
+
 # ------------------------------------------------------------------------------------------------------------
 # basic runs
 # ------------------------------------------------------------------------------------------------------------
@@ -427,9 +434,9 @@ def test_cpus_do_not_leak_into_later_commands_on_the_same_connection(executor: E
     probe = [sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"]
     with raw_connect(executor.socket) as sock:
         raw_send(sock, json.dumps({"command": probe, "cpus": [allowed[0]]}).encode())
-        assert raw_recv(sock)["stdout"].strip() == f"[{allowed[0]}]"
+        assert raw_reply(sock)["stdout"].strip() == f"[{allowed[0]}]"
         raw_send(sock, json.dumps({"command": probe}).encode())
-        assert raw_recv(sock)["stdout"].strip() == str(allowed)
+        assert raw_reply(sock)["stdout"].strip() == str(allowed)
 
 
 async def test_memory_bytes_limits_the_address_space(executor: Executor) -> None:
@@ -600,11 +607,11 @@ def test_cpus_for_tags_that_never_run_are_capped(monkeypatch: pytest.MonkeyPatch
 def test_one_connection_carries_several_requests_and_survives_bad_json(executor: Executor) -> None:
     with raw_connect(executor.socket) as sock:
         raw_send(sock, b'{"op": "ping"}')
-        assert raw_recv(sock)["ok"] is True
+        assert raw_reply(sock)["ok"] is True
         raw_send(sock, b"{not json")
-        assert "invalid JSON" in raw_recv(sock)["error"]
+        assert "invalid JSON" in raw_reply(sock)["error"]
         raw_send(sock, json.dumps({"command": ["echo", "3rd"]}).encode())
-        assert raw_recv(sock)["stdout"] == "3rd\n"
+        assert raw_reply(sock)["stdout"] == "3rd\n"
 
 
 def test_oversized_request_is_rejected_and_closed(executor: Executor) -> None:

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from managers.cpu import CpuManager
 from managers.cpu_config import CpuConfig, CpuNodeConfig
 from managers.cpu_node import CpuNode
+from sandboxes.docker import DockerSandbox
 from tangram.core.action import Action, Demand, Elasticity, Kind
 from tangram.core.malleable import Claimant, Malleable, Profile, WorkerCost, profile_of_curve, share, workers_for
 from tangram.records import ActionRecord
@@ -199,12 +200,19 @@ async def wait_state(live: Live, action_id: str, states: set[str], timeout_s: fl
         await asyncio.sleep(0.05)
 
 
+def cpu_manager(live: Live) -> CpuManager:
+    """The live broker's exec manager: a CPU manager in these tests."""
+    manager = live.broker.executor[Kind.EXEC]
+    assert isinstance(manager, CpuManager)
+    return manager
+
+
 async def wait_output(live: Live, action_id: str, text: str, timeout_s: float = 30.0) -> None:
     """Until the running command has started (its sandbox made): its environment runs an action."""
     deadline = time.monotonic() + timeout_s
     env = None
     while time.monotonic() < deadline:
-        manager = live.broker.executor[Kind.EXEC]
+        manager = cpu_manager(live)
         env = next((e for e in manager.environments.values() if action_id in e.running), None)
         if env is not None:
             await asyncio.sleep(0.3)  # the command prints its first affinity
@@ -253,7 +261,7 @@ async def test_a_tool_call_takes_a_core_from_a_running_test_run_and_gives_it_bac
         assert seen[0] == "[0, 1]" and seen[-1] == "[0, 1]"
         other = [c for c in (0, 1) if c not in tool_core]
         assert str(other) in seen[1:-1], seen  # while the tool call ran, the test run was on the other core only
-        manager = live.broker.executor[Kind.EXEC]
+        manager = cpu_manager(live)
         assert manager.nodes["n1"].cores.free == {0, 1}
         assert live.broker.metrics.resizes._value.get() >= 2
 
@@ -265,8 +273,9 @@ async def test_a_resize_of_a_dead_sandbox_fails_the_action_and_leaks_no_core(tmp
                                        "demand": {"cpu": {"min": 1, "max": 2}}, "elasticity": ELASTIC,
                                        "spec": {"command": "sleep 20", "memory_mb": 128}})
         await wait_output(live, long_run, "sleep")
-        manager = live.broker.executor[Kind.EXEC]
+        manager = cpu_manager(live)
         env = next(e for e in manager.environments.values() if long_run in e.running)
+        assert isinstance(env.sandbox, DockerSandbox)  # a Docker engine made it
         docker.DockerClient(base_url=engine).containers.get(env.sandbox.container.id).kill()
         _, tool = await live.call("POST", "/v1/actions?wait=true", json={
             "task": "t", "trajectory": "tools", "kind": "exec", "demand": {"cpu": 1},

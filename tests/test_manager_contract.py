@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -35,7 +36,7 @@ class Subject:
     resource: str
     kind: Kind
     sizes: tuple[int, ...]  # the unit counts an action may ask for
-    spec: dict[str, str]
+    spec: dict[str, Any]  # copied into each action's spec
 
 
 def _cpu() -> CpuManager:

@@ -26,7 +26,7 @@ import psutil
 import pytest
 import pytest_asyncio
 
-from reward_services.backend import ServiceError, ServiceSpec
+from reward_services.backend import ServiceError, ServiceSpec, Task
 from reward_services.options import SglangOptions
 from reward_services.sglang import SglangBackend, SglangInstance, free_port, launch_command, launch_env
 from tests.sglang_standin import fake_completion, fake_embedding, fake_label_probs, fake_reward
@@ -99,7 +99,7 @@ async def backend(tmp_path: Path, memory_file: Path) -> AsyncIterator[SglangBack
 def make_spec(model_dir: Path, memory_file: Path) -> SpecMaker:
     """Specs launching the stand-in from the repository root, publishing its memory to ``memory_file``."""
 
-    def make(task: str, *, env: dict[str, str] | None = None, model: str | None = None,
+    def make(task: Task, *, env: dict[str, str] | None = None, model: str | None = None,
              **options: Any) -> ServiceSpec:
         standin_env = {"STANDIN_MEMORY_FILE": str(memory_file), "STANDIN_GPU_MEMORY_MB": str(GPU_MEMORY_MB),
                        "STANDIN_CONTEXT_MB": str(CONTEXT_MB), "STANDIN_START_DELAY_S": "0.05",
@@ -184,6 +184,7 @@ async def test_prepared_server_runs_that_argv_and_env_and_holds_no_device_memory
         task: str, backend: SglangBackend, make_spec: SpecMaker, memory_file: Path) -> None:
     spec = make_spec(task)
     async with prepared(backend, spec, (2, 3)) as instance:
+        assert instance.process is not None
         server = psutil.Process(instance.process.pid)
         assert instance.port is not None
         assert server.cmdline() == launch_command(spec, (2, 3), instance.port, instance.options)

@@ -10,7 +10,6 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-import orjson
 import pytest
 from sqlalchemy import event, func, select
 from sqlalchemy.engine import make_url
@@ -19,7 +18,8 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from tangram.core.action import Action, Demand, State
 from tangram.parse import parse_action
-from tangram.store import ActionRow, Store, TransitionRow, action_from_record, action_record
+from tangram.records import action_from_stored, stored_record
+from tangram.store import ActionRow, Store, TransitionRow
 
 FIELDS = [f.name for f in dataclasses.fields(Action)]
 
@@ -47,7 +47,7 @@ def rich_action() -> Action:
     action.units = {"cpu": 4, "gpu": 2, "memory_mb": 2048}
     action.placement = {"node": "node-3", "cores": [4, 5, 6, 7], "gpus": {"chunk": [0, 1]}}
     action.result = {"exit_code": 1, "stdout": "FAILED test_x\n", "ratio": 0.1 + 0.2}
-    action.error = {"type": "exit_status", "message": "exit status 1"}
+    action.error = {"code": "exec_error", "message": "exit status 1", "exit_code": 1}
     action.expected_duration_s = 3.3
     return action
 
@@ -58,9 +58,23 @@ def assert_same(got: Action | None, want: Action) -> None:
         assert getattr(got, name) == getattr(want, name), name
 
 
+def present(got: Action | None) -> Action:
+    """A record the store must have found."""
+    assert got is not None
+    return got
+
+
+def idempotency_of(action: Action) -> tuple[str, str]:
+    """The (task, idempotency key) an action was saved under; it must have a key."""
+    assert action.idempotency_key is not None
+    return action.task, action.idempotency_key
+
+
 async def count(store: Store, table: Any) -> int:
     async with store.engine.connect() as conn:
-        return await conn.scalar(select(func.count()).select_from(table))
+        total = await conn.scalar(select(func.count()).select_from(table))
+    assert total is not None
+    return total
 
 
 @pytest.mark.parametrize("build", [rich_action, make_action], ids=["rich", "minimal"])
@@ -79,7 +93,7 @@ async def test_reads_see_saves_not_yet_written(store_url: str, store: Store) -> 
     try:
         action = make_action(idempotency_key="k1")
         lazy.save(action)
-        got = await lazy.get(action.id)
+        got = present(await lazy.get(action.id))
         assert got is not action
         assert_same(got, action)
         assert_same(await lazy.find_by_idempotency("math", "k1"), action)
@@ -95,6 +109,7 @@ async def write_lock(url: str) -> AsyncIterator[None]:
     """Another client holding the write lock on the actions table: our writes wait, reads still run."""
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite":
+        assert parsed.database is not None
         other = sqlite3.connect(parsed.database, isolation_level=None)
         other.execute("BEGIN IMMEDIATE")
         try:
@@ -131,11 +146,11 @@ async def test_find_many_by_idempotency(store: Store) -> None:
     for action in actions:
         store.save(action)
     await store.flush()
-    wanted = [(a.task, a.idempotency_key) for a in actions[::2]] + [("t0", "k1"), ("t9", "k0")]  # last two: absent
+    wanted = [idempotency_of(a) for a in actions[::2]] + [("t0", "k1"), ("t9", "k0")]  # last two: absent
     found = await store.find_many_by_idempotency(wanted)
     assert sorted(found) == sorted(wanted[:-2])
     for action in actions[::2]:
-        assert_same(found[(action.task, action.idempotency_key)], action)
+        assert_same(found[idempotency_of(action)], action)
 
 
 async def test_concurrent_idempotency_lookups_share_queries(store: Store) -> None:
@@ -154,7 +169,7 @@ async def test_concurrent_idempotency_lookups_share_queries(store: Store) -> Non
         found = await asyncio.gather(*(store.find_by_idempotency("math", f"k{i}") for i in range(600)))
     finally:
         event.remove(store.engine.sync_engine, "before_cursor_execute", count_selects)
-    assert [a.id for a in found[:300]] == [a.id for a in actions]
+    assert [a.id if a is not None else None for a in found[:300]] == [a.id for a in actions]
     assert found[300:] == [None] * 300
     assert 1 <= selects <= 5, selects
 
@@ -165,8 +180,8 @@ async def test_find_by_idempotency_key(store: Store) -> None:
     unkeyed = [make_action(), make_action()]  # no key: never collide with each other
     for action in (keyed, other_task, *unkeyed):
         await store.durable(action)
-    assert (await store.find_by_idempotency("math", "k1")).id == keyed.id
-    assert (await store.find_by_idempotency("code", "k1")).id == other_task.id
+    assert present(await store.find_by_idempotency("math", "k1")).id == keyed.id
+    assert present(await store.find_by_idempotency("code", "k1")).id == other_task.id
     assert await store.find_by_idempotency("math", "k2") is None
     assert await count(store, ActionRow) == 4
 
@@ -179,7 +194,7 @@ async def test_same_task_and_key_is_rejected_and_store_stays_usable(store: Store
         await store.durable(duplicate)
     assert await store.get(duplicate.id) is None
     assert await store.transitions(duplicate.id) == []
-    assert (await store.find_by_idempotency("math", "k1")).id == first.id
+    assert present(await store.find_by_idempotency("math", "k1")).id == first.id
     later = make_action(idempotency_key="k2")
     await store.durable(later)
     assert_same(await store.get(later.id), later)
@@ -235,7 +250,7 @@ async def test_transitions_appended_once_per_state_change(store: Store) -> None:
     await store.durable(action)
     assert await store.transitions(action.id) == [
         ("queued", action.submitted_at), ("running", action.started_at), ("succeeded", action.finished_at)]
-    assert (await store.get(action.id)).result == {"late": "update"}
+    assert present(await store.get(action.id)).result == {"late": "update"}
 
 
 async def test_state_changes_between_writes_each_get_a_transition(store: Store) -> None:
@@ -247,7 +262,7 @@ async def test_state_changes_between_writes_each_get_a_transition(store: Store) 
     store.save(action)
     await store.flush()
     assert [state for state, _ in await store.transitions(action.id)] == ["queued", "running", "timed_out"]
-    assert (await store.get(action.id)).state is State.TIMED_OUT
+    assert present(await store.get(action.id)).state is State.TIMED_OUT
 
 
 async def test_load_unfinished_in_seq_order_and_max_seq(store: Store) -> None:
@@ -392,7 +407,6 @@ def test_a_record_is_rebuilt_whatever_the_request_limits_are_now() -> None:
     action.demands["cpu"] = Demand.range(1, 2_000_000)  # over the parser's million units
     action.timeout_s = 1e9
     action.signature = "exec|" + "x" * 1000
-    record = orjson.loads(orjson.dumps(action_record(action)))
-    rebuilt = action_from_record(record)
+    rebuilt = action_from_stored(stored_record(action))
     assert rebuilt.to_json() == action.to_json()
     assert rebuilt.elasticity == action.elasticity and rebuilt.seq == action.seq

@@ -13,7 +13,7 @@ import pytest
 import torch
 from sentence_transformers import SentenceTransformer
 
-from reward_services.backend import ServiceError, ServiceSpec
+from reward_services.backend import ServiceError, ServiceSpec, Task
 from reward_services.host_weights import HostWeights
 from reward_services.torch_worker import EmbeddingModel, TorchBackend, TorchInstance, model_directory
 
@@ -26,7 +26,7 @@ PAIRS = [PARAPHRASE, UNRELATED, ("The cat sits on the mat.", "A cat is sitting o
 REQUEST = {"pairs": PAIRS}
 
 
-def minilm(name: str = "minilm", task: str = "similarity", model: str = MODEL_PACKAGE) -> ServiceSpec:
+def minilm(name: str = "minilm", task: Task = "similarity", model: str = MODEL_PACKAGE) -> ServiceSpec:
     return ServiceSpec(name=name, backend="torch", model=model, task=task, dops=(1, 2), gpu_memory_mb=256,
                        host_memory_mb=128)
 
@@ -165,6 +165,8 @@ async def test_missing_model_fails_prepare(tmp_path: Path) -> None:
 
 class TiedEncoder(torch.nn.Module):
     """A tiny real network with a tied weight and a float64 buffer: two dtypes, one tensor under two names."""
+
+    scale: torch.Tensor  # the buffer registered below: declared so its type is a Tensor, not Tensor | Module
 
     def __init__(self) -> None:
         super().__init__()

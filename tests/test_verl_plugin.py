@@ -67,7 +67,11 @@ class ScriptedPolicy:
         self.environments_before_end: dict[str, list[dict[str, Any]]] = {}
 
     async def generate(self, *, request_id: str, prompt_ids: list[int], **_: Any) -> TokenOutput:
-        label = re.search(r"<\|user\|>\n(\S+)", self.tokenizer.decode(prompt_ids)).group(1)
+        prompt = self.tokenizer.decode(prompt_ids)
+        assert isinstance(prompt, str)  # one sequence of ids decodes to one string
+        named = re.search(r"<\|user\|>\n(\S+)", prompt)
+        assert named, prompt
+        label = named.group(1)
         self.request_ids[label] = request_id
         turn = self.turns[label] = self.turns.get(label, 0) + 1
         if turn == 1:
@@ -75,7 +79,7 @@ class ScriptedPolicy:
         elif turn == 2:
             text = tool_call("cat note.txt /etc/hostname && ls /no/such/dir")
         else:
-            _, body = await self.live.call("GET", f"/v1/environments?task={TASK}")
+            _status, body = await self.live.call("GET", f"/v1/environments?task={TASK}")
             self.environments_before_end[label] = body["environments"]
             text = "done"
         return TokenOutput(token_ids=self.tokenizer.encode(text + "<|end|>", add_special_tokens=False))
