@@ -14,13 +14,19 @@ from tangram.config import ServerConfig
 from tangram.core.schema import RequestJsonSchema
 from tangram.environments_api import EnvironmentRequest
 from tangram.parse import FLAGS, Limits, action_types
-from tangram.records import ActionRecord
+from tangram.records import (
+    ActionRecord,
+    CreatedToken,
+    Drained,
+    EnvironmentRecord,
+    Profiles,
+    Resources,
+    ServiceRecord,
+    StatusHistory,
+    TokenRecord,
+)
 
 #: what a record answered by a submit leads to; the fuzzer's stateful runs follow these (submit -> get -> cancel)
-SPEEDUP_DESCRIPTION = ("the speed-up model of an elastic signature, null before its first run: T(m, W) = t1 * ("
-                       "serial_s + [W > 1] * (harness_s + per_worker_s * W / min(m, W))) + scale * P(m), P(m) = "
-                       "t1 / (E(m) m) as declared (t1 1 s, E 1 if not: the terms are then seconds); trusted up to "
-                       "trusted_units, fitted to the recent runs in by_units")
 ACTION_LINKS = {name: {"operationId": operation, "parameters": {"id": "$response.body#/id"}}
                 for name, operation in (("GetAction", "getAction"), ("CancelAction", "cancelAction"),
                                         ("ReleaseLease", "releaseLease"))}
@@ -43,6 +49,11 @@ ACTION_EXAMPLES: dict[str, dict[str, Any]] = {
 ENVIRONMENT_LINKS = {name: {"operationId": operation, "parameters": {"id": "$response.body#/id"}}
                      for name, operation in (("GetEnvironment", "getEnvironment"),
                                              ("DeleteEnvironment", "deleteEnvironment"))}
+
+
+#: the answers' schemas, generated from ``tangram.records``
+RESPONSES: tuple[type[BaseModel], ...] = (ActionRecord, EnvironmentRecord, ServiceRecord, StatusHistory, Resources,
+                                          Profiles, TokenRecord, CreatedToken, Drained)
 
 
 def _ref(name: str) -> dict[str, str]:
@@ -151,12 +162,7 @@ def _secure(paths: dict[str, Any], public_status: bool) -> None:
 
 
 def _admin_paths(server: ServerConfig) -> dict[str, Any]:
-    token: dict[str, Any] = {"type": "object", "required": ["id", "task", "admin", "source"], "properties": {
-        "id": {"type": "string"}, "task": {"type": ["string", "null"]}, "admin": {"type": "boolean"},
-        "source": {"type": "string", "enum": ["config", "store"]}, "note": {"type": "string"},
-        "created_at": {"type": ["number", "null"]}, "revoked_at": {"type": ["number", "null"]}}}
-    created = {**token, "required": [*token["required"], "token"],
-               "properties": {**token["properties"], "token": {"type": "string", "description": "shown only here"}}}
+    token, created = _ref("TokenRecord"), _ref("CreatedToken")
     return {
         "/v1/admin/drain": {"post": {
             "operationId": "drain", "summary": "Stop taking and starting actions until a restart; wait for running ones",
@@ -164,11 +170,7 @@ def _admin_paths(server: ServerConfig) -> dict[str, Any]:
                 "type": "object", "additionalProperties": False, "properties": {
                     "timeout_s": {"type": "number", "minimum": 0, "maximum": server.max_wait_s,
                                   "default": server.drain_s}}}}}},
-            "responses": {"200": _json({"type": "object", "required": ["draining", "running", "queued"],
-                                        "properties": {"draining": {"type": "boolean"},
-                                                       "running": {"type": "integer"},
-                                                       "queued": {"type": "integer"}}},
-                                       "still running at the bound, and queued (kept for the next start)"),
+            "responses": {"200": _json(_ref("Drained"), "still running at the bound, and queued"),
                           "400": _error("bad timeout_s")}}},
         "/v1/admin/reload": {"post": {
             "operationId": "reload", "summary": "Re-read tokens and per-task caps ([auth], [tasks]) from the config "
@@ -219,50 +221,8 @@ def openapi_document(server: ServerConfig, limits: Limits, resources: Sequence[s
         "Error": {"type": "object", "required": ["error"], "properties": {"error": {
             "type": "object", "required": ["field", "reason"],
             "properties": {"field": {"type": "string"}, "reason": {"type": "string"}}}}},
-        "ActionRecord": _generated(ActionRecord, schemas_out),
         "EnvironmentRequest": _with_task(_generated(EnvironmentRequest, schemas_out), required=not secured),
-        "Environment": {
-            "type": "object", "required": ["id", "task", "node", "image", "memory_mb", "state"],
-            "properties": {
-                "id": {"type": "string"}, "task": {"type": "string"}, "trajectory": {"type": ["string", "null"]},
-                "node": {"type": "string"}, "image": {"type": "string"}, "memory_mb": {"type": "integer"},
-                "state": {"type": "string", "enum": ["pending", "ready", "lost", "destroyed"]},
-                "created_at": {"type": "number"}, "last_used": {"type": "number"},
-                "running_actions": {"type": "integer"}, "lost_reason": {"type": ["string", "null"]},
-                "sandbox": {"type": ["object", "null"]}}},
-        "Service": {
-            "type": "object", "required": ["name", "backend", "model", "task", "dops", "nodes", "resident"],
-            "properties": {
-                "name": {"type": "string"}, "backend": {"type": "string", "enum": ["torch", "sglang"]},
-                "model": {"type": "string"},
-                "task": {"type": "string", "enum": ["similarity", "classify", "score", "generate"]},
-                "dops": {"type": "array", "items": {"type": "integer", "enum": [1, 2, 4, 8]}},
-                "gpu_memory_mb": {"type": "integer"}, "host_memory_mb": {"type": "integer"},
-                "nodes": {"type": "array", "items": {"type": "string"}}, "instances": {"type": "integer"},
-                "resident": {"type": "array", "items": {"type": "object"}}}},
-        "StatusSample": {
-            "type": "object",
-            "required": ["t", "utilization", "queued", "queued_total", "running", "leases", "finished",
-                         "act_p50_s", "act_p90_s", "act_p99_s"],
-            "properties": {
-                "t": {"type": "number", "description": "seconds since the epoch; covers (previous t, t]"},
-                "utilization": {"type": "object", "additionalProperties": {"type": "number", "minimum": 0,
-                                                                           "maximum": 1},
-                                "description": "in use / capacity per resource, summed over its pools"},
-                "queued": {"type": "object", "additionalProperties": {"type": "integer"},
-                           "description": "queued actions demanding each resource"},
-                "queued_total": {"type": "integer"}, "running": {"type": "integer"}, "leases": {"type": "integer"},
-                "finished": {"type": "integer", "description": "actions that ended during the interval"},
-                **{f"act_{p}_s": {"type": ["number", "null"],
-                                  "description": f"ACT {p} of the actions that ended during the interval"}
-                   for p in ("p50", "p90", "p99")}}},
-        "StatusHistory": {"type": "object", "required": ["interval_s", "keep_s", "samples"], "properties": {
-            "interval_s": {"type": "number"}, "keep_s": {"type": "number"},
-            "samples": {"type": "array", "items": _ref("StatusSample"), "description": "oldest first"}}},
-        "Resources": {"type": "object", "required": ["resources", "stats"], "properties": {
-            "resources": {"type": "array", "items": {"type": "object", "required": [
-                "resource", "pool", "manager", "capacity", "in_use", "queued"]}},
-            "stats": {"type": "object"}}},
+        **{model.__name__: _generated(model, schemas_out) for model in RESPONSES},
     }
     schemas.update(schemas_out)
     record = _json(_ref("ActionRecord"), "the action record")
@@ -320,7 +280,7 @@ def openapi_document(server: ServerConfig, limits: Limits, resources: Sequence[s
                 "post": {"operationId": "createEnvironment", "summary": "Create a trajectory environment (sandbox) now",
                          "requestBody": {"required": True, "content": {"application/json": _body(
                              _ref("EnvironmentRequest"), environment_examples)}},
-                         "responses": {"201": _json(_ref("Environment"), "created", ENVIRONMENT_LINKS),
+                         "responses": {"201": _json(_ref("EnvironmentRecord"), "created", ENVIRONMENT_LINKS),
                                        "400": _error("invalid request"), "409": _error("trajectory has one"),
                                        "413": _error("files too large"),
                                        "422": _error("unknown image, memory beyond any node, no CPU manager"),
@@ -332,7 +292,7 @@ def openapi_document(server: ServerConfig, limits: Limits, resources: Sequence[s
                         "parameters": [{"name": "task", "in": "query", "required": False,
                                         "schema": {"type": "string"}}],
                         "responses": {"200": _json({"type": "object", "required": ["environments"], "properties": {
-                            "environments": {"type": "array", "items": _ref("Environment")}}}, "environments"),
+                            "environments": {"type": "array", "items": _ref("EnvironmentRecord")}}}, "environments"),
                             "422": _error("no CPU manager")}}},
             "/v1/profiles": {
                 "get": {"operationId": "listProfiles",
@@ -341,47 +301,25 @@ def openapi_document(server: ServerConfig, limits: Limits, resources: Sequence[s
                                        {"name": "limit", "in": "query", "required": False,
                                         "schema": {"type": "integer", "minimum": 1, "maximum": 10_000,
                                                    "default": 1000}}],
-                        "responses": {"200": _json({"type": "object", "required": ["profiles", "total"], "properties": {
-                            "profiles": {"type": "array", "items": {
-                                "type": "object", "required": ["task", "signature", "t1_s", "samples", "speedup"],
-                                "properties": {
-                                    "task": {"type": "string"}, "signature": {"type": "string"},
-                                    "t1_s": {"type": "number", "description": "learned single-unit duration"},
-                                    "samples": {"type": "integer"},
-                                    "speedup": {"type": ["object", "null"], "description": SPEEDUP_DESCRIPTION,
-                                                "required": ["runs", "serial_s", "scale", "per_worker_s",
-                                                             "harness_s", "trusted_units", "by_units"],
-                                                "properties": {
-                                        "runs": {"type": "integer"}, "serial_s": {"type": "number"},
-                                        "scale": {"type": "number"}, "per_worker_s": {"type": "number"},
-                                        "harness_s": {"type": "number"},
-                                        "trusted_units": {"type": "number"},
-                                        "by_units": {"type": "array", "items": {
-                                            "type": "object", "required": ["units", "workers", "runs", "median_s"],
-                                            "properties": {"units": {"type": "number"},
-                                                           "workers": {"type": "integer"},
-                                                           "runs": {"type": "integer"},
-                                                           "median_s": {"type": "number"}}}}}}}}},
-                            "total": {"type": "integer", "description": "profiles that match, beyond the limit too"}}},
-                            "profiles"),
+                        "responses": {"200": _json(_ref("Profiles"), "profiles"),
                             "400": _error("limit out of range")}}},
             "/v1/environments/{id}": {
                 "get": {"operationId": "getEnvironment", "summary": "Get an environment", "parameters": [id_param],
-                        "responses": {"200": _json(_ref("Environment"), "the environment"),
+                        "responses": {"200": _json(_ref("EnvironmentRecord"), "the environment"),
                                       "404": _error("unknown id"), "422": _error("no CPU manager")}},
                 "delete": {"operationId": "deleteEnvironment", "summary": "Destroy an environment",
                            "parameters": [id_param],
-                           "responses": {"200": _json(_ref("Environment"), "destroyed"),
+                           "responses": {"200": _json(_ref("EnvironmentRecord"), "destroyed"),
                                          "404": _error("unknown id"), "409": _error("actions run in it"),
                                          "422": _error("no CPU manager")}}},
             "/v1/services": {"get": {
                 "operationId": "listServices", "summary": "Reward services the GPU manager hosts, and where each is resident",
                 "responses": {"200": _json({"type": "object", "required": ["services"], "properties": {
-                    "services": {"type": "array", "items": _ref("Service")}}}, "services")}}},
+                    "services": {"type": "array", "items": _ref("ServiceRecord")}}}, "services")}}},
             "/v1/services/{name}": {"get": {
                 "operationId": "getService", "summary": "One reward service",
                 "parameters": [{"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}],
-                "responses": {"200": _json(_ref("Service"), "the service"), "404": _error("unknown service")}}},
+                "responses": {"200": _json(_ref("ServiceRecord"), "the service"), "404": _error("unknown service")}}},
             "/v1/resources": {"get": {"operationId": "getResources", "summary": "Capacity, use and queue per resource and pool",
                                       "responses": {"200": _json(_ref("Resources"), "resources")}}},
             "/v1/status/history": {"get": {

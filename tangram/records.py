@@ -4,11 +4,13 @@ its records back through them (``StoredAction``, the store's codec), so the four
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import orjson
 from pydantic import ConfigDict, Field, TypeAdapter
 
+from managers.environment import EnvState
+from reward_services.backend import Task
 from tangram.core.action import Action, Demand, Elasticity, Kind, State
 from tangram.core.schema import Schema
 
@@ -70,6 +72,147 @@ class ActionRecord(Schema):
     result: Any = Field(description="the kind's result: exit code and output, scores, the upstream's answer, ...")
     error: ActionErrorRecord | None
     timings: Timings
+
+
+
+class EnvironmentRecord(Schema):
+    """A trajectory environment (``Environment.to_json``)."""
+
+    id: str
+    task: str
+    trajectory: str | None
+    node: str
+    image: str
+    memory_mb: int
+    state: EnvState
+    created_at: float
+    last_used: float
+    running_actions: int
+    lost_reason: str | None
+    sandbox: dict[str, Any] | None = Field(description="the backend's description: container, engine, cores")
+
+
+class ServiceRecord(Schema):
+    """A reward service the GPU manager hosts and where it is resident (``GpuManager.describe_services``)."""
+
+    name: str
+    backend: Literal["torch", "sglang"]
+    model: str
+    task: Task
+    dops: list[Literal[1, 2, 4, 8]]
+    gpu_memory_mb: int
+    host_memory_mb: int
+    nodes: list[str]
+    instances: int
+    resident: list[dict[str, Any]]
+
+
+Share = Annotated[float, Field(ge=0, le=1)]
+
+
+class StatusSample(Schema):
+    """One sampling interval of the status page (``tangram.history.Sample.to_json``)."""
+
+    t: float = Field(description="seconds since the epoch; covers (previous t, t]")
+    utilization: dict[str, Share] = Field(description="in use / capacity per resource, summed over its pools")
+    queued: dict[str, int] = Field(description="queued actions demanding each resource")
+    queued_total: int
+    running: int
+    leases: int
+    finished: int = Field(description="actions that ended during the interval")
+    act_p50_s: float | None = Field(description="ACT p50 of the actions that ended during the interval")
+    act_p90_s: float | None = Field(description="ACT p90 of the actions that ended during the interval")
+    act_p99_s: float | None = Field(description="ACT p99 of the actions that ended during the interval")
+
+
+class StatusHistory(Schema):
+    interval_s: float
+    keep_s: float
+    samples: list[StatusSample] = Field(description="oldest first")
+
+
+class ResourceRow(Schema):
+    """One pool of one resource; its manager may add details (node, cores, NUMA layout, GPUs)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    resource: str
+    pool: str
+    manager: str
+    capacity: int
+    in_use: int
+    queued: int
+
+
+class BrokerStats(Schema):
+    queued: int
+    running: int
+    leases: int
+    recent: int = Field(description="recent actions the ACT percentiles cover")
+    act_p50_s: float | None
+    act_p90_s: float | None
+    act_p99_s: float | None
+
+
+class Resources(Schema):
+    resources: list[ResourceRow]
+    stats: BrokerStats
+
+
+class UnitsRuns(Schema):
+    units: float
+    workers: int
+    runs: int
+    median_s: float
+
+
+class LearnedSpeedup(Schema):
+    """The speed-up model of an elastic signature: T(m, W) = t1 * (serial_s + [W > 1] * (harness_s + per_worker_s *
+    W / min(m, W))) + scale * P(m), P(m) = t1 / (E(m) m) as declared (t1 1 s, E 1 if not: the terms are then
+    seconds); trusted up to trusted_units, fitted to the recent runs in by_units."""
+
+    runs: int
+    serial_s: float
+    scale: float
+    per_worker_s: float
+    harness_s: float
+    trusted_units: float
+    by_units: list[UnitsRuns]
+
+
+class Profile(Schema):
+    task: str
+    signature: str
+    t1_s: float = Field(description="learned single-unit duration")
+    samples: int
+    speedup: LearnedSpeedup | None = Field(description="null before the signature's first elastic run")
+
+
+class Profiles(Schema):
+    profiles: list[Profile]
+    total: int = Field(description="profiles that match, beyond the limit too")
+
+
+class TokenRecord(Schema):
+    """A token as listed: never its secret or hash."""
+
+    id: str
+    task: str | None
+    admin: bool
+    source: Literal["config", "store"]
+    note: str
+    created_at: float | None
+    revoked_at: float | None
+
+
+class CreatedToken(TokenRecord):
+    token: str = Field(description="shown only here")
+
+
+class Drained(Schema):
+    draining: bool
+    running: int = Field(description="still running at the bound")
+    queued: int = Field(description="kept for the next start")
 
 
 class InternalRecord(Schema):

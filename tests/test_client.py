@@ -30,6 +30,7 @@ from clients import (
 )
 from clients.records import ActionRecord
 from tangram.records import ActionRecord as DocumentedRecord
+from tangram.records import EnvironmentRecord
 from tests.docker_nodes import cpu_config, docker_engines
 from tests.harness import live_broker, serving
 
@@ -208,6 +209,7 @@ async def test_exec_in_a_trajectory_sandbox_and_environments(db):
         ran = await client.exec("cat seed.txt", environment=made["id"])
         assert ran.result["stdout"] == "7" and ran.result["environment"] == made["id"]
         for env in await client.environments():
+            EnvironmentRecord.model_validate_json(json.dumps(env))  # as the document says
             assert (await client.delete_environment(env["id"]))["state"] == "destroyed"
         assert await client.environments() == []
 

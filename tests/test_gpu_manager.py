@@ -4,6 +4,7 @@ in-process torch worker, and a per-GPU memory budget small enough that services 
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import os
 import random
@@ -18,6 +19,7 @@ from managers.gpu_config import parse_gpu_config, wanted
 from managers.gpu_discovery import discover_gpus
 from tangram.core.action import Action, Demand, Kind
 from tangram.core.errors import ConfigError
+from tangram.records import ServiceRecord
 from tests.harness import live_broker
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -116,6 +118,8 @@ async def test_least_recently_used_service_is_evicted_first(tmp_path):
         assert status == 200 and [r["gpus"] for r in body["resident"]] == [[0]]
         names = {s["name"]: s for s in (await live.call("GET", "/v1/services"))[1]["services"]}
         assert set(names) == {"a", "b", "c"} and names["c"]["resident"] == []
+        for described in (body, *names.values()):  # as the document says (generated from the same model)
+            ServiceRecord.model_validate_json(json.dumps(described))
 
 
 async def test_bad_reward_requests_get_clear_4xx(tmp_path):

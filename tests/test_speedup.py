@@ -4,6 +4,7 @@ manager; bad observations; the declared bounds; persistence through the store.""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +22,7 @@ from tangram.cli import status_view
 from tangram.core.action import Action, Demand, Elasticity, Kind
 from tangram.core.seam import ResourceManager
 from tangram.durations import DurationModel
+from tangram.records import Profiles, Resources
 from tangram.scheduler import Scheduler
 from tangram.sim.broker_station import NoSandboxes
 from tangram.speedup import Run, Speedup, SpeedupFit, declared
@@ -295,6 +297,8 @@ async def test_a_real_short_suite_settles_at_one_core_within_three_runs(tmp_path
         model = learned["speedup"]
         assert model["per_worker_s"] + model["harness_s"] > 0  # what makes two cores slower: xdist's start-up
         _, resources = await live.call("GET", "/v1/resources")
+        Profiles.model_validate_json(json.dumps(body))  # as the document says (generated from the same models)
+        Resources.model_validate_json(json.dumps(resources))
         console = Console(record=True, width=200)
         console.print(status_view(live.url, resources, body["profiles"]))
         shown = console.export_text()
