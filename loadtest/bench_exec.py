@@ -6,13 +6,15 @@ through two paths side by side on one engine:
 * **fast path**: cgroup files written directly (cpuset, CPU quota, freezer) and the command sent to the executor
   inside the container over a bind-mounted unix socket;
 * **docker-exec path**: ``docker update`` + ``docker unpause``/``pause`` + ``docker exec`` through the Engine API,
-  what a broker without the fast path (or with a remote engine) pays.
+  what a broker without the fast path (or with a remote engine) pays;
+* **agent path** (``--agent``): the node's agent, a Ray actor on a second Ray node of a cluster this benchmark starts
+  on this machine, which runs the fast path on its node (issue 17): what a broker pays for a node on another host.
 
 Overhead = the broker's ACT (submit to finish) minus the command's own run time measured inside the sandbox.
 
 Phase 2 runs a real pytest suite (sleep-bound tests) with ``pytest -n {parallel_num}`` on 1 and on 2 cores.
 
-    python -m loadtest.bench_exec [--engine unix:///var/run/docker.sock] [--actions 300]
+    python -m loadtest.bench_exec [--engine unix:///var/run/docker.sock] [--actions 300] [--agent]
 """
 
 from __future__ import annotations
@@ -33,11 +35,15 @@ from tangram.config import parse_config
 from tangram.service import running_broker
 
 
-def config(engine: str, fast_path: bool, db: str) -> dict[str, Any]:
-    return {"store": {"url": f"sqlite+aiosqlite:///{db}"},
-            "cpu": {"broker_id": f"bench-{uuid.uuid4().hex[:6]}",
-                    "nodes": {"n1": {"backend": "docker", "engine": engine, "cores": "0-1", "numa": ["0", "1"],
-                                     "memory_mb": 4096, "fast_path": fast_path}}}}
+def config(engine: str, fast_path: bool, db: str, ray_address: str | None = None) -> dict[str, Any]:
+    """One node on ``engine``; with ``ray_address``, behind its agent on that Ray cluster."""
+    node: dict[str, Any] = {"backend": "docker", "engine": engine, "cores": "0-1", "numa": ["0", "1"],
+                            "memory_mb": 4096, "fast_path": fast_path}
+    cpu: dict[str, Any] = {"broker_id": f"bench-{uuid.uuid4().hex[:6]}", "nodes": {"n1": node}}
+    if ray_address is not None:
+        node["agent"] = True
+        cpu["ray_address"] = ray_address
+    return {"store": {"url": f"sqlite+aiosqlite:///{db}"}, "cpu": cpu}
 
 
 async def with_broker(raw: dict[str, Any], body: Any) -> Any:
@@ -62,7 +68,7 @@ async def submit(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) ->
     return record
 
 
-async def overhead(engine: str, fast_path: bool, count: int) -> dict[str, float]:
+async def overhead(engine: str, fast_path: bool, count: int, ray_address: str | None = None) -> dict[str, float]:
     async def body(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
         action = {"task": "bench", "trajectory": "t", "kind": "exec", "demand": {"cpu": 1},
                   "spec": {"command": ["true"]}}
@@ -76,7 +82,20 @@ async def overhead(engine: str, fast_path: bool, count: int) -> dict[str, float]
         return {"median_ms": statistics.median(overheads) * 1e3, "p99_ms": percentile(overheads, 0.99) * 1e3,
                 "client_rtt_median_ms": statistics.median(round_trips) * 1e3}
     with tempfile.TemporaryDirectory() as tmp:
-        return await with_broker(config(engine, fast_path, f"{tmp}/b.db"), body)
+        return await with_broker(config(engine, fast_path, f"{tmp}/b.db", ray_address), body)
+
+
+def ray_cluster() -> Any:
+    """A head and a second Ray node carrying node n1's resource, so n1's agent runs in another raylet."""
+    from ray.cluster_utils import Cluster
+
+    from managers.ray_agents import node_resource
+
+    small: dict[str, Any] = {"num_cpus": 1, "object_store_memory": 80 << 20}
+    cluster = Cluster(initialize_head=True, head_node_args=small)
+    cluster.add_node(**small, resources={node_resource("n1"): 1})
+    cluster.wait_for_nodes()
+    return cluster
 
 
 async def pytest_speedup(engine: str, tests: int, sleep_s: float) -> dict[int, float]:
@@ -103,16 +122,30 @@ async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engine", default="unix:///var/run/docker.sock")
     parser.add_argument("--actions", type=int, default=300)
+    parser.add_argument("--agent", action="store_true", help="also through the node's agent on a second Ray node")
     parser.add_argument("--tests", type=int, default=16, help="tests in the pytest suite (phase 2)")
     parser.add_argument("--sleep", type=float, default=0.25, help="seconds each test sleeps (phase 2)")
     args = parser.parse_args()
     print(f"phase 1: {args.actions} sequential `true` actions per path, engine {args.engine}")
     fast = await overhead(args.engine, True, args.actions)
+    rows = [("fast (ours)", fast)]
+    if args.agent:
+        cluster = ray_cluster()
+        try:
+            rows.append(("agent (2nd node)", await overhead(args.engine, True, args.actions, cluster.address)))
+        finally:
+            import ray
+
+            ray.shutdown()
+            cluster.shutdown()
     slow = await overhead(args.engine, False, args.actions)
+    rows.append(("docker-exec", slow))
     print(f"{'path':<18}{'median ms':>12}{'p99 ms':>10}{'client RTT ms':>15}")
-    for name, row in (("docker-exec", slow), ("fast (ours)", fast)):
+    for name, row in rows:
         print(f"{name:<18}{row['median_ms']:>12.2f}{row['p99_ms']:>10.2f}{row['client_rtt_median_ms']:>15.2f}")
     print(f"median overhead ratio docker-exec / fast: {slow['median_ms'] / fast['median_ms']:.1f}x")
+    if args.agent:
+        print(f"median overhead ratio agent / fast: {rows[1][1]['median_ms'] / fast['median_ms']:.1f}x")
     print(f"phase 2: pytest -n {{parallel_num}} on {args.tests} tests of {args.sleep} s each")
     times = await pytest_speedup(args.engine, args.tests, args.sleep)
     print(f"1 core: {times[1]:.2f} s, 2 cores: {times[2]:.2f} s, speed-up {times[1] / times[2]:.2f}x")

@@ -134,8 +134,8 @@ class CpuManager(ResourceManager[CpuHandle]):
     async def start(self) -> None:
         for node_config in self.config.nodes:
             backend = await self._open_backend(node_config, self.config)
-            numa = node_config.numa or (host_numa_nodes(node_config.cores) if node_config.engine.startswith("unix")
-                                        else [node_config.cores])
+            here = node_config.local and not node_config.agent  # this host's NUMA layout is the node's
+            numa = node_config.numa or (host_numa_nodes(node_config.cores) if here else [node_config.cores])
             leftovers = await backend.adopt(self.config.broker_id)
             node = CpuNode(node_config, backend, numa)
             self.add_node(node)

@@ -67,6 +67,9 @@ class CpuNodeConfig:
     memory_mb: NonNegative = 0
     #: unix-socket executor + direct cgroup writes; needs the engine on this host. Default: on for unix://
     fast_path: Flag | None = None
+    #: run this node's sandboxes through its node agent: a Ray actor on the Ray node that carries the custom
+    #: resource ``tangram_node_<name>``, opening the engine above there (so a unix:// engine is that node's own)
+    agent: Flag = False
 
     @property
     def local(self) -> bool:
@@ -98,6 +101,8 @@ class CpuConfig:
     #: elastic exec actions are malleable: their cores change while they run (shrunk for arriving actions, grown
     #: into idle cores); off: an action keeps the cores it started with (the paper's moldable allocation)
     malleable: Flag = True
+    #: the Ray cluster of the nodes with ``agent = true`` ("auto": the cluster this host has joined)
+    ray_address: Text = "auto"
     #: CPU seconds one more worker of an elastic run costs to start (``pytest -n``: an interpreter importing the
     #: suite; 0.22-0.27 s measured for a small suite, more for suites with heavy imports)
     worker_start_s: NonNegativeCost = 0.25
@@ -132,8 +137,13 @@ def parse_cpu_config(raw: Any) -> CpuConfig:
 
 
 def _check_node(node: CpuNodeConfig, where: str) -> None:
-    """What one key cannot say alone: a remote engine names its cores and memory, NUMA groups partition the cores."""
-    if not node.local:
+    """What one key cannot say alone: a remote engine or an agent's node names its cores and memory, NUMA groups
+    partition the cores."""
+    if node.agent:
+        for key in ("cores", "memory_mb"):
+            if not getattr(node, key):
+                raise ConfigError(f"{where}.{key}", "is required for a node behind an agent (e.g. cores = \"0-127\")")
+    elif not node.local:
         for key in ("cores", "memory_mb"):
             if not getattr(node, key):
                 raise ConfigError(f"{where}.{key}", "is required for a remote engine (e.g. cores = \"0-127\")")
@@ -145,7 +155,10 @@ def _check_node(node: CpuNodeConfig, where: str) -> None:
 
 def on_this_host(node: CpuNodeConfig) -> CpuNodeConfig:
     """``node`` with the defaults read from this host where the config left them out: every core this process may
-    run on, 80% of its memory, the fast path for a local engine. The manager calls it at start."""
+    run on, 80% of its memory, the fast path for a local engine. The manager calls it at start. A node behind an
+    agent is another host: only its fast path defaults, to its engine being local to that host."""
+    if node.agent:
+        return replace(node, fast_path=node.local if node.fast_path is None else node.fast_path)
     cores = node.cores or tuple(sorted(os.sched_getaffinity(0)))
     node = replace(node, cores=cores, memory_mb=node.memory_mb or int(psutil.virtual_memory().total * 0.8) >> 20,
                    fast_path=node.local if node.fast_path is None else node.fast_path)

@@ -1,5 +1,6 @@
 """Which sandbox backend a CPU node runs: its Docker engine (local socket or TLS), or local processes when the
-engine is missing or lacks the image and the node's backend is "auto". The CPU manager takes this as its default
+engine is missing or lacks the image and the node's backend is "auto"; or, for a node with ``agent = true``,
+that node's agent (``managers/ray_agents.py``), which opens one of these on its node. The CPU manager takes this as its default
 factory; a caller that makes sandboxes otherwise (the simulator, a node agent) passes its own."""
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ SandboxFactory = Callable[[CpuNodeConfig, CpuConfig], Awaitable[SandboxBackend]]
 
 
 async def open_sandbox_backend(node: CpuNodeConfig, config: CpuConfig) -> SandboxBackend:
+    if node.agent:
+        from managers.ray_agents import open_agent_backend  # Ray is imported only for a node behind an agent
+
+        return await open_agent_backend(node, config)
     run_dir = Path(config.run_dir) / config.broker_id / node.name
     if node.backend in ("docker", "auto"):
         tls = None

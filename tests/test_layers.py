@@ -4,6 +4,8 @@ transitive closure (an import inside a function counts too), so that a layering 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from functools import cache
 from pathlib import Path
 
@@ -109,3 +111,12 @@ def test_the_client_needs_only_the_core(module: str) -> None:
 def test_the_store_rebuilds_records_without_the_request_parser() -> None:
     ours, _ = reaches("tangram.store")
     assert "tangram.parse" not in ours and not ours & {"tangram.api", "tangram.broker"}
+
+
+def test_a_broker_without_agent_nodes_never_imports_ray() -> None:
+    """Ray is for scale-out only (``managers/ray_agents.py``, imported when a node has ``agent = true``): the
+    one-machine broker, its CLI and every manager load without it."""
+    probe = ("import sys, tangram.cli, tangram.service, managers.cpu, managers.gpu, managers.sandbox_backends; "
+             "print('ray' in sys.modules)")
+    answer = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert answer.stdout.strip() == "False"

@@ -1,0 +1,99 @@
+"""A node's sandboxes driven through its node agent (``managers/node_agent.py``): a ``SandboxBackend`` like the
+Docker and local ones, so the CPU manager runs a node behind an agent exactly as one on its own host.
+
+The transport is a function ``call(method, *args)`` that returns the agent's reply; ``managers/ray_agents.py``
+makes one over a Ray actor. A transport failure (the agent or its node is gone) arrives as an error reply like any
+other, with ``lost`` set, so the environment is reported lost and the action fails with a code.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from managers.node_agent import Reply
+from sandboxes.backend import Leftover, Sandbox, SandboxBackend, SandboxError, SandboxSpec
+
+log = logging.getLogger("tangram.cpu")
+
+#: ``call(method, *args)``: one call to the node's agent
+AgentCall = Callable[..., Awaitable[Reply]]
+
+
+def answer(reply: Reply) -> Any:
+    """The reply's value, or its error raised as the ``SandboxError`` the agent met."""
+    error = reply.get("error")
+    if error is not None:
+        raise SandboxError(error["code"], error["message"], lost=error["lost"])
+    return reply["ok"]
+
+
+class AgentSandbox(Sandbox):
+    """One sandbox on the agent's node, by its environment id."""
+
+    def __init__(self, call: AgentCall, env_id: str, created: dict[str, Any], node: str) -> None:
+        self._call = call
+        self.env_id = env_id
+        self.workdir = created["workdir"]
+        self._description = {**created["describe"], "agent": node}
+
+    async def set_cores(self, cores: frozenset[int]) -> None:
+        answer(await self._call("set_cores", self.env_id, cores))
+
+    async def set_action_cores(self, tag: str, cores: frozenset[int]) -> None:
+        answer(await self._call("set_action_cores", self.env_id, tag, cores))
+
+    async def run(self, request: dict[str, Any]) -> dict[str, Any]:
+        response: dict[str, Any] = answer(await self._call("run", self.env_id, request))
+        return response
+
+    async def destroy(self) -> None:
+        answer(await self._call("destroy", self.env_id))
+
+    def describe(self) -> dict[str, Any]:
+        return self._description
+
+
+class AgentBackend(SandboxBackend):
+    """The sandboxes of the node named ``node``, through its agent."""
+
+    kind = "agent"
+
+    def __init__(self, call: AgentCall, node: str, release: Callable[[], Awaitable[None]]) -> None:
+        """``release()`` lets the agent go when the backend closes (its sandboxes stay on the node)."""
+        self._call = call
+        self.node = node
+        self._release = release
+        self._node_backend: dict[str, Any] = {}
+
+    async def start(self) -> None:
+        self._node_backend = answer(await self._call("describe"))
+
+    async def create(self, spec: SandboxSpec) -> Sandbox:
+        return AgentSandbox(self._call, spec.env_id, answer(await self._call("create", spec)), self.node)
+
+    async def adopt(self, broker_id: str) -> list[Leftover]:
+        leftovers = []
+        for left in answer(await self._call("adopt", broker_id)):
+            created = left.pop("sandbox")
+            leftover = Leftover(**left, sandbox=None)
+            leftovers.append(leftover if created is None
+                             else leftover.adopted(AgentSandbox(self._call, leftover.env_id, created, self.node)))
+        return leftovers
+
+    async def reap(self, broker_id: str) -> int:
+        reaped: int = answer(await self._call("reap", broker_id))
+        return reaped
+
+    async def close(self) -> None:
+        """Let the agent go; one already gone has nothing to close."""
+        try:
+            error = (await self._call("close")).get("error")
+            if error is not None:
+                log.warning("node %s: the agent did not close (%s)", self.node, error["message"])
+        finally:
+            await self._release()
+
+    def describe(self) -> dict[str, Any]:
+        return {"backend": self.kind, "node_backend": self._node_backend}

@@ -1,0 +1,88 @@
+"""Node agents as Ray actors (issue 17): each CPU node with ``agent = true`` gets one, placed on the Ray node that
+carries the custom resource ``tangram_node_<name>`` (``ray start --resources '{"tangram_node_n2": 1}'``), restarted
+by Ray when it dies. Only a config with such a node imports this module, so a one-machine broker needs no Ray.
+
+Ray's cluster is the trust boundary: whoever can reach the cluster can call the agents, as whoever can reach a
+Docker engine's socket can run containers. Run the cluster on a private network (and with Ray's token
+authentication where the Ray version offers it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import replace
+from typing import Any
+
+import ray
+from ray.exceptions import ActorDiedError, RayActorError
+
+from managers.agent_backend import AgentBackend, answer
+from managers.cpu_config import CpuConfig, CpuNodeConfig
+from managers.node_agent import NodeAgent, Reply
+from managers.sandbox_backends import open_sandbox_backend
+from sandboxes.backend import SandboxError
+
+log = logging.getLogger("tangram.cpu")
+
+#: how long an agent may take to be placed and answer its first call (a Ray worker process starts)
+PLACEMENT_TIMEOUT_S = 60.0
+
+
+def node_resource(node: str) -> str:
+    """The custom resource that marks the Ray node where node ``node``'s agent runs."""
+    return f"tangram_node_{node}"
+
+
+class RayNodeAgent(NodeAgent):
+    """The agent as its Ray actor builds it: it opens the node's own backend (its local engine) on that node."""
+
+    def __init__(self, node: CpuNodeConfig, config: CpuConfig) -> None:
+        local = replace(node, agent=False)
+        super().__init__(lambda: open_sandbox_backend(local, config), config.limits.max_files_bytes)
+
+
+_RemoteAgent: Any = ray.remote(RayNodeAgent)
+
+
+def connect(address: str) -> None:
+    """Join the Ray cluster once per process, quietly (the broker's log stays its own)."""
+    if not ray.is_initialized():
+        ray.init(address=address, namespace="tangram", logging_level=logging.WARNING, log_to_driver=False,
+                 configure_logging=False)
+
+
+async def open_agent_backend(node: CpuNodeConfig, config: CpuConfig) -> AgentBackend:
+    """The backend of ``node`` through its agent, started: the agent is placed (or found, under its name) and has
+    opened the node's engine. Raises ``SandboxError("node_unavailable")`` when no Ray node carries the node's
+    resource or the agent does not answer in time."""
+    await asyncio.to_thread(connect, config.ray_address)
+    actor = _RemoteAgent.options(
+        name=f"tangram-agent-{config.broker_id}-{node.name}", get_if_exists=True, num_cpus=0,
+        resources={node_resource(node.name): 0.001}, max_restarts=-1, max_concurrency=1000).remote(node, config)
+
+    async def call(method: str, *args: Any) -> Reply:
+        try:
+            reply: Reply = await getattr(actor, method).remote(*args)
+        except ActorDiedError as error:
+            return {"error": {"code": "node_lost", "lost": True,
+                              "message": f"node {node.name}'s agent died: {error.error_msg or error}"}}
+        except RayActorError as error:  # restarting: the call may be tried again
+            return {"error": {"code": "node_unavailable", "lost": False,
+                              "message": f"node {node.name}'s agent is unavailable: {error}"}}
+        return reply
+
+    async def release() -> None:
+        ray.kill(actor, no_restart=True)
+
+    backend = AgentBackend(call, node.name, release)
+    try:
+        answer(await asyncio.wait_for(call("describe"), PLACEMENT_TIMEOUT_S))
+    except TimeoutError:
+        ray.kill(actor, no_restart=True)
+        raise SandboxError("node_unavailable", f"node {node.name}'s agent did not start within "
+                                               f"{PLACEMENT_TIMEOUT_S:.0f} s: does a Ray node carry the resource "
+                                               f"{node_resource(node.name)!r}?") from None
+    await backend.start()
+    log.info("node %s: through its agent on the Ray cluster", node.name)
+    return backend

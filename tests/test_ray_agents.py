@@ -1,0 +1,126 @@
+"""Node agents on a real two-node Ray cluster on this machine (issue 17, first step): each node's agent is a Ray
+actor on the Ray node carrying its resource and drives its own Docker engine (the two test engines stand for two
+hosts' engines), with the fast path, behind the same sandbox seam the CPU manager uses for a local engine."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+from managers.node_agent import NodeAgent, check_files
+from managers.ray_agents import node_resource
+from sandboxes.backend import LABEL_ENV, SandboxBackend, SandboxError, SandboxSpec
+from tests.docker_nodes import cpu_config, docker_engines, labelled_containers
+from tests.harness import Live, live_broker
+
+#: each Ray node: one CPU and a small object store (Ray's default takes 30% of this machine's memory per node)
+NODE: dict[str, Any] = {"num_cpus": 1, "object_store_memory": 80 << 20}
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[Cluster]:
+    """A head and a second raylet: the Ray nodes of CPU nodes n1 and n2."""
+    cluster = Cluster(initialize_head=True, head_node_args={**NODE, "resources": {node_resource("n1"): 1}})
+    cluster.add_node(**NODE, resources={node_resource("n2"): 1})
+    cluster.wait_for_nodes()
+    try:
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def agent_nodes(cluster: Cluster) -> dict[str, Any]:
+    engines = docker_engines()
+    nodes = {name: {"agent": True, "backend": "docker", "engine": engine, "cores": "0-1", "memory_mb": 2048}
+             for name, engine in zip(("n1", "n2"), engines)}
+    return cpu_config(nodes, ray_address=cluster.address, default_memory_mb=256)
+
+
+async def run(live: Live, command: str, trajectory: str) -> dict[str, Any]:
+    body = {"task": "t", "trajectory": trajectory, "kind": "exec", "demand": {"cpu": 1},
+            "spec": {"command": command}, "timeout_s": 60}
+    _, record = await live.call("POST", "/v1/actions?wait=true", json=body)
+    return record
+
+
+async def test_trajectories_run_on_both_nodes_through_their_agents(ray_cluster: Cluster, tmp_path) -> None:
+    raw = agent_nodes(ray_cluster)
+    broker_id = raw["cpu"]["broker_id"]
+    engines = dict(zip(("n1", "n2"), docker_engines()))
+    async with live_broker(raw, str(tmp_path / "t.db")) as live:
+        trajectories = [f"traj-{i}" for i in range(4)]
+        first = await asyncio.gather(*(run(live, f"echo {t} > mine; nproc", t) for t in trajectories))
+        assert all(r["state"] == "succeeded" and r["result"]["stdout"] == "1\n" for r in first), first
+        nodes = {r["result"]["node"] for r in first}
+        assert nodes == {"n1", "n2"}  # new environments are spread by memory load
+        for record in first:  # each sandbox lives on its node's own engine, found there by its labels
+            env_id, node = record["result"]["environment"], record["result"]["node"]
+            on_engine = {c.labels[LABEL_ENV] for c in labelled_containers(engines[node], broker_id)}
+            assert env_id in on_engine
+        again = await asyncio.gather(*(run(live, "cat mine", t) for t in trajectories))  # state kept between actions
+        assert [r["result"]["stdout"] for r in again] == [f"{t}\n" for t in trajectories]
+        assert [r["result"]["environment"] for r in again] == [r["result"]["environment"] for r in first]
+        _, resources = await live.call("GET", "/v1/resources")
+        agents = {r["pool"]: r for r in resources["resources"] if r["resource"] == "cpu"}
+        assert {pool: row["backend"] for pool, row in agents.items()} == {"n1": "agent", "n2": "agent"}
+        assert all(row["node_backend"]["backend"] == "docker" for row in agents.values())
+    for engine in engines.values():  # the broker's stop removed every sandbox through the agents
+        assert labelled_containers(engine, broker_id) == []
+
+
+async def test_a_dead_agent_ends_its_actions_with_a_code_and_its_environments_are_lost(ray_cluster: Cluster,
+                                                                                      tmp_path) -> None:
+    raw = agent_nodes(ray_cluster)
+    broker_id = raw["cpu"]["broker_id"]
+    async with live_broker(raw, str(tmp_path / "t.db")) as live:
+        records = await asyncio.gather(*(run(live, "true", f"traj-{i}") for i in range(2)))
+        by_node = {r["result"]["node"]: r for r in records}
+        assert set(by_node) == {"n1", "n2"}
+        ray.kill(ray.get_actor(f"tangram-agent-{broker_id}-n2", namespace="tangram"), no_restart=True)
+        lost_env = by_node["n2"]["result"]["environment"]
+        lost = await run(live, "true", by_node["n2"]["trajectory"])
+        assert lost["state"] == "failed" and lost["error"]["code"] == "node_lost", lost
+        _, env = await live.call("GET", f"/v1/environments/{lost_env}")
+        assert env["state"] == "lost" and "agent died" in env["lost_reason"]
+        still = await run(live, "echo fine", by_node["n1"]["trajectory"])  # the other node goes on
+        assert still["state"] == "succeeded" and still["result"]["stdout"] == "fine\n"
+        code, _ = await live.call("DELETE", f"/v1/environments/{lost_env}")
+        assert code == 200
+    # with no agent on n2 nothing could remove its sandbox: it waits there, labelled, for the next agent to adopt
+    [left] = labelled_containers(docker_engines()[1], broker_id)
+    assert left.labels[LABEL_ENV] == lost_env
+    left.remove(force=True)
+
+
+class RefusingBackend(SandboxBackend):
+    """A node whose engine must never be reached: the agent refuses the request before."""
+
+    async def create(self, spec: SandboxSpec) -> Any:
+        raise AssertionError("the agent passed a bad file set to the engine")
+
+    async def adopt(self, broker_id: str) -> list[Any]:
+        return []
+
+    async def reap(self, broker_id: str) -> int:
+        return 0
+
+
+@pytest.mark.parametrize("files", [{"../escape": b"x"}, {"/etc/passwd": b"x"}, {"a/../../b": b"x"},
+                                   {"big": b"x" * 1025}])
+async def test_the_agent_refuses_bad_files_itself(files: dict[str, bytes]) -> None:
+    async def opened() -> SandboxBackend:
+        return RefusingBackend()
+
+    agent = NodeAgent(opened, max_file_bytes=1024)
+    spec = SandboxSpec(env_id="env-1", task="t", trajectory=None, image="i", memory_mb=64, pids_limit=64, files=files)
+    reply = await agent.create(spec)
+    assert reply["error"]["code"] == "bad_files" and not reply["error"]["lost"]
+    with pytest.raises(SandboxError):
+        check_files(files, 1024)
+    check_files({"ok/inside.txt": b"x" * 1024}, 1024)  # inside and within the bound
