@@ -122,9 +122,7 @@ def decode_files(files: Files, where: str, limits: ExecLimits) -> dict[str, byte
     total = 0
     for path, content in files.items():
         field_name = f"{where}.{path}"
-        normal = posixpath.normpath(path)
-        if not path or path.startswith("/") or normal.startswith("..") or "\x00" in path or normal == ".":
-            raise Unprocessable(field_name, "must be a relative path inside the working directory")
+        normal = inside_workdir(path, field_name)
         if isinstance(content, str):
             data = content.encode()
         else:
@@ -137,6 +135,25 @@ def decode_files(files: Files, where: str, limits: ExecLimits) -> dict[str, byte
             raise TooLarge(where, f"files exceed {limits.max_files_bytes} bytes in all")
         decoded[normal] = data
     return decoded
+
+
+def inside_workdir(path: str, field_name: str) -> str:
+    """``path`` normalised; 422 unless it names a file inside the working directory."""
+    normal = posixpath.normpath(path)
+    if not path or path.startswith("/") or normal.startswith("..") or "\x00" in path or normal == ".":
+        raise Unprocessable(field_name, "must be a relative path inside the working directory")
+    return normal
+
+
+def check_files(files: Mapping[str, bytes], where: str, limits: ExecLimits) -> None:
+    """Decoded files within what ``decode_files`` lets through (count, paths, bytes): a node agent checks the
+    files that reach it again, since a caller inside the cluster need not have gone through the API."""
+    if len(files) > limits.max_files:
+        raise TooLarge(where, f"at most {limits.max_files} files")
+    for path in files:
+        inside_workdir(path, f"{where}.{path}")
+    if sum(len(data) for data in files.values()) > limits.max_files_bytes:
+        raise TooLarge(where, f"files exceed {limits.max_files_bytes} bytes in all")
 
 
 def _check_command(command: str | tuple[str, ...], where: str, limits: ExecLimits) -> None:

@@ -13,12 +13,14 @@ caller inside it that skipped the API must not escape a sandbox either.
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Awaitable, Callable, Mapping
-from pathlib import PurePosixPath
+from collections.abc import Awaitable, Callable
 from typing import Any
 
+from managers.exec_spec import ExecLimits, check_files
 from sandboxes.backend import Sandbox, SandboxBackend, SandboxError, SandboxSpec
+from tangram.core.errors import RequestError
 
 log = logging.getLogger("tangram.agent")
 
@@ -33,26 +35,27 @@ def failed(error: SandboxError) -> Reply:
     return {"error": {"code": error.code, "message": error.message, "lost": error.lost}}
 
 
-def check_files(files: Mapping[str, bytes], max_bytes: int) -> None:
-    """A file set the agent writes into a new sandbox: relative paths that stay inside the working directory, and
-    at most ``max_bytes`` in all. Raises ``SandboxError("bad_files")``."""
-    total = 0
-    for path, content in files.items():
-        parts = PurePosixPath(path).parts
-        if not parts or PurePosixPath(path).is_absolute() or ".." in parts or "\0" in path:
-            raise SandboxError("bad_files", f"file path {path!r} must stay inside the working directory")
-        total += len(content)
-    if total > max_bytes:
-        raise SandboxError("bad_files", f"the files hold {total} bytes, more than the agent takes ({max_bytes})")
+def replying(method: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Reply]]:
+    """An agent call answering ``ok(value)``, or ``failed(error)`` for the ``SandboxError`` it met."""
+
+    @functools.wraps(method)
+    async def call(self: NodeAgent, *args: Any) -> Reply:
+        try:
+            return ok(await method(self, *args))
+        except SandboxError as error:
+            return failed(error)
+
+    return call
 
 
 class NodeAgent:
     """One node's sandboxes, by environment id."""
 
-    def __init__(self, open_backend: Callable[[], Awaitable[SandboxBackend]], max_file_bytes: int) -> None:
-        """``open_backend()`` opens this node's backend (started) on the agent's first call."""
+    def __init__(self, open_backend: Callable[[], Awaitable[SandboxBackend]], limits: ExecLimits) -> None:
+        """``open_backend()`` opens this node's backend (started) on the agent's first call; ``limits`` bound the
+        file sets it writes into new sandboxes."""
         self._open_backend = open_backend
-        self._max_file_bytes = max_file_bytes
+        self._limits = limits
         self._backend: SandboxBackend | None = None
         self._sandboxes: dict[str, Sandbox] = {}
 
@@ -68,30 +71,26 @@ class NodeAgent:
                                                    f"or the sandbox was removed)", lost=True)
         return sandbox
 
-    async def describe(self) -> Reply:
-        try:
-            return ok((await self._opened()).describe())
-        except SandboxError as error:
-            return failed(error)
+    @replying
+    async def describe(self) -> dict[str, Any]:
+        return (await self._opened()).describe()
 
-    async def create(self, spec: SandboxSpec) -> Reply:
+    @replying
+    async def create(self, spec: SandboxSpec) -> dict[str, Any]:
         """A new sandbox; answers where it runs (its working directory and description)."""
         try:
-            check_files(spec.files, self._max_file_bytes)
-            sandbox = await (await self._opened()).create(spec)
-        except SandboxError as error:
-            return failed(error)
+            check_files(spec.files, "files", self._limits)
+        except RequestError as error:
+            raise SandboxError("bad_files", f"{error.field}: {error.reason}") from None
+        sandbox = await (await self._opened()).create(spec)
         self._sandboxes[spec.env_id] = sandbox
-        return ok({"workdir": sandbox.workdir, "describe": sandbox.describe()})
+        return {"workdir": sandbox.workdir, "describe": sandbox.describe()}
 
-    async def adopt(self, broker_id: str) -> Reply:
+    @replying
+    async def adopt(self, broker_id: str) -> list[dict[str, Any]]:
         """The node's leftovers of ``broker_id``, as dicts; the adopted sandboxes are held by their ids."""
-        try:
-            leftovers = await (await self._opened()).adopt(broker_id)
-        except SandboxError as error:
-            return failed(error)
         answer = []
-        for leftover in leftovers:
+        for leftover in await (await self._opened()).adopt(broker_id):
             sandbox = leftover.sandbox
             if sandbox is not None:
                 self._sandboxes[leftover.env_id] = sandbox
@@ -100,47 +99,34 @@ class NodeAgent:
                            "created_at": leftover.created_at, "lost_reason": leftover.lost_reason,
                            "sandbox": None if sandbox is None else {"workdir": sandbox.workdir,
                                                                     "describe": sandbox.describe()}})
-        return ok(answer)
+        return answer
 
-    async def reap(self, broker_id: str) -> Reply:
-        try:
-            return ok(await (await self._opened()).reap(broker_id))
-        except SandboxError as error:
-            return failed(error)
+    @replying
+    async def reap(self, broker_id: str) -> int:
+        return await (await self._opened()).reap(broker_id)
 
-    async def set_cores(self, env_id: str, cores: frozenset[int]) -> Reply:
-        try:
-            await self._sandbox(env_id).set_cores(cores)
-        except SandboxError as error:
-            return failed(error)
-        return ok()
+    @replying
+    async def set_cores(self, env_id: str, cores: frozenset[int]) -> None:
+        await self._sandbox(env_id).set_cores(cores)
 
-    async def set_action_cores(self, env_id: str, tag: str, cores: frozenset[int]) -> Reply:
-        try:
-            await self._sandbox(env_id).set_action_cores(tag, cores)
-        except SandboxError as error:
-            return failed(error)
-        return ok()
+    @replying
+    async def set_action_cores(self, env_id: str, tag: str, cores: frozenset[int]) -> None:
+        await self._sandbox(env_id).set_action_cores(tag, cores)
 
-    async def run(self, env_id: str, request: dict[str, Any]) -> Reply:
-        try:
-            return ok(await self._sandbox(env_id).run(request))
-        except SandboxError as error:
-            return failed(error)
+    @replying
+    async def run(self, env_id: str, request: dict[str, Any]) -> dict[str, Any]:
+        return await self._sandbox(env_id).run(request)
 
-    async def destroy(self, env_id: str) -> Reply:
+    @replying
+    async def destroy(self, env_id: str) -> None:
         sandbox = self._sandboxes.pop(env_id, None)
-        try:
-            if sandbox is not None:
-                await sandbox.destroy()
-        except SandboxError as error:
-            return failed(error)
-        return ok()
+        if sandbox is not None:
+            await sandbox.destroy()
 
-    async def close(self) -> Reply:
+    @replying
+    async def close(self) -> None:
         """Drop the backend's connections; sandboxes stay (the broker destroyed or keeps them)."""
         if self._backend is not None:
             await self._backend.close()
             self._backend = None
         self._sandboxes.clear()
-        return ok()

@@ -17,9 +17,9 @@ from typing import Any
 import ray
 from ray.exceptions import ActorDiedError, RayActorError
 
-from managers.agent_backend import AgentBackend, answer
+from managers.agent_backend import AgentBackend
 from managers.cpu_config import CpuConfig, CpuNodeConfig
-from managers.node_agent import NodeAgent, Reply
+from managers.node_agent import NodeAgent, Reply, failed
 from managers.sandbox_backends import open_sandbox_backend
 from sandboxes.backend import SandboxError
 
@@ -39,7 +39,7 @@ class RayNodeAgent(NodeAgent):
 
     def __init__(self, node: CpuNodeConfig, config: CpuConfig) -> None:
         local = replace(node, agent=False)
-        super().__init__(lambda: open_sandbox_backend(local, config), config.limits.max_files_bytes)
+        super().__init__(lambda: open_sandbox_backend(local, config), config.limits)
 
 
 _RemoteAgent: Any = ray.remote(RayNodeAgent)
@@ -65,11 +65,10 @@ async def open_agent_backend(node: CpuNodeConfig, config: CpuConfig) -> AgentBac
         try:
             reply: Reply = await getattr(actor, method).remote(*args)
         except ActorDiedError as error:
-            return {"error": {"code": "node_lost", "lost": True,
-                              "message": f"node {node.name}'s agent died: {error.error_msg or error}"}}
+            return failed(SandboxError("node_lost", f"node {node.name}'s agent died: {error.error_msg or error}",
+                                       lost=True))
         except RayActorError as error:  # restarting: the call may be tried again
-            return {"error": {"code": "node_unavailable", "lost": False,
-                              "message": f"node {node.name}'s agent is unavailable: {error}"}}
+            return failed(SandboxError("node_unavailable", f"node {node.name}'s agent is unavailable: {error}"))
         return reply
 
     async def release() -> None:
@@ -77,12 +76,11 @@ async def open_agent_backend(node: CpuNodeConfig, config: CpuConfig) -> AgentBac
 
     backend = AgentBackend(call, node.name, release)
     try:
-        answer(await asyncio.wait_for(call("describe"), PLACEMENT_TIMEOUT_S))
+        await asyncio.wait_for(backend.start(), PLACEMENT_TIMEOUT_S)  # its first call waits for the placement
     except TimeoutError:
         ray.kill(actor, no_restart=True)
         raise SandboxError("node_unavailable", f"node {node.name}'s agent did not start within "
                                                f"{PLACEMENT_TIMEOUT_S:.0f} s: does a Ray node carry the resource "
                                                f"{node_resource(node.name)!r}?") from None
-    await backend.start()
     log.info("node %s: through its agent on the Ray cluster", node.name)
     return backend

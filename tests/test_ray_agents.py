@@ -12,9 +12,12 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
-from managers.node_agent import NodeAgent, check_files
+from managers.exec_spec import ExecLimits, check_files
+from managers.node_agent import NodeAgent
 from managers.ray_agents import node_resource
-from sandboxes.backend import LABEL_ENV, SandboxBackend, SandboxError, SandboxSpec
+from sandboxes.backend import LABEL_ENV, SandboxBackend, SandboxSpec
+from tangram.core.errors import RequestError
+from tangram.sim.broker_station import NoSandboxes
 from tests.docker_nodes import cpu_config, docker_engines, labelled_containers
 from tests.harness import Live, live_broker
 
@@ -98,29 +101,18 @@ async def test_a_dead_agent_ends_its_actions_with_a_code_and_its_environments_ar
     left.remove(force=True)
 
 
-class RefusingBackend(SandboxBackend):
-    """A node whose engine must never be reached: the agent refuses the request before."""
-
-    async def create(self, spec: SandboxSpec) -> Any:
-        raise AssertionError("the agent passed a bad file set to the engine")
-
-    async def adopt(self, broker_id: str) -> list[Any]:
-        return []
-
-    async def reap(self, broker_id: str) -> int:
-        return 0
-
-
 @pytest.mark.parametrize("files", [{"../escape": b"x"}, {"/etc/passwd": b"x"}, {"a/../../b": b"x"},
-                                   {"big": b"x" * 1025}])
+                                   {"big": b"x" * 1025}, {"a": b"", "b": b"", "c": b""}])
 async def test_the_agent_refuses_bad_files_itself(files: dict[str, bytes]) -> None:
     async def opened() -> SandboxBackend:
-        return RefusingBackend()
+        return NoSandboxes()  # its create raises: the agent must refuse before reaching the engine
 
-    agent = NodeAgent(opened, max_file_bytes=1024)
+    limits = ExecLimits(max_files=2, max_files_bytes=1024)
+    agent = NodeAgent(opened, limits)
     spec = SandboxSpec(env_id="env-1", task="t", trajectory=None, image="i", memory_mb=64, pids_limit=64, files=files)
     reply = await agent.create(spec)
     assert reply["error"]["code"] == "bad_files" and not reply["error"]["lost"]
-    with pytest.raises(SandboxError):
-        check_files(files, 1024)
-    check_files({"ok/inside.txt": b"x" * 1024}, 1024)  # inside and within the bound
+    assert reply["error"]["message"].startswith("files")  # names the field, as the REST API would
+    with pytest.raises(RequestError):
+        check_files(files, "files", limits)
+    check_files({"ok/inside.txt": b"x" * 1000, "b": b"x" * 24}, "files", limits)  # inside and within the bounds
