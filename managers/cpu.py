@@ -18,20 +18,22 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from managers.cores import host_numa_nodes
-from managers.cpu_config import CpuConfig, on_this_host
+from managers.cpu_config import CpuConfig, CpuNodeConfig, on_this_host
 from managers.cpu_node import CpuNode
 from managers.environment import Environment, EnvState
 from managers.environments import Environments
 from managers.exec_spec import ExecSpec, ExecSpecBody, executor_request, parse_exec_spec
 from managers.sandbox_backends import SandboxFactory, open_sandbox_backend
-from sandboxes.backend import SandboxError
+from sandboxes.backend import SandboxBackend, SandboxError
 from tangram.core.action import Action, Kind
 from tangram.core.errors import ActionFailed, Conflict, NotFound, Unprocessable
 from tangram.core.malleable import WorkerCost, workers_for
 from tangram.core.seam import Allocation, Fit, Outcome, PoolStatus, ResourceManager
+
+if TYPE_CHECKING:
+    from managers.ray_membership import RayMembership
 
 log = logging.getLogger("tangram.cpu")
 
@@ -59,7 +61,8 @@ class CpuFit(Fit):
         memory = 0
         if node is None:
             memory = self.manager.memory_for(action)
-            candidates = [name for name in self.free if self.free[name] >= n and self.memory_free[name] >= memory]
+            candidates = [name for name in self.free if self.free[name] >= n and self.memory_free[name] >= memory
+                          and self.manager.nodes[name].lost is None]
             if not candidates:
                 if any(free >= n for free in self.free.values()):
                     self.short_of_memory.add(action.id)
@@ -128,16 +131,15 @@ class CpuManager(ResourceManager[CpuHandle]):
         self._open_backend = open_backend
         self.nodes: dict[str, CpuNode] = {}
         self.environments = Environments(self.config, self.nodes)
+        self._membership: RayMembership | None = None
 
     # -- lifecycle ------------------------------------------------------------------------------------------
 
     async def start(self) -> None:
         for node_config in self.config.nodes:
             backend = await self._open_backend(node_config, self.config)
-            here = node_config.local and not node_config.agent  # this host's NUMA layout is the node's
-            numa = node_config.numa or (host_numa_nodes(node_config.cores) if here else [node_config.cores])
+            node = CpuNode(self._as_reported(node_config, backend), backend)
             leftovers = await backend.adopt(self.config.broker_id)
-            node = CpuNode(node_config, backend, numa)
             self.add_node(node)
             for leftover in leftovers:
                 await self.environments.take_over(node, leftover)
@@ -146,14 +148,74 @@ class CpuManager(ResourceManager[CpuHandle]):
                 log.warning("node %s: took over %d environment(s) a previous run of broker %r left (%d of them "
                             "lost)", node.name, len(leftovers), self.config.broker_id, lost)
         self.environments.start_reaping()
+        if self.config.join is not None or any(node.agent for node in self.config.nodes):
+            from managers.ray_membership import RayMembership  # Ray is imported only for nodes behind agents
+
+            self._membership = RayMembership(self.config.ray_address, self.node_joined, self.node_left)
+            await self._membership.start()
+
+    @staticmethod
+    def _as_reported(node_config: CpuNodeConfig, backend: SandboxBackend) -> CpuNodeConfig:
+        """The node as its agent reported it from its host (cores, memory, NUMA), else as configured."""
+        hardware = backend.hardware
+        if hardware is None:
+            return node_config
+        return replace(node_config, cores=hardware.cores, memory_mb=hardware.memory_mb, numa=hardware.numa)
 
     def add_node(self, node: CpuNode) -> None:
         """Put a node in service (``start`` does it for every configured node; the simulator, directly)."""
         self.nodes[node.name] = node
 
+    # -- membership (nodes behind agents join and leave with their Ray nodes) ---------------------------------
+
+    async def node_joined(self, name: str) -> None:
+        """A Ray node carrying ``name``'s resource is alive: a lost node comes back with the environments it
+        still holds; a new one joins if ``[cpu.join]`` lets nodes join."""
+        node = self.nodes.get(name)
+        if node is not None:
+            if node.lost is None:
+                return
+            node_config = node.config
+        elif self.config.join is not None:
+            node_config = self.config.join.node(name)
+        else:
+            return
+        try:
+            backend = await self._open_backend(node_config, self.config)
+            leftovers = await backend.adopt(self.config.broker_id)
+        except SandboxError as error:
+            log.warning("node %s: not joined (%s)", name, error.message)
+            return
+        if node is None:
+            self.add_node(CpuNode(self._as_reported(node_config, backend), backend))
+            for leftover in leftovers:
+                await self.environments.take_over(self.nodes[name], leftover)
+            log.info("node %s joined: %d cores, %d MiB", name, self.nodes[name].cores.capacity,
+                     self.nodes[name].memory_mb)
+            return
+        node.backend, node.lost = backend, None
+        revived = await self.environments.come_back(node, leftovers)
+        log.info("node %s is back: %d environment(s) with it", name, revived)
+
+    async def node_left(self, name: str, reason: str) -> None:
+        """Its Ray node is gone: new environments go elsewhere, its environments are lost (their actions fail
+        with the reason), its cores leave the pool, and its agent is let go (its sandboxes stay on the node,
+        labelled, for its return)."""
+        node = self.nodes.get(name)
+        if node is None or node.lost is not None:
+            return
+        node.lost = reason
+        log.warning("node %s lost: %s", name, reason)
+        self.environments.lose_node(node)
+        await node.backend.close()
+
     async def close(self) -> None:
+        if self._membership is not None:
+            await self._membership.stop()
         await self.environments.close()
         for node in self.nodes.values():
+            if node.lost is not None:  # its agent was let go with it
+                continue
             if not self.config.keep_sandboxes_on_stop:
                 try:  # also the containers no environment knows any more (a removal the engine missed while down)
                     await node.backend.reap(self.config.broker_id)
@@ -165,10 +227,10 @@ class CpuManager(ResourceManager[CpuHandle]):
 
     @property
     def resources(self) -> Mapping[str, int]:
-        return {RESOURCE: sum(node.cores.capacity for node in self.nodes.values())}
+        return {RESOURCE: sum(node.cores.capacity for node in self.nodes.values() if node.lost is None)}
 
     def largest_pool(self, resource: str) -> int:
-        return max(node.cores.capacity for node in self.nodes.values())
+        return max((node.cores.capacity for node in self.nodes.values() if node.lost is None), default=0)
 
     def fit(self) -> CpuFit:
         return CpuFit(self)
@@ -276,24 +338,19 @@ class CpuManager(ResourceManager[CpuHandle]):
                                               "numa_nodes": pool.numa_of(cores)}
 
     async def apply_resize(self, allocation: Allocation[CpuHandle]) -> None:
-        """Move the sandbox onto the union of its actions' cores and re-pin this action's command. An action whose
+        """Move this action's command onto its new cores (its sandbox widens or narrows with it). An action whose
         command has not started yet (its sandbox is being created) or has ended is left alone: ``execute`` reads
         the allocation's cores when it starts the command."""
         env, _, cores = allocation.held()
-        if env is None or allocation.released or env.sandbox is None:
+        if env is None or allocation.released or env.sandbox is None or allocation.action_id not in env.running:
             return
-        async with env.lock:
-            if allocation.action_id not in env.running:
-                return
-            env.running[allocation.action_id] = cores
-            try:
-                await env.sandbox.set_cores(env.union_cores())
-                await env.sandbox.set_action_cores(allocation.action_id, frozenset(cores))
-            except SandboxError as error:
-                if error.lost:
-                    self.environments.mark_lost(env, error.message)
-                raise ActionFailed("resize_failed", f"moving the command onto cores {list(cores)} failed: "
-                                                    f"{error.message}", environment=env.id) from None
+        try:
+            await env.sandbox.repin(allocation.action_id, frozenset(cores))
+        except SandboxError as error:
+            if error.lost:
+                self.environments.mark_lost(env, error.message)
+            raise ActionFailed("resize_failed", f"moving the command onto cores {list(cores)} failed: "
+                                                f"{error.message}", environment=env.id) from None
 
     def release(self, allocation: Allocation[CpuHandle]) -> None:
         if allocation.released or allocation.handle is None:
@@ -308,7 +365,7 @@ class CpuManager(ResourceManager[CpuHandle]):
             envs = [e for e in self.environments.values() if e.node == node.name]
             rows.append(PoolStatus(RESOURCE, node.name, node.cores.capacity, node.cores.in_use,
                                    extra={**node.backend.describe(), "numa": [list(g) for g in node.cores.numa],
-                                          "free_cores": sorted(node.cores.free)}))
+                                          "free_cores": sorted(node.cores.free), "lost": node.lost}))
             rows.append(PoolStatus("memory_mb", node.name, node.memory_mb, node.memory_reserved,
                                    extra={"environments": len(envs)}))
         return rows
@@ -326,28 +383,26 @@ class CpuManager(ResourceManager[CpuHandle]):
             sandbox = await self.environments.sandbox(env)
             setup_s = time.perf_counter() - setup_started
             remaining = action.submitted_at + action.timeout_s - time.time() - DEADLINE_MARGIN_S
+            cores = allocation.held()[2]  # as resized while the sandbox was being created
+            workers = action.malleable.workers if action.malleable is not None else None
+            request = executor_request(spec, cores, max(remaining, 0.001), sandbox.workdir,
+                                       {"TANGRAM_ACTION_ID": action.id}, workers=workers, tag=action.id)
+            env.running.add(action.id)
             try:
-                async with env.lock:
-                    cores = allocation.held()[2]  # as resized while the sandbox was being created
-                    env.running[action.id] = cores
-                    await sandbox.set_cores(env.union_cores())
-                workers = action.malleable.workers if action.malleable is not None else None
-                request = executor_request(spec, cores, max(remaining, 0.001), sandbox.workdir,
-                                           {"TANGRAM_ACTION_ID": action.id}, workers=workers, tag=action.id)
-                response = await sandbox.run(request)
+                executed = await sandbox.execute(action.id, request)
             except SandboxError as error:
                 if error.lost:
                     self.environments.mark_lost(env, error.message)
                 raise ActionFailed(error.code, error.message, environment=env.id) from None
             finally:
-                env.running.pop(action.id, None)
+                env.running.discard(action.id)
                 env.last_used = time.time()
-                if env.state is EnvState.READY:
-                    await self.environments.settle(env, sandbox)
+            if executed.unsettled is not None and env.state is EnvState.READY:
+                self.environments.mark_lost(env, executed.unsettled)
         finally:
             if env.ephemeral and not env.running:
                 await self.environments.destroy(env)
-        return Outcome(self._result(response, env, allocation.held()[2], setup_s))
+        return Outcome(self._result(executed.response, env, allocation.held()[2], setup_s))
 
     def _result(self, response: dict[str, Any], env: Environment, cores: tuple[int, ...],
                 setup_s: float) -> dict[str, Any]:

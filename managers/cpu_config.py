@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 import psutil
 from pydantic import AfterValidator, BeforeValidator, Field, Strict
 
+from managers.cores import host_numa_nodes
 from managers.exec_spec import ExecLimits
 from sandboxes.cgroup import parse_cpu_list
 from sandboxes.image import DEFAULT_IMAGE
@@ -59,11 +60,12 @@ class CpuNodeConfig:
     tls_ca: ExistingFile | None = None
     tls_cert: ExistingFile | None = None
     tls_key: ExistingFile | None = None
-    #: cores lent to actions; default: every core this process may run on (local nodes only, read at start)
+    #: cores lent to actions; default: every core this process may run on (local nodes and nodes behind an agent,
+    #: which reads its own host's)
     cores: CoreList = ()
     #: NUMA nodes as core lists; default: read from the host for local nodes, one group otherwise
     numa: tuple[CoreList, ...] = ()
-    #: memory (MiB) environments may reserve on this node; default (0): 80% of this host's memory, read at start
+    #: memory (MiB) environments may reserve on this node; default (0): 80% of its host's memory, read at start
     memory_mb: NonNegative = 0
     #: unix-socket executor + direct cgroup writes; needs the engine on this host. Default: on for unix://
     fast_path: Flag | None = None
@@ -74,6 +76,24 @@ class CpuNodeConfig:
     @property
     def local(self) -> bool:
         return self.engine.startswith("unix://")
+
+
+@dataclass(frozen=True)
+class JoinConfig:
+    """How a node that joins from the Ray cluster opens its sandboxes: a Ray node carrying the custom resource
+    ``tangram_node_<name>`` that no ``[cpu.nodes]`` table names becomes CPU node ``<name>`` behind its agent, its
+    cores, memory and NUMA layout as the agent reads them on its host."""
+
+    __pydantic_config__ = TABLE
+
+    backend: Literal["auto", "docker", "local"] = "auto"
+    #: the joining host's engine, as that host sees it
+    engine: Annotated[str, Strict(), AfterValidator(_engine)] = LOCAL_ENGINE
+    fast_path: Flag | None = None
+
+    def node(self, name: str) -> CpuNodeConfig:
+        return CpuNodeConfig(name=name, backend=self.backend, engine=self.engine, fast_path=self.fast_path,
+                             agent=True)
 
 
 @dataclass(frozen=True)
@@ -103,6 +123,8 @@ class CpuConfig:
     malleable: Flag = True
     #: the Ray cluster of the nodes with ``agent = true`` ("auto": the cluster this host has joined)
     ray_address: Text = "auto"
+    #: nodes join (and leave) at runtime from that Ray cluster; absent: only the configured nodes serve
+    join: JoinConfig | None = None
     #: CPU seconds one more worker of an elastic run costs to start (``pytest -n``: an interpreter importing the
     #: suite; 0.22-0.27 s measured for a small suite, more for suites with heavy imports)
     worker_start_s: NonNegativeCost = 0.25
@@ -137,13 +159,9 @@ def parse_cpu_config(raw: Any) -> CpuConfig:
 
 
 def _check_node(node: CpuNodeConfig, where: str) -> None:
-    """What one key cannot say alone: a remote engine or an agent's node names its cores and memory, NUMA groups
-    partition the cores."""
-    if node.agent:
-        for key in ("cores", "memory_mb"):
-            if not getattr(node, key):
-                raise ConfigError(f"{where}.{key}", "is required for a node behind an agent (e.g. cores = \"0-127\")")
-    elif not node.local:
+    """What one key cannot say alone: a remote engine names its node's cores and memory (an agent reads them on
+    its node), NUMA groups partition the cores."""
+    if not node.local and not node.agent:
         for key in ("cores", "memory_mb"):
             if not getattr(node, key):
                 raise ConfigError(f"{where}.{key}", "is required for a remote engine (e.g. cores = \"0-127\")")
@@ -155,12 +173,13 @@ def _check_node(node: CpuNodeConfig, where: str) -> None:
 
 def on_this_host(node: CpuNodeConfig) -> CpuNodeConfig:
     """``node`` with the defaults read from this host where the config left them out: every core this process may
-    run on, 80% of its memory, the fast path for a local engine. The manager calls it at start. A node behind an
-    agent is another host: only its fast path defaults, to its engine being local to that host."""
+    run on, 80% of its memory, its NUMA layout, the fast path for a local engine. The manager calls it at start
+    for its own nodes, a node agent on its host for its node; a node behind an agent is left to its agent."""
     if node.agent:
-        return replace(node, fast_path=node.local if node.fast_path is None else node.fast_path)
+        return node
     cores = node.cores or tuple(sorted(os.sched_getaffinity(0)))
+    numa = node.numa or (tuple(tuple(group) for group in host_numa_nodes(cores)) if node.local else (cores,))
     node = replace(node, cores=cores, memory_mb=node.memory_mb or int(psutil.virtual_memory().total * 0.8) >> 20,
-                   fast_path=node.local if node.fast_path is None else node.fast_path)
+                   numa=numa, fast_path=node.local if node.fast_path is None else node.fast_path)
     _check_node(node, f"cpu.nodes.{node.name}")
     return node

@@ -33,14 +33,10 @@ class Environment:
     sandbox: Sandbox | None = None
     created_at: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.time)
-    #: running action id -> its cores; the sandbox may run on their union
-    running: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    #: the ids of the actions running in it (their cores are the sandbox's own business: ``Sandbox.execute``)
+    running: set[str] = field(default_factory=set)
     lost_reason: str | None = None
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
     creating: asyncio.Task[Sandbox] | None = field(default=None, repr=False)
-
-    def union_cores(self) -> frozenset[int]:
-        return frozenset(c for cores in self.running.values() for c in cores)
 
     def to_json(self) -> dict[str, Any]:
         return {"id": self.id, "task": self.task, "trajectory": self.trajectory, "node": self.node,

@@ -125,6 +125,28 @@ class Environments(Mapping[str, Environment]):
             self.mark_lost(env, leftover.lost_reason or "the broker restarted and the sandbox was gone")
         self._register(env)
 
+    def lose_node(self, node: CpuNode) -> None:
+        """Its node left: each of its environments is lost, with the node's reason."""
+        for env in self._by_id.values():
+            if env.node == node.name and env.state in (EnvState.PENDING, EnvState.READY):
+                self.mark_lost(env, node.lost or "its node left")
+
+    async def come_back(self, node: CpuNode, leftovers: list[Leftover]) -> int:
+        """Its node is back: each environment lost with it whose sandbox is still there is ready again, with its
+        files and processes; the other sandboxes (environments deleted while the node was away) are removed.
+        Returns how many came back."""
+        revived = 0
+        for leftover in leftovers:
+            env = self._by_id.get(leftover.env_id)
+            if leftover.sandbox is None:
+                continue
+            if env is None or env.node != node.name or env.state is not EnvState.LOST:
+                await leftover.sandbox.destroy()
+                continue
+            env.sandbox, env.state, env.lost_reason = leftover.sandbox, EnvState.READY, None
+            revived += 1
+        return revived
+
     # -- sandboxes --------------------------------------------------------------------------------------------
 
     async def sandbox(self, env: Environment) -> Sandbox:
@@ -166,14 +188,6 @@ class Environments(Mapping[str, Environment]):
         env.state = EnvState.READY
         return sandbox
 
-    async def settle(self, env: Environment, sandbox: Sandbox) -> None:
-        """Shrink the sandbox to the cores still in use, or freeze it, before the cores go back to the pool."""
-        try:
-            async with env.lock:
-                await sandbox.set_cores(env.union_cores())
-        except SandboxError as error:
-            self.mark_lost(env, error.message)
-
     # -- the environments API ---------------------------------------------------------------------------------
 
     def check_memory(self, memory_mb: int | None, field: str) -> int:
@@ -202,7 +216,7 @@ class Environments(Mapping[str, Environment]):
         memory = self.check_memory(memory_mb, "memory_mb")
         if admit is not None:
             admit(memory)
-        fitting = [n for n in self.nodes.values() if n.memory_reserved + memory <= n.memory_mb]
+        fitting = [n for n in self.nodes.values() if n.lost is None and n.memory_reserved + memory <= n.memory_mb]
         if not fitting:
             raise TooMany("memory_mb", f"no node has {memory} MiB unreserved now; delete idle environments or "
                                        f"retry later")

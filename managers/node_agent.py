@@ -13,13 +13,14 @@ caller inside it that skipped the API must not escape a sandbox either.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from managers.exec_spec import ExecLimits, check_files
-from sandboxes.backend import Sandbox, SandboxBackend, SandboxError, SandboxSpec
+from sandboxes.backend import Executed, Leftover, NodeHardware, Sandbox, SandboxBackend, SandboxError, SandboxSpec
 from tangram.core.errors import RequestError
 
 log = logging.getLogger("tangram.agent")
@@ -51,20 +52,40 @@ def replying(method: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[R
 class NodeAgent:
     """One node's sandboxes, by environment id."""
 
-    def __init__(self, open_backend: Callable[[], Awaitable[SandboxBackend]], limits: ExecLimits) -> None:
+    def __init__(self, open_backend: Callable[[], Awaitable[SandboxBackend]], limits: ExecLimits,
+                 hardware: NodeHardware, restarted_for: str | None = None) -> None:
         """``open_backend()`` opens this node's backend (started) on the agent's first call; ``limits`` bound the
-        file sets it writes into new sandboxes."""
+        file sets it writes into new sandboxes; ``hardware`` is what the node offers, reported to the broker. An
+        agent restarted while broker ``restarted_for`` runs takes that broker's sandboxes back by their labels as
+        it opens, so its environments go on where they were."""
         self._open_backend = open_backend
         self._limits = limits
+        self._hardware = hardware
+        self._restarted_for = restarted_for
         self._backend: SandboxBackend | None = None
+        self._opening = asyncio.Lock()
         self._sandboxes: dict[str, Sandbox] = {}
 
     async def _opened(self) -> SandboxBackend:
-        if self._backend is None:
-            self._backend = await self._open_backend()
+        if self._backend is not None:
+            return self._backend
+        async with self._opening:
+            if self._backend is None:
+                backend = await self._open_backend()
+                if self._restarted_for is not None:
+                    self._hold(await backend.adopt(self._restarted_for))
+                    log.info("agent restarted: took back %d sandbox(es) of broker %s", len(self._sandboxes),
+                             self._restarted_for)
+                self._backend = backend
         return self._backend
 
-    def _sandbox(self, env_id: str) -> Sandbox:
+    def _hold(self, leftovers: list[Leftover]) -> None:
+        for leftover in leftovers:
+            if leftover.sandbox is not None:
+                self._sandboxes[leftover.env_id] = leftover.sandbox
+
+    async def _held(self, env_id: str) -> Sandbox:
+        await self._opened()  # a restarted agent has taken its sandboxes back first
         sandbox = self._sandboxes.get(env_id)
         if sandbox is None:
             raise SandboxError("environment_lost", f"the node's agent holds no sandbox {env_id!r} (it restarted "
@@ -73,7 +94,8 @@ class NodeAgent:
 
     @replying
     async def describe(self) -> dict[str, Any]:
-        return (await self._opened()).describe()
+        """The node's backend as it describes itself, and the node's hardware."""
+        return {"backend": (await self._opened()).describe(), "hardware": self._hardware}
 
     @replying
     async def create(self, spec: SandboxSpec) -> dict[str, Any]:
@@ -89,11 +111,11 @@ class NodeAgent:
     @replying
     async def adopt(self, broker_id: str) -> list[dict[str, Any]]:
         """The node's leftovers of ``broker_id``, as dicts; the adopted sandboxes are held by their ids."""
+        leftovers = await (await self._opened()).adopt(broker_id)
+        self._hold(leftovers)
         answer = []
-        for leftover in await (await self._opened()).adopt(broker_id):
+        for leftover in leftovers:
             sandbox = leftover.sandbox
-            if sandbox is not None:
-                self._sandboxes[leftover.env_id] = sandbox
             answer.append({"env_id": leftover.env_id, "task": leftover.task, "trajectory": leftover.trajectory,
                            "image": leftover.image, "memory_mb": leftover.memory_mb,
                            "created_at": leftover.created_at, "lost_reason": leftover.lost_reason,
@@ -107,18 +129,33 @@ class NodeAgent:
 
     @replying
     async def set_cores(self, env_id: str, cores: frozenset[int]) -> None:
-        await self._sandbox(env_id).set_cores(cores)
+        sandbox = await self._held(env_id)
+        await sandbox.set_cores(cores)
 
     @replying
     async def set_action_cores(self, env_id: str, tag: str, cores: frozenset[int]) -> None:
-        await self._sandbox(env_id).set_action_cores(tag, cores)
+        sandbox = await self._held(env_id)
+        await sandbox.set_action_cores(tag, cores)
 
     @replying
     async def run(self, env_id: str, request: dict[str, Any]) -> dict[str, Any]:
-        return await self._sandbox(env_id).run(request)
+        sandbox = await self._held(env_id)
+        return await sandbox.run(request)
+
+    @replying
+    async def execute(self, env_id: str, tag: str, request: dict[str, Any]) -> Executed:
+        """One action's command with its pinning and settling, in the one call an action costs the broker."""
+        sandbox = await self._held(env_id)
+        return await sandbox.execute(tag, request)
+
+    @replying
+    async def repin(self, env_id: str, tag: str, cores: frozenset[int]) -> None:
+        sandbox = await self._held(env_id)
+        await sandbox.repin(tag, cores)
 
     @replying
     async def destroy(self, env_id: str) -> None:
+        await self._opened()
         sandbox = self._sandboxes.pop(env_id, None)
         if sandbox is not None:
             await sandbox.destroy()

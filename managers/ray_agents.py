@@ -1,6 +1,9 @@
 """Node agents as Ray actors (issue 17): each CPU node with ``agent = true`` gets one, placed on the Ray node that
 carries the custom resource ``tangram_node_<name>`` (``ray start --resources '{"tangram_node_n2": 1}'``), restarted
-by Ray when it dies. Only a config with such a node imports this module, so a one-machine broker needs no Ray.
+by Ray when it dies (the restarted agent takes its sandboxes back by their labels). The agent is detached from the
+broker's process, so a broker that crashes finds it again under its name when it comes back and adopts through it;
+a broker that stops lets it go. Only a config with such a node imports this module, so a one-machine broker needs
+no Ray.
 
 Ray's cluster is the trust boundary: whoever can reach the cluster can call the agents, as whoever can reach a
 Docker engine's socket can run containers. Run the cluster on a private network (and with Ray's token
@@ -18,10 +21,10 @@ import ray
 from ray.exceptions import ActorDiedError, RayActorError
 
 from managers.agent_backend import AgentBackend
-from managers.cpu_config import CpuConfig, CpuNodeConfig
+from managers.cpu_config import CpuConfig, CpuNodeConfig, on_this_host
 from managers.node_agent import NodeAgent, Reply, failed
 from managers.sandbox_backends import open_sandbox_backend
-from sandboxes.backend import SandboxError
+from sandboxes.backend import NodeHardware, SandboxError
 
 log = logging.getLogger("tangram.cpu")
 
@@ -29,17 +32,23 @@ log = logging.getLogger("tangram.cpu")
 PLACEMENT_TIMEOUT_S = 60.0
 
 
+NODE_RESOURCE_PREFIX = "tangram_node_"
+
+
 def node_resource(node: str) -> str:
     """The custom resource that marks the Ray node where node ``node``'s agent runs."""
-    return f"tangram_node_{node}"
+    return NODE_RESOURCE_PREFIX + node
 
 
 class RayNodeAgent(NodeAgent):
     """The agent as its Ray actor builds it: it opens the node's own backend (its local engine) on that node."""
 
     def __init__(self, node: CpuNodeConfig, config: CpuConfig) -> None:
-        local = replace(node, agent=False)
-        super().__init__(lambda: open_sandbox_backend(local, config), config.limits)
+        local = on_this_host(replace(node, agent=False))  # the defaults of the agent's own host
+        restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        super().__init__(lambda: open_sandbox_backend(local, config), config.limits,
+                         NodeHardware(local.cores, local.memory_mb, local.numa),
+                         restarted_for=config.broker_id if restarted else None)
 
 
 _RemoteAgent: Any = ray.remote(RayNodeAgent)
@@ -58,7 +67,7 @@ async def open_agent_backend(node: CpuNodeConfig, config: CpuConfig) -> AgentBac
     resource or the agent does not answer in time."""
     await asyncio.to_thread(connect, config.ray_address)
     actor = _RemoteAgent.options(
-        name=f"tangram-agent-{config.broker_id}-{node.name}", get_if_exists=True, num_cpus=0,
+        name=f"tangram-agent-{config.broker_id}-{node.name}", get_if_exists=True, lifetime="detached", num_cpus=0,
         resources={node_resource(node.name): 0.001}, max_restarts=-1, max_concurrency=1000).remote(node, config)
 
     async def call(method: str, *args: Any) -> Reply:

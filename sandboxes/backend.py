@@ -8,10 +8,12 @@ idle), run one command through its executor, and go away.
 from __future__ import annotations
 
 import abc
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from sandboxes.core_pins import CorePins
 from sandboxes.executor import UNKNOWN_OP
 from sandboxes.executor_client import ExecutorUnavailable, call
 
@@ -95,11 +97,54 @@ class Leftover:
         return replace(self, lost_reason=f"the broker restarted and the sandbox was gone: {problem}")
 
 
+@dataclass(frozen=True)
+class Executed:
+    """What ``Sandbox.execute`` answers: the executor's response, and why the sandbox could not be narrowed or
+    frozen after the command (the command's result stands; the sandbox should be taken as lost), or None."""
+
+    response: dict[str, Any]
+    unsettled: str | None = None
+
+
 class Sandbox(abc.ABC):
     """One live environment on one node."""
 
     #: the working directory commands run in unless they name another
     workdir: str = "/workspace"
+
+    @functools.cached_property
+    def _pins(self) -> CorePins:
+        return CorePins()
+
+    async def execute(self, tag: str, request: dict[str, Any]) -> Executed:
+        """Run one executor request tagged ``tag`` on its "cpus": the sandbox widens to the union of its running
+        commands' cores first and narrows to those still running (frozen when none) after. The command starts on
+        the cores of a ``repin`` that came before it. Raises ``SandboxError`` as ``run`` and ``set_cores`` do."""
+        cores = self._pins.start(tag, frozenset(request["cpus"]))  # before any await: a repin now finds it
+        try:
+            async with self._pins.lock:
+                await self.set_cores(self._pins.union())
+            response = await self.run({**request, "cpus": sorted(cores), "tag": tag})
+        finally:
+            self._pins.end(tag)
+            unsettled = await self._settle()
+        return Executed(response, unsettled)
+
+    async def _settle(self) -> str | None:
+        try:
+            async with self._pins.lock:
+                await self.set_cores(self._pins.union())
+        except SandboxError as error:
+            return error.message
+        return None
+
+    async def repin(self, tag: str, cores: frozenset[int]) -> None:
+        """Move the running command tagged ``tag`` onto ``cores`` (a malleable action grew or shrank), widening or
+        narrowing the sandbox with it; a command not started yet will start on them."""
+        async with self._pins.lock:
+            if self._pins.move(tag, cores):
+                await self.set_cores(self._pins.union())
+                await self.set_action_cores(tag, cores)
 
     @abc.abstractmethod
     async def set_cores(self, cores: frozenset[int]) -> None:
@@ -146,10 +191,22 @@ async def repin_via_executor(socket_path: str, tag: str, cores: frozenset[int]) 
     return True
 
 
+@dataclass(frozen=True)
+class NodeHardware:
+    """A node's cores, the memory its environments may reserve and its NUMA groups, as read on the node itself."""
+
+    cores: tuple[int, ...]
+    memory_mb: int
+    numa: tuple[tuple[int, ...], ...]
+
+
 class SandboxBackend(abc.ABC):
     """Creates sandboxes on one node (one Docker engine, or this host's processes)."""
 
     kind: str = "backend"
+    #: what the node reported about itself once started (a node behind an agent, on another host); None: the
+    #: config and the broker's host say
+    hardware: NodeHardware | None = None
 
     @abc.abstractmethod
     async def create(self, spec: SandboxSpec) -> Sandbox:

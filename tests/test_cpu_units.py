@@ -10,7 +10,7 @@ import pytest
 
 from managers.cores import CorePool
 from managers.cpu import CpuManager
-from managers.cpu_config import CpuNodeConfig, parse_cpu_config
+from managers.cpu_config import CpuNodeConfig, on_this_host, parse_cpu_config
 from managers.cpu_node import CpuNode
 from managers.exec_spec import ExecLimits, executor_request, parse_exec_spec, rewrite_pytest
 from sandboxes.cgroup import cpu_list, parse_cpu_list
@@ -98,6 +98,9 @@ def test_bad_exec_specs_name_the_field(spec, field, refusal):
     ({"nodes": {"n": {"tls_ca": "/nonexistent"}}}, "cpu.nodes.n.tls_ca"),
     ({"idle_ttl_s": 0}, "cpu.idle_ttl_s"),
     ({"limits": {"max_files": 0}}, "cpu.limits.max_files"),
+    ({"join": {"backend": "podman"}}, "cpu.join.backend"),
+    ({"join": {"engine": "http://x"}}, "cpu.join.engine"),
+    ({"join": {"cores": "0-3"}}, "cpu.join.cores"),  # a joining node's agent reads its cores on its host
     ({"color": "blue"}, "cpu.color"),
     ({"run_dir": "/tmp/" + "d" * 80}, "cpu.run_dir"),
 ])
@@ -107,11 +110,19 @@ def test_bad_cpu_config_names_the_key(raw, key):
     assert caught.value.key == key
 
 
+def test_a_node_behind_an_agent_leaves_its_hardware_to_the_agent():
+    config = parse_cpu_config({"nodes": {"far": {"agent": True}}, "join": {"engine": "unix:///run/d.sock"}})
+    assert config.nodes[0].cores == () and config.nodes[0].memory_mb == 0
+    assert on_this_host(config.nodes[0]) == config.nodes[0]  # the broker's host does not say what it has
+    assert config.join is not None and config.join.node("n7") == CpuNodeConfig(
+        name="n7", engine="unix:///run/d.sock", agent=True)
+
+
 def _manager_with_nodes(memory: dict[str, int], cores: dict[str, list[int]]) -> CpuManager:
     manager = CpuManager(parse_cpu_config({}))
     for name, memory_mb in memory.items():
         node_config = CpuNodeConfig(name=name, cores=tuple(cores[name]), memory_mb=memory_mb)
-        manager.nodes[name] = CpuNode(node_config, backend=None, numa=[cores[name]])  # type: ignore[arg-type]
+        manager.nodes[name] = CpuNode(node_config, backend=None)  # type: ignore[arg-type]
     return manager
 
 

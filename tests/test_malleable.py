@@ -118,7 +118,7 @@ def manager(cores: int = 8) -> CpuManager:
                                                                         tuple(range(cores // 2, cores))),
                            memory_mb=1 << 20)
     cpu = CpuManager(CpuConfig(nodes=(config,)))
-    cpu.add_node(CpuNode(config, NoSandboxes(), config.numa))
+    cpu.add_node(CpuNode(config, NoSandboxes()))
     return cpu
 
 
@@ -225,7 +225,7 @@ def test_workers_stay_within_the_actions_maximum() -> None:
     action = elastic(0)  # 1-8 cores
     assert manager().workers(action, "cpu", 2, expected_s=10.0) == 2  # the default: one worker per starting core
     cpu = CpuManager(CpuConfig(nodes=manager().config.nodes, worker_overhead=0.5, worker_start_s=0.25))
-    cpu.add_node(CpuNode(cpu.config.nodes[0], NoSandboxes(), cpu.config.nodes[0].numa))
+    cpu.add_node(CpuNode(cpu.config.nodes[0], NoSandboxes()))
     assert cpu.workers(action, "cpu", 2, expected_s=0.25) == 3  # 50% of 0.25 s on 2 cores pays one 0.25 s worker
     assert cpu.workers(action, "cpu", 2, expected_s=100.0) == 8  # a long run: the action's maximum, not the node's
 

@@ -44,7 +44,7 @@ def _cpu() -> CpuManager:
                   for i in range(2))
     manager = CpuManager(CpuConfig(nodes=nodes, malleable=False, max_environments=1 << 20))
     for config in nodes:
-        manager.add_node(CpuNode(config, NoSandboxes(), config.numa))
+        manager.add_node(CpuNode(config, NoSandboxes()))
     return manager
 
 

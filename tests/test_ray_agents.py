@@ -5,8 +5,11 @@ hosts' engines), with the fast path, behind the same sandbox seam the CPU manage
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
-from typing import Any
+import os
+import signal
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any, TypeVar
 
 import pytest
 import ray
@@ -15,20 +18,25 @@ from ray.cluster_utils import Cluster
 from managers.exec_spec import ExecLimits, check_files
 from managers.node_agent import NodeAgent
 from managers.ray_agents import node_resource
-from sandboxes.backend import LABEL_ENV, SandboxBackend, SandboxSpec
+from sandboxes.backend import LABEL_ENV, NodeHardware, SandboxBackend, SandboxSpec
 from tangram.core.errors import RequestError
 from tangram.sim.broker_station import NoSandboxes
 from tests.docker_nodes import cpu_config, docker_engines, labelled_containers
 from tests.harness import Live, live_broker
 
+T = TypeVar("T")
+
 #: each Ray node: one CPU and a small object store (Ray's default takes 30% of this machine's memory per node)
 NODE: dict[str, Any] = {"num_cpus": 1, "object_store_memory": 80 << 20}
+#: the GCS marks a raylet dead after three missed health checks 0.5 s apart (Ray's default takes ~15 s)
+HEALTH_CHECKS = {"health_check_period_ms": 500, "health_check_timeout_ms": 500, "health_check_failure_threshold": 3}
 
 
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[Cluster]:
     """A head and a second raylet: the Ray nodes of CPU nodes n1 and n2."""
-    cluster = Cluster(initialize_head=True, head_node_args={**NODE, "resources": {node_resource("n1"): 1}})
+    cluster = Cluster(initialize_head=True, head_node_args={**NODE, "resources": {node_resource("n1"): 1},
+                                                            "_system_config": HEALTH_CHECKS})
     cluster.add_node(**NODE, resources={node_resource("n2"): 1})
     cluster.wait_for_nodes()
     try:
@@ -108,7 +116,7 @@ async def test_the_agent_refuses_bad_files_itself(files: dict[str, bytes]) -> No
         return NoSandboxes()  # its create raises: the agent must refuse before reaching the engine
 
     limits = ExecLimits(max_files=2, max_files_bytes=1024)
-    agent = NodeAgent(opened, limits)
+    agent = NodeAgent(opened, limits, NodeHardware(cores=(0,), memory_mb=64, numa=((0,),)))
     spec = SandboxSpec(env_id="env-1", task="t", trajectory=None, image="i", memory_mb=64, pids_limit=64, files=files)
     reply = await agent.create(spec)
     assert reply["error"]["code"] == "bad_files" and not reply["error"]["lost"]
@@ -116,3 +124,96 @@ async def test_the_agent_refuses_bad_files_itself(files: dict[str, bytes]) -> No
     with pytest.raises(RequestError):
         check_files(files, "files", limits)
     check_files({"ok/inside.txt": b"x" * 1000, "b": b"x" * 24}, "files", limits)  # inside and within the bounds
+
+
+async def test_an_agent_restarted_by_ray_takes_its_sandboxes_back(ray_cluster: Cluster, tmp_path) -> None:
+    raw = agent_nodes(ray_cluster)
+    broker_id = raw["cpu"]["broker_id"]
+    async with live_broker(raw, str(tmp_path / "t.db")) as live:
+        records = await asyncio.gather(*(run(live, f"echo {t} > mine", t) for t in ("a", "b")))
+        by_node = {r["result"]["node"]: r for r in records}
+        agent = ray.get_actor(f"tangram-agent-{broker_id}-n2", namespace="tangram")
+        pid = await agent.__ray_call__.remote(lambda _: os.getpid())
+        os.kill(pid, signal.SIGKILL)  # the agent's process dies; Ray starts it again
+        for _ in range(100):  # until Ray has restarted it, an action sent to it ends with a code to retry on
+            again = await run(live, "cat mine", by_node["n2"]["trajectory"])
+            if again["state"] == "succeeded":
+                break
+            assert again["error"]["code"] == "node_unavailable", again["error"]
+            await asyncio.sleep(0.1)
+        assert again["state"] == "succeeded", again["error"]
+        assert again["result"]["stdout"] == f"{by_node['n2']['trajectory']}\n"  # the same sandbox, files kept
+        assert again["result"]["environment"] == by_node["n2"]["result"]["environment"]
+        assert await agent.__ray_call__.remote(lambda _: os.getpid()) != pid
+    for engine in docker_engines():  # the restarted agent removed its sandbox at the broker's stop
+        assert labelled_containers(engine, broker_id) == []
+
+
+def n2_raylet(cluster: Cluster) -> Any:
+    """The cluster's only worker node: n2's."""
+    [node] = cluster.worker_nodes
+    return node
+
+
+async def until(check: Callable[[], Awaitable[Any]], timeout_s: float = 60.0) -> Any:
+    """``check()``'s first true answer, polled; fails the test past ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not (answer := await check()):
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.1)
+    return answer
+
+
+async def test_a_node_joins_from_ray_leaves_with_its_raylet_and_comes_back(ray_cluster: Cluster, tmp_path) -> None:
+    """n2's raylet goes, and comes back while the broker runs: the joining node is used without a restart, its
+    loss ends its running action and lists its environment lost, and its return brings the environment back."""
+    engines = docker_engines()
+    raw = agent_nodes(ray_cluster)
+    raw["cpu"]["nodes"].pop("n2")
+    raw["cpu"]["join"] = {"backend": "docker", "engine": engines[1]}  # a joining node runs on this engine
+    broker_id = raw["cpu"]["broker_id"]
+    ray_cluster.remove_node(n2_raylet(ray_cluster))
+    async with live_broker(raw, str(tmp_path / "t.db")) as live:
+        async def cpu_pools() -> dict[str, Any]:
+            _, resources = await live.call("GET", "/v1/resources")
+            return {row["pool"]: row for row in resources["resources"] if row["resource"] == "cpu"}
+
+        assert set(await cpu_pools()) == {"n1"}
+        ray_cluster.add_node(**NODE, resources={node_resource("n2"): 1})
+        pools = await until(lambda: _with(cpu_pools(), lambda pools: "n2" in pools and pools))
+        assert pools["n2"]["backend"] == "agent" and pools["n2"]["capacity"] == len(os.sched_getaffinity(0))
+        # n2 reported this host's memory (80% of it), far more than n1's 2 GiB: new trajectories go there
+        first = await run(live, "echo kept > mine", "stays")
+        assert first["result"]["node"] == "n2", first
+        env_id = first["result"]["environment"]
+        running = asyncio.create_task(run(live, "sleep 60", "running"))
+        await until(lambda: _with(cpu_pools(), lambda pools: pools["n2"]["in_use"] == 1))
+
+        left_at = time.monotonic()
+        ray_cluster.remove_node(n2_raylet(ray_cluster), allow_graceful=False)
+        ended = await running
+        assert ended["state"] == "failed" and ended["error"]["code"] in ("node_unavailable", "node_lost"), ended
+        env = await until(lambda: _with(live.call("GET", f"/v1/environments/{env_id}"),
+                                        lambda answer: answer[1]["state"] == "lost" and answer[1]))
+        detected_s = time.monotonic() - left_at
+        assert "left the cluster" in env["lost_reason"]
+        pools = await cpu_pools()
+        assert pools["n2"]["lost"] and pools["n2"]["in_use"] == 0  # its cores are back, none leaked
+        elsewhere = await run(live, "echo fine", "new")  # new trajectories go to the nodes still there
+        assert elsewhere["state"] == "succeeded" and elsewhere["result"]["node"] == "n1", elsewhere
+        lost = await run(live, "cat mine", "stays")
+        assert lost["state"] == "failed" and lost["error"]["code"] == "environment_lost", lost
+
+        ray_cluster.add_node(**NODE, resources={node_resource("n2"): 1})
+        await until(lambda: _with(live.call("GET", f"/v1/environments/{env_id}"),
+                                  lambda answer: answer[1]["state"] == "ready"))
+        back = await run(live, "cat mine", "stays")  # the same sandbox, adopted by its labels
+        assert back["state"] == "succeeded" and back["result"]["stdout"] == "kept\n", back
+        assert (await cpu_pools())["n2"]["lost"] is None
+        print(f"node loss: action ended and environment listed lost {detected_s:.1f} s after the raylet died")
+    for engine in engines:
+        assert labelled_containers(engine, broker_id) == []
+
+
+async def _with(answer: Awaitable[T], check: Callable[[T], Any]) -> Any:
+    return check(await answer)

@@ -51,7 +51,7 @@ def moldable(cores: int) -> ResourceManager:
 def malleable(cores: int, worker_overhead: float = 0.0) -> ResourceManager:
     config = CpuNodeConfig(name="n", cores=tuple(range(cores)), numa=(tuple(range(cores)),), memory_mb=1 << 20)
     cpu = CpuManager(CpuConfig(nodes=(config,), worker_overhead=worker_overhead))
-    cpu.add_node(CpuNode(config, NoSandboxes(), config.numa))
+    cpu.add_node(CpuNode(config, NoSandboxes()))
     return cpu
 
 

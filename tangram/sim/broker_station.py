@@ -86,7 +86,7 @@ def build_managers(cluster: Cluster, clock: Any, malleable: bool = True,
         cpu = CpuManager(CpuConfig(nodes=nodes, max_environments=1 << 30, malleable=malleable,
                                    worker_start_s=cluster.costs.xdist_worker_cpu_s, worker_overhead=worker_overhead))
         for config in nodes:
-            cpu.add_node(CpuNode(config, NoSandboxes(), [config.cores]))
+            cpu.add_node(CpuNode(config, NoSandboxes()))
         managers.append(cpu)
     if cluster.gpu_node_sizes:
         specs = tuple(ServiceSpec(name=s.name, backend="torch", model=s.name, task="similarity", dops=s.dops,
