@@ -25,6 +25,8 @@ from tangram.core.retry import backoff_s, retry_after_s
 RETRY_STATUSES = frozenset({429, 503})
 #: slack over a long poll's wait before the HTTP request itself counts as timed out
 POLL_SLACK_S = 30.0
+#: the longest pause between two brokers while failing over (a standby takes over within seconds)
+FAILOVER_PAUSE_S = 1.0
 
 Demand = int | tuple[int, int] | Sequence[int] | Mapping[str, Any]
 
@@ -40,17 +42,31 @@ def unit_demand(units: Demand) -> Any:
     return {"choices": list(units)}
 
 
-class AsyncTangramClient:
-    """A session with one broker. Use as ``async with AsyncTangramClient(url, task="my-task") as client``."""
+def _standby_error(payload: Any) -> dict[str, Any] | None:
+    """The error of a broker standing by (its body names the leader), else None."""
+    error = payload.get("error") if isinstance(payload, dict) else None
+    return error if isinstance(error, dict) and error.get("code") == "standby" else None
 
-    def __init__(self, base_url: str = "http://127.0.0.1:8300", *, task: str | None = None, retries: int = 3,
-                 backoff_s: float = 0.2, max_backoff_s: float = 10.0, request_timeout_s: float = 30.0,
-                 wait_chunk_s: float = 30.0, max_connections: int = 100, token: str | None = None) -> None:
-        """``wait_chunk_s`` is one long poll's length; longer waits take several. It must not exceed the broker's
-        ``server.max_wait_s`` (300 s by default)."""
+
+class AsyncTangramClient:
+    """A session with a broker. Use as ``async with AsyncTangramClient(url, task="my-task") as client``."""
+
+    def __init__(self, base_url: str | Sequence[str] = "http://127.0.0.1:8300", *, task: str | None = None,
+                 retries: int = 3, backoff_s: float = 0.2, max_backoff_s: float = 10.0,
+                 request_timeout_s: float = 30.0, wait_chunk_s: float = 30.0, max_connections: int = 100,
+                 token: str | None = None, failover_s: float = 30.0) -> None:
+        """``base_url`` may list the brokers of one store (a leader and its standbys): a request that finds a
+        broker unreachable, or standing by, goes to the next one (or to the leader the standby names) for up to
+        ``failover_s``; submits carry idempotency keys, so none runs twice. ``wait_chunk_s`` is one long poll's
+        length; longer waits take several. It must not exceed the broker's ``server.max_wait_s`` (300 s by
+        default)."""
         if retries < 0:
             raise ValueError("retries must be >= 0")
-        self.base_url = base_url.rstrip("/")
+        self.urls = [url.rstrip("/") for url in ([base_url] if isinstance(base_url, str) else base_url)]
+        if not self.urls:
+            raise ValueError("base_url: give at least one broker URL")
+        self.base_url = self.urls[0]
+        self.failover_s = failover_s
         self.task = task
         self.retries = retries
         self.backoff_s = backoff_s
@@ -94,6 +110,7 @@ class AsyncTangramClient:
         raises the typed error of the broker's answer."""
         timeout = aiohttp.ClientTimeout(total=timeout_s or self.request_timeout_s)
         attempt = 0
+        started = time.monotonic()
         while True:
             try:
                 async with self._http().request(method, self.base_url + path, json=body, params=params,
@@ -101,6 +118,10 @@ class AsyncTangramClient:
                     raw = await response.read()
                     status, retry_after = response.status, response.headers.get("Retry-After")
             except (aiohttp.ClientConnectionError, TimeoutError) as error:
+                if self._fail_over(started, None):
+                    await asyncio.sleep(min(self._delay(attempt, None), FAILOVER_PAUSE_S))
+                    attempt += 1
+                    continue
                 if attempt >= self.retries:
                     raise BrokerUnreachable(f"{method} {path}: {error!r} after {attempt + 1} attempts") from error
                 await asyncio.sleep(self._delay(attempt, None))
@@ -112,11 +133,28 @@ class AsyncTangramClient:
                 payload = raw.decode(errors="replace")
             if status < 400:
                 return status, payload
+            standby = _standby_error(payload) if status == 503 else None
+            if standby is not None and self._fail_over(started, standby.get("leader")):
+                await asyncio.sleep(min(self._delay(attempt, None), FAILOVER_PAUSE_S))
+                attempt += 1
+                continue
             if status in RETRY_STATUSES and attempt < self.retries:
                 await asyncio.sleep(self._delay(attempt, retry_after))
                 attempt += 1
                 continue
             raise api_error(status, payload, attempt + 1)
+
+    def _fail_over(self, started: float, leader: str | None) -> bool:
+        """Move to the named leader if it is one of ours, else to the next broker; False when there is no other
+        broker or the request has tried for ``failover_s`` already."""
+        if len(self.urls) < 2 or time.monotonic() - started > self.failover_s:
+            return False
+        leader = leader.rstrip("/") if leader else None
+        if leader in self.urls and leader != self.base_url:
+            self.base_url = leader
+        else:
+            self.base_url = self.urls[(self.urls.index(self.base_url) + 1) % len(self.urls)]
+        return True
 
     def _task(self, task: str | None) -> str:
         task = task or self.task

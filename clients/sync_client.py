@@ -22,7 +22,7 @@ class TangramClient:
     """``with TangramClient(url, task="my-task") as client: client.exec("ls", trajectory="t1")``. Arguments and
     methods are those of ``AsyncTangramClient``; each method blocks until its answer."""
 
-    def __init__(self, base_url: str = "http://127.0.0.1:8300", **options: Any) -> None:
+    def __init__(self, base_url: str | Sequence[str] = "http://127.0.0.1:8300", **options: Any) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="tangram-client", daemon=True)
         self._thread.start()

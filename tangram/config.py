@@ -97,6 +97,11 @@ class ServerConfig:
     status_keep_s: Seconds = 900.0
     #: on SIGTERM, how long running actions may take to finish before they are cancelled
     drain_s: Seconds = 30.0
+    #: where clients reach this broker (a standby tells them the leader's); default http://host:port
+    advertise_url: Text | None = None
+
+    def url(self) -> str:
+        return self.advertise_url or f"http://{self.host}:{self.port}"
 
 
 @dataclass(frozen=True)
@@ -117,6 +122,14 @@ class StoreConfig:
     __pydantic_config__ = TABLE
 
     url: Text = DEFAULT_DB
+    #: several brokers share this (PostgreSQL) store: one leads, the others stand by and take over when it dies
+    leader_election: Flag = False
+
+
+def check_store(store: StoreConfig) -> StoreConfig:
+    if store.leader_election and not store.url.startswith("postgresql"):
+        raise ConfigError("store.leader_election", "needs a PostgreSQL store (store.url = \"postgresql+asyncpg://...\")")
+    return store
 
 
 @dataclass(frozen=True)
@@ -185,7 +198,7 @@ def parse_config(raw: dict[str, Any]) -> Config:
         server=table(ServerConfig, raw.get("server", {}), "server"),
         access=parse_access(raw),
         scheduler=table(SchedulerConfig, raw.get("scheduler", {}), "scheduler"),
-        store=table(StoreConfig, raw.get("store", {}), "store"),
+        store=check_store(table(StoreConfig, raw.get("store", {}), "store")),
         limits=table(Limits, raw.get("limits", {}), "limits"),
         pools=table(Pools, raw.get("pools", {}), "pools"),
         cpu=parse_cpu_config(raw.get("cpu", {})),
@@ -231,7 +244,7 @@ def load_config(path: str | Path | None, environ: Mapping[str, str] = os.environ
         config = replace(config, access=replace(config.access, source=str(path)))
     url = environ.get(STORE_URL_ENV)
     if url:
-        config = replace(config, store=StoreConfig(url=url))
+        config = replace(config, store=check_store(replace(config.store, url=url)))
     admins = environ.get(ADMIN_TOKEN_ENV, "").strip()
     if admins:
         access = config.access

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import os
 import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -22,9 +23,14 @@ from tangram.api import build_app
 from tangram.broker import Broker
 from tangram.config import Config
 from tangram.core.seam import ResourceManager
+from tangram.leadership import Leadership
+from tangram.standby import stand_by
 from tangram.store import Store
 
 log = logging.getLogger("tangram")
+
+#: the exit status of a leader that stopped because it may no longer hold its lock (a supervisor restarts it)
+LOST_LEADERSHIP_EXIT = 3
 
 
 def build_managers(config: Config) -> list[ResourceManager]:
@@ -59,6 +65,27 @@ async def running_broker(config: Config) -> AsyncIterator[tuple[Broker, web.Appl
 
 
 async def serve(config: Config) -> None:
+    """Serve until SIGTERM or SIGINT. With ``[store] leader_election``, first stand by until this broker leads."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    leadership = None
+    if config.store.leader_election:
+        leadership = await Leadership.open(config.store.url, config.server.url())
+        if not await stand_by(config.server, leadership, stop):
+            await leadership.close()
+            return
+    try:
+        await lead(config, stop, leadership)
+    finally:
+        if leadership is not None:
+            await leadership.close()
+
+
+async def lead(config: Config, stop: asyncio.Event, leadership: Leadership | None) -> None:
+    """Run the broker until ``stop``; a leader that may have lost its lock exits at once instead (another broker
+    may lead the store by then: nothing more of this one's may reach it)."""
     async with running_broker(config) as (broker, app):
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
@@ -70,17 +97,22 @@ async def serve(config: Config) -> None:
         gc.freeze()
         log.info("ARL-Tangram broker listening on http://%s:%d (store %s)", config.server.host,
                  config.server.port, make_url(config.store.url).render_as_string(hide_password=True))
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(signum, stop.set)
+        lost = asyncio.create_task(leadership.lost()) if leadership is not None else None
+        stopping = asyncio.create_task(stop.wait())
         try:
-            await stop.wait()
+            await asyncio.wait({stopping} | ({lost} if lost else set()), return_when=asyncio.FIRST_COMPLETED)
+            if lost is not None and lost.done():
+                log.critical("stopping at once: %s", lost.result())
+                logging.shutdown()
+                os._exit(LOST_LEADERSHIP_EXIT)
             # drain while still serving, so clients waiting on running actions get their results; then stop
             # serving, and the broker and store close (queued actions stay in the store for the next start)
             log.info("stopping: draining for at most %.0f s", config.server.drain_s)
             await broker.drain(config.server.drain_s)
         finally:
+            for task in (stopping, lost):
+                if task is not None:
+                    task.cancel()
             await runner.cleanup()
 
 

@@ -29,6 +29,16 @@ async def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     """An empty database per backend: a new SQLite file, or the PostgreSQL test database with our tables dropped."""
     if request.param == "sqlite":
         return f"sqlite+aiosqlite:///{tmp_path}/store/tangram.db"
+    return await empty_postgres()
+
+
+@pytest_asyncio.fixture
+async def postgres_url() -> str:
+    """The PostgreSQL test database, our tables dropped (for tests that only make sense on PostgreSQL)."""
+    return await empty_postgres()
+
+
+async def empty_postgres() -> str:
     url = os.environ.get(PG_URL_ENV)
     if not url:
         message = (f"{PG_URL_ENV} is not set: run `eval \"$(scripts/start-postgres.sh)\"` (as root) to start "

@@ -15,14 +15,16 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
+from clients.client import AsyncTangramClient
 from managers.exec_spec import ExecLimits, check_files
 from managers.node_agent import NodeAgent
 from managers.ray_agents import node_resource
 from sandboxes.backend import LABEL_ENV, NodeHardware, SandboxBackend, SandboxSpec
 from tangram.core.errors import RequestError
 from tangram.sim.broker_station import NoSandboxes
-from tests.docker_nodes import cpu_config, docker_engines, labelled_containers
+from tests.docker_nodes import cpu_config, docker_engines, labelled_containers, new_broker_id
 from tests.harness import Live, live_broker
+from tests.test_recovery import free_port, start_broker
 
 T = TypeVar("T")
 
@@ -217,3 +219,47 @@ async def test_a_node_joins_from_ray_leaves_with_its_raylet_and_comes_back(ray_c
 
 async def _with(answer: Awaitable[T], check: Callable[[T], Any]) -> Any:
     return check(await answer)
+
+
+async def test_a_standby_broker_takes_over_the_agents_and_their_sandboxes(ray_cluster: Cluster, postgres_url: str,
+                                                                          tmp_path) -> None:
+    """Two brokers on one PostgreSQL store, nodes behind agents: the leader killed with SIGKILL, the standby leads
+    through the same agents (detached from the dead broker), and the trajectories' sandboxes go on."""
+    engines = docker_engines()
+    broker_id = new_broker_id()
+    ports = free_port(), free_port()
+    configs = []
+    for i, port in enumerate(ports):
+        path = tmp_path / f"b{i}.toml"
+        path.write_text(
+            f'[store]\nurl = "{postgres_url}"\nleader_election = true\n'
+            f'[server]\nadvertise_url = "http://127.0.0.1:{port}"\n'
+            f'[cpu]\nbroker_id = "{broker_id}"\nray_address = "{ray_cluster.address}"\ndefault_memory_mb = 256\n'
+            + "".join(f'[cpu.nodes.{name}]\nagent = true\nbackend = "docker"\nengine = "{engine}"\n'
+                      f'cores = "0-1"\nmemory_mb = 2048\n' for name, engine in zip(("n1", "n2"), engines)))
+        configs.append(path)
+    leader = await start_broker(configs[0], ports[0], timeout_s=120)
+    standby = await start_broker(configs[1], ports[1], timeout_s=60)
+    try:
+        async with AsyncTangramClient([f"http://127.0.0.1:{port}" for port in ports], task="t",
+                                      failover_s=60) as client:
+            first = [await client.exec(f"echo {t} > mine", trajectory=t) for t in ("a", "b")]
+            assert {r.result["node"] for r in first if r.result} == {"n1", "n2"}
+            agents = {name: ray.get_actor(f"tangram-agent-{broker_id}-{name}", namespace="tangram")
+                      for name in ("n1", "n2")}
+            pids = {name: await agent.__ray_call__.remote(lambda _: os.getpid()) for name, agent in agents.items()}
+            leader.send_signal(signal.SIGKILL)
+            await leader.wait()
+            again = [await client.exec("cat mine", trajectory=t) for t in ("a", "b")]
+        assert [r.result["stdout"] for r in again if r.result] == ["a\n", "b\n"]  # the same sandboxes, kept
+        assert [r.result["environment"] for r in again if r.result] == [r.result["environment"]
+                                                                        for r in first if r.result]
+        assert {name: await agent.__ray_call__.remote(lambda _: os.getpid())  # the same agents, not new ones
+                for name, agent in agents.items()} == pids
+    finally:
+        for process in (leader, standby):
+            if process.returncode is None:
+                process.send_signal(signal.SIGTERM)
+                await process.wait()
+    for engine in engines:  # the new leader's stop removed the sandboxes through the agents
+        assert labelled_containers(engine, broker_id) == []

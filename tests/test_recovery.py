@@ -32,19 +32,21 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-async def start_broker(config: Path, port: int) -> asyncio.subprocess.Process:
+async def start_broker(config: Path, port: int, timeout_s: float = 10.0) -> asyncio.subprocess.Process:
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "tangram.cli", "serve", "--config", str(config), "--port", str(port),
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+    deadline = time.monotonic() + timeout_s
     async with aiohttp.ClientSession() as http:
-        for _ in range(200):
+        while time.monotonic() < deadline and process.returncode is None:
             try:
                 async with http.get(f"http://127.0.0.1:{port}/healthz") as response:
                     if response.status == 200:
                         return process
             except aiohttp.ClientConnectionError:
                 await asyncio.sleep(0.05)
-    process.kill()
+    if process.returncode is None:
+        process.kill()
     raise AssertionError("the broker did not start")
 
 

@@ -1,0 +1,83 @@
+"""One leader among the brokers that share a PostgreSQL store (issue 17): the others stand by and take over when it
+dies.
+
+Leading is holding a session-level advisory lock on a connection of its own. PostgreSQL drops the lock the moment
+that session ends, so a leader killed with ``kill -9`` (or whose host dies, once TCP says so) frees it, and a standby
+polling for it takes over: it then runs the ordinary start (crash recovery of the queue, adoption of sandboxes
+through the node agents). The leader records the URL clients reach it at, so a standby can say where it is. A leader
+whose lock connection fails stops at once: another broker may hold the lock by then, and two leaders must never
+write one store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import asyncpg
+from sqlalchemy.engine import make_url
+
+log = logging.getLogger("tangram")
+
+#: the advisory lock's key: one leader per database
+LOCK_KEY = int.from_bytes(b"tangram", "big")
+#: how often a standby asks for the lock, and a leader checks it still holds it
+POLL_S = 0.5
+#: a check of the lock's connection that takes longer than this counts as lost
+CHECK_TIMEOUT_S = 5.0
+
+LEADER_TABLE = """CREATE TABLE IF NOT EXISTS tangram_leader (
+    lock_key BIGINT PRIMARY KEY, url TEXT NOT NULL, since DOUBLE PRECISION NOT NULL)"""
+
+
+def asyncpg_dsn(store_url: str) -> str:
+    """The store's SQLAlchemy URL (``postgresql+asyncpg://...``) as asyncpg takes it."""
+    return make_url(store_url).set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+class Leadership:
+    """This broker's claim to lead, over its own connection to the store's database."""
+
+    def __init__(self, connection: asyncpg.Connection, url: str) -> None:
+        self._connection = connection
+        self.url = url
+        #: where the leader is, as last read while standing by (None: no broker has led yet)
+        self.leader_url: str | None = None
+
+    @classmethod
+    async def open(cls, store_url: str, url: str) -> Leadership:
+        """``url``: where clients reach this broker, told to them by a standby while this one leads."""
+        connection = await asyncpg.connect(asyncpg_dsn(store_url))
+        await connection.execute(LEADER_TABLE)
+        return cls(connection, url)
+
+    async def acquire(self) -> None:
+        """Wait until this broker leads (noting where the leader is meanwhile), then record where clients reach
+        it."""
+        while not await self._connection.fetchval("SELECT pg_try_advisory_lock($1)", LOCK_KEY):
+            self.leader_url = await self._connection.fetchval("SELECT url FROM tangram_leader WHERE lock_key = $1",
+                                                              LOCK_KEY)
+            await asyncio.sleep(POLL_S)
+        self.leader_url = self.url
+        await self._connection.execute(
+            "INSERT INTO tangram_leader (lock_key, url, since) VALUES ($1, $2, $3) "
+            "ON CONFLICT (lock_key) DO UPDATE SET url = EXCLUDED.url, since = EXCLUDED.since",
+            LOCK_KEY, self.url, time.time())
+        log.info("leading the brokers of this store; clients reach the leader at %s", self.url)
+
+    async def lost(self) -> str:
+        """Return (with the reason) once the lock's connection fails: this broker may no longer lead."""
+        while True:
+            await asyncio.sleep(POLL_S)
+            try:
+                await asyncio.wait_for(self._connection.fetchval("SELECT 1"), CHECK_TIMEOUT_S)
+            except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as error:
+                return f"the connection that holds the leader's lock failed ({error!r})"
+
+    async def close(self) -> None:
+        """Let the lock go (a standby takes over now rather than when the connection times out)."""
+        try:
+            await asyncio.wait_for(self._connection.close(), CHECK_TIMEOUT_S)
+        except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError):
+            self._connection.terminate()
