@@ -386,7 +386,8 @@ class CpuManager(ResourceManager[CpuHandle]):
             cores = allocation.held()[2]  # as resized while the sandbox was being created
             workers = action.malleable.workers if action.malleable is not None else None
             request = executor_request(spec, cores, max(remaining, 0.001), sandbox.workdir,
-                                       {"TANGRAM_ACTION_ID": action.id}, workers=workers, tag=action.id)
+                                       {"TANGRAM_ACTION_ID": action.id, "TANGRAM_ENVIRONMENT": env.id},
+                                       workers=workers, tag=action.id)
             env.running.add(action.id)
             try:
                 executed = await sandbox.execute(action.id, request)

@@ -121,6 +121,11 @@ class CpuConfig:
     #: elastic exec actions are malleable: their cores change while they run (shrunk for arriving actions, grown
     #: into idle cores); off: an action keeps the cores it started with (the paper's moldable allocation)
     malleable: Flag = True
+    #: started, frozen sandboxes of the default image and memory each Docker node keeps for new trajectories
+    #: (fast path only; not counted in the node's memory reservations)
+    warm_sandboxes: NonNegative = 0
+    #: sandbox creations a node starts per second (warm refills and cold creates alike); more wait their turn
+    creates_per_s: Annotated[float, Strict(), Field(gt=0, le=1e4)] = 10.0
     #: the Ray cluster of the nodes with ``agent = true`` ("auto": the cluster this host has joined)
     ray_address: Text = "auto"
     #: nodes join (and leave) at runtime from that Ray cluster; absent: only the configured nodes serve

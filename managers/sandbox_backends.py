@@ -13,7 +13,7 @@ from pathlib import Path
 from docker.tls import TLSConfig
 
 from managers.cpu_config import CpuConfig, CpuNodeConfig
-from sandboxes.backend import SandboxBackend, SandboxError
+from sandboxes.backend import SandboxBackend, SandboxError, SandboxSpec
 from sandboxes.docker import DockerBackend
 from sandboxes.local import LocalProcessBackend
 
@@ -21,6 +21,13 @@ log = logging.getLogger("tangram.cpu")
 
 #: opens a node's sandbox backend, started, at the manager's ``start``
 SandboxFactory = Callable[[CpuNodeConfig, CpuConfig], Awaitable[SandboxBackend]]
+
+
+def warm_template(config: CpuConfig) -> SandboxSpec:
+    """What a node's warm sandboxes are made as: the default image and memory, no trajectory yet."""
+    return SandboxSpec(env_id="warm", task="warm", trajectory=None, image=config.default_image,
+                       memory_mb=config.default_memory_mb, pids_limit=config.pids_limit, broker_id=config.broker_id,
+                       read_only_root=config.read_only_root)
 
 
 async def open_sandbox_backend(node: CpuNodeConfig, config: CpuConfig) -> SandboxBackend:
@@ -35,7 +42,8 @@ async def open_sandbox_backend(node: CpuNodeConfig, config: CpuConfig) -> Sandbo
             cert = (node.tls_cert, node.tls_key) if node.tls_cert and node.tls_key else None
             tls = TLSConfig(client_cert=cert, ca_cert=node.tls_ca, verify=bool(node.tls_ca))
         docker_backend = DockerBackend(node.engine, run_dir=run_dir, cores=node.cores,
-                                       fast_path=bool(node.fast_path), tls=tls)
+                                       fast_path=bool(node.fast_path), tls=tls, warm=warm_template(config),
+                                       warm_size=config.warm_sandboxes, creates_per_s=config.creates_per_s)
         try:
             await docker_backend.start()
             if node.backend == "docker":

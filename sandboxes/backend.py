@@ -27,6 +27,8 @@ LABEL_MEMORY = "org.arl-tangram.memory-mb"
 LABEL_IMAGE = "org.arl-tangram.image"
 LABEL_CREATED = "org.arl-tangram.created-at"
 LABEL_EPHEMERAL = "org.arl-tangram.ephemeral"
+#: a warm sandbox: made ahead of any trajectory; once claimed, its identity lives beside it (``sandboxes/docker.py``)
+LABEL_WARM = "org.arl-tangram.warm"
 
 
 class SandboxError(Exception):
@@ -56,6 +58,8 @@ class SandboxSpec:
     #: made for one action only: a restarted broker removes it instead of adopting it
     ephemeral: bool = False
     created_at: float = 0.0
+    #: made ahead of any trajectory, for a warm pool (``sandboxes/warm_pool.py``)
+    warm: bool = False
 
     def labels(self) -> dict[str, str]:
         """Everything a restarted broker needs to adopt the sandbox as the same environment."""
@@ -65,6 +69,8 @@ class SandboxSpec:
             labels[LABEL_TRAJECTORY] = self.trajectory
         if self.ephemeral:
             labels[LABEL_EPHEMERAL] = "1"
+        if self.warm:
+            labels[LABEL_WARM] = "1"
         return labels
 
 

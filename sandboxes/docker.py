@@ -35,8 +35,10 @@ from docker.types import Mount
 
 from sandboxes.backend import (
     LABEL_BROKER,
+    LABEL_ENV,
     LABEL_EPHEMERAL,
     LABEL_MANAGED,
+    LABEL_WARM,
     Leftover,
     Sandbox,
     SandboxBackend,
@@ -46,6 +48,7 @@ from sandboxes.backend import (
 )
 from sandboxes.cgroup import CFS_PERIOD_US, ContainerCgroup, cpu_list
 from sandboxes.executor_client import EXECUTOR_PATH, ExecutorUnavailable, call, encode_once, wait_ready
+from sandboxes.warm_pool import CreateRate, WarmPool
 
 log = logging.getLogger("tangram.sandboxes.docker")
 
@@ -57,6 +60,9 @@ READY_TIMEOUT_S = 30.0
 #: how long an adopted sandbox's executor may take to answer once thawed
 ADOPT_TIMEOUT_S = 5.0
 #: /tmp of a read-only-root sandbox: writable, executable, and counted against the container's memory limit
+#: beside a claimed warm sandbox's socket: the labels of the trajectory environment it became (its container's own
+#: labels cannot change)
+CLAIM_FILE = "claimed.json"
 READ_ONLY_ROOT_TMPFS = {"/tmp": "rw,exec,nosuid,nodev,size=64m,mode=1777"}
 
 
@@ -182,13 +188,19 @@ class DockerBackend(SandboxBackend):
     kind = "docker"
 
     def __init__(self, engine: str, *, run_dir: Path, cores: tuple[int, ...], fast_path: bool,
-                 tls: TLSConfig | None = None) -> None:
+                 tls: TLSConfig | None = None, warm: SandboxSpec | None = None, warm_size: int = 0,
+                 creates_per_s: float = 10.0) -> None:
+        """On the fast path, ``warm_size`` sandboxes like ``warm`` wait started and frozen for new trajectories
+        (``sandboxes/warm_pool.py``); every create waits its turn under ``creates_per_s``."""
         self.engine = engine
         self.run_dir = run_dir
         self.cores = cores
         self.fast_path = fast_path
         self.tls = tls
         self.client: docker.DockerClient | None = None
+        self._rate = CreateRate(creates_per_s)
+        self._warm = WarmPool(warm, warm_size, self._rate, self._create) \
+            if warm is not None and warm_size and fast_path else None
 
     async def off_loop(self, call: Any, *args: Any) -> Any:
         """``call(*args)`` on a worker thread; an engine that stopped answering (restarting, gone) becomes the
@@ -215,6 +227,8 @@ class DockerBackend(SandboxBackend):
             self.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
 
     async def close(self) -> None:
+        if self._warm is not None:
+            await self._warm.close()
         if self.client is not None:
             await asyncio.to_thread(self.client.close)
             self.client = None
@@ -228,6 +242,31 @@ class DockerBackend(SandboxBackend):
             return False
 
     async def create(self, spec: SandboxSpec) -> Sandbox:
+        """A warm sandbox given the spec's identity and files when one fits, else a new one in its turn."""
+        warm = None
+        if self._warm is not None:
+            self._warm.start()  # for a caller that did not adopt first
+            warm = self._warm.claim(spec)
+        if warm is not None:
+            try:
+                await self.off_loop(self._hand_over, warm, spec)
+                return warm
+            except (docker.errors.APIError, OSError) as error:
+                log.warning("warm sandbox %s could not be handed over (%s): creating one", warm.container.short_id,
+                            error)
+                await warm.destroy()
+        await self._rate.turn()
+        return await self._create(spec)
+
+    def _hand_over(self, sandbox: DockerSandbox, spec: SandboxSpec) -> None:
+        """Make a claimed warm sandbox ``spec``'s environment: its identity recorded beside its socket (read back
+        by ``adopt``), the spec's files in its working directory."""
+        assert sandbox.host_dir is not None  # warm sandboxes exist on the fast path only
+        (sandbox.host_dir / CLAIM_FILE).write_bytes(orjson.dumps(spec.labels()))
+        if spec.files:
+            sandbox.container.put_archive(WORKDIR, _archive(dict(spec.files)))
+
+    async def _create(self, spec: SandboxSpec) -> DockerSandbox:
         sandbox = await self.off_loop(self._start_container, spec)
         try:
             if sandbox.socket is not None:
@@ -355,22 +394,48 @@ class DockerBackend(SandboxBackend):
 
     async def adopt(self, broker_id: str) -> list[Leftover]:
         leftovers = []
+        kept: set[str] = set()  # socket directories of the adopted sandboxes
         for container in await self.off_loop(self._labelled, broker_id):
+            if self._pooled(container.labels.get(LABEL_ENV, "")):
+                continue
             leftover = await self._adopt(container)
             if leftover is not None:
                 leftovers.append(leftover)
+                if isinstance(leftover.sandbox, DockerSandbox) and leftover.sandbox.host_dir is not None:
+                    kept.add(leftover.sandbox.host_dir.name)
         if self.fast_path and self.run_dir.is_dir():  # socket directories of sandboxes no longer there
-            adopted = {leftover.env_id for leftover in leftovers if leftover.sandbox is not None}
             for path in self.run_dir.iterdir():
-                if path.name not in adopted:
+                if path.name not in kept and not self._pooled(path.name):
                     shutil.rmtree(path, ignore_errors=True)
+        if self._warm is not None:  # a previous run's unclaimed warm sandboxes are gone: fill the pool anew
+            self._warm.start()
         return leftovers
+
+    def _pooled(self, env_id: str) -> bool:
+        """One of this run's own warm sandboxes (a second ``adopt``, after a broker re-attached)."""
+        return self._warm is not None and self._warm.owns(env_id)
+
+    def _claimed_labels(self, labels: dict[str, str]) -> dict[str, str] | None:
+        """The labels of the environment a warm sandbox became (None: never claimed)."""
+        try:
+            claimed: dict[str, str] = orjson.loads((self.run_dir / labels[LABEL_ENV] / CLAIM_FILE).read_bytes())
+        except (KeyError, OSError, orjson.JSONDecodeError):
+            return None
+        return claimed
 
     async def _adopt(self, container: Container) -> Leftover | None:
         """The container as the same environment, idle; lost (and removed) if it stopped or its executor does not
-        answer; None (removed) if it served one action only or has labels this version did not write."""
+        answer; None (removed) if it served one action only, was a warm sandbox nobody claimed, or has labels this
+        version did not write."""
         labels = container.labels
         cgroup = self._cgroup(container)
+        socket_dir = labels.get(LABEL_ENV, "")
+        if labels.get(LABEL_WARM) == "1":
+            claimed = self._claimed_labels(labels)
+            if claimed is None:
+                await self.off_loop(self.remove, container, cgroup)
+                return None
+            labels = claimed
         try:
             leftover = Leftover.from_labels(labels)
         except (KeyError, ValueError):
@@ -389,7 +454,7 @@ class DockerBackend(SandboxBackend):
         elif self.fast_path and cgroup is None:
             problem = "its cgroup is gone"
         if problem is None:
-            host_dir = self.run_dir / leftover.env_id if self.fast_path else None
+            host_dir = self.run_dir / socket_dir if self.fast_path else None
             sandbox = DockerSandbox(self, container, host_dir, cgroup)
             try:
                 await self._wake(sandbox)
@@ -412,6 +477,9 @@ class DockerBackend(SandboxBackend):
         await sandbox.set_cores(frozenset())
 
     async def reap(self, broker_id: str) -> int:
+        if self._warm is not None:  # no warm sandbox is made after the sweep
+            await self._warm.close()
+
         def reap_all() -> int:
             found = self._labelled(broker_id)
             for container in found:
@@ -424,4 +492,7 @@ class DockerBackend(SandboxBackend):
         return count
 
     def describe(self) -> dict[str, Any]:
-        return {"backend": "docker", "engine": self.engine, "fast_path": self.fast_path}
+        description: dict[str, Any] = {"backend": "docker", "engine": self.engine, "fast_path": self.fast_path}
+        if self._warm is not None:
+            description["warm_sandboxes"] = len(self._warm)
+        return description
