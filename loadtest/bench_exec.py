@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import secrets
 import statistics
 import tempfile
 import time
@@ -86,7 +88,9 @@ async def overhead(engine: str, fast_path: bool, count: int, ray_address: str | 
 
 
 def ray_cluster() -> Any:
-    """A head and a second Ray node carrying node n1's resource, so n1's agent runs in another raylet."""
+    """A head and a second Ray node carrying node n1's resource, so n1's agent runs in another raylet; with Ray's
+    token authentication, set before Ray is imported (it reads the mode once per process)."""
+    os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))  # the raylets and broker take it
     from ray.cluster_utils import Cluster
 
     from managers.ray_agents import node_resource

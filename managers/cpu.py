@@ -151,7 +151,7 @@ class CpuManager(ResourceManager[CpuHandle]):
         if self.config.join is not None or any(node.agent for node in self.config.nodes):
             from managers.ray_membership import RayMembership  # Ray is imported only for nodes behind agents
 
-            self._membership = RayMembership(self.config.ray_address, self.node_joined, self.node_left)
+            self._membership = RayMembership(self.config, self.node_joined, self.node_left)
             await self._membership.start()
 
     @staticmethod

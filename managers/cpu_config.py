@@ -128,6 +128,9 @@ class CpuConfig:
     creates_per_s: Annotated[float, Strict(), Field(gt=0, le=1e4)] = 10.0
     #: the Ray cluster of the nodes with ``agent = true`` ("auto": the cluster this host has joined)
     ray_address: Text = "auto"
+    #: "token": join the Ray cluster only with its token (Ray's token authentication, RAY_AUTH_MODE=token);
+    #: "none": without, on a network you trust (whoever reaches the cluster can call the agents)
+    ray_auth: Literal["token", "none"] = "token"
     #: nodes join (and leave) at runtime from that Ray cluster; absent: only the configured nodes serve
     join: JoinConfig | None = None
     #: CPU seconds one more worker of an elastic run costs to start (``pytest -n``: an interpreter importing the

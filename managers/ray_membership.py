@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable
 
 import ray
 
+from managers.cpu_config import CpuConfig
 from managers.ray_agents import NODE_RESOURCE_PREFIX, connect
 
 log = logging.getLogger("tangram.cpu")
@@ -35,9 +36,9 @@ def alive_nodes() -> set[str]:
 class RayMembership:
     """Watches Ray's node table; tells ``joined(name)`` and ``left(name, reason)``, one change at a time per node."""
 
-    def __init__(self, address: str, joined: Callable[[str], Awaitable[None]],
+    def __init__(self, config: CpuConfig, joined: Callable[[str], Awaitable[None]],
                  left: Callable[[str, str], Awaitable[None]]) -> None:
-        self._address = address
+        self._config = config
         self._joined = joined
         self._left = left
         self._alive: set[str] = set()
@@ -47,7 +48,7 @@ class RayMembership:
 
     async def start(self) -> None:
         """Join the nodes already there (configured ones are in service already) and watch for changes."""
-        await asyncio.to_thread(connect, self._address)
+        await asyncio.to_thread(connect, self._config)
         self._alive = await asyncio.to_thread(alive_nodes)
         await asyncio.gather(*(self._joined(name) for name in sorted(self._alive)))
         self._watcher = asyncio.create_task(self._watch(), name="tangram-ray-membership")

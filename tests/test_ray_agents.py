@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
@@ -18,7 +19,7 @@ from ray.cluster_utils import Cluster
 from clients.client import AsyncTangramClient
 from managers.exec_spec import ExecLimits, check_files
 from managers.node_agent import NodeAgent
-from managers.ray_agents import node_resource
+from managers.ray_agents import node_resource, token_problem
 from sandboxes.backend import LABEL_ENV, NodeHardware, SandboxBackend, SandboxSpec
 from tangram.core.errors import RequestError
 from tangram.sim.broker_station import NoSandboxes
@@ -36,7 +37,8 @@ HEALTH_CHECKS = {"health_check_period_ms": 500, "health_check_timeout_ms": 500, 
 
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[Cluster]:
-    """A head and a second raylet: the Ray nodes of CPU nodes n1 and n2."""
+    """A head and a second raylet, the Ray nodes of CPU nodes n1 and n2, with Ray's token authentication on (the
+    token is the session's, tests/conftest.py)."""
     cluster = Cluster(initialize_head=True, head_node_args={**NODE, "resources": {node_resource("n1"): 1},
                                                             "_system_config": HEALTH_CHECKS})
     cluster.add_node(**NODE, resources={node_resource("n2"): 1})
@@ -263,3 +265,32 @@ async def test_a_standby_broker_takes_over_the_agents_and_their_sandboxes(ray_cl
                 await process.wait()
     for engine in engines:  # the new leader's stop removed the sandboxes through the agents
         assert labelled_containers(engine, broker_id) == []
+
+
+async def test_a_broker_without_the_clusters_token_does_not_join(ray_cluster: Cluster, tmp_path) -> None:
+    config = tmp_path / "b.toml"
+    engine = docker_engines()[0]
+    config.write_text(f'[store]\nurl = "sqlite+aiosqlite:///{tmp_path}/b.db"\n'
+                      f'[cpu]\nbroker_id = "{new_broker_id()}"\nray_address = "{ray_cluster.address}"\n'
+                      f'[cpu.nodes.n1]\nagent = true\nbackend = "docker"\nengine = "{engine}"\n')
+    for environ, refusal in [({"RAY_AUTH_MODE": "token"}, "without its token"),
+                             ({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "not-the-token"}, "did not accept")]:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "tangram.cli", "serve", "--config", str(config), "--port", str(free_port()),
+            env={**{k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}, **environ,
+                 "HOME": str(tmp_path)}, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+        _, stderr = await asyncio.wait_for(process.communicate(), 120)
+        assert process.returncode != 0 and refusal in stderr.decode(), stderr.decode()[-2000:]
+
+
+def test_what_counts_as_having_the_clusters_token(tmp_path) -> None:
+    assert token_problem({}, tmp_path) == 'RAY_AUTH_MODE is not "token"'
+    assert token_problem({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "t"}, tmp_path) is None
+    assert "no token" in (token_problem({"RAY_AUTH_MODE": "token"}, tmp_path) or "")
+    (tmp_path / ".ray").mkdir()
+    (tmp_path / ".ray" / "auth_token").write_text("t\n")
+    assert token_problem({"RAY_AUTH_MODE": "token"}, tmp_path) is None  # Ray's default place
+    named = tmp_path / "token"
+    named.write_text("")
+    assert "no token" in (token_problem({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(named)}, tmp_path)
+                          or "")
