@@ -10,7 +10,10 @@
 # (the packages, pyproject.toml, deploy/Dockerfile, deploy/image/) changed, which the image records in a label; an
 # unchanged dependency set reuses Docker's cached layer. Needs root (debootstrap) and a Docker engine ($DOCKER_HOST,
 # else /var/run/docker.sock). Progress goes to stderr; the image's name is the only line on stdout.
-# Usage: bash deploy/build-image.sh [--rebuild]     --rebuild: build even when the image's sources are unchanged
+# Usage: bash deploy/build-image.sh [--rebuild] [--ray]
+#   --rebuild: build even when the image's sources are unchanged
+#   --ray: tangram/broker-ray:<version> instead, with the ray extra (the broker, the Ray head and the node agents of
+#          deploy/docker-compose.ray.yaml and deploy/k8s-ray run it)
 set -euo pipefail
 exec 3>&1 1>&2
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -25,10 +28,12 @@ DIGEST_LABEL=org.arl-tangram.source-digest
 engine=${DOCKER_HOST:-unix:///var/run/docker.sock}
 
 rebuild=0
+extras=""
 for arg in "$@"; do
     case $arg in
         --rebuild) rebuild=1 ;;
-        *) echo "build-image.sh: unknown argument $arg (usage: build-image.sh [--rebuild])" >&2; exit 2 ;;
+        --ray) extras="[ray]" ;;
+        *) echo "build-image.sh: unknown argument $arg (usage: build-image.sh [--rebuild] [--ray])" >&2; exit 2 ;;
     esac
 done
 if [ "$(id -u)" != 0 ]; then
@@ -79,7 +84,7 @@ print(project["project"]["version"], digest.hexdigest())
 EOF
 )
 read -r version digest <<<"$meta"
-image=tangram/broker:$version
+image=tangram/broker${extras:+-ray}:$version
 
 built_from=$(docker -H "$engine" image inspect --format "{{ index .Config.Labels \"$DIGEST_LABEL\" }}" "$image" \
     2>/dev/null || true)
@@ -129,7 +134,8 @@ if ! log=$("$python" -m pip wheel --quiet --no-deps --wheel-dir "$context/projec
     exit 1
 fi
 echo "downloading its dependencies' wheels for CPython $BASE_PYTHON"
-"$python" -m pip download --quiet --dest "$context/deps" "${target[@]}" "$context"/project/*.whl
+wheel=$(echo "$context"/project/*.whl)
+"$python" -m pip download --quiet --dest "$context/deps" "${target[@]}" "$wheel$extras"
 rm -f "$context"/deps/arl_tangram-*.whl
 "$python" -m pip download --quiet --no-deps --dest "$context/pip" "${target[@]}" pip
 cp "$root/deploy/Dockerfile" "$context/Dockerfile"

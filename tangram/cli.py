@@ -34,6 +34,8 @@ def _serve(args: argparse.Namespace) -> int:
     overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
     if overrides:
         config = dataclasses.replace(config, server=dataclasses.replace(config.server, **overrides))
+    if args.ray is not None:
+        config = dataclasses.replace(config, cpu=dataclasses.replace(config.cpu, ray_address=args.ray))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         run(config)
@@ -263,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--config", help="TOML config file (defaults serve on a laptop)")
     serve.add_argument("--host")
     serve.add_argument("--port", type=int)
+    serve.add_argument("--ray", metavar="ADDRESS", help="the Ray cluster of the nodes behind agents and of joining "
+                                                       "nodes (cpu.ray_address); this host must be one of its nodes")
     serve.set_defaults(func=_serve)
     status = commands.add_parser("status", help="show resources, queues and recent ACT of a running broker")
     status.add_argument("--url", default="http://127.0.0.1:8300")

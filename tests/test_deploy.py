@@ -48,6 +48,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 COMPOSE = DEPLOY / "docker-compose.yaml"
 SANDBOXES = DEPLOY / "docker-compose.sandboxes.yaml"
+RAY_OVERLAY = DEPLOY / "docker-compose.ray.yaml"
 K8S = DEPLOY / "k8s"
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "tangram.json"
 DATASOURCES = DEPLOY / "grafana" / "provisioning" / "datasources" / "prometheus.yaml"
@@ -58,9 +59,12 @@ PROMETHEUS_CONFIG = DEPLOY / "prometheus" / "prometheus.yml"
 CHARTED = {"tangram_queue_length", "tangram_action_completion_seconds_bucket", "tangram_units_in_use",
            "tangram_units_capacity", "tangram_gpu_restores_total", "tangram_gpu_restore_seconds_bucket",
            "tangram_actions_finished_total", "tangram_schedule_pass_seconds_bucket"}
-COMPOSE_VARIANTS = {"compose": (COMPOSE,), "compose+sandboxes": (COMPOSE, SANDBOXES)}
-#: what a user must export for the sandboxes overlay
-OVERLAY_VARIABLES = {"DOCKER_GID": "4242"}
+COMPOSE_VARIANTS = {"compose": (COMPOSE,), "compose+sandboxes": (COMPOSE, SANDBOXES),
+                    "compose+ray": (COMPOSE, RAY_OVERLAY)}
+#: what a user must export for the sandboxes and Ray overlays
+OVERLAY_VARIABLES = {"DOCKER_GID": "4242", "TANGRAM_RAY_TOKEN": "0123abcd"}
+#: variables Ray reads (token authentication), not the broker's config
+RAY_VARIABLES = frozenset({"RAY_AUTH_MODE", "RAY_AUTH_TOKEN"})
 LEASE: dict[str, Any] = {"task": "deploy-test", "kind": "lease", "demand": {"lease.local": 1}, "spec": {"ttl_s": 60}}
 
 
@@ -69,8 +73,9 @@ def project_version() -> str:
         return str(tomllib.load(handle)["project"]["version"])
 
 
-def broker_image_name() -> str:
-    return f"tangram/broker:{project_version()}"
+def broker_image_name(variant: str = "") -> str:
+    """The image deploy/build-image.sh makes (``--ray``: with Ray, for the Ray overlay)."""
+    return f"tangram/broker{'-ray' if 'ray' in variant else ''}:{project_version()}"
 
 
 # -- Compose ------------------------------------------------------------------------------------------------------
@@ -155,7 +160,7 @@ def compose_broker(variant: str, variables: dict[str, str] | None = None) -> tup
     """The broker service of a compose variant, the config it runs with (read by load_config from the file it
     mounts and the environment it sets), and that file."""
     service = compose_project(COMPOSE_VARIANTS[variant], variables)["services"]["broker"]
-    environment = service["environment"]
+    environment = {key: value for key, value in service["environment"].items() if key not in RAY_VARIABLES}
     path = host_path(service, environment[CONFIG_ENV])
     return service, broker_config(environment, path), path
 
@@ -275,7 +280,7 @@ def test_every_deploy_file_parses() -> None:
 @pytest.mark.parametrize("variant", sorted(COMPOSE_VARIANTS))
 def test_compose_broker_port_env_and_config_agree(variant: str) -> None:
     service, config, config_file = compose_broker(variant)
-    assert service["image"] == broker_image_name()
+    assert service["image"] == broker_image_name(variant)
     assert config.store.url == service["environment"][STORE_URL_ENV]  # the env var wins over the file
     assert config.server.host == "0.0.0.0"  # reachable through the published port
     assert [p.rsplit(":", 1)[1] for p in service["ports"]] == [str(config.server.port)]
@@ -302,6 +307,41 @@ def test_compose_sandboxes_overlay_gives_the_cpu_manager_the_mounted_socket() ->
     assert service["group_add"] == [OVERLAY_VARIABLES["DOCKER_GID"]]
     with pytest.raises(AssertionError, match="DOCKER_GID"):
         compose_project(COMPOSE_VARIANTS["compose+sandboxes"], variables={})
+
+
+def test_compose_ray_overlay_joins_the_agents_to_the_brokers_cluster() -> None:
+    """The broker, the Ray head and this host's agent node share one cluster and its token; each configured agent
+    node has a raylet carrying its resource; the agent sees the engine, cgroups and sandbox run directory at the
+    paths the fast path uses, and the broker runs on a Ray node (Ray runs drivers only there)."""
+    project = compose_project(COMPOSE_VARIANTS["compose+ray"])
+    services = project["services"]
+    _, config, _ = compose_broker("compose+ray")
+    head_host, head_port = config.cpu.ray_address.rsplit(":", 1)
+    head = services[head_host]
+    assert f"--port={head_port}" in head["entrypoint"] and "--head" in head["entrypoint"]
+    assert config.cpu.ray_auth == "token"
+    agents = {name: service for name, service in services.items() if name.startswith("agent-")}
+    resources = {}
+    for service in agents.values():
+        [flag] = [arg for arg in service["entrypoint"] if arg.startswith("--resources=")]
+        resources.update(json.loads(flag.removeprefix("--resources=")))
+        assert f"--address={config.cpu.ray_address}" in service["entrypoint"]
+    assert {f"tangram_node_{node.name}" for node in config.cpu.nodes if node.agent} <= set(resources)
+    assert config.cpu.join is not None  # other hosts' raylets join as nodes
+    for name in ("broker", head_host, *agents):
+        environment = services[name]["environment"]
+        assert environment["RAY_AUTH_MODE"] == "token", name
+        assert environment["RAY_AUTH_TOKEN"] == OVERLAY_VARIABLES["TANGRAM_RAY_TOKEN"], name
+        assert services[name]["image"] == broker_image_name("ray"), name
+    assert f"ray start --address={config.cpu.ray_address}" in " ".join(services["broker"]["entrypoint"])
+    for service in agents.values():
+        mounts = bind_mounts(service)
+        for node in config.cpu.nodes:
+            assert node.engine.removeprefix("unix://") in mounts and node.fast_path
+        assert mounts[config.cpu.run_dir][0] == Path(config.cpu.run_dir)  # the same path on the host
+        assert "/sys/fs/cgroup" in mounts and service["pid"] == "host" and service["user"] == "0:0"
+    with pytest.raises(AssertionError, match="TANGRAM_RAY_TOKEN"):
+        compose_project(COMPOSE_VARIANTS["compose+ray"], variables={})
 
 
 @pytest.mark.parametrize("variant", sorted(COMPOSE_VARIANTS))

@@ -271,16 +271,18 @@ async def test_a_broker_without_the_clusters_token_does_not_join(ray_cluster: Cl
     config = tmp_path / "b.toml"
     engine = docker_engines()[0]
     config.write_text(f'[store]\nurl = "sqlite+aiosqlite:///{tmp_path}/b.db"\n'
-                      f'[cpu]\nbroker_id = "{new_broker_id()}"\nray_address = "{ray_cluster.address}"\n'
+                      f'[cpu]\nbroker_id = "{new_broker_id()}"\n'
                       f'[cpu.nodes.n1]\nagent = true\nbackend = "docker"\nengine = "{engine}"\n')
     for environ, refusal in [({"RAY_AUTH_MODE": "token"}, "without its token"),
                              ({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "not-the-token"}, "did not accept")]:
-        process = await asyncio.create_subprocess_exec(
+        process = await asyncio.create_subprocess_exec(  # the cluster named on the command line (cpu.ray_address)
             sys.executable, "-m", "tangram.cli", "serve", "--config", str(config), "--port", str(free_port()),
+            "--ray", ray_cluster.address,
             env={**{k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}, **environ,
                  "HOME": str(tmp_path)}, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
         _, stderr = await asyncio.wait_for(process.communicate(), 120)
         assert process.returncode != 0 and refusal in stderr.decode(), stderr.decode()[-2000:]
+        assert ray_cluster.address in stderr.decode()
 
 
 def test_what_counts_as_having_the_clusters_token(tmp_path) -> None:
