@@ -47,11 +47,13 @@ def build_managers(config: Config) -> list[ResourceManager]:
 
 
 @asynccontextmanager
-async def running_broker(config: Config) -> AsyncIterator[tuple[Broker, web.Application]]:
-    """A started broker and its app; everything is closed and flushed on exit."""
+async def running_broker(config: Config, managers: list[ResourceManager] | None = None
+                         ) -> AsyncIterator[tuple[Broker, web.Application]]:
+    """A started broker and its app; everything is closed and flushed on exit. ``managers``: others than the
+    config's (a benchmark's node agents with modelled sandboxes)."""
     store = await Store.open(config.store.url)
     scheduler = config.scheduler
-    broker = Broker(build_managers(config), store, policy=scheduler.policy, depth=scheduler.depth,
+    broker = Broker(build_managers(config) if managers is None else managers, store, policy=scheduler.policy, depth=scheduler.depth,
                     horizon=scheduler.horizon, default_duration_s=scheduler.default_duration_s,
                     ewma_alpha=scheduler.ewma_alpha, max_queue=scheduler.max_queue, retain_s=scheduler.retain_s)
     try:
