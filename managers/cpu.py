@@ -13,6 +13,8 @@ creating, reaping, taking over after a restart) are ``managers/environments.py``
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -26,7 +28,7 @@ from managers.environment import Environment, EnvState
 from managers.environments import Environments
 from managers.exec_spec import ExecSpec, ExecSpecBody, executor_request, parse_exec_spec
 from managers.sandbox_backends import SandboxFactory, open_sandbox_backend
-from sandboxes.backend import SandboxBackend, SandboxError
+from sandboxes.backend import NODE_UNAVAILABLE, SandboxBackend, SandboxError
 from tangram.core.action import Action, Kind
 from tangram.core.errors import ActionFailed, Conflict, NotFound, Unprocessable
 from tangram.core.malleable import WorkerCost, workers_for
@@ -38,6 +40,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("tangram.cpu")
 
 RESOURCE = "cpu"
+#: how long an action whose node stopped answering waits to learn whether the node is lost: Ray marks a dead raylet
+#: after its health checks (about 4 s at 0.5 s x 3, deploy/README.md), the membership polls every 0.5 s
+NODE_FATE_S = 6.0
 DEADLINE_MARGIN_S = 0.25  # the executor kills at the deadline minus this, so partial output comes back even
 # when killing a large process tree (a fork bomb) takes a while
 
@@ -193,7 +198,7 @@ class CpuManager(ResourceManager[CpuHandle]):
             log.info("node %s joined: %d cores, %d MiB", name, self.nodes[name].cores.capacity,
                      self.nodes[name].memory_mb)
             return
-        node.backend, node.lost = backend, None
+        node.come_back(backend)
         revived = await self.environments.come_back(node, leftovers)
         log.info("node %s is back: %d environment(s) with it", name, revived)
 
@@ -204,7 +209,7 @@ class CpuManager(ResourceManager[CpuHandle]):
         node = self.nodes.get(name)
         if node is None or node.lost is not None:
             return
-        node.lost = reason
+        node.lose(reason)
         log.warning("node %s lost: %s", name, reason)
         self.environments.lose_node(node)
         await node.backend.close()
@@ -377,6 +382,14 @@ class CpuManager(ResourceManager[CpuHandle]):
         if env is None:
             raise ActionFailed("environment_destroyed", f"environment {self.exec_spec(action).environment} was "
                                                         f"deleted after this action was submitted")
+        try:
+            return await self._execute_in(env, action, allocation)
+        except ActionFailed as failure:
+            if failure.code == NODE_UNAVAILABLE and (lost := await self._lost_soon(env.node)) is not None:
+                raise ActionFailed("node_lost", lost, environment=env.id) from None
+            raise
+
+    async def _execute_in(self, env: Environment, action: Action, allocation: Allocation[CpuHandle]) -> Outcome:
         spec = self.exec_spec(action)
         setup_started = time.perf_counter()
         try:
@@ -404,6 +417,14 @@ class CpuManager(ResourceManager[CpuHandle]):
             if env.ephemeral and not env.running:
                 await self.environments.destroy(env)
         return Outcome(self._result(executed.response, env, allocation.held()[2], setup_s))
+
+    async def _lost_soon(self, node_name: str) -> str | None:
+        """Why the node is lost, if it is or Ray declares it so within ``NODE_FATE_S``: an action whose agent
+        stopped answering then ends ``node_lost``, not ``node_unavailable`` (an agent restarting)."""
+        node = self.nodes[node_name]
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(node.gone.wait(), NODE_FATE_S)
+        return node.lost
 
     def _result(self, response: dict[str, Any], env: Environment, cores: tuple[int, ...],
                 setup_s: float) -> dict[str, Any]:

@@ -3,6 +3,8 @@ still in service."""
 
 from __future__ import annotations
 
+import asyncio
+
 from managers.cores import CorePool
 from managers.cpu_config import CpuNodeConfig
 from sandboxes.backend import SandboxBackend
@@ -21,6 +23,15 @@ class CpuNode:
         self.memory_reserved = 0
         #: why the node is out of service (it left the Ray cluster); None while it serves
         self.lost: str | None = None
+        #: set when the node is lost, for actions that lost touch with it to learn their fate
+        self.gone = asyncio.Event()
+
+    def lose(self, reason: str) -> None:
+        self.lost = reason
+        self.gone.set()
+
+    def come_back(self, backend: SandboxBackend) -> None:
+        self.backend, self.lost, self.gone = backend, None, asyncio.Event()
 
     def memory_load_after(self, memory_mb: int) -> float:
         return (self.memory_reserved + memory_mb) / self.memory_mb

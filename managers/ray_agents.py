@@ -27,7 +27,7 @@ from managers.agent_backend import AgentBackend
 from managers.cpu_config import CpuConfig, CpuNodeConfig, on_this_host
 from managers.node_agent import NodeAgent, Reply, failed
 from managers.sandbox_backends import open_sandbox_backend
-from sandboxes.backend import NodeHardware, SandboxError
+from sandboxes.backend import NODE_UNAVAILABLE, NodeHardware, SandboxError
 
 log = logging.getLogger("tangram.cpu")
 
@@ -35,6 +35,7 @@ log = logging.getLogger("tangram.cpu")
 PLACEMENT_TIMEOUT_S = 60.0
 
 
+#: the custom resources that mark the Ray nodes of CPU nodes: ``tangram_node_<name>``
 NODE_RESOURCE_PREFIX = "tangram_node_"
 
 
@@ -114,7 +115,7 @@ async def open_agent_backend(node: CpuNodeConfig, config: CpuConfig) -> AgentBac
             return failed(SandboxError("node_lost", f"node {node.name}'s agent died: {error.error_msg or error}",
                                        lost=True))
         except RayActorError as error:  # restarting: the call may be tried again
-            return failed(SandboxError("node_unavailable", f"node {node.name}'s agent is unavailable: {error}"))
+            return failed(SandboxError(NODE_UNAVAILABLE, f"node {node.name}'s agent is unavailable: {error}"))
         return reply
 
     async def release() -> None:
@@ -125,7 +126,7 @@ async def open_agent_backend(node: CpuNodeConfig, config: CpuConfig) -> AgentBac
         await asyncio.wait_for(backend.start(), PLACEMENT_TIMEOUT_S)  # its first call waits for the placement
     except TimeoutError:
         ray.kill(actor, no_restart=True)
-        raise SandboxError("node_unavailable", f"node {node.name}'s agent did not start within "
+        raise SandboxError(NODE_UNAVAILABLE, f"node {node.name}'s agent did not start within "
                                                f"{PLACEMENT_TIMEOUT_S:.0f} s: does a Ray node carry the resource "
                                                f"{node_resource(node.name)!r}?") from None
     log.info("node %s: through its agent on the Ray cluster", node.name)

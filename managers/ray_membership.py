@@ -4,8 +4,8 @@ a lost one comes back) and when it is gone from Ray's node table (its raylet die
 
 Ray decides when a node is dead: its GCS marks a raylet dead after missed health checks, by default about 15 s; a
 cluster started with ``--system-config='{"health_check_period_ms": 500, "health_check_failure_threshold": 3}'``
-tells within about 4 s. Actions in flight on a dead node fail sooner (about 2 s), when their agent's connection
-drops.
+tells within about 4 s. Actions in flight on a dead node lose their agent's connection sooner (about 2 s) and
+wait for the verdict (``CpuManager._lost_soon``).
 """
 
 from __future__ import annotations

@@ -31,6 +31,10 @@ LABEL_EPHEMERAL = "org.arl-tangram.ephemeral"
 LABEL_WARM = "org.arl-tangram.warm"
 
 
+#: the code of a node that did not answer (its agent restarts, or its host is going): not lost yet, maybe never
+NODE_UNAVAILABLE = "node_unavailable"
+
+
 class SandboxError(Exception):
     """A sandbox could not be created or used. ``code`` is machine-readable; ``lost`` means it is gone."""
 

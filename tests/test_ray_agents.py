@@ -191,12 +191,19 @@ async def test_a_node_joins_from_ray_leaves_with_its_raylet_and_comes_back(ray_c
         assert first["result"]["node"] == "n2", first
         env_id = first["result"]["environment"]
         running = asyncio.create_task(run(live, "sleep 60", "running"))
-        await until(lambda: _with(cpu_pools(), lambda pools: pools["n2"]["in_use"] == 1))
+
+        async def running_env() -> list[Any]:
+            _, listed = await live.call("GET", "/v1/environments?task=t")
+            return [e for e in listed["environments"] if e["trajectory"] == "running" and e["running_actions"]]
+
+        [running_on] = await until(running_env)  # the command runs in its sandbox on n2
+        assert running_on["node"] == "n2"
 
         left_at = time.monotonic()
         ray_cluster.remove_node(n2_raylet(ray_cluster), allow_graceful=False)
         ended = await running
-        assert ended["state"] == "failed" and ended["error"]["code"] in ("node_unavailable", "node_lost"), ended
+        assert ended["state"] == "failed" and ended["error"]["code"] == "node_lost", ended["error"]
+        assert "left the cluster" in ended["error"]["message"]
         env = await until(lambda: _with(live.call("GET", f"/v1/environments/{env_id}"),
                                         lambda answer: answer[1]["state"] == "lost" and answer[1]))
         detected_s = time.monotonic() - left_at
