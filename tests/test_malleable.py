@@ -236,34 +236,40 @@ async def test_a_tool_call_takes_a_core_from_a_running_test_run_and_gives_it_bac
     engine = engines[0] if path == "fast" else engines[1]
     raw = node(engine, fast_path=path == "fast")
     async with live_broker(raw, str(tmp_path / "t.db")) as live:
-        long_run = await submit(live, {"task": "t", "trajectory": "tests", "kind": "exec",
-                                       "demand": {"cpu": {"min": 1, "max": 2}}, "elasticity": ELASTIC,
-                                       "spec": {"command": WATCH.format(seconds=4), "memory_mb": 128}})
-        await wait_output(live, long_run, "first affinity")
-        _, running = await live.call("GET", f"/v1/actions/{long_run}")
-        assert running["state"] == "running" and running["allocation"]["units"]["cpu"] == 2  # an idle node: both
-        _, tool = await live.call("POST", "/v1/actions?wait=true", json={
-            "task": "t", "trajectory": "tools", "kind": "exec", "demand": {"cpu": 1},
-            "spec": {"command": "sleep 1; grep Cpus_allowed_list /proc/self/status", "memory_mb": 128}})
-        assert tool["state"] == "succeeded", tool
-        tool_core = tool["allocation"]["placement"]["cpu"]["cores"]
-        assert len(tool_core) == 1
-        done = await wait_state(live, long_run, {"succeeded", "failed"})
-        assert done["state"] == "succeeded", done
-        assert tool["started_at"] < done["finished_at"]  # it did not wait for the test run holding both cores
-        ActionRecord.model_validate_json(json.dumps(done))  # the record the document describes, resizes and all
-        malleable = done["allocation"]["malleable"]
-        assert malleable["resizes"] >= 2 and malleable["workers"] == 2  # shrunk for the tool call, grown back
-        units = [u for _, u in malleable["history"]]
-        assert units[:3] == [2, 1, 2]
-        assert 0 < malleable["unit_seconds"] < 2 * (done["finished_at"] - done["started_at"]) + 0.1
-        seen = [line for line in done["result"]["stdout"].splitlines() if line.startswith("[")]
-        assert seen[0] == "[0, 1]" and seen[-1] == "[0, 1]"
-        other = [c for c in (0, 1) if c not in tool_core]
-        assert str(other) in seen[1:-1], seen  # while the tool call ran, the test run was on the other core only
-        manager = cpu_manager(live)
-        assert manager.nodes["n1"].cores.free == {0, 1}
-        assert live.broker.metrics.resizes._value.get() >= 2
+        await a_tool_call_takes_a_core_and_gives_it_back(live)
+
+
+async def a_tool_call_takes_a_core_and_gives_it_back(live: Live) -> None:
+    """On a live broker whose only node, n1, has two cores: a malleable test run starts on both, shrinks to one
+    while a tool call runs, grows back, and its command sees each change."""
+    long_run = await submit(live, {"task": "t", "trajectory": "tests", "kind": "exec",
+                                   "demand": {"cpu": {"min": 1, "max": 2}}, "elasticity": ELASTIC,
+                                   "spec": {"command": WATCH.format(seconds=4), "memory_mb": 128}})
+    await wait_output(live, long_run, "first affinity")
+    _, running = await live.call("GET", f"/v1/actions/{long_run}")
+    assert running["state"] == "running" and running["allocation"]["units"]["cpu"] == 2  # an idle node: both
+    _, tool = await live.call("POST", "/v1/actions?wait=true", json={
+        "task": "t", "trajectory": "tools", "kind": "exec", "demand": {"cpu": 1},
+        "spec": {"command": "sleep 1; grep Cpus_allowed_list /proc/self/status", "memory_mb": 128}})
+    assert tool["state"] == "succeeded", tool
+    tool_core = tool["allocation"]["placement"]["cpu"]["cores"]
+    assert len(tool_core) == 1
+    done = await wait_state(live, long_run, {"succeeded", "failed"})
+    assert done["state"] == "succeeded", done
+    assert tool["started_at"] < done["finished_at"]  # it did not wait for the test run holding both cores
+    ActionRecord.model_validate_json(json.dumps(done))  # the record the document describes, resizes and all
+    malleable = done["allocation"]["malleable"]
+    assert malleable["resizes"] >= 2 and malleable["workers"] == 2  # shrunk for the tool call, grown back
+    units = [u for _, u in malleable["history"]]
+    assert units[:3] == [2, 1, 2]
+    assert 0 < malleable["unit_seconds"] < 2 * (done["finished_at"] - done["started_at"]) + 0.1
+    seen = [line for line in done["result"]["stdout"].splitlines() if line.startswith("[")]
+    assert seen[0] == "[0, 1]" and seen[-1] == "[0, 1]"
+    other = [c for c in (0, 1) if c not in tool_core]
+    assert str(other) in seen[1:-1], seen  # while the tool call ran, the test run was on the other core only
+    manager = cpu_manager(live)
+    assert manager.nodes["n1"].cores.free == {0, 1}
+    assert live.broker.metrics.resizes._value.get() >= 2
 
 
 async def test_a_resize_of_a_dead_sandbox_fails_the_action_and_leaks_no_core(tmp_path) -> None:

@@ -25,6 +25,7 @@ from tangram.core.errors import RequestError
 from tangram.sim.broker_station import NoSandboxes
 from tests.docker_nodes import cpu_config, docker_engines, labelled_containers, new_broker_id
 from tests.harness import Live, live_broker
+from tests.test_malleable import a_tool_call_takes_a_core_and_gives_it_back
 from tests.test_recovery import free_port, start_broker
 
 T = TypeVar("T")
@@ -303,3 +304,12 @@ def test_what_counts_as_having_the_clusters_token(tmp_path) -> None:
     named.write_text("")
     assert "no token" in (token_problem({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(named)}, tmp_path)
                           or "")
+
+
+async def test_a_test_run_behind_an_agent_shrinks_for_a_tool_call_and_grows_back(ray_cluster: Cluster,
+                                                                                 tmp_path) -> None:
+    """The malleable path through an agent: each resize is one call to it (``Sandbox.repin`` on its node)."""
+    raw = cpu_config({"n1": {"agent": True, "backend": "docker", "engine": docker_engines()[0], "cores": "0-1",
+                             "memory_mb": 2048}}, ray_address=ray_cluster.address)
+    async with live_broker(raw, str(tmp_path / "t.db")) as live:
+        await a_tool_call_takes_a_core_and_gives_it_back(live)
