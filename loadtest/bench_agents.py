@@ -33,9 +33,10 @@ import uvloop
 from aiohttp import web
 
 from managers.agent_backend import AgentBackend
+from managers.agent_replies import Reply
 from managers.cpu import CpuManager
 from managers.cpu_config import CpuConfig, CpuNodeConfig
-from managers.node_agent import NodeAgent, Reply
+from managers.node_agent import NodeAgent
 from sandboxes.backend import Leftover, NodeHardware, Sandbox, SandboxBackend, SandboxSpec
 from tangram.config import parse_config
 from tangram.service import running_broker

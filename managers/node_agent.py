@@ -5,8 +5,8 @@ backend, so the node keeps the fast path (cgroup files and the executor's unix s
 engine's host. A broker elsewhere drives it through ``managers/agent_backend.py``, which is a ``SandboxBackend``
 like any other: the CPU manager does not know that a node is remote.
 
-Every call answers ``{"ok": value}`` or ``{"error": {"code", "message", "lost"}}`` rather than raising, so a
-sandbox error crosses the process boundary with its code intact. The agent checks what reaches it as the REST API
+Every call answers as ``managers/agent_replies.py`` says, so a sandbox error crosses the process boundary with its
+code intact. The agent checks what reaches it as the REST API
 does (file paths stay inside the working directory, bounded file sets): the cluster is the trust boundary, and a
 caller inside it that skipped the API must not escape a sandbox either.
 """
@@ -14,39 +14,16 @@ caller inside it that skipped the API must not escape a sandbox either.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from managers.agent_replies import replying
 from managers.exec_spec import ExecLimits, check_files
 from sandboxes.backend import Executed, Leftover, NodeHardware, Sandbox, SandboxBackend, SandboxError, SandboxSpec
 from tangram.core.errors import RequestError
 
 log = logging.getLogger("tangram.agent")
-
-Reply = dict[str, Any]
-
-
-def ok(value: Any = None) -> Reply:
-    return {"ok": value}
-
-
-def failed(error: SandboxError) -> Reply:
-    return {"error": {"code": error.code, "message": error.message, "lost": error.lost}}
-
-
-def replying(method: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Reply]]:
-    """An agent call answering ``ok(value)``, or ``failed(error)`` for the ``SandboxError`` it met."""
-
-    @functools.wraps(method)
-    async def call(self: NodeAgent, *args: Any) -> Reply:
-        try:
-            return ok(await method(self, *args))
-        except SandboxError as error:
-            return failed(error)
-
-    return call
 
 
 class NodeAgent:

@@ -24,8 +24,9 @@ import ray
 from ray.exceptions import ActorDiedError, RayActorError
 
 from managers.agent_backend import AgentBackend
+from managers.agent_replies import Reply, failed
 from managers.cpu_config import CpuConfig, CpuNodeConfig, on_this_host
-from managers.node_agent import NodeAgent, Reply, failed
+from managers.node_agent import NodeAgent
 from managers.sandbox_backends import open_sandbox_backend
 from sandboxes.backend import NODE_UNAVAILABLE, NodeHardware, SandboxError
 
@@ -112,10 +113,9 @@ async def open_agent_backend(node: CpuNodeConfig, config: CpuConfig) -> AgentBac
         try:
             reply: Reply = await getattr(actor, method).remote(*args)
         except ActorDiedError as error:
-            return failed(SandboxError("node_lost", f"node {node.name}'s agent died: {error.error_msg or error}",
-                                       lost=True))
+            return failed("node_lost", f"node {node.name}'s agent died: {error.error_msg or error}", lost=True)
         except RayActorError as error:  # restarting: the call may be tried again
-            return failed(SandboxError(NODE_UNAVAILABLE, f"node {node.name}'s agent is unavailable: {error}"))
+            return failed(NODE_UNAVAILABLE, f"node {node.name}'s agent is unavailable: {error}")
         return reply
 
     async def release() -> None:
