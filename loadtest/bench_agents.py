@@ -32,6 +32,7 @@ import orjson
 import uvloop
 from aiohttp import web
 
+from loadtest.bench_rest import until_healthy
 from managers.agent_backend import AgentBackend
 from managers.agent_replies import Reply
 from managers.cpu import CpuManager
@@ -130,13 +131,7 @@ async def finished(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
 
 async def drive(url: str, actions: int, batch: int, trajectories: int) -> tuple[float, dict[str, float]]:
     async with aiohttp.ClientSession() as http:
-        for _ in range(300):
-            try:
-                async with http.get(url + "/healthz") as response:
-                    if response.status == 200:
-                        break
-            except aiohttp.ClientError:
-                await asyncio.sleep(0.1)
+        await until_healthy(http, url)
         batches = iter(range(0, actions, batch))
         started = time.perf_counter()
 

@@ -106,16 +106,21 @@ def run_wrk(url: str, connections: int, seconds: int) -> tuple[float, int]:
     return rate, requests
 
 
+async def until_healthy(http: aiohttp.ClientSession, url: str) -> None:
+    """Until the broker subprocess at ``url`` answers its health check (at most 30 s)."""
+    for _ in range(300):
+        try:
+            async with http.get(url + "/healthz") as response:
+                if response.status == 200:
+                    return
+        except aiohttp.ClientError:
+            await asyncio.sleep(0.1)
+
+
 async def bench(args: argparse.Namespace, url: str) -> None:
     connector = aiohttp.TCPConnector(limit=args.connections)
     async with aiohttp.ClientSession(connector=connector) as http:
-        for _ in range(300):
-            try:
-                async with http.get(url + "/healthz") as response:
-                    if response.status == 200:
-                        break
-            except aiohttp.ClientError:
-                await asyncio.sleep(0.1)
+        await until_healthy(http, url)
         await one_per_request(http, url, 500, args.connections)  # warm-up
         await wait_granted(http, url, 500)
         granted = 500

@@ -1,7 +1,7 @@
 """Which sandbox backend a CPU node runs: its Docker engine (local socket or TLS), or local processes when the
 engine is missing or lacks the image and the node's backend is "auto"; or, for a node with ``agent = true``,
-that node's agent (``managers/ray_agents.py``), which opens one of these on its node. The CPU manager takes this as its default
-factory; a caller that makes sandboxes otherwise (the simulator, a node agent) passes its own."""
+that node's agent (``managers/ray_agents.py``), which opens one of these on its node. The CPU manager takes this as
+its default factory; a caller that makes sandboxes otherwise (the simulator, a node agent) passes its own."""
 
 from __future__ import annotations
 

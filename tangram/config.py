@@ -128,7 +128,8 @@ class StoreConfig:
 
 def check_store(store: StoreConfig) -> StoreConfig:
     if store.leader_election and not store.url.startswith("postgresql"):
-        raise ConfigError("store.leader_election", "needs a PostgreSQL store (store.url = \"postgresql+asyncpg://...\")")
+        raise ConfigError("store.leader_election",
+                          "needs a PostgreSQL store (store.url = \"postgresql+asyncpg://...\")")
     return store
 
 

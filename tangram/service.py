@@ -53,9 +53,10 @@ async def running_broker(config: Config, managers: list[ResourceManager] | None 
     config's (a benchmark's node agents with modelled sandboxes)."""
     store = await Store.open(config.store.url)
     scheduler = config.scheduler
-    broker = Broker(build_managers(config) if managers is None else managers, store, policy=scheduler.policy, depth=scheduler.depth,
-                    horizon=scheduler.horizon, default_duration_s=scheduler.default_duration_s,
-                    ewma_alpha=scheduler.ewma_alpha, max_queue=scheduler.max_queue, retain_s=scheduler.retain_s)
+    managers = build_managers(config) if managers is None else managers
+    broker = Broker(managers, store, policy=scheduler.policy, depth=scheduler.depth, horizon=scheduler.horizon,
+                    default_duration_s=scheduler.default_duration_s, ewma_alpha=scheduler.ewma_alpha,
+                    max_queue=scheduler.max_queue, retain_s=scheduler.retain_s)
     try:
         await broker.start()
         yield broker, build_app(broker, config.server, config.limits, config.access)
