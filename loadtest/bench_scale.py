@@ -3,11 +3,12 @@
 
 The simulator's broker station drives them on a virtual clock: an AI-coding batch (tool calls and elastic test
 runs, 1-32 cores, malleable) and a MOPD batch (log-prob rewards on nine teacher services, elastic DoP) start at
-once. The coding trajectories think for almost no time between calls (``--think``, a bench setting, not a
-workload claim), so more of them want cores than the 3,840 cores hold, and the queue stays in the thousands. Every
-pass is timed on the wall clock with the queue length it saw; the figure is the pass time while at least
-``--queued`` actions wait (the issue's target: median <= 5 ms at 3,000 queued). Workload sizes and costs are the simulator's labelled assumptions
-(``tangram/sim/workloads.py``, ``tangram/sim/assumptions.py``); only the pass's own wall time is measured.
+once. The coding trajectories think for almost no time between calls (``--think``, a bench setting, not a workload
+claim), so more of them want cores than the 3,840 cores hold, and the queue stays in the thousands. Every pass is
+timed on the wall clock with the queue length it saw; the figure is the pass time while at least ``--queued``
+actions wait (the issue's target: median <= 5 ms at 3,000 queued). Workload sizes and costs are the simulator's
+labelled assumptions (``tangram/sim/workloads.py``, ``tangram/sim/assumptions.py``); only the pass's own wall time
+is measured.
 
     python -m loadtest.bench_scale [--coding 7000] [--turns 4] [--think 0.01] [--mopd 2048] [--queued 3000]
 """
