@@ -101,7 +101,7 @@ class CpuConfig:
     __pydantic_config__ = TABLE
 
     enabled: Flag = True
-    #: without a ``[cpu.nodes]`` table, one node named "local": this host
+    #: without a ``[cpu.nodes]`` table, one node named "local": this host (none when nodes join: ``join``)
     nodes: tuple[CpuNodeConfig, ...] = (CpuNodeConfig(name="local"),)
     #: label value that marks this broker's sandboxes (adopted at start); keep it across restarts
     broker_id: Text = "tangram"
@@ -145,11 +145,11 @@ class CpuConfig:
 def parse_cpu_config(raw: Any) -> CpuConfig:
     """The ``[cpu]`` section. Nothing here reads the hardware: a local node's defaults are read at manager start
     (``on_this_host``)."""
-    nodes_raw = raw.get("nodes", {"local": {}}) if isinstance(raw, dict) else None
     config = table(CpuConfig, {k: v for k, v in raw.items() if k != "nodes"} if isinstance(raw, dict) else raw, "cpu")
+    nodes_raw = raw.get("nodes", {} if config.join else {"local": {}}) if isinstance(raw, dict) else None
     nodes = named_tables(CpuNodeConfig, nodes_raw, "cpu.nodes")
-    if not nodes:
-        raise ConfigError("cpu.nodes", "must be a table of at least one node")
+    if not nodes and config.join is None:
+        raise ConfigError("cpu.nodes", "must be a table of at least one node (or let nodes join: [cpu.join])")
     for node in nodes:
         _check_node(node, f"cpu.nodes.{node.name}")
     config = replace(config, nodes=nodes)
@@ -157,7 +157,7 @@ def parse_cpu_config(raw: Any) -> CpuConfig:
     if config.read_only_root and local:
         raise ConfigError("cpu.read_only_root", f"needs Docker sandboxes, but node {local[0]!r} has backend "
                                                 f"\"local\" (its commands share this host's filesystem)")
-    longest = max(len(node.name) for node in nodes)
+    longest = max((len(node.name) for node in nodes), default=0)
     socket_length = len(config.run_dir) + len(config.broker_id) + longest + len("/x/x/env-act_/exec.sock") + 24
     if socket_length > UNIX_PATH_MAX:
         raise ConfigError("cpu.run_dir", f"executor socket paths would be {socket_length} bytes, over the "

@@ -24,6 +24,8 @@ from tangram.core.errors import ActionFailed, Conflict, NotFound, TooMany, Unava
 
 log = logging.getLogger("tangram.cpu")
 
+#: when to try again while no node is in service
+NO_NODE_RETRY_S = 5.0
 #: sandbox errors at creation that are the request's fault (a 422 on ``POST /v1/environments``), not the engine's
 IMAGE_ERRORS = frozenset({"image_not_found", "image_without_python3"})
 
@@ -193,7 +195,11 @@ class Environments(Mapping[str, Environment]):
     def check_memory(self, memory_mb: int | None, field: str) -> int:
         """The memory a new environment reserves; 422 when no node could ever hold it."""
         memory = memory_mb or self.config.default_memory_mb
-        largest = max(node.memory_mb for node in self.nodes.values())
+        serving = [node.memory_mb for node in self.nodes.values() if node.lost is None]
+        if not serving:
+            raise Unavailable(field, "no CPU node is in service now (nodes join from the Ray cluster)",
+                              retry_after_s=NO_NODE_RETRY_S)
+        largest = max(serving)
         if memory > largest:
             raise Unprocessable(field, f"{memory} MiB is more than any node offers ({largest} MiB)")
         return memory

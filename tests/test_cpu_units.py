@@ -15,7 +15,7 @@ from managers.cpu_node import CpuNode
 from managers.exec_spec import ExecLimits, executor_request, parse_exec_spec, rewrite_pytest
 from sandboxes.cgroup import cpu_list, parse_cpu_list
 from tangram.core.action import Action, Demand, Kind
-from tangram.core.errors import BadRequest, ConfigError, Unprocessable
+from tangram.core.errors import BadRequest, ConfigError, Unavailable, Unprocessable
 from tests.docker_nodes import cpu_config
 from tests.harness import live_broker
 
@@ -108,6 +108,18 @@ def test_bad_cpu_config_names_the_key(raw, key):
     with pytest.raises(ConfigError) as caught:
         parse_cpu_config(raw)
     assert caught.value.key == key
+
+
+def test_with_join_and_no_nodes_the_broker_waits_for_nodes_to_join():
+    config = parse_cpu_config({"join": {}})
+    assert config.nodes == ()  # no "local" node: every node joins from the Ray cluster
+    manager = CpuManager(config)
+    with pytest.raises(Unavailable) as caught:  # a 503 to retry, not a 422: nodes may join any moment
+        manager.environments.check_memory(None, "spec.memory_mb")
+    assert caught.value.field == "spec.memory_mb" and caught.value.retry_after_s
+    with pytest.raises(ConfigError) as refused:
+        parse_cpu_config({"nodes": {}})
+    assert refused.value.key == "cpu.nodes"
 
 
 def test_a_node_behind_an_agent_leaves_its_hardware_to_the_agent():

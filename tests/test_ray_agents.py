@@ -313,3 +313,18 @@ async def test_a_test_run_behind_an_agent_shrinks_for_a_tool_call_and_grows_back
                              "memory_mb": 2048}}, ray_address=ray_cluster.address)
     async with live_broker(raw, str(tmp_path / "t.db")) as live:
         await a_tool_call_takes_a_core_and_gives_it_back(live)
+
+
+async def test_a_broker_of_joining_nodes_only_serves_on_the_nodes_that_joined(ray_cluster: Cluster,
+                                                                              tmp_path) -> None:
+    """No ``[cpu.nodes]`` at all: both Ray nodes join at start (``[cpu.join]``), each reporting its hardware."""
+    raw = cpu_config({}, ray_address=ray_cluster.address, default_memory_mb=256, join={"backend": "local"})
+    raw["cpu"].pop("nodes")
+    async with live_broker(raw, str(tmp_path / "t.db")) as live:
+        _, resources = await live.call("GET", "/v1/resources")
+        pools = {r["pool"] for r in resources["resources"] if r["resource"] == "cpu"}
+        assert pools == {"n1", "n2"}
+        records = await asyncio.gather(*(run(live, "echo $TANGRAM_ENVIRONMENT", f"traj-{i}") for i in range(4)))
+        assert all(r["state"] == "succeeded" for r in records), records
+        assert {r["result"]["node"] for r in records} == {"n1", "n2"}
+        assert all(r["result"]["stdout"] == f"{r['result']['environment']}\n" for r in records)
