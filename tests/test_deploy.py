@@ -50,6 +50,7 @@ COMPOSE = DEPLOY / "docker-compose.yaml"
 SANDBOXES = DEPLOY / "docker-compose.sandboxes.yaml"
 RAY_OVERLAY = DEPLOY / "docker-compose.ray.yaml"
 K8S = DEPLOY / "k8s"
+K8S_RAY = DEPLOY / "k8s-ray"
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "tangram.json"
 DATASOURCES = DEPLOY / "grafana" / "provisioning" / "datasources" / "prometheus.yaml"
 DASHBOARD_PROVIDERS = DEPLOY / "grafana" / "provisioning" / "dashboards" / "tangram.yaml"
@@ -63,8 +64,8 @@ COMPOSE_VARIANTS = {"compose": (COMPOSE,), "compose+sandboxes": (COMPOSE, SANDBO
                     "compose+ray": (COMPOSE, RAY_OVERLAY)}
 #: what a user must export for the sandboxes and Ray overlays
 OVERLAY_VARIABLES = {"DOCKER_GID": "4242", "TANGRAM_RAY_TOKEN": "0123abcd"}
-#: variables Ray reads (token authentication), not the broker's config
-RAY_VARIABLES = frozenset({"RAY_AUTH_MODE", "RAY_AUTH_TOKEN"})
+#: variables Ray reads (token authentication, its files under HOME), not the broker's config
+RAY_VARIABLES = frozenset({"RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "HOME"})
 LEASE: dict[str, Any] = {"task": "deploy-test", "kind": "lease", "demand": {"lease.local": 1}, "spec": {"ttl_s": 60}}
 
 
@@ -172,14 +173,41 @@ def flags(command: list[str]) -> dict[str, str]:
 # -- Kubernetes ---------------------------------------------------------------------------------------------------
 
 
-def k8s_objects() -> dict[tuple[str, str], dict[str, Any]]:
-    """Every object of the manifests by (kind, name)."""
+def k8s_objects(directory: Path = K8S) -> dict[tuple[str, str], dict[str, Any]]:
+    """Every object of a kustomization by (kind, name): its resources (files, or directories read the same way),
+    then its strategic-merge patches applied."""
+    kustomization = yaml.safe_load((directory / "kustomization.yaml").read_text())
     objects: dict[tuple[str, str], dict[str, Any]] = {}
-    for path in sorted(K8S.glob("*.yaml")):
+    for resource in kustomization["resources"]:
+        path = directory / resource
+        if path.is_dir():
+            objects.update(k8s_objects(path))
+            continue
         for document in yaml.safe_load_all(path.read_text()):
-            if document["kind"] != "Kustomization":
-                objects[(document["kind"], document["metadata"]["name"])] = document
+            objects[(document["kind"], document["metadata"]["name"])] = document
+    for patch in kustomization.get("patches", []):
+        document = yaml.safe_load((directory / patch["path"]).read_text())
+        key = (document["kind"], document["metadata"]["name"])
+        objects[key] = strategic_merge(objects[key], document)
     return objects
+
+
+#: the keys by which Kubernetes merges the lists these manifests patch
+MERGE_KEYS = {"containers": "name", "env": "name", "volumes": "name", "volumeMounts": "mountPath"}
+
+
+def strategic_merge(base: Any, patch: Any, field: str = "") -> Any:
+    """``patch`` over ``base`` as kubectl's strategic merge does for what these manifests use: maps merge, the
+    lists in ``MERGE_KEYS`` merge by their key, other lists and values are replaced."""
+    if isinstance(base, dict) and isinstance(patch, dict):
+        return {**base, **{k: strategic_merge(base.get(k), v, k) for k, v in patch.items()}}
+    if isinstance(base, list) and isinstance(patch, list) and field in MERGE_KEYS:
+        key = MERGE_KEYS[field]
+        merged = {item[key]: item for item in base}
+        for item in patch:
+            merged[item[key]] = strategic_merge(merged.get(item[key], {}), item)
+        return list(merged.values())
+    return patch
 
 
 def only_container(deployment: dict[str, Any]) -> dict[str, Any]:
@@ -214,7 +242,7 @@ def k8s_broker_config(tmp_path: Path, objects: dict[tuple[str, str], dict[str, A
     objects = objects or k8s_objects()
     deployment = objects[("Deployment", "tangram-broker")]
     container = only_container(deployment)
-    environment = env_values(container, objects)
+    environment = {k: v for k, v in env_values(container, objects).items() if k not in RAY_VARIABLES}
     config_path = environment[CONFIG_ENV]
     mount = next(m for m in container["volumeMounts"] if config_path.startswith(m["mountPath"].rstrip("/") + "/"))
     volume = next(v for v in deployment["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"])
@@ -413,6 +441,51 @@ def test_kustomization_lists_every_manifest() -> None:
     kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
     assert sorted(kustomization["resources"]) == sorted(p.name for p in K8S.glob("*.yaml")
                                                         if p.name != "kustomization.yaml")
+    ray = yaml.safe_load((K8S_RAY / "kustomization.yaml").read_text())
+    listed = [r for r in ray["resources"] if r != "../k8s"] + [p["path"] for p in ray["patches"]]
+    assert "../k8s" in ray["resources"]
+    assert sorted(listed) == sorted(p.name for p in K8S_RAY.glob("*.yaml") if p.name != "kustomization.yaml")
+
+
+def test_k8s_ray_overlay_joins_every_agent_node_to_the_brokers_cluster(tmp_path: Path) -> None:
+    """The broker, the Ray head and the agent DaemonSet share the cluster's address and token; every Kubernetes
+    node's agent carries tangram_node_<its name>, which [cpu.join] turns into a CPU node; the agent mounts the
+    engine, cgroups and sandbox run directory at the fast path's paths; the broker joins Ray before serving."""
+    objects = k8s_objects(K8S_RAY)
+    config, _ = k8s_broker_config(tmp_path, objects)
+    assert config.cpu.enabled and config.cpu.nodes == () and config.cpu.join is not None
+    assert config.cpu.ray_auth == "token" and config.access.auth.required is True
+    host, port = config.cpu.ray_address.rsplit(":", 1)
+    service = objects[("Service", host)]
+    [service_port] = service["spec"]["ports"]
+    head = objects[("Deployment", "tangram-ray-head")]
+    head_container = only_container(head)
+    assert service["spec"]["selector"].items() <= head["spec"]["template"]["metadata"]["labels"].items()
+    assert service_port["port"] == int(port) and f"--port={port}" in head_container["command"]
+    assert container_port(head_container, service_port["targetPort"]) == int(port)
+    agents = objects[("DaemonSet", "tangram-agents")]
+    agent = only_container(agents)
+    broker = only_container(objects[("Deployment", "tangram-broker")])
+    for container in (head_container, agent, broker):
+        assert container["image"] == broker_image_name("ray")
+        [token] = [item for item in container["env"] if item["name"] == "RAY_AUTH_TOKEN"]
+        assert secret_value(objects, token["valueFrom"]["secretKeyRef"]) == ""  # shipped empty: nothing joins
+        assert {"name": "RAY_AUTH_MODE", "value": "token"} in container["env"]
+    [resources] = [arg for arg in agent["command"] if arg.startswith("--resources=")]
+    assert json.loads(resources.removeprefix("--resources=")) == {"tangram_node_$(NODE_NAME)": 1}
+    [node_name] = [item for item in agent["env"] if item["name"] == "NODE_NAME"]
+    assert node_name["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    assert f"--address={config.cpu.ray_address}" in agent["command"]
+    pod = agents["spec"]["template"]["spec"]
+    host_paths = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"]}
+    mounts = {m["mountPath"]: host_paths[m["name"]] for m in agent["volumeMounts"]}
+    engine = config.cpu.join.engine.removeprefix("unix://")
+    assert mounts[engine] == engine and mounts[config.cpu.run_dir] == config.cpu.run_dir
+    assert mounts["/sys/fs/cgroup"] == "/sys/fs/cgroup"
+    assert pod["hostPID"] is True and agent["securityContext"]["runAsUser"] == 0
+    [command] = broker["command"][2:]
+    assert command.startswith(f"ray start --address={config.cpu.ray_address}")
+    assert command.endswith("exec tangram serve")
 
 
 def test_k8s_broker_reads_its_configmap_and_secret(tmp_path: Path) -> None:
