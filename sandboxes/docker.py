@@ -60,10 +60,10 @@ READY_TIMEOUT_S = 30.0
 #: how long an adopted sandbox's executor may take to answer once thawed
 ADOPT_TIMEOUT_S = 5.0
 #: /tmp of a read-only-root sandbox: writable, executable, and counted against the container's memory limit
+READ_ONLY_ROOT_TMPFS = {"/tmp": "rw,exec,nosuid,nodev,size=64m,mode=1777"}
 #: beside a claimed warm sandbox's socket: the labels of the trajectory environment it became (its container's own
 #: labels cannot change)
 CLAIM_FILE = "claimed.json"
-READ_ONLY_ROOT_TMPFS = {"/tmp": "rw,exec,nosuid,nodev,size=64m,mode=1777"}
 
 
 def _archive(files: dict[str, bytes], executable: str | None = None) -> bytes:
