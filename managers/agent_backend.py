@@ -45,9 +45,6 @@ class AgentSandbox(Sandbox):
     async def set_cores(self, cores: frozenset[int]) -> None:
         answer(await self._call("set_cores", self.env_id, cores))
 
-    async def set_action_cores(self, tag: str, cores: frozenset[int]) -> None:
-        answer(await self._call("set_action_cores", self.env_id, tag, cores))
-
     async def run(self, request: dict[str, Any]) -> dict[str, Any]:
         response: dict[str, Any] = answer(await self._call("run", self.env_id, request))
         return response

@@ -28,7 +28,7 @@ from managers.environment import Environment, EnvState
 from managers.environments import Environments
 from managers.exec_spec import ExecSpec, ExecSpecBody, executor_request, parse_exec_spec
 from managers.sandbox_backends import SandboxFactory, open_sandbox_backend
-from sandboxes.backend import NODE_UNAVAILABLE, SandboxBackend, SandboxError
+from sandboxes.backend import NODE_UNAVAILABLE, Leftover, SandboxBackend, SandboxError
 from tangram.core.action import Action, Kind
 from tangram.core.errors import ActionFailed, Conflict, NotFound, Unprocessable
 from tangram.core.malleable import WorkerCost, workers_for
@@ -143,15 +143,7 @@ class CpuManager(ResourceManager[CpuHandle]):
     async def start(self) -> None:
         for node_config in self.config.nodes:
             backend = await self._open_backend(node_config, self.config)
-            node = CpuNode(self._as_reported(node_config, backend), backend)
-            leftovers = await backend.adopt(self.config.broker_id)
-            self.add_node(node)
-            for leftover in leftovers:
-                await self.environments.take_over(node, leftover)
-            if leftovers:
-                lost = sum(1 for leftover in leftovers if leftover.sandbox is None)
-                log.warning("node %s: took over %d environment(s) a previous run of broker %r left (%d of them "
-                            "lost)", node.name, len(leftovers), self.config.broker_id, lost)
+            await self._into_service(node_config, backend, await backend.adopt(self.config.broker_id))
         self.environments.start_reaping()
         if self.config.join is not None or any(node.agent for node in self.config.nodes):
             from managers.ray_membership import RayMembership  # Ray is imported only for nodes behind agents
@@ -159,13 +151,23 @@ class CpuManager(ResourceManager[CpuHandle]):
             self._membership = RayMembership(self.config, self.node_joined, self.node_left)
             await self._membership.start()
 
-    @staticmethod
-    def _as_reported(node_config: CpuNodeConfig, backend: SandboxBackend) -> CpuNodeConfig:
-        """The node as its agent reported it from its host (cores, memory, NUMA), else as configured."""
+    async def _into_service(self, node_config: CpuNodeConfig, backend: SandboxBackend,
+                            leftovers: list[Leftover]) -> CpuNode:
+        """A new node in service, as its agent reported it from its host (cores, memory, NUMA) or else as
+        configured, with the environments a previous run of this broker left there taken over."""
         hardware = backend.hardware
-        if hardware is None:
-            return node_config
-        return replace(node_config, cores=hardware.cores, memory_mb=hardware.memory_mb, numa=hardware.numa)
+        if hardware is not None:
+            node_config = replace(node_config, cores=hardware.cores, memory_mb=hardware.memory_mb,
+                                  numa=hardware.numa)
+        node = CpuNode(node_config, backend)
+        self.add_node(node)
+        for leftover in leftovers:
+            await self.environments.take_over(node, leftover)
+        if leftovers:
+            lost = sum(1 for leftover in leftovers if leftover.sandbox is None)
+            log.warning("node %s: took over %d environment(s) a previous run of broker %r left (%d of them "
+                        "lost)", node.name, len(leftovers), self.config.broker_id, lost)
+        return node
 
     def add_node(self, node: CpuNode) -> None:
         """Put a node in service (``start`` does it for every configured node; the simulator, directly)."""
@@ -192,11 +194,8 @@ class CpuManager(ResourceManager[CpuHandle]):
             log.warning("node %s: not joined (%s)", name, error.message)
             return
         if node is None:
-            self.add_node(CpuNode(self._as_reported(node_config, backend), backend))
-            for leftover in leftovers:
-                await self.environments.take_over(self.nodes[name], leftover)
-            log.info("node %s joined: %d cores, %d MiB", name, self.nodes[name].cores.capacity,
-                     self.nodes[name].memory_mb)
+            joined = await self._into_service(node_config, backend, leftovers)
+            log.info("node %s joined: %d cores, %d MiB", name, joined.cores.capacity, joined.memory_mb)
             return
         node.come_back(backend)
         revived = await self.environments.come_back(node, leftovers)

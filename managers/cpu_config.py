@@ -11,6 +11,7 @@ from pydantic import AfterValidator, BeforeValidator, Field, Strict
 
 from managers.cores import host_numa_nodes
 from managers.exec_spec import ExecLimits
+from sandboxes.backend import SandboxSpec
 from sandboxes.cgroup import parse_cpu_list
 from sandboxes.image import DEFAULT_IMAGE
 from tangram.core.config_tables import TABLE, Count, Flag, NonNegative, PositiveSeconds, Text, named_tables, table
@@ -140,6 +141,13 @@ class CpuConfig:
     #: duration there (docs/SCHEDULING.md); 0: as many workers as the cores it starts on, since real suites' workers
     #: cost up to ~7 CPU seconds each (every worker collects the whole suite) and extra ones gained <1% simulated
     worker_overhead: NonNegativeCost = 0.0
+
+    def sandbox_spec(self, env_id: str, task: str, trajectory: str | None, image: str, memory_mb: int,
+                     **more: Any) -> SandboxSpec:
+        """A sandbox of this broker's: the environment's identity, the config's limits and broker label."""
+        return SandboxSpec(env_id=env_id, task=task, trajectory=trajectory, image=image, memory_mb=memory_mb,
+                           pids_limit=self.pids_limit, broker_id=self.broker_id,
+                           read_only_root=self.read_only_root, **more)
 
 
 def parse_cpu_config(raw: Any) -> CpuConfig:

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator, Mapping
 from managers.cpu_config import CpuConfig
 from managers.cpu_node import CpuNode
 from managers.environment import Environment, EnvState
-from sandboxes.backend import Leftover, Sandbox, SandboxError, SandboxSpec
+from sandboxes.backend import Leftover, Sandbox, SandboxError
 from tangram.core.action import new_action_id
 from tangram.core.errors import ActionFailed, Conflict, NotFound, TooMany, Unavailable, Unprocessable
 
@@ -171,10 +171,8 @@ class Environments(Mapping[str, Environment]):
 
     async def _create(self, env: Environment) -> Sandbox:
         node = self.nodes[env.node]
-        spec = SandboxSpec(env_id=env.id, task=env.task, trajectory=env.trajectory, image=env.image,
-                           memory_mb=env.memory_mb, pids_limit=self.config.pids_limit, files=env.files,
-                           broker_id=self.config.broker_id, read_only_root=self.config.read_only_root,
-                           ephemeral=env.ephemeral, created_at=env.created_at)
+        spec = self.config.sandbox_spec(env.id, env.task, env.trajectory, env.image, env.memory_mb, files=env.files,
+                                        ephemeral=env.ephemeral, created_at=env.created_at)
         try:
             sandbox = await node.backend.create(spec)
         except BaseException:

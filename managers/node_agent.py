@@ -110,11 +110,6 @@ class NodeAgent:
         await sandbox.set_cores(cores)
 
     @replying
-    async def set_action_cores(self, env_id: str, tag: str, cores: frozenset[int]) -> None:
-        sandbox = await self._held(env_id)
-        await sandbox.set_action_cores(tag, cores)
-
-    @replying
     async def run(self, env_id: str, request: dict[str, Any]) -> dict[str, Any]:
         sandbox = await self._held(env_id)
         return await sandbox.run(request)

@@ -25,9 +25,7 @@ SandboxFactory = Callable[[CpuNodeConfig, CpuConfig], Awaitable[SandboxBackend]]
 
 def warm_template(config: CpuConfig) -> SandboxSpec:
     """What a node's warm sandboxes are made as: the default image and memory, no trajectory yet."""
-    return SandboxSpec(env_id="warm", task="warm", trajectory=None, image=config.default_image,
-                       memory_mb=config.default_memory_mb, pids_limit=config.pids_limit, broker_id=config.broker_id,
-                       read_only_root=config.read_only_root)
+    return config.sandbox_spec("warm", "warm", None, config.default_image, config.default_memory_mb)
 
 
 async def open_sandbox_backend(node: CpuNodeConfig, config: CpuConfig) -> SandboxBackend:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import inspect
+import time
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -87,3 +89,17 @@ async def live_upstream(**settings: Any) -> AsyncIterator[Upstream]:
     upstream = Upstream(**settings)
     async with serving(upstream.handle) as upstream.url:
         yield upstream
+
+
+async def until(check: Callable[[], Any], timeout_s: float = 60.0) -> Any:
+    """``check()``'s first true answer (awaited when it is awaitable), polled every 0.1 s; fails the test past
+    ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        answer = check()
+        if inspect.isawaitable(answer):
+            answer = await answer
+        if answer:
+            return answer
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.1)

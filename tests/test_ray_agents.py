@@ -24,7 +24,7 @@ from sandboxes.backend import LABEL_ENV, NodeHardware, SandboxBackend, SandboxSp
 from tangram.core.errors import RequestError
 from tangram.sim.broker_station import NoSandboxes
 from tests.docker_nodes import cpu_config, docker_engines, labelled_containers, new_broker_id
-from tests.harness import Live, live_broker
+from tests.harness import Live, live_broker, until
 from tests.test_malleable import a_tool_call_takes_a_core_and_gives_it_back
 from tests.test_recovery import free_port, start_broker
 
@@ -158,15 +158,6 @@ def n2_raylet(cluster: Cluster) -> Any:
     """The cluster's only worker node: n2's."""
     [node] = cluster.worker_nodes
     return node
-
-
-async def until(check: Callable[[], Awaitable[Any]], timeout_s: float = 60.0) -> Any:
-    """``check()``'s first true answer, polled; fails the test past ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while not (answer := await check()):
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.1)
-    return answer
 
 
 async def test_a_node_joins_from_ray_leaves_with_its_raylet_and_comes_back(ray_cluster: Cluster, tmp_path) -> None:

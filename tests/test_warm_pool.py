@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -14,20 +13,12 @@ import pytest
 from sandboxes.backend import LABEL_ENV, LABEL_WARM, Sandbox, SandboxError, SandboxSpec
 from sandboxes.warm_pool import CreateRate, WarmPool
 from tests.docker_nodes import cpu_config, docker_engines, labelled_containers
-from tests.harness import Live, live_broker
+from tests.harness import Live, live_broker, until
 
 
 def warm_node(engine: str, **cpu: Any) -> dict[str, Any]:
     return cpu_config({"n1": {"backend": "docker", "engine": engine, "cores": "0-1", "memory_mb": 8192}},
                       default_memory_mb=128, **cpu)
-
-
-async def until(check: Callable[[], Any], timeout_s: float = 60.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while not (answer := check()):
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.1)
-    return answer
 
 
 def warm_ids(engine: str, broker_id: str) -> set[str]:
@@ -57,13 +48,12 @@ async def test_a_new_trajectory_claims_a_warm_sandbox_and_keeps_it_across_a_rest
         _, env = await live.call("GET", f"/v1/environments/{env_id}")
         claimed = containers[env["sandbox"]["container"]]
         assert claimed[LABEL_ENV] in warm  # a warm sandbox became the trajectory's environment
-        for _ in range(600):  # the pool refills in the background
+        async def pool_full() -> bool:
             _, resources = await live.call("GET", "/v1/resources")
             [row] = [r for r in resources["resources"] if r["resource"] == "cpu"]
-            if row["warm_sandboxes"] == 2:
-                break
-            await asyncio.sleep(0.1)
-        assert row["warm_sandboxes"] == 2
+            return bool(row["warm_sandboxes"] == 2)
+
+        await until(pool_full)  # the pool refills in the background
         assert len(warm_ids(engine, broker_id) - {claimed[LABEL_ENV]}) == 2
     # the stop kept the trajectory's sandbox (keep_sandboxes_on_stop) and removed the idle warm ones
     assert warm_ids(engine, broker_id) == {claimed[LABEL_ENV]}
