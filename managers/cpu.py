@@ -55,6 +55,8 @@ class CpuFit(Fit):
         self.before = {name: len(node.cores.free) for name, node in manager.nodes.items()}
         self.free = dict(self.before)
         self.memory_free = {name: node.memory_mb - node.memory_reserved for name, node in manager.nodes.items()}
+        #: nodes that may take new environments (a lost node's cores serve only the actions that fail there)
+        self.serving = tuple(name for name, node in manager.nodes.items() if node.lost is None)
         self.new_trajectories: dict[tuple[str, str], str] = {}
         self.placed: dict[str, tuple[str, int, int]] = {}
         self.short_of_memory: set[str] = set()  # refused new environments that only lacked memory
@@ -66,8 +68,7 @@ class CpuFit(Fit):
         memory = 0
         if node is None:
             memory = self.manager.memory_for(action)
-            candidates = [name for name in self.free if self.free[name] >= n and self.memory_free[name] >= memory
-                          and self.manager.nodes[name].lost is None]
+            candidates = [name for name in self.serving if self.free[name] >= n and self.memory_free[name] >= memory]
             if not candidates:
                 if any(free >= n for free in self.free.values()):
                     self.short_of_memory.add(action.id)
