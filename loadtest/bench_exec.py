@@ -41,11 +41,12 @@ def config(engine: str, fast_path: bool, db: str, ray_address: str | None = None
     """One node on ``engine``; with ``ray_address``, behind its agent on that Ray cluster."""
     node: dict[str, Any] = {"backend": "docker", "engine": engine, "cores": "0-1", "numa": ["0", "1"],
                             "memory_mb": 4096, "fast_path": fast_path}
-    cpu: dict[str, Any] = {"broker_id": f"bench-{uuid.uuid4().hex[:6]}", "nodes": {"n1": node}}
+    raw: dict[str, Any] = {"store": {"url": f"sqlite+aiosqlite:///{db}"},
+                           "cpu": {"broker_id": f"bench-{uuid.uuid4().hex[:6]}", "nodes": {"n1": node}}}
     if ray_address is not None:
         node["agent"] = True
-        cpu["ray_address"] = ray_address
-    return {"store": {"url": f"sqlite+aiosqlite:///{db}"}, "cpu": cpu}
+        raw["ray"] = {"address": ray_address}
+    return raw
 
 
 async def with_broker(raw: dict[str, Any], body: Any) -> Any:

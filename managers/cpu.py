@@ -147,9 +147,10 @@ class CpuManager(ResourceManager[CpuHandle]):
             await self._into_service(node_config, backend, await backend.adopt(self.config.broker_id))
         self.environments.start_reaping()
         if self.config.join is not None or any(node.agent for node in self.config.nodes):
-            from managers.ray_membership import RayMembership  # Ray is imported only for nodes behind agents
+            from managers.ray_cluster import NODE_RESOURCE_PREFIX  # Ray is imported only for nodes behind agents
+            from managers.ray_membership import RayMembership
 
-            self._membership = RayMembership(self.config, self.node_joined, self.node_left)
+            self._membership = RayMembership(self.config.ray, NODE_RESOURCE_PREFIX, self.node_joined, self.node_left)
             await self._membership.start()
 
     async def _into_service(self, node_config: CpuNodeConfig, backend: SandboxBackend,

@@ -11,6 +11,7 @@ from pydantic import AfterValidator, BeforeValidator, Field, Strict
 
 from managers.cores import host_numa_nodes
 from managers.exec_spec import ExecLimits
+from managers.ray_config import RayConfig, check_no_ray_keys
 from sandboxes.backend import SandboxSpec
 from sandboxes.cgroup import parse_cpu_list
 from sandboxes.image import DEFAULT_IMAGE
@@ -127,11 +128,8 @@ class CpuConfig:
     warm_sandboxes: NonNegative = 0
     #: sandbox creations a node starts per second (warm refills and cold creates alike); more wait their turn
     creates_per_s: Annotated[float, Strict(), Field(gt=0, le=1e4)] = 10.0
-    #: the Ray cluster of the nodes with ``agent = true`` ("auto": the cluster this host has joined)
-    ray_address: Text = "auto"
-    #: "token": join the Ray cluster only with its token (Ray's token authentication, RAY_AUTH_MODE=token);
-    #: "none": without, on a network you trust (whoever reaches the cluster can call the agents)
-    ray_auth: Literal["token", "none"] = "token"
+    #: the ``[ray]`` section, for the nodes with ``agent = true`` and joining nodes (``parse_config`` sets it)
+    ray: RayConfig = field(default_factory=RayConfig)
     #: nodes join (and leave) at runtime from that Ray cluster; absent: only the configured nodes serve
     join: JoinConfig | None = None
     #: CPU seconds one more worker of an elastic run costs to start (``pytest -n``: an interpreter importing the
@@ -153,6 +151,8 @@ class CpuConfig:
 def parse_cpu_config(raw: Any) -> CpuConfig:
     """The ``[cpu]`` section. Nothing here reads the hardware: a local node's defaults are read at manager start
     (``on_this_host``)."""
+    if isinstance(raw, dict):
+        check_no_ray_keys(raw, "cpu")
     config = table(CpuConfig, {k: v for k, v in raw.items() if k != "nodes"} if isinstance(raw, dict) else raw, "cpu")
     nodes_raw = raw.get("nodes", {} if config.join else {"local": {}}) if isinstance(raw, dict) else None
     nodes = named_tables(CpuNodeConfig, nodes_raw, "cpu.nodes")

@@ -3,21 +3,14 @@ carries the custom resource ``tangram_node_<name>`` (``ray start --resources '{"
 by Ray when it dies (the restarted agent takes its sandboxes back by their labels). The agent is detached from the
 broker's process, so a broker that crashes finds it again under its name when it comes back and adopts through it;
 a broker that stops lets it go. Only a config with such a node imports this module, so a one-machine broker needs
-no Ray.
-
-Ray's cluster is the trust boundary: whoever can reach the cluster can call the agents, as whoever can reach a
-Docker engine's socket can run containers. Run the cluster on a private network with Ray's token authentication;
-the broker refuses to join one without the token unless told the network is trusted (``cpu.ray_auth``).
+no Ray. ``ray_cluster.py`` joins the cluster, under its token.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
-from collections.abc import Mapping
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import ray
@@ -27,22 +20,11 @@ from managers.agent_backend import AgentBackend
 from managers.agent_replies import Reply, failed
 from managers.cpu_config import CpuConfig, CpuNodeConfig, on_this_host
 from managers.node_agent import NodeAgent
+from managers.ray_cluster import PLACEMENT_TIMEOUT_S, RayUnavailable, connect, node_resource
 from managers.sandbox_backends import open_sandbox_backend
 from sandboxes.backend import NODE_UNAVAILABLE, NodeHardware, SandboxError
 
 log = logging.getLogger("tangram.cpu")
-
-#: how long an agent may take to be placed and answer its first call (a Ray worker process starts)
-PLACEMENT_TIMEOUT_S = 60.0
-
-
-#: the custom resources that mark the Ray nodes of CPU nodes: ``tangram_node_<name>``
-NODE_RESOURCE_PREFIX = "tangram_node_"
-
-
-def node_resource(node: str) -> str:
-    """The custom resource that marks the Ray node where node ``node``'s agent runs."""
-    return NODE_RESOURCE_PREFIX + node
 
 
 class RayNodeAgent(NodeAgent):
@@ -59,52 +41,14 @@ class RayNodeAgent(NodeAgent):
 _RemoteAgent: Any = ray.remote(RayNodeAgent)
 
 
-def token_problem(environ: Mapping[str, str], home: Path) -> str | None:
-    """Why this process would reach the Ray cluster without its token (Ray's token authentication, Ray >= 2.52:
-    ``RAY_AUTH_MODE=token`` and the token from ``RAY_AUTH_TOKEN``, the file ``RAY_AUTH_TOKEN_PATH`` names, or
-    ``~/.ray/auth_token``); None when it has one."""
-    if environ.get("RAY_AUTH_MODE") != "token":
-        return "RAY_AUTH_MODE is not \"token\""
-    if environ.get("RAY_AUTH_TOKEN"):
-        return None
-    path = Path(environ.get("RAY_AUTH_TOKEN_PATH") or home / ".ray" / "auth_token")
-    try:
-        if path.read_text().strip():
-            return None
-    except OSError:
-        pass
-    return f"no token in RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or {path}"
-
-
-def connect(config: CpuConfig) -> None:
-    """Join the Ray cluster once per process, quietly (the broker's log stays its own). The cluster is the agents'
-    trust boundary, so with ``ray_auth = "token"`` (the default) the broker refuses to join without the cluster's
-    token."""
-    if ray.is_initialized():
-        return
-    if config.ray_auth == "token":
-        problem = token_problem(os.environ, Path.home())
-        if problem is not None:
-            raise SandboxError("ray_unauthenticated", f"not joining the Ray cluster at {config.ray_address!r} "
-                                                      f"without its token ({problem}): start the cluster and the "
-                                                      f"broker with RAY_AUTH_MODE=token and the cluster's token, "
-                                                      f"or set cpu.ray_auth = \"none\" on a network you trust")
-    else:
-        log.warning("joining the Ray cluster at %r without token authentication (cpu.ray_auth = \"none\"): whoever "
-                    "reaches the cluster can call the node agents", config.ray_address)
-    try:
-        ray.init(address=config.ray_address, namespace="tangram", logging_level=logging.WARNING,
-                 log_to_driver=False, configure_logging=False)
-    except ConnectionError as error:
-        raise SandboxError("ray_unreachable", f"the Ray cluster at {config.ray_address!r} did not accept the "
-                                              f"broker (down, or another token): {error}") from None
-
-
 async def open_agent_backend(node: CpuNodeConfig, config: CpuConfig) -> AgentBackend:
     """The backend of ``node`` through its agent, started: the agent is placed (or found, under its name) and has
     opened the node's engine. Raises ``SandboxError("node_unavailable")`` when no Ray node carries the node's
     resource or the agent does not answer in time."""
-    await asyncio.to_thread(connect, config)
+    try:
+        await asyncio.to_thread(connect, config.ray)
+    except RayUnavailable as error:
+        raise SandboxError(error.code, error.message) from None
     actor = _RemoteAgent.options(
         name=f"tangram-agent-{config.broker_id}-{node.name}", get_if_exists=True, lifetime="detached", num_cpus=0,
         resources={node_resource(node.name): 0.001}, max_restarts=-1, max_concurrency=1000).remote(node, config)

@@ -1,11 +1,14 @@
-"""CPU nodes as the Ray cluster holds them (issue 17): a Ray node that carries the custom resource
-``tangram_node_<name>`` is node ``<name>``'s host. The CPU manager hears when such a node appears (a node joins, or
-a lost one comes back) and when it is gone from Ray's node table (its raylet died or left), without a restart.
+"""Nodes as the Ray cluster holds them (issue 17): a Ray node that carries the custom resource
+``tangram_node_<name>`` is CPU node ``<name>``'s host (``tangram_gpu_node_<name>``: GPU node ``<name>``'s). A
+manager hears when such a node appears (a node joins, or a lost one comes back) and when it is gone from Ray's node
+table (its raylet died or left), without a restart.
 
 Ray decides when a node is dead: its GCS marks a raylet dead after missed health checks, by default about 15 s; a
 cluster started with ``--system-config='{"health_check_period_ms": 500, "health_check_failure_threshold": 3}'``
 tells within about 4 s. Actions in flight on a dead node lose their agent's connection sooner (about 2 s) and
 wait for the verdict (``CpuManager._lost_soon``).
+
+The membership raises ``RayUnavailable`` at start when the broker cannot join the cluster.
 """
 
 from __future__ import annotations
@@ -18,27 +21,23 @@ from collections.abc import Awaitable, Callable
 
 import ray
 
-from managers.cpu_config import CpuConfig
-from managers.ray_agents import NODE_RESOURCE_PREFIX, connect
+from managers.ray_cluster import alive_nodes, connect
+from managers.ray_config import RayConfig
 
-log = logging.getLogger("tangram.cpu")
+log = logging.getLogger("tangram.ray")
 
 #: how often the node table is read
 POLL_S = 0.5
 
 
-def alive_nodes() -> set[str]:
-    """The names of the nodes whose Ray node is alive now."""
-    return {key.removeprefix(NODE_RESOURCE_PREFIX) for node in ray.nodes() if node["Alive"]
-            for key in node["Resources"] if key.startswith(NODE_RESOURCE_PREFIX)}
-
-
 class RayMembership:
-    """Watches Ray's node table; tells ``joined(name)`` and ``left(name, reason)``, one change at a time per node."""
+    """Watches Ray's node table for the nodes marked ``<prefix><name>``; tells ``joined(name)`` and
+    ``left(name, reason)``, one change at a time per node."""
 
-    def __init__(self, config: CpuConfig, joined: Callable[[str], Awaitable[None]],
+    def __init__(self, config: RayConfig, prefix: str, joined: Callable[[str], Awaitable[None]],
                  left: Callable[[str, str], Awaitable[None]]) -> None:
         self._config = config
+        self._prefix = prefix
         self._joined = joined
         self._left = left
         self._alive: set[str] = set()
@@ -49,7 +48,7 @@ class RayMembership:
     async def start(self) -> None:
         """Join the nodes already there (configured ones are in service already) and watch for changes."""
         await asyncio.to_thread(connect, self._config)
-        self._alive = await asyncio.to_thread(alive_nodes)
+        self._alive = await asyncio.to_thread(alive_nodes, self._prefix)
         await asyncio.gather(*(self._joined(name) for name in sorted(self._alive)))
         self._watcher = asyncio.create_task(self._watch(), name="tangram-ray-membership")
 
@@ -57,7 +56,7 @@ class RayMembership:
         while True:
             await asyncio.sleep(POLL_S)
             try:
-                alive = await asyncio.to_thread(alive_nodes)
+                alive = await asyncio.to_thread(alive_nodes, self._prefix)
             except (ray.exceptions.RayError, OSError) as error:  # the GCS is briefly unreachable: keep what we knew
                 log.warning("Ray's node table could not be read (%s)", error)
                 continue

@@ -22,7 +22,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from tangram.config import load_config
+from tangram.config import load_config, with_ray
 from tangram.core.errors import ConfigError
 from tangram.sim.commands import add_commands as add_simulation_commands
 
@@ -35,7 +35,7 @@ def _serve(args: argparse.Namespace) -> int:
     if overrides:
         config = dataclasses.replace(config, server=dataclasses.replace(config.server, **overrides))
     if args.ray is not None:
-        config = dataclasses.replace(config, cpu=dataclasses.replace(config.cpu, ray_address=args.ray))
+        config = with_ray(config, dataclasses.replace(config.cpu.ray, address=args.ray))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         run(config)
@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--host")
     serve.add_argument("--port", type=int)
     serve.add_argument("--ray", metavar="ADDRESS", help="the Ray cluster of the nodes behind agents and of joining "
-                                                       "nodes (cpu.ray_address); this host must be one of its nodes")
+                                                       "nodes ([ray] address); this host must be one of its nodes")
     serve.set_defaults(func=_serve)
     status = commands.add_parser("status", help="show resources, queues and recent ACT of a running broker")
     status.add_argument("--url", default="http://127.0.0.1:8300")

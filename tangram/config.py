@@ -15,6 +15,7 @@ from pydantic import Field, PlainValidator, StrictStr
 from managers.basic import BasicResourceConfig, with_capacity
 from managers.cpu_config import CpuConfig, parse_cpu_config
 from managers.gpu_config import GpuConfig, parse_gpu_config
+from managers.ray_config import RayConfig
 from tangram.core.config_tables import (
     TABLE,
     AutoFlag,
@@ -188,14 +189,14 @@ def parse_access(raw: Mapping[str, Any]) -> AccessConfig:
     return AccessConfig(auth=auth, task_tokens=tokens, tenancy=tenancy)
 
 
-SECTIONS = ("server", "scheduler", "store", "limits", "basic", "pools", "cpu", "gpu", "auth", "tasks")
+SECTIONS = ("server", "scheduler", "store", "limits", "basic", "pools", "cpu", "gpu", "ray", "auth", "tasks")
 
 
 def parse_config(raw: dict[str, Any]) -> Config:
     for key in raw:
         if key not in SECTIONS:
             raise ConfigError(key, f"unknown section; known sections are {sorted(SECTIONS)}")
-    config = Config(
+    config = with_ray(Config(
         server=table(ServerConfig, raw.get("server", {}), "server"),
         access=parse_access(raw),
         scheduler=table(SchedulerConfig, raw.get("scheduler", {}), "scheduler"),
@@ -204,7 +205,7 @@ def parse_config(raw: dict[str, Any]) -> Config:
         pools=table(Pools, raw.get("pools", {}), "pools"),
         cpu=parse_cpu_config(raw.get("cpu", {})),
         gpu=parse_gpu_config(raw.get("gpu", {})),
-    )
+    ), table(RayConfig, raw.get("ray", {}), "ray"))
     if "basic" in raw:
         config = replace(config, basic=tuple(with_capacity(b) for b in named_tables(BasicResourceConfig,
                                                                                       raw["basic"], "basic")))
@@ -216,6 +217,11 @@ def parse_config(raw: dict[str, Any]) -> Config:
     if config.server.status_keep_s < config.server.status_interval_s:
         raise ConfigError("server.status_keep_s", "must be at least server.status_interval_s")
     return config
+
+
+def with_ray(config: Config, ray: RayConfig) -> Config:
+    """``config`` with the ``[ray]`` section ``ray``, given to both managers (their agents share one cluster)."""
+    return replace(config, cpu=replace(config.cpu, ray=ray), gpu=replace(config.gpu, ray=ray))
 
 
 #: environment variables that override the file, so secrets (the database password) stay out of ConfigMaps

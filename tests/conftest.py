@@ -25,7 +25,7 @@ from tests.docker_nodes import SESSION_BROKER_PREFIX, configured_engines, labell
 PG_URL_ENV = "TANGRAM_TEST_PG_URL"
 
 # Every Ray cluster the suite starts runs Ray's token authentication with this session's token, as a deployment
-# should (the broker refuses a cluster without one: cpu.ray_auth). Ray reads the mode once per process, so it is
+# should (the broker refuses a cluster without one: [ray] auth). Ray reads the mode once per process, so it is
 # set here, before any test module imports Ray; raylets and subprocess brokers inherit it.
 os.environ["RAY_AUTH_MODE"] = "token"
 os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)

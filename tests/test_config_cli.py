@@ -34,6 +34,9 @@ from tangram.core.errors import ConfigError
     ({"pools": {"cpu": {"n0": 0}}}, "pools.cpu.n0"),
     ({"pools": {"lease.local": {"n0": 1}}}, "lease.local"),
     ({"extra": {}}, "extra"),
+    ({"ray": {"auth": "maybe"}}, "ray.auth"),
+    ({"cpu": {"ray_address": "head:6379"}}, "cpu.ray_address"),
+    ({"gpu": {"ray": {"address": "head:6379"}}}, "gpu.ray"),
 ])
 def test_bad_config_names_the_key(raw, key):
     with pytest.raises(ConfigError) as error:
@@ -52,6 +55,14 @@ def test_defaults_serve_a_laptop_and_files_load(tmp_path):
     path.write_text("[server\n")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_config(path)
+
+
+def test_the_ray_section_reaches_both_managers_and_older_keys_say_where_they_went():
+    config = parse_config({"ray": {"address": "head:6379", "auth": "none"}})
+    assert config.cpu.ray == config.gpu.ray and (config.gpu.ray.address, config.gpu.ray.auth) == ("head:6379", "none")
+    assert parse_config({}).cpu.ray.auth == "token"  # the default refuses a cluster without its token
+    with pytest.raises(ConfigError, match=r"now \[ray\] auth"):
+        parse_config({"cpu": {"ray_auth": "none"}})
 
 
 def test_environment_names_the_file_and_overrides_the_store_url(tmp_path):

@@ -344,16 +344,16 @@ def test_compose_ray_overlay_joins_the_agents_to_the_brokers_cluster() -> None:
     project = compose_project(COMPOSE_VARIANTS["compose+ray"])
     services = project["services"]
     _, config, _ = compose_broker("compose+ray")
-    head_host, head_port = config.cpu.ray_address.rsplit(":", 1)
+    head_host, head_port = config.cpu.ray.address.rsplit(":", 1)
     head = services[head_host]
     assert f"--port={head_port}" in head["entrypoint"] and "--head" in head["entrypoint"]
-    assert config.cpu.ray_auth == "token"
+    assert config.cpu.ray.auth == "token"
     agents = {name: service for name, service in services.items() if name.startswith("agent-")}
     resources = {}
     for service in agents.values():
         [flag] = [arg for arg in service["entrypoint"] if arg.startswith("--resources=")]
         resources.update(json.loads(flag.removeprefix("--resources=")))
-        assert f"--address={config.cpu.ray_address}" in service["entrypoint"]
+        assert f"--address={config.cpu.ray.address}" in service["entrypoint"]
     assert {f"tangram_node_{node.name}" for node in config.cpu.nodes if node.agent} <= set(resources)
     assert config.cpu.join is not None  # other hosts' raylets join as nodes
     for name in ("broker", head_host, *agents):
@@ -361,7 +361,7 @@ def test_compose_ray_overlay_joins_the_agents_to_the_brokers_cluster() -> None:
         assert environment["RAY_AUTH_MODE"] == "token", name
         assert environment["RAY_AUTH_TOKEN"] == OVERLAY_VARIABLES["TANGRAM_RAY_TOKEN"], name
         assert services[name]["image"] == broker_image_name("ray"), name
-    assert f"ray start --address={config.cpu.ray_address}" in " ".join(services["broker"]["entrypoint"])
+    assert f"ray start --address={config.cpu.ray.address}" in " ".join(services["broker"]["entrypoint"])
     for service in agents.values():
         mounts = bind_mounts(service)
         for node in config.cpu.nodes:
@@ -454,8 +454,8 @@ def test_k8s_ray_overlay_joins_every_agent_node_to_the_brokers_cluster(tmp_path:
     objects = k8s_objects(K8S_RAY)
     config, _ = k8s_broker_config(tmp_path, objects)
     assert config.cpu.enabled and config.cpu.nodes == () and config.cpu.join is not None
-    assert config.cpu.ray_auth == "token" and config.access.auth.required is True
-    host, port = config.cpu.ray_address.rsplit(":", 1)
+    assert config.cpu.ray.auth == "token" and config.access.auth.required is True
+    host, port = config.cpu.ray.address.rsplit(":", 1)
     service = objects[("Service", host)]
     [service_port] = service["spec"]["ports"]
     head = objects[("Deployment", "tangram-ray-head")]
@@ -475,7 +475,7 @@ def test_k8s_ray_overlay_joins_every_agent_node_to_the_brokers_cluster(tmp_path:
     assert json.loads(resources.removeprefix("--resources=")) == {"tangram_node_$(NODE_NAME)": 1}
     [node_name] = [item for item in agent["env"] if item["name"] == "NODE_NAME"]
     assert node_name["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
-    assert f"--address={config.cpu.ray_address}" in agent["command"]
+    assert f"--address={config.cpu.ray.address}" in agent["command"]
     pod = agents["spec"]["template"]["spec"]
     host_paths = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"]}
     mounts = {m["mountPath"]: host_paths[m["name"]] for m in agent["volumeMounts"]}
@@ -484,7 +484,7 @@ def test_k8s_ray_overlay_joins_every_agent_node_to_the_brokers_cluster(tmp_path:
     assert mounts["/sys/fs/cgroup"] == "/sys/fs/cgroup"
     assert pod["hostPID"] is True and agent["securityContext"]["runAsUser"] == 0
     [command] = broker["command"][2:]
-    assert command.startswith(f"ray start --address={config.cpu.ray_address}")
+    assert command.startswith(f"ray start --address={config.cpu.ray.address}")
     assert command.endswith("exec tangram serve")
 
 

@@ -19,7 +19,7 @@ from ray.cluster_utils import Cluster
 from clients.client import AsyncTangramClient
 from managers.exec_spec import ExecLimits, check_files
 from managers.node_agent import NodeAgent
-from managers.ray_agents import node_resource, token_problem
+from managers.ray_cluster import node_resource, token_problem
 from sandboxes.backend import LABEL_ENV, NodeHardware, SandboxBackend, SandboxSpec
 from tangram.core.errors import RequestError
 from tangram.sim.broker_station import NoSandboxes
@@ -55,7 +55,7 @@ def agent_nodes(cluster: Cluster) -> dict[str, Any]:
     engines = docker_engines()
     nodes = {name: {"agent": True, "backend": "docker", "engine": engine, "cores": "0-1", "memory_mb": 2048}
              for name, engine in zip(("n1", "n2"), engines)}
-    return cpu_config(nodes, ray_address=cluster.address, default_memory_mb=256)
+    return {**cpu_config(nodes, default_memory_mb=256), "ray": {"address": cluster.address}}
 
 
 async def run(live: Live, command: str, trajectory: str) -> dict[str, Any]:
@@ -235,7 +235,8 @@ async def test_a_standby_broker_takes_over_the_agents_and_their_sandboxes(ray_cl
         path.write_text(
             f'[store]\nurl = "{postgres_url}"\nleader_election = true\n'
             f'[server]\nadvertise_url = "http://127.0.0.1:{port}"\n'
-            f'[cpu]\nbroker_id = "{broker_id}"\nray_address = "{ray_cluster.address}"\ndefault_memory_mb = 256\n'
+            f'[ray]\naddress = "{ray_cluster.address}"\n'
+            f'[cpu]\nbroker_id = "{broker_id}"\ndefault_memory_mb = 256\n'
             + "".join(f'[cpu.nodes.{name}]\nagent = true\nbackend = "docker"\nengine = "{engine}"\n'
                       f'cores = "0-1"\nmemory_mb = 2048\n' for name, engine in zip(("n1", "n2"), engines)))
         configs.append(path)
@@ -274,7 +275,7 @@ async def test_a_broker_without_the_clusters_token_does_not_join(ray_cluster: Cl
                       f'[cpu.nodes.n1]\nagent = true\nbackend = "docker"\nengine = "{engine}"\n')
     for environ, refusal in [({"RAY_AUTH_MODE": "token"}, "without its token"),
                              ({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "not-the-token"}, "did not accept")]:
-        process = await asyncio.create_subprocess_exec(  # the cluster named on the command line (cpu.ray_address)
+        process = await asyncio.create_subprocess_exec(  # the cluster named on the command line ([ray] address)
             sys.executable, "-m", "tangram.cli", "serve", "--config", str(config), "--port", str(free_port()),
             "--ray", ray_cluster.address,
             env={**{k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}, **environ,
@@ -300,8 +301,8 @@ def test_what_counts_as_having_the_clusters_token(tmp_path) -> None:
 async def test_a_test_run_behind_an_agent_shrinks_for_a_tool_call_and_grows_back(ray_cluster: Cluster,
                                                                                  tmp_path) -> None:
     """The malleable path through an agent: each resize is one call to it (``Sandbox.repin`` on its node)."""
-    raw = cpu_config({"n1": {"agent": True, "backend": "docker", "engine": docker_engines()[0], "cores": "0-1",
-                             "memory_mb": 2048}}, ray_address=ray_cluster.address)
+    raw = {**cpu_config({"n1": {"agent": True, "backend": "docker", "engine": docker_engines()[0], "cores": "0-1",
+                                "memory_mb": 2048}}), "ray": {"address": ray_cluster.address}}
     async with live_broker(raw, str(tmp_path / "t.db")) as live:
         await a_tool_call_takes_a_core_and_gives_it_back(live)
 
@@ -309,7 +310,7 @@ async def test_a_test_run_behind_an_agent_shrinks_for_a_tool_call_and_grows_back
 async def test_a_broker_of_joining_nodes_only_serves_on_the_nodes_that_joined(ray_cluster: Cluster,
                                                                               tmp_path) -> None:
     """No ``[cpu.nodes]`` at all: both Ray nodes join at start (``[cpu.join]``), each reporting its hardware."""
-    raw = cpu_config({}, ray_address=ray_cluster.address, default_memory_mb=256, join={"backend": "local"})
+    raw = {**cpu_config({}, default_memory_mb=256, join={"backend": "local"}), "ray": {"address": ray_cluster.address}}
     raw["cpu"].pop("nodes")
     async with live_broker(raw, str(tmp_path / "t.db")) as live:
         _, resources = await live.call("GET", "/v1/resources")

@@ -1,0 +1,94 @@
+"""Joining the Ray cluster that the node agents run on (issue 17), and how its nodes are marked.
+
+Ray's cluster is the trust boundary: whoever can reach the cluster can call the agents, as whoever can reach a
+Docker engine's socket can run containers. Run the cluster on a private network with Ray's token authentication;
+the broker refuses to join one without the token unless told the network is trusted (``[ray] auth``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+import ray
+
+from managers.ray_config import RayConfig
+
+log = logging.getLogger("tangram.ray")
+
+#: how long an agent may take to be placed and answer its first call (a Ray worker process starts)
+PLACEMENT_TIMEOUT_S = 60.0
+
+#: the custom resources that mark the Ray nodes of CPU nodes: ``tangram_node_<name>``
+NODE_RESOURCE_PREFIX = "tangram_node_"
+#: and of GPU nodes: ``tangram_gpu_node_<name>`` (one host may be both, under two resources)
+GPU_NODE_RESOURCE_PREFIX = "tangram_gpu_node_"
+
+
+def node_resource(node: str) -> str:
+    """The custom resource that marks the Ray node where CPU node ``node``'s agent runs."""
+    return NODE_RESOURCE_PREFIX + node
+
+
+def gpu_node_resource(node: str) -> str:
+    """The custom resource that marks the Ray node where GPU node ``node``'s service agent runs."""
+    return GPU_NODE_RESOURCE_PREFIX + node
+
+
+class RayUnavailable(Exception):
+    """The broker cannot join the Ray cluster; ``code`` is ``ray_unauthenticated`` or ``ray_unreachable``."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def token_problem(environ: Mapping[str, str], home: Path) -> str | None:
+    """Why this process would reach the Ray cluster without its token (Ray's token authentication, Ray >= 2.52:
+    ``RAY_AUTH_MODE=token`` and the token from ``RAY_AUTH_TOKEN``, the file ``RAY_AUTH_TOKEN_PATH`` names, or
+    ``~/.ray/auth_token``); None when it has one."""
+    if environ.get("RAY_AUTH_MODE") != "token":
+        return "RAY_AUTH_MODE is not \"token\""
+    if environ.get("RAY_AUTH_TOKEN"):
+        return None
+    path = Path(environ.get("RAY_AUTH_TOKEN_PATH") or home / ".ray" / "auth_token")
+    try:
+        if path.read_text().strip():
+            return None
+    except OSError:
+        pass
+    return f"no token in RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or {path}"
+
+
+def connect(config: RayConfig) -> None:
+    """Join the Ray cluster once per process, quietly (the broker's log stays its own). The cluster is the agents'
+    trust boundary, so with ``auth = "token"`` (the default) the broker refuses to join without the cluster's
+    token. Raises ``RayUnavailable``."""
+    if ray.is_initialized():
+        return
+    if config.auth == "token":
+        problem = token_problem(os.environ, Path.home())
+        if problem is not None:
+            raise RayUnavailable("ray_unauthenticated", f"not joining the Ray cluster at {config.address!r} "
+                                                        f"without its token ({problem}): start the cluster and "
+                                                        f"the broker with RAY_AUTH_MODE=token and the cluster's "
+                                                        f"token, or set [ray] auth = \"none\" on a network you "
+                                                        f"trust")
+    else:
+        log.warning("joining the Ray cluster at %r without token authentication ([ray] auth = \"none\"): whoever "
+                    "reaches the cluster can call the node agents", config.address)
+    try:
+        ray.init(address=config.address, namespace="tangram", logging_level=logging.WARNING,
+                 log_to_driver=False, configure_logging=False)
+    except ConnectionError as error:
+        raise RayUnavailable("ray_unreachable", f"the Ray cluster at {config.address!r} did not accept the "
+                                                f"broker (down, or another token): {error}") from None
+
+
+def alive_nodes(prefix: str) -> set[str]:
+    """The names of the nodes (marked ``<prefix><name>``) whose Ray node is alive now."""
+    return {key.removeprefix(prefix) for node in ray.nodes() if node["Alive"]
+            for key in node["Resources"] if key.startswith(prefix)}
