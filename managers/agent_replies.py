@@ -1,6 +1,6 @@
 """How a node agent answers (issue 17): every call answers ``{"ok": value}`` or
 ``{"error": {"code", "message", "lost"}}`` rather than raising, so an error crosses the process boundary (a Ray
-actor call) with its code intact. The transport builds the same error replies for its own failures (the agent or
+actor call) with its code intact: a sandbox agent's ``SandboxError``, a service agent's ``ServiceError``. The transport builds the same error replies for its own failures (the agent or
 its node gone)."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import functools
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from reward_services.backend import ServiceError
 from sandboxes.backend import SandboxError
 
 Reply = dict[str, Any]
@@ -23,7 +24,8 @@ def failed(code: str, message: str, *, lost: bool = False) -> Reply:
 
 
 def replying(method: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Reply]]:
-    """An agent call answering ``ok(value)``, or ``failed`` with the code of the sandbox error it met."""
+    """An agent call answering ``ok(value)``, or ``failed`` with the code of the sandbox or service error it
+    met."""
 
     @functools.wraps(method)
     async def call(self: Any, *args: Any) -> Reply:
@@ -31,5 +33,7 @@ def replying(method: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[R
             return ok(await method(self, *args))
         except SandboxError as error:
             return failed(error.code, error.message, lost=error.lost)
+        except ServiceError as error:
+            return failed(error.code, error.message)
 
     return call

@@ -21,7 +21,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import Counter, Histogram
 
@@ -29,14 +29,24 @@ from managers.chunk_operator import ChunkOperator
 from managers.chunks import Chunk, ChunkAllocator, Preference, after_allocating
 from managers.gpu_config import GpuConfig, GpuNodeConfig, on_this_host
 from managers.residency import Residency, Slot, SlotState
-from reward_services.backend import ServiceBackend, ServiceError, ServiceSpec
+from managers.service_backends import make_service_backend
+from reward_services.backend import GONE, ServiceBackend, ServiceError, ServiceSpec
 from reward_services.requests import RewardRequest, RewardSpecBody, parse_reward_input, parse_reward_spec
 from tangram.core.action import Action, Kind
 from tangram.core.dparrange import DPOperator
-from tangram.core.errors import ActionFailed, BadRequest, ConfigError, NotFound, Unprocessable
+from tangram.core.errors import ActionFailed, BadRequest, ConfigError, NotFound, Unavailable, Unprocessable
 from tangram.core.seam import Allocation, Fit, MetricsRegistry, Outcome, PoolStatus, ResourceManager
 
+if TYPE_CHECKING:
+    from managers.ray_membership import RayMembership
+
 log = logging.getLogger("tangram.gpu")
+
+#: how long an action whose agent stopped answering waits to learn whether its node is lost (Ray declares a dead
+#: raylet within about 4 s with the health checks in ``ray_membership.py``)
+NODE_FATE_S = 6.0
+#: how long a node coming back waits for the actions that were on it when it was lost to end
+SETTLE_S = 30.0
 
 RESOURCE = "gpu"
 BackendFactory = Callable[[str, GpuNodeConfig, GpuConfig], ServiceBackend]
@@ -53,6 +63,10 @@ class GpuNode:
         self.residency = Residency(config.gpus, config.gpu_memory_mb)
         self.backends = backends
         self.services: dict[str, int] = {}  # admitted service -> GPU memory it needs per GPU
+        #: why the node is out of service (its Ray node left the cluster); None while it serves
+        self.lost: str | None = None
+        #: set when the node is lost, for actions that lost touch with its agent to learn their fate
+        self.gone = asyncio.Event()
 
     def chunk_key(self, service: str) -> Preference:
         """The allocator's preference among equal chunks: the service resident there, then least to evict."""
@@ -85,7 +99,7 @@ class GpuFit(Fit):
         options = []
         for name, node in self.manager.nodes.items():
             level = self.free[name].smallest_fitting_level(k)
-            if service in node.services and level is not None:
+            if service in node.services and level is not None and node.lost is None:
                 resident = node.resident_on_free_chunk(service, k, self.free[name])
                 options.append((not resident, -self.free[name].free_gpus, level, name))
         if not options:
@@ -131,13 +145,14 @@ class GpuManager(ResourceManager[GpuHandle]):
     def __init__(self, config: GpuConfig, make_backend: BackendFactory | None = None) -> None:
         """``make_backend(kind, node, config)`` builds a node's backend for a service kind (torch, sglang); the
         simulator passes its own so that the manager's admission, chunks and residency run without GPUs."""
-        make_backend = make_backend or _make_backend
+        make_backend = make_backend or make_service_backend
         self.config = config = on_this_host(config)
         self.services: dict[str, ServiceSpec] = {spec.name: spec for spec in config.services}
         self.nodes: dict[str, GpuNode] = {}
         self.restores: Counter | None = None
         self.evictions: Counter | None = None
         self.restore_seconds: Histogram | None = None
+        self._membership: RayMembership | None = None
         for node_config in config.nodes:
             backends: dict[str, ServiceBackend] = {spec.backend: make_backend(spec.backend, node_config, config)
                         for spec in config.services}
@@ -189,9 +204,54 @@ class GpuManager(ResourceManager[GpuHandle]):
                                                                       f"{error.message}") from None
                 log.info("node %s: prepared %s on GPUs %s (%d/%d, %.1f s)", node.name, slot.service,
                          list(slot.chunk.gpus), done, len(slots), time.perf_counter() - started)
+        if any(node.config.agent for node in self.nodes.values()):
+            from managers.ray_cluster import GPU_NODE_RESOURCE_PREFIX  # Ray is imported only for agent nodes
+            from managers.ray_membership import RayMembership
+
+            self._membership = RayMembership(self.config.ray, GPU_NODE_RESOURCE_PREFIX, self.node_joined,
+                                             self.node_left)
+            await self._membership.start()
+
+    # -- membership (nodes behind agents leave and come back with their Ray nodes) ----------------------------
+
+    async def node_left(self, name: str, reason: str) -> None:
+        """Its Ray node is gone: new actions go elsewhere, actions that were on it end ``node_lost``, its GPUs
+        leave the pool and its agents are let go (their device memory went with them)."""
+        node = self.nodes.get(name)
+        if node is None or node.lost is not None:
+            return
+        node.lost = reason
+        node.gone.set()
+        log.warning("GPU node %s lost: %s", name, reason)
+        for backend in node.backends.values():
+            await backend.close()
+
+    async def node_joined(self, name: str) -> None:
+        """A lost node's Ray node is back: once the actions that were on it have ended, every instance is made
+        afresh on new agents (prepared, nothing on the GPUs) and the node serves again."""
+        node = self.nodes.get(name)
+        if node is None or node.lost is None:
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(_all_free(node), SETTLE_S)
+        try:
+            for slot in node.residency.slots.values():
+                if slot.holds_memory:
+                    node.residency.unbook(slot)
+                slot.state = SlotState.PREPARED
+                await self._renew(node, slot)
+        except ServiceError as error:
+            log.warning("GPU node %s is back but not in service: %s", name, error.message)
+            return
+        node.lost, node.gone = None, asyncio.Event()
+        log.info("GPU node %s is back: %d instance(s) prepared", name, len(node.residency.slots))
 
     async def close(self) -> None:
+        if self._membership is not None:
+            await self._membership.stop()
         for node in self.nodes.values():
+            if node.lost is not None:  # its agents were let go with it
+                continue
             results = await asyncio.gather(*(slot.instance.close() for slot in node.residency.slots.values()),
                                            return_exceptions=True)
             for result in results:
@@ -215,7 +275,7 @@ class GpuManager(ResourceManager[GpuHandle]):
 
     @property
     def resources(self) -> Mapping[str, int]:
-        return {RESOURCE: sum(node.config.gpus for node in self.nodes.values())}
+        return {RESOURCE: sum(node.config.gpus for node in self.nodes.values() if node.lost is None)}
 
     def largest_pool(self, resource: str) -> int:
         return max(chunk.size for node in self.nodes.values() for chunk in node.chunks.tiles)
@@ -231,6 +291,11 @@ class GpuManager(ResourceManager[GpuHandle]):
         spec = self.services.get(name)
         if spec is None:
             raise NotFound("spec.service", f"no reward service {name!r}; this broker serves {sorted(self.services)}")
+        lost = [node for node in self.nodes.values() if name in node.services and node.lost is not None]
+        if lost and len(lost) == sum(1 for node in self.nodes.values() if name in node.services):
+            raise Unavailable("spec.service", f"every GPU node of service {name!r} is lost now ("
+                                              f"{'; '.join(f'{n.name}: {n.lost}' for n in lost)}); retry once one "
+                                              f"is back", retry_after_s=5)
         demand = action.demands.get(RESOURCE)
         if demand is None:
             raise Unprocessable("demand.gpu", f'reward actions run on GPUs: add "gpu": {spec.dops[0]} (or a set '
@@ -273,7 +338,7 @@ class GpuManager(ResourceManager[GpuHandle]):
         for node in self.nodes.values():
             resident = [slot.to_json() for slot in node.residency.slots.values() if slot.holds_memory]
             rows.append(PoolStatus(RESOURCE, node.name, node.config.gpus, node.config.gpus - node.chunks.free_gpus,
-                                   extra={"device_type": node.config.device_type,
+                                   extra={"device_type": node.config.device_type, "lost": node.lost,
                                           "free_chunks": sorted([c.start, c.size] for c in node.chunks.free),
                                           "gpu_memory_mb": node.config.gpu_memory_mb,
                                           "gpu_memory_booked_mb": list(node.residency.used_mb),
@@ -313,9 +378,9 @@ class GpuManager(ResourceManager[GpuHandle]):
         try:
             result = await slot.instance.infer(request)
         except ServiceError as error:
-            if error.code == "service_unavailable":
+            if error.code in GONE:
                 slot.state = SlotState.BROKEN
-            raise ActionFailed(error.code, error.message, **where) from None
+            raise await self._failure(node, error, where) from None
         return Outcome({**result, **where, "restored": restore_s > 0, "restore_s": round(restore_s, 6),
                         "evicted": evicted})
 
@@ -353,7 +418,7 @@ class GpuManager(ResourceManager[GpuHandle]):
             await slot.instance.restore()
         except ServiceError as error:
             slot.state = SlotState.BROKEN
-            raise ActionFailed(error.code, error.message, **where) from None
+            raise await self._failure(node, error, where) from None
         except BaseException:
             if began_restore:
                 slot.state = SlotState.BROKEN  # a restore cut short leaves the devices in an unknown state
@@ -368,6 +433,16 @@ class GpuManager(ResourceManager[GpuHandle]):
             self.restores.labels(*labels).inc()
             self.restore_seconds.labels(*labels).observe(elapsed)
         return elapsed
+
+    async def _failure(self, node: GpuNode, error: ServiceError, where: dict[str, Any]) -> ActionFailed:
+        """The action's failure: ``node_lost`` with the node's reason when its agent stopped answering because
+        the node is lost, or Ray declares it so within ``NODE_FATE_S``; otherwise the instance's own error."""
+        if error.code in GONE and node.config.agent:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(node.gone.wait(), NODE_FATE_S)
+            if node.lost is not None:
+                return ActionFailed("node_lost", f"GPU node {node.name} is lost: {node.lost}", **where)
+        return ActionFailed(error.code, error.message, **where)
 
     async def _evict(self, node: GpuNode, slot: Slot, was_broken: bool) -> None:
         """Free a victim's GPU memory; a broken one is closed and made afresh. Never raises: the restoring
@@ -395,19 +470,14 @@ class GpuManager(ResourceManager[GpuHandle]):
         await slot.instance.prepare()
 
 
+async def _all_free(node: GpuNode) -> None:
+    """Until no action holds any of the node's GPUs."""
+    while node.chunks.free_gpus < node.config.gpus:
+        await asyncio.sleep(0.1)
+
+
 def _chunks_of(gpus: int, k: int) -> list[Chunk]:
     """Every aligned chunk of ``k`` GPUs inside a node's tiles."""
     allocator = ChunkAllocator(gpus)
     return [Chunk(start, k) for tile in allocator.tiles if tile.size >= k
             for start in range(tile.start, tile.start + tile.size, k)]
-
-
-def _make_backend(kind: str, node: GpuNodeConfig, config: GpuConfig) -> ServiceBackend:
-    """Backends are imported only when a service uses them (torch is heavy; SGLang needs nothing here)."""
-    if kind == "torch":
-        from reward_services.torch_worker import TorchBackend
-        return TorchBackend(device_type=node.device_type)
-    from reward_services.sglang import NvmlProbe, SglangBackend
-    return SglangBackend(log_dir=f"{config.log_dir}/{node.name}",
-                         probe=NvmlProbe() if node.device_type == "cuda" else None)
-

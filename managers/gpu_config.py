@@ -9,10 +9,11 @@ from typing import Any, Literal
 import psutil
 
 from managers.gpu_discovery import discover_gpus
+from managers.ray_config import RayConfig, check_no_ray_keys
 from reward_services.backend import TASKS, ServiceSpec
 from reward_services.options import OPTIONS
 from reward_services.requests import RewardLimits
-from tangram.core.config_tables import TABLE, AutoFlag, NonNegative, Text, named_tables, table
+from tangram.core.config_tables import TABLE, AutoFlag, Flag, NonNegative, Text, named_tables, table
 from tangram.core.errors import ConfigError
 
 #: what the torch worker computes (an embedding model); SGLang serves every task
@@ -32,6 +33,9 @@ class GpuNodeConfig:
     gpu_memory_mb: NonNegative = 0  # per GPU, for resident services; 0: 90% of the smallest GPU's memory
     host_memory_mb: NonNegative = 0  # for the host copies of every service's weights; 0: half this host's memory
     device_type: Literal["cuda", "cpu"] = "cuda"
+    #: through its service agents on the Ray node that carries ``tangram_gpu_node_<name>`` (``[ray]``); its sizes
+    #: are then required, since the broker's host cannot read them
+    agent: Flag = False
 
 
 @dataclass(frozen=True)
@@ -45,16 +49,25 @@ class GpuConfig:
     #: where SGLang servers write their logs
     log_dir: Text = "/var/log/tangram/services" if os.geteuid() == 0 else f"/tmp/tangram-{os.geteuid()}/services"
     limits: RewardLimits = field(default_factory=RewardLimits)
+    #: the ``[ray]`` section, for the nodes with ``agent = true`` (``parse_config`` sets it)
+    ray: RayConfig = field(default_factory=RayConfig)
 
 
 def parse_gpu_config(raw: Any) -> GpuConfig:
     """The ``[gpu]`` section; ``enabled`` defaults to "auto". Nothing here probes NVML (``wanted`` does)."""
     inner = {"nodes", "services"}
+    if isinstance(raw, dict):
+        check_no_ray_keys(raw, "gpu")
     config = table(GpuConfig, {k: v for k, v in raw.items() if k not in inner} if isinstance(raw, dict) else raw,
                    "gpu")
     nodes = named_tables(GpuNodeConfig, raw.get("nodes", {}), "gpu.nodes")
     if "nodes" in raw and not nodes:
         raise ConfigError("gpu.nodes", "must be a table of at least one node")
+    for node in nodes:
+        for size in ("gpus", "gpu_memory_mb", "host_memory_mb"):
+            if node.agent and not getattr(node, size):
+                raise ConfigError(f"gpu.nodes.{node.name}.{size}", "is required for a node behind an agent (the "
+                                                                    "broker's host cannot read it)")
     services = raw.get("services", {})
     if not isinstance(services, dict):
         raise ConfigError("gpu.services", "must be a table of service name = settings")
@@ -90,6 +103,8 @@ def on_this_host(config: GpuConfig) -> GpuConfig:
 
 
 def _node_on_this_host(node: GpuNodeConfig) -> GpuNodeConfig:
+    if node.agent:  # sized in the config (parse_gpu_config)
+        return node
     where = f"gpu.nodes.{node.name}"
     found = discover_gpus() if node.device_type == "cuda" else ()
     gpus = node.gpus or len(found)

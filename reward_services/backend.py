@@ -57,13 +57,18 @@ class ServiceError(Exception):
     """An instance operation failed. ``code`` becomes the action's error code.
 
     Codes: ``prepare_failed``, ``restore_failed``, ``evict_failed``, ``inference_failed``, ``service_unavailable``
-    (the process or server behind the instance is gone), ``bad_input`` (the model refused the request).
+    (the process or server behind the instance is gone), ``node_lost`` (the node's agent is gone for good),
+    ``bad_input`` (the model refused the request, or a node agent refused it as the REST API would).
     """
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+
+
+#: codes after which the instance is gone and must be made afresh before it can answer again
+GONE = frozenset({"service_unavailable", "node_lost"})
 
 
 class ServiceInstance(abc.ABC):

