@@ -7,6 +7,12 @@ polling for it takes over: it then runs the ordinary start (crash recovery of th
 through the node agents). The leader records the URL clients reach it at, so a standby can say where it is. A leader
 whose lock connection fails stops at once: another broker may hold the lock by then, and two leaders must never
 write one store.
+
+Stopping at once still leaves a window (the lock's connection can fail seconds before its check notices), so the
+store is fenced too: each leader takes the next *epoch* in the leader's row as it takes over, and every write
+transaction of the store first reads that row ``FOR SHARE`` and is refused (``Deposed``) unless the epoch is still
+its own. The row lock orders the two: a new leader's epoch waits for the old one's write in flight to commit, and
+every later write of the old one sees the new epoch.
 """
 
 from __future__ import annotations
@@ -16,7 +22,11 @@ import logging
 import time
 
 import asyncpg
+from sqlalchemy import text
 from sqlalchemy.engine import make_url
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from tangram.store import Deposed, Fence
 
 log = logging.getLogger("tangram")
 
@@ -29,6 +39,18 @@ CHECK_TIMEOUT_S = 5.0
 
 LEADER_TABLE = """CREATE TABLE IF NOT EXISTS tangram_leader (
     lock_key BIGINT PRIMARY KEY, url TEXT NOT NULL, since DOUBLE PRECISION NOT NULL)"""
+#: the leaders' epochs (a table from before fencing gains the column)
+EPOCH_COLUMN = "ALTER TABLE tangram_leader ADD COLUMN IF NOT EXISTS epoch BIGINT NOT NULL DEFAULT 0"
+_CURRENT_EPOCH = text("SELECT epoch FROM tangram_leader WHERE lock_key = :key FOR SHARE")
+
+
+def fence(epoch: int) -> Fence:
+    """The store's fence for the leader of ``epoch``: a write goes through only while no later leader took over."""
+    async def check(conn: AsyncConnection) -> None:
+        current = (await conn.execute(_CURRENT_EPOCH, {"key": LOCK_KEY})).scalar()
+        if current != epoch:
+            raise Deposed(f"this broker led as epoch {epoch}; another broker leads the store now (epoch {current})")
+    return check
 
 
 def asyncpg_dsn(store_url: str) -> str:
@@ -44,27 +66,32 @@ class Leadership:
         self.url = url
         #: where the leader is, as last read while standing by (None: no broker has led yet)
         self.leader_url: str | None = None
+        #: this broker's epoch once it leads (each leader's is one more than the one before)
+        self.epoch: int | None = None
 
     @classmethod
     async def open(cls, store_url: str, url: str) -> Leadership:
         """``url``: where clients reach this broker, told to them by a standby while this one leads."""
         connection = await asyncpg.connect(asyncpg_dsn(store_url))
         await connection.execute(LEADER_TABLE)
+        await connection.execute(EPOCH_COLUMN)
         return cls(connection, url)
 
     async def acquire(self) -> None:
-        """Wait until this broker leads (noting where the leader is meanwhile), then record where clients reach
-        it."""
+        """Wait until this broker leads (noting where the leader is meanwhile), then take the next epoch and
+        record where clients reach it."""
         while not await self._connection.fetchval("SELECT pg_try_advisory_lock($1)", LOCK_KEY):
             self.leader_url = await self._connection.fetchval("SELECT url FROM tangram_leader WHERE lock_key = $1",
                                                               LOCK_KEY)
             await asyncio.sleep(POLL_S)
         self.leader_url = self.url
-        await self._connection.execute(
-            "INSERT INTO tangram_leader (lock_key, url, since) VALUES ($1, $2, $3) "
-            "ON CONFLICT (lock_key) DO UPDATE SET url = EXCLUDED.url, since = EXCLUDED.since",
+        self.epoch = await self._connection.fetchval(
+            "INSERT INTO tangram_leader (lock_key, url, since, epoch) VALUES ($1, $2, $3, 1) "
+            "ON CONFLICT (lock_key) DO UPDATE SET url = EXCLUDED.url, since = EXCLUDED.since, "
+            "epoch = tangram_leader.epoch + 1 RETURNING epoch",
             LOCK_KEY, self.url, time.time())
-        log.info("leading the brokers of this store; clients reach the leader at %s", self.url)
+        log.info("leading the brokers of this store as epoch %d; clients reach the leader at %s", self.epoch,
+                 self.url)
 
     async def lost(self) -> str:
         """Return (with the reason) once the lock's connection fails: this broker may no longer lead."""

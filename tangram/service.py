@@ -23,9 +23,9 @@ from tangram.api import build_app
 from tangram.broker import Broker
 from tangram.config import Config
 from tangram.core.seam import ResourceManager
-from tangram.leadership import Leadership
+from tangram.leadership import Leadership, fence
 from tangram.standby import stand_by
-from tangram.store import Store
+from tangram.store import Fence, Store
 
 log = logging.getLogger("tangram")
 
@@ -47,11 +47,11 @@ def build_managers(config: Config) -> list[ResourceManager]:
 
 
 @asynccontextmanager
-async def running_broker(config: Config, managers: list[ResourceManager] | None = None
+async def running_broker(config: Config, managers: list[ResourceManager] | None = None, fence: Fence | None = None
                          ) -> AsyncIterator[tuple[Broker, web.Application]]:
     """A started broker and its app; everything is closed and flushed on exit. ``managers``: others than the
-    config's (a benchmark's node agents with modelled sandboxes)."""
-    store = await Store.open(config.store.url)
+    config's (a benchmark's node agents with modelled sandboxes); ``fence``: the leader's, on its store."""
+    store = await Store.open(config.store.url, fence=fence)
     scheduler = config.scheduler
     managers = build_managers(config) if managers is None else managers
     broker = Broker(managers, store, policy=scheduler.policy, depth=scheduler.depth, horizon=scheduler.horizon,
@@ -89,7 +89,8 @@ async def serve(config: Config) -> None:
 async def lead(config: Config, stop: asyncio.Event, leadership: Leadership | None) -> None:
     """Run the broker until ``stop``; a leader that may have lost its lock exits at once instead (another broker
     may lead the store by then: nothing more of this one's may reach it)."""
-    async with running_broker(config) as (broker, app):
+    fenced = fence(leadership.epoch) if leadership is not None and leadership.epoch is not None else None
+    async with running_broker(config, fence=fenced) as (broker, app):
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, config.server.host, config.server.port)
@@ -101,11 +102,14 @@ async def lead(config: Config, stop: asyncio.Event, leadership: Leadership | Non
         log.info("ARL-Tangram broker listening on http://%s:%d (store %s)", config.server.host,
                  config.server.port, make_url(config.store.url).render_as_string(hide_password=True))
         lost = asyncio.create_task(leadership.lost()) if leadership is not None else None
+        deposed = asyncio.create_task(broker.store.deposed.wait())
         stopping = asyncio.create_task(stop.wait())
         try:
-            await asyncio.wait({stopping} | ({lost} if lost else set()), return_when=asyncio.FIRST_COMPLETED)
-            if lost is not None and lost.done():
-                log.critical("stopping at once: %s", lost.result())
+            await asyncio.wait({stopping, deposed} | ({lost} if lost else set()),
+                               return_when=asyncio.FIRST_COMPLETED)
+            if (lost is not None and lost.done()) or deposed.done():
+                log.critical("stopping at once: %s", lost.result() if lost is not None and lost.done()
+                             else broker.store.deposed_by)
                 logging.shutdown()
                 os._exit(LOST_LEADERSHIP_EXIT)
             # drain while still serving, so clients waiting on running actions get their results; then stop
@@ -113,7 +117,7 @@ async def lead(config: Config, stop: asyncio.Event, leadership: Leadership | Non
             log.info("stopping: draining for at most %.0f s", config.server.drain_s)
             await broker.drain(config.server.drain_s)
         finally:
-            for task in (stopping, lost):
+            for task in (stopping, lost, deposed):
                 if task is not None:
                     task.cancel()
             await runner.cleanup()

@@ -7,6 +7,10 @@ submitters share one transaction (group commit) instead of paying one fsync each
 records pending and is retried with backoff, so a database that is briefly unavailable loses nothing.
 
 SQLite (``sqlite+aiosqlite:///path``) by default, PostgreSQL (``postgresql+asyncpg://...``) in production.
+
+A store may be fenced (``fence``): a check run first in every write transaction, which raises ``Deposed`` once
+another broker leads the database (``tangram/leadership.py``). A deposed store writes nothing more, so an old
+leader that has not yet noticed its loss cannot overwrite what the new one recovered.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import logging
 import operator
 import time
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,6 +62,14 @@ _UNFINISHED = (State.QUEUED.value, State.RUNNING.value)
 _BIG = BigInteger().with_variant(Integer, "sqlite")
 # Keys per idempotency query: tasks and keys stay under SQLite's oldest bound-parameter limit (999).
 _LOOKUP_CHUNK = 400
+
+
+class Deposed(Exception):
+    """The fence refused a write: another broker leads this store now."""
+
+
+#: run first in each write transaction; raises ``Deposed`` when this broker no longer leads
+Fence = Callable[[AsyncConnection], Awaitable[None]]
 
 
 class Base(DeclarativeBase):
@@ -203,8 +216,12 @@ class Store:
     """
 
     def __init__(self, engine: AsyncEngine, *, write_delay_s: float = 0.02, max_attempts: int = 3,
-                 backoff_s: float = 0.1, max_backoff_s: float = 2.0) -> None:
+                 backoff_s: float = 0.1, max_backoff_s: float = 2.0, fence: Fence | None = None) -> None:
         self.engine = engine
+        self._fence = fence
+        #: set, with the reason in ``deposed_by``, once the fence refused a write: nothing more is written
+        self.deposed = asyncio.Event()
+        self.deposed_by: Deposed | None = None
         self.write_delay_s = write_delay_s
         self.max_attempts = max_attempts
         self.backoff_s = backoff_s
@@ -356,12 +373,21 @@ class Store:
                 self._writing = False
 
     async def _drain(self) -> None:
-        """Write batches until nothing is pending; on failure put the batch back and retry with backoff."""
+        """Write batches until nothing is pending; on failure put the batch back and retry with backoff. A deposed
+        store fails its waiters instead: what it holds is no longer its to write."""
         while self._pending:
             batch, self._pending = self._pending, _Batch()
             self._inflight = batch
             try:
+                if self.deposed_by is not None:
+                    raise self.deposed_by
                 rejected = await self._write(batch)
+            except Deposed as exc:
+                self._inflight = _Batch()
+                for _, future in batch.waiters:
+                    if not future.done():
+                        future.set_exception(exc)
+                continue
             except Exception as exc:  # noqa: BLE001 - the database is unreachable or failing: nothing is lost
                 self._inflight = _Batch()
                 self.failures += 1
@@ -415,6 +441,7 @@ class Store:
             for row in rows:
                 try:
                     async with self.engine.begin() as conn:
+                        await self._fenced(conn)
                         await self._upsert_actions.run(conn, [row])
                 except DBAPIError as row_exc:
                     if not _refused(row_exc):
@@ -437,6 +464,7 @@ class Store:
         if not (rows or transitions or profiles or speedups):
             return
         async with self.engine.begin() as conn:
+            await self._fenced(conn)
             if rows:
                 await self._upsert_actions.run(conn, rows)
             if transitions:
@@ -446,6 +474,19 @@ class Store:
             if speedups:
                 await self._upsert_speedups.run(conn, speedups)
         self.commits += 1
+
+    async def _fenced(self, conn: AsyncConnection) -> None:
+        """Run the fence in the write transaction ``conn``; the first refusal deposes the store."""
+        if self._fence is None:
+            return
+        try:
+            await self._fence(conn)
+        except Deposed as exc:
+            if self.deposed_by is None:
+                log.critical("store writes refused: %s", exc)
+                self.deposed_by = exc
+                self.deposed.set()
+            raise
 
     @staticmethod
     def _serialize(actions: dict[str, Action]) -> tuple[list[dict[str, Any]], dict[str, Exception]]:
@@ -539,6 +580,7 @@ class Store:
 
     async def add_token(self, token: StoredToken) -> None:
         async with self.engine.begin() as conn:
+            await self._fenced(conn)
             await conn.execute(insert(TokenRow).values(
                 id=token.id, sha256=token.sha256, task=token.task, note=token.note, created_at=token.created_at,
                 revoked_at=token.revoked_at))

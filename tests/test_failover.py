@@ -6,6 +6,7 @@ own record of their runs)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import time
 from collections import Counter
@@ -18,9 +19,11 @@ import pytest
 from clients.client import AsyncTangramClient
 from tangram.config import load_config
 from tangram.core.errors import ConfigError
-from tangram.leadership import asyncpg_dsn
+from tangram.leadership import LOCK_KEY, Leadership, asyncpg_dsn, fence
+from tangram.store import Deposed, Store
 from tests.docker_nodes import new_broker_id
 from tests.test_recovery import free_port, start_broker
+from tests.test_store import make_action
 
 ACTIONS = 40
 
@@ -106,6 +109,46 @@ async def _status(url: str) -> int:
         return (await answer(url))[0]
     except aiohttp.ClientConnectionError:
         return 0
+
+
+async def test_a_deposed_leaders_store_writes_nothing_more(postgres_url: str) -> None:
+    """Fencing: a leader whose lock went (its session ended, as in a partition) without its noticing keeps writing
+    only until another broker takes over; from then its store's writes are refused and its waiters told why."""
+    old = await Leadership.open(postgres_url, "http://old")
+    await old.acquire()
+    assert old.epoch is not None
+    store = await Store.open(postgres_url, fence=fence(old.epoch))
+    new: Leadership | None = None
+    new_store: Store | None = None
+    try:
+        before = make_action(task="fenced")
+        await store.durable(before)  # still the leader: written
+        dsn = asyncpg_dsn(postgres_url)
+        admin = await asyncpg.connect(dsn)
+        try:  # the database ends the old leader's lock session; its process does not watch the lock here
+            await admin.execute("SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory' "
+                                "AND objid = $1 AND granted", LOCK_KEY & 0xFFFFFFFF)
+        finally:
+            await admin.close()
+        new = await Leadership.open(postgres_url, "http://new")
+        await asyncio.wait_for(new.acquire(), 10)
+        assert new.epoch == old.epoch + 1
+        after = make_action(seq=2, task="fenced")
+        with pytest.raises(Deposed, match=f"epoch {old.epoch}"):
+            await store.durable(after)
+        assert store.deposed.is_set()
+        new_store = await Store.open(postgres_url, fence=fence(new.epoch))
+        assert await new_store.get(before.id) is not None
+        assert await new_store.get(after.id) is None  # the old leader's late write never landed
+        await new_store.durable(make_action(seq=3, task="fenced"))  # the new leader writes
+    finally:
+        for closing in (store, new_store):
+            if closing is not None:
+                with contextlib.suppress(Deposed):
+                    await closing.close()
+        for leadership in (old, new):
+            if leadership is not None:
+                await leadership.close()
 
 
 def test_leader_election_needs_postgresql(tmp_path: Path) -> None:
