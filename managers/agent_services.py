@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 from managers.agent_replies import Reply
+from managers.gpu_config import GpuNodeConfig
 from reward_services.backend import ServiceBackend, ServiceError, ServiceInstance, ServiceSpec
 
 
@@ -76,6 +77,11 @@ class AgentServiceBackend(ServiceBackend):
 
     def instance(self, spec: ServiceSpec, devices: tuple[int, ...]) -> AgentServiceInstance:
         return AgentServiceInstance(self._link, spec, devices, next(self._ids))
+
+    async def node_on_its_host(self) -> GpuNodeConfig:
+        """The agent's node with the sizes its config left at 0 read on its host (a node that joins)."""
+        sized: GpuNodeConfig = answer(await self._link.call("node_on_its_host"))
+        return sized
 
     async def close(self) -> None:
         await self._link.release()

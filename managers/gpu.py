@@ -20,11 +20,13 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import Counter, Histogram
 
+from managers.agent_services import AgentServiceBackend
 from managers.chunk_operator import ChunkOperator
 from managers.chunks import Chunk, ChunkAllocator, Preference, after_allocating
 from managers.gpu_config import GpuConfig, GpuNodeConfig, on_this_host
@@ -145,7 +147,7 @@ class GpuManager(ResourceManager[GpuHandle]):
     def __init__(self, config: GpuConfig, make_backend: BackendFactory | None = None) -> None:
         """``make_backend(kind, node, config)`` builds a node's backend for a service kind (torch, sglang); the
         simulator passes its own so that the manager's admission, chunks and residency run without GPUs."""
-        make_backend = make_backend or make_service_backend
+        self._make_backend = make_backend or make_service_backend
         self.config = config = on_this_host(config)
         self.services: dict[str, ServiceSpec] = {spec.name: spec for spec in config.services}
         self.nodes: dict[str, GpuNode] = {}
@@ -154,57 +156,50 @@ class GpuManager(ResourceManager[GpuHandle]):
         self.restore_seconds: Histogram | None = None
         self._membership: RayMembership | None = None
         for node_config in config.nodes:
-            backends: dict[str, ServiceBackend] = {spec.backend: make_backend(spec.backend, node_config, config)
-                        for spec in config.services}
-            self.nodes[node_config.name] = GpuNode(node_config, backends)
-        self._admit()
+            node = GpuNode(node_config, self._backends(node_config))
+            self._admit(node)
+            self.nodes[node.name] = node
 
     # -- lifecycle ------------------------------------------------------------------------------------------
 
-    def _admit(self) -> None:
+    def _backends(self, node: GpuNodeConfig) -> dict[str, ServiceBackend]:
+        """The node's backend for each kind of service the config declares."""
+        return {spec.backend: self._make_backend(spec.backend, node, self.config) for spec in self.config.services}
+
+    def _admit(self, node: GpuNode) -> None:
         """Refuse, naming the service and the figures, any service whose host copies or per-GPU memory would
-        exceed a node's budget. Services are admitted in config order."""
-        for node in self.nodes.values():
-            held: list[tuple[str, int]] = []
-            for spec in self.config.services:
-                where = f"gpu.services.{spec.name}"
-                if spec.gpu_memory_mb > node.config.gpu_memory_mb:
-                    raise ConfigError(f"{where}.gpu_memory_mb", f"{spec.gpu_memory_mb} MiB per GPU is more than node "
-                                                                f"{node.name} lends ({node.config.gpu_memory_mb} MiB)")
-                chunks = [c for k in spec.dops for c in _chunks_of(node.config.gpus, k)]
-                if not chunks:
-                    raise ConfigError(f"{where}.dops", f"node {node.name} has {node.config.gpus} GPU(s): no chunk "
-                                                       f"of {list(spec.dops)} fits")
-                copies = node.backends[spec.backend].host_copies(spec, len(chunks))
-                need = copies * spec.host_memory_mb
-                total = sum(mb for _, mb in held) + need
-                if total > node.config.host_memory_mb:
-                    others = ", ".join(f"{name} {mb} MiB" for name, mb in held) or "nothing else"
-                    raise ConfigError(f"{where}.host_memory_mb",
-                                      f"admission refused: {copies} host cop{'y' if copies == 1 else 'ies'} of "
-                                      f"{spec.host_memory_mb} MiB = {need} MiB would bring node {node.name} to "
-                                      f"{total} MiB, over its host budget of {node.config.host_memory_mb} MiB "
-                                      f"(held: {others})")
-                held.append((spec.name, need))
-                node.services[spec.name] = spec.gpu_memory_mb
-                for chunk in chunks:
-                    instance = node.backends[spec.backend].instance(spec, chunk.gpus)
-                    node.residency.add(Slot(spec.name, chunk, instance))
+        exceed the node's budget; give each admitted service a slot on every chunk of each DoP it supports.
+        Services are admitted in config order."""
+        held: list[tuple[str, int]] = []
+        for spec in self.config.services:
+            where = f"gpu.services.{spec.name}"
+            if spec.gpu_memory_mb > node.config.gpu_memory_mb:
+                raise ConfigError(f"{where}.gpu_memory_mb", f"{spec.gpu_memory_mb} MiB per GPU is more than node "
+                                                            f"{node.name} lends ({node.config.gpu_memory_mb} MiB)")
+            chunks = [c for k in spec.dops for c in _chunks_of(node.config.gpus, k)]
+            if not chunks:
+                raise ConfigError(f"{where}.dops", f"node {node.name} has {node.config.gpus} GPU(s): no chunk "
+                                                   f"of {list(spec.dops)} fits")
+            copies = node.backends[spec.backend].host_copies(spec, len(chunks))
+            need = copies * spec.host_memory_mb
+            total = sum(mb for _, mb in held) + need
+            if total > node.config.host_memory_mb:
+                others = ", ".join(f"{name} {mb} MiB" for name, mb in held) or "nothing else"
+                raise ConfigError(f"{where}.host_memory_mb",
+                                  f"admission refused: {copies} host cop{'y' if copies == 1 else 'ies'} of "
+                                  f"{spec.host_memory_mb} MiB = {need} MiB would bring node {node.name} to "
+                                  f"{total} MiB, over its host budget of {node.config.host_memory_mb} MiB "
+                                  f"(held: {others})")
+            held.append((spec.name, need))
+            node.services[spec.name] = spec.gpu_memory_mb
+            for chunk in chunks:
+                instance = node.backends[spec.backend].instance(spec, chunk.gpus)
+                node.residency.add(Slot(spec.name, chunk, instance))
 
     async def start(self) -> None:
         for node in self.nodes.values():
-            slots = list(node.residency.slots.values())
-            for done, slot in enumerate(slots, start=1):
-                started = time.perf_counter()
-                try:
-                    await slot.instance.prepare()
-                except ServiceError as error:
-                    raise ConfigError(f"gpu.services.{slot.service}", f"preparing it on node {node.name} GPUs "
-                                                                      f"{list(slot.chunk.gpus)} failed: "
-                                                                      f"{error.message}") from None
-                log.info("node %s: prepared %s on GPUs %s (%d/%d, %.1f s)", node.name, slot.service,
-                         list(slot.chunk.gpus), done, len(slots), time.perf_counter() - started)
-        if any(node.config.agent for node in self.nodes.values()):
+            await self._prepare(node)
+        if self.config.join is not None or any(node.config.agent for node in self.nodes.values()):
             from managers.ray_cluster import GPU_NODE_RESOURCE_PREFIX  # Ray is imported only for agent nodes
             from managers.ray_membership import RayMembership
 
@@ -212,7 +207,21 @@ class GpuManager(ResourceManager[GpuHandle]):
                                              self.node_left)
             await self._membership.start()
 
-    # -- membership (nodes behind agents leave and come back with their Ray nodes) ----------------------------
+    async def _prepare(self, node: GpuNode) -> None:
+        """Prepare every instance of the node (weights into its host memory); a failure names the service."""
+        slots = list(node.residency.slots.values())
+        for done, slot in enumerate(slots, start=1):
+            started = time.perf_counter()
+            try:
+                await slot.instance.prepare()
+            except ServiceError as error:
+                raise ConfigError(f"gpu.services.{slot.service}", f"preparing it on node {node.name} GPUs "
+                                                                  f"{list(slot.chunk.gpus)} failed: "
+                                                                  f"{error.message}") from None
+            log.info("node %s: prepared %s on GPUs %s (%d/%d, %.1f s)", node.name, slot.service,
+                     list(slot.chunk.gpus), done, len(slots), time.perf_counter() - started)
+
+    # -- membership (nodes behind agents join, leave and come back with their Ray nodes) ----------------------
 
     async def node_left(self, name: str, reason: str) -> None:
         """Its Ray node is gone: new actions go elsewhere, actions that were on it end ``node_lost``, its GPUs
@@ -227,9 +236,13 @@ class GpuManager(ResourceManager[GpuHandle]):
             await backend.close()
 
     async def node_joined(self, name: str) -> None:
-        """A lost node's Ray node is back: once the actions that were on it have ended, every instance is made
-        afresh on new agents (prepared, nothing on the GPUs) and the node serves again."""
+        """A Ray node carrying ``name``'s resource is alive: a new node joins if ``[gpu.join]`` lets nodes join;
+        for a lost node, once the actions that were on it have ended, every instance is made afresh on new agents
+        (prepared, nothing on the GPUs) and the node serves again."""
         node = self.nodes.get(name)
+        if node is None and self.config.join is not None:
+            await self._join(self.config.join.node(name))
+            return
         if node is None or node.lost is None:
             return
         with contextlib.suppress(TimeoutError):
@@ -245,6 +258,27 @@ class GpuManager(ResourceManager[GpuHandle]):
             return
         node.lost, node.gone = None, asyncio.Event()
         log.info("GPU node %s is back: %d instance(s) prepared", name, len(node.residency.slots))
+
+    async def _join(self, node_config: GpuNodeConfig) -> None:
+        """A new node behind agents: sized by its agent on its host, its services admitted and prepared, then in
+        service. A node that cannot hold them is left out, with the reason logged."""
+        backends = self._backends(node_config)
+        try:
+            agent = next((b for b in backends.values() if isinstance(b, AgentServiceBackend)), None)
+            if agent is None:
+                raise ConfigError("gpu.services", "no service to host")
+            sized = await agent.node_on_its_host()  # as its agent holds it: with agent = false
+            node = GpuNode(replace(sized, agent=True), backends)
+            self._admit(node)
+            await self._prepare(node)
+        except (ServiceError, ConfigError) as error:
+            log.warning("GPU node %s not joined: %s", node_config.name, error)
+            for backend in backends.values():
+                await backend.close()
+            return
+        self.nodes[node.name] = node
+        log.info("GPU node %s joined: %d GPU(s) of %d MiB, %d MiB of host memory", node.name, node.config.gpus,
+                 node.config.gpu_memory_mb, node.config.host_memory_mb)
 
     async def close(self) -> None:
         if self._membership is not None:
@@ -278,7 +312,7 @@ class GpuManager(ResourceManager[GpuHandle]):
         return {RESOURCE: sum(node.config.gpus for node in self.nodes.values() if node.lost is None)}
 
     def largest_pool(self, resource: str) -> int:
-        return max(chunk.size for node in self.nodes.values() for chunk in node.chunks.tiles)
+        return max((chunk.size for node in self.nodes.values() for chunk in node.chunks.tiles), default=0)
 
     def fit(self) -> GpuFit:
         return GpuFit(self)
@@ -286,16 +320,20 @@ class GpuManager(ResourceManager[GpuHandle]):
     def validate(self, action: Action) -> None:
         if action.kind is not Kind.REWARD:
             return
+        name = self._parse(action).service
+        serving = [node for node in self.nodes.values() if name in node.services]
+        if all(node.lost is not None for node in serving):
+            why = "; ".join(f"{node.name}: {node.lost}" for node in serving) or "none has joined yet"
+            raise Unavailable("spec.service", f"no GPU node of service {name!r} is in service now ({why}); retry "
+                                              f"once one is", retry_after_s=5)
+
+    def _parse(self, action: Action) -> RewardRequest:
+        """The reward spec checked against its service; kept on the action."""
         body = parse_reward_spec(action.spec)
         name = body.service
         spec = self.services.get(name)
         if spec is None:
             raise NotFound("spec.service", f"no reward service {name!r}; this broker serves {sorted(self.services)}")
-        lost = [node for node in self.nodes.values() if name in node.services and node.lost is not None]
-        if lost and len(lost) == sum(1 for node in self.nodes.values() if name in node.services):
-            raise Unavailable("spec.service", f"every GPU node of service {name!r} is lost now ("
-                                              f"{'; '.join(f'{n.name}: {n.lost}' for n in lost)}); retry once one "
-                                              f"is back", retry_after_s=5)
         demand = action.demands.get(RESOURCE)
         if demand is None:
             raise Unprocessable("demand.gpu", f'reward actions run on GPUs: add "gpu": {spec.dops[0]} (or a set '
@@ -308,13 +346,13 @@ class GpuManager(ResourceManager[GpuHandle]):
         except BadRequest as error:  # the document allows any object: the service's task decides its fields
             raise Unprocessable(error.field, f"{error.reason} (input for a {spec.task} service)") from None
         action.parsed_spec = RewardRequest(name, request)
+        return action.parsed_spec
 
     def reward_request(self, action: Action) -> RewardRequest:
         """The action's spec as checked at submit (parsed here first for an action recovered from the store)."""
-        if not isinstance(action.parsed_spec, RewardRequest):
-            self.validate(action)
-        assert isinstance(action.parsed_spec, RewardRequest)
-        return action.parsed_spec
+        if isinstance(action.parsed_spec, RewardRequest):
+            return action.parsed_spec
+        return self._parse(action)
 
     def allocate(self, action: Action, units: Mapping[str, int], pools: Mapping[str, str]) -> Allocation[GpuHandle]:
         node = self.nodes[pools[RESOURCE]]

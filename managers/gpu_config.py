@@ -39,6 +39,24 @@ class GpuNodeConfig:
 
 
 @dataclass(frozen=True)
+class GpuJoinConfig:
+    """How a GPU node that joins from the Ray cluster is sized: a Ray node carrying ``tangram_gpu_node_<name>``
+    that no ``[gpu.nodes]`` table names becomes GPU node ``<name>`` behind its agents; a size left at 0 is read by
+    its agent on its host (NVML, host memory), as ``on_this_host`` reads this host's."""
+
+    __pydantic_config__ = TABLE
+
+    gpus: NonNegative = 0
+    gpu_memory_mb: NonNegative = 0
+    host_memory_mb: NonNegative = 0
+    device_type: Literal["cuda", "cpu"] = "cuda"
+
+    def node(self, name: str) -> GpuNodeConfig:
+        return GpuNodeConfig(name=name, gpus=self.gpus, gpu_memory_mb=self.gpu_memory_mb,
+                             host_memory_mb=self.host_memory_mb, device_type=self.device_type, agent=True)
+
+
+@dataclass(frozen=True)
 class GpuConfig:
     __pydantic_config__ = TABLE
 
@@ -49,7 +67,9 @@ class GpuConfig:
     #: where SGLang servers write their logs
     log_dir: Text = "/var/log/tangram/services" if os.geteuid() == 0 else f"/tmp/tangram-{os.geteuid()}/services"
     limits: RewardLimits = field(default_factory=RewardLimits)
-    #: the ``[ray]`` section, for the nodes with ``agent = true`` (``parse_config`` sets it)
+    #: GPU nodes join (and leave) at runtime from the Ray cluster; absent: only the configured nodes serve
+    join: GpuJoinConfig | None = None
+    #: the ``[ray]`` section, for the nodes with ``agent = true`` and joining nodes (``parse_config`` sets it)
     ray: RayConfig = field(default_factory=RayConfig)
 
 
@@ -88,23 +108,25 @@ def _service(name: str, raw: Any) -> ServiceSpec:
 
 
 def wanted(config: GpuConfig) -> bool:
-    """Whether this broker runs a GPU manager: enabled, or "auto" with nodes configured or GPUs found here."""
-    return bool(config.enabled or (config.enabled is None and (config.nodes or discover_gpus())))
+    """Whether this broker runs a GPU manager: enabled, or "auto" with nodes configured or joining, or GPUs found
+    here."""
+    return bool(config.enabled or (config.enabled is None and (config.nodes or config.join or discover_gpus())))
 
 
 def on_this_host(config: GpuConfig) -> GpuConfig:
-    """``config`` with what it left out read from this host (NVML, host memory); the manager calls it at start."""
+    """``config`` with what it left out read from this host (NVML, host memory); the manager calls it at start.
+    Nodes behind agents are sized in the config, or by their agents when they join."""
     nodes = config.nodes
-    if not nodes:
+    if not nodes and config.join is None:
         if not discover_gpus():
             raise ConfigError("gpu.nodes", "no GPU found on this host (NVML): configure [gpu.nodes.NAME] tables")
         nodes = (GpuNodeConfig(name="local"),)
-    return replace(config, enabled=True, nodes=tuple(_node_on_this_host(node) for node in nodes))
+    return replace(config, enabled=True, nodes=tuple(node if node.agent else node_on_this_host(node)
+                                                     for node in nodes))
 
 
-def _node_on_this_host(node: GpuNodeConfig) -> GpuNodeConfig:
-    if node.agent:  # sized in the config (parse_gpu_config)
-        return node
+def node_on_this_host(node: GpuNodeConfig) -> GpuNodeConfig:
+    """``node`` with the sizes it left at 0 read from this host (a joining node's agent calls it on its own)."""
     where = f"gpu.nodes.{node.name}"
     found = discover_gpus() if node.device_type == "cuda" else ()
     gpus = node.gpus or len(found)

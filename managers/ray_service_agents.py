@@ -16,12 +16,13 @@ from typing import Any
 import ray
 from ray.exceptions import ActorDiedError, RayActorError, RayError
 
-from managers.agent_replies import Reply, failed
-from managers.gpu_config import GpuConfig, GpuNodeConfig
+from managers.agent_replies import Reply, failed, replying
+from managers.gpu_config import GpuConfig, GpuNodeConfig, node_on_this_host
 from managers.ray_cluster import PLACEMENT_TIMEOUT_S, RayUnavailable, connect, gpu_node_resource
 from managers.service_agent import ServiceAgent
 from managers.service_backends import make_service_backend
 from reward_services.backend import ServiceError
+from tangram.core.errors import ConfigError
 
 #: how long a closing broker waits for an agent to close its instances (one on a dead node never answers)
 CLOSE_TIMEOUT_S = 10.0
@@ -32,6 +33,15 @@ class RayServiceAgent(ServiceAgent):
 
     def __init__(self, kind: str, node: GpuNodeConfig, config: GpuConfig) -> None:
         super().__init__(lambda: make_service_backend(kind, node, config), config.limits)
+        self._node = node
+
+    @replying
+    async def node_on_its_host(self) -> GpuNodeConfig:
+        """The node with the sizes its config left at 0 read here, on its host (NVML, host memory)."""
+        try:
+            return node_on_this_host(self._node)
+        except ConfigError as error:
+            raise ServiceError("prepare_failed", f"GPU node {self._node.name}: {error.reason}") from None
 
 
 _RemoteServiceAgent: Any = ray.remote(RayServiceAgent)

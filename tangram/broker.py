@@ -269,6 +269,9 @@ class Broker:
                 raise BadRequest(f"{where}demand.{resource}",
                                  f"unknown resource; this broker has {sorted(self.owner)}")
             manager = self.owner[resource]
+            if manager.largest_pool(resource) == 0:  # its nodes join, or come back, from the Ray cluster
+                raise Unavailable(f"{where}demand.{resource}", f"no {resource} node is in service now; retry once "
+                                                              f"one has joined or come back", retry_after_s=5)
             if action.demands[resource].min > manager.largest_pool(resource):
                 raise Unprocessable(f"{where}demand.{resource}",
                                     f"minimum {action.demands[resource].min} units can never fit: the largest "

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from tangram.core.action import Action, State
-from tangram.core.errors import RequestError
+from tangram.core.errors import RequestError, Unavailable
 
 BROKER_RESTARTED = {"code": "broker_restarted",
                     "message": "the broker restarted while this action ran; whether it took effect is unknown. "
@@ -30,7 +30,7 @@ class Triage:
 
 def triage(unfinished: Iterable[Action], check_runnable: Callable[[Action], None]) -> Triage:
     """Sort ``unfinished`` (submission order); ``check_runnable`` raises a ``RequestError`` for an action this
-    broker's managers refuse. A running action's units and placement are cleared: nothing is held in this process."""
+    broker's managers refuse (``Unavailable`` only for now, so that one waits). A running action's units and placement are cleared: nothing is held in this process."""
     sorted_out = Triage()
     for action in unfinished:
         if action.state is State.RUNNING:
@@ -39,6 +39,8 @@ def triage(unfinished: Iterable[Action], check_runnable: Callable[[Action], None
             continue
         try:
             check_runnable(action)
+        except Unavailable:  # nothing serves it now (its nodes join or come back later): it waits in the queue
+            pass
         except RequestError as error:  # the config changed under it: it could never run here
             sorted_out.ended.append((action, {"code": "not_runnable",
                                               "message": f"after a restart: {error.field}: {error.reason}"}))

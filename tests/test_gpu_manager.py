@@ -18,7 +18,8 @@ from managers.gpu import GpuManager
 from managers.gpu_config import parse_gpu_config, wanted
 from managers.gpu_discovery import discover_gpus
 from tangram.core.action import Action, Demand, Kind
-from tangram.core.errors import ConfigError
+from tangram.core.errors import ConfigError, Unavailable
+from tangram.parse import parse_action
 from tangram.records import ServiceRecord
 from tests.harness import live_broker
 
@@ -188,6 +189,18 @@ def test_config_errors_name_the_key():
         with pytest.raises(ConfigError) as caught:
             parse_gpu_config(raw)
         assert caught.value.key == key
+
+
+def test_with_join_and_no_nodes_reward_submits_wait_for_a_node_to_join():
+    config = parse_gpu_config({"join": {"device_type": "cpu"}, "services": {"judge": service()}})
+    assert wanted(config)  # on: nodes will join
+    manager = GpuManager(config)
+    assert manager.nodes == {} and manager.largest_pool("gpu") == 0
+    action = parse_action(reward("judge"))
+    with pytest.raises(Unavailable) as caught:  # a 503 to retry: a node may join any moment
+        manager.validate(action)
+    assert caught.value.field == "spec.service" and "none has joined yet" in caught.value.reason
+    assert manager.reward_request(action).service == "judge"  # parsed all the same, for a queue that waits
 
 
 def test_discovery_finds_no_gpu_here_and_the_manager_stays_off():

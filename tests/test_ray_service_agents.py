@@ -11,6 +11,7 @@ import signal
 from collections.abc import Iterator
 from typing import Any
 
+import psutil
 import pytest
 import ray
 from ray.cluster_utils import Cluster
@@ -111,6 +112,36 @@ async def test_a_restarted_agent_fails_one_action_and_the_next_is_served_afresh(
         assert again["state"] == "succeeded" and again["result"]["restored"], again
         assert again["result"]["scores"] == pytest.approx(reference_scores, abs=1e-5)
         assert await actor.__ray_call__.remote(lambda _: os.getpid()) != pid
+
+
+async def test_a_gpu_node_joins_from_ray_sized_by_its_agent(ray_cluster: Cluster, tmp_path,
+                                                             reference_scores) -> None:
+    """g2 is not configured: its raylet carries tangram_gpu_node_g2 and [gpu.join] lets it join; its agent reads
+    its host memory on its host (the join table leaves it at 0), and it serves beside g1."""
+    config = agent_gpus(ray_cluster, join={"gpus": 1, "gpu_memory_mb": 150, "device_type": "cpu"})
+    config["gpu"]["nodes"].pop("g2")
+    async with live_broker(config, str(tmp_path / "b.db")) as live:
+        joined = gpu_manager(live).nodes["g2"].config
+        assert joined.agent and joined.host_memory_mb == psutil.virtual_memory().total // 2 >> 20
+        status, body = await live.call("POST", "/v1/actions:batch", json={"actions": [reward("judge")] * 2})
+        assert status == 200
+        done = [(await live.call("GET", f"/v1/actions/{r['id']}?wait=true&timeout_s=120"))[1] for r in body["actions"]]
+        assert {r["result"]["node"] for r in done} == {"g1", "g2"}  # placed in one pass, one on each
+        for record in done:
+            assert record["result"]["scores"] == pytest.approx(reference_scores, abs=1e-5)
+
+
+async def test_nodes_that_cannot_hold_the_services_stay_out_and_submits_wait_for_one(ray_cluster: Cluster,
+                                                                                      tmp_path) -> None:
+    """A join-only broker whose joining nodes lend less GPU memory than its service needs: neither node joins
+    (admission refuses them, logged), and a reward submit gets a 503 to retry, not a 422 or a hang."""
+    config = agent_gpus(ray_cluster, join={"gpus": 1, "gpu_memory_mb": 50, "host_memory_mb": 1000,
+                                           "device_type": "cpu"})
+    config["gpu"].pop("nodes")
+    async with live_broker(config, str(tmp_path / "b.db")) as live:
+        assert gpu_manager(live).nodes == {}
+        status, body = await live.call("POST", "/v1/actions", json=reward("judge"))
+        assert status == 503 and body["error"]["field"] == "demand.gpu", body
 
 
 def long_reward() -> dict[str, Any]:

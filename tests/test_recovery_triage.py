@@ -4,7 +4,7 @@ runs are in test_recovery.py."""
 from __future__ import annotations
 
 from tangram.core.action import Action, State
-from tangram.core.errors import Unprocessable
+from tangram.core.errors import Unavailable, Unprocessable
 from tangram.parse import parse_action
 from tangram.recovery import triage
 
@@ -33,3 +33,13 @@ def test_running_actions_end_restarted_and_hold_nothing_queued_ones_resume_in_or
     assert ended[2]["code"] == ended[5]["code"] == "broker_restarted"
     assert ended[4] == {"code": "not_runnable", "message": "after a restart: demand.gpu: no manager owns it"}
     assert all(a.units == {} and a.placement == {} for a, _ in sorted_out.ended if a.state is State.RUNNING)
+
+
+def test_an_action_nothing_serves_now_waits_rather_than_ends() -> None:
+    """A broker whose nodes join from Ray restarts before they have joined: its queue waits for them."""
+    def no_node_yet(action: Action) -> None:
+        raise Unavailable("demand.cpu", "no cpu node is in service now")
+
+    sorted_out = triage([unfinished(1, State.QUEUED), unfinished(2, State.RUNNING)], no_node_yet)
+    assert [a.seq for a in sorted_out.resumed] == [1]
+    assert [(a.seq, error["code"]) for a, error in sorted_out.ended] == [(2, "broker_restarted")]
