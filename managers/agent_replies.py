@@ -1,7 +1,7 @@
 """How a node agent answers (issue 17): every call answers ``{"ok": value}`` or
 ``{"error": {"code", "message", "lost"}}`` rather than raising, so an error crosses the process boundary (a Ray
-actor call) with its code intact: a sandbox agent's ``SandboxError``, a service agent's ``ServiceError``. The transport builds the same error replies for its own failures (the agent or
-its node gone)."""
+actor call) with its code intact: a sandbox agent's ``SandboxError``, a service agent's ``ServiceError``. The
+transport builds the same error replies for its own failures (the agent or its node gone)."""
 
 from __future__ import annotations
 

@@ -255,6 +255,8 @@ class GpuManager(ResourceManager[GpuHandle]):
                 await self._renew(node, slot)
         except ServiceError as error:
             log.warning("GPU node %s is back but not in service: %s", name, error.message)
+            for backend in node.backends.values():  # let its new agents go; it stays lost
+                await backend.close()
             return
         node.lost, node.gone = None, asyncio.Event()
         log.info("GPU node %s is back: %d instance(s) prepared", name, len(node.residency.slots))

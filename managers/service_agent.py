@@ -14,6 +14,7 @@ answer ``service_unavailable``, and the GPU manager makes them afresh (its path 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -52,7 +53,13 @@ class ServiceAgent:
         except ValueError as error:  # the backend refuses the spec (a task it does not serve, no devices)
             raise ServiceError("prepare_failed", str(error)) from None
         self._instances[instance_id] = instance
-        await instance.prepare()
+        try:
+            await instance.prepare()
+        except BaseException:
+            del self._instances[instance_id]
+            with contextlib.suppress(Exception):  # the prepare's own error is the one to report
+                await instance.close()
+            raise
         return instance.describe()
 
     @replying
@@ -71,10 +78,6 @@ class ServiceAgent:
         except RequestError as error:
             raise ServiceError("bad_input", f"{error.field}: {error.reason}") from None
         return await instance.infer(checked)
-
-    @replying
-    async def describe(self, instance_id: int) -> dict[str, Any]:
-        return self._instance(instance_id).describe()
 
     @replying
     async def close(self, instance_id: int) -> None:

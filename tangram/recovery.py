@@ -30,7 +30,8 @@ class Triage:
 
 def triage(unfinished: Iterable[Action], check_runnable: Callable[[Action], None]) -> Triage:
     """Sort ``unfinished`` (submission order); ``check_runnable`` raises a ``RequestError`` for an action this
-    broker's managers refuse (``Unavailable`` only for now, so that one waits). A running action's units and placement are cleared: nothing is held in this process."""
+    broker's managers refuse (``Unavailable`` only for now, so that one waits). A running action's units and
+    placement are cleared: nothing is held in this process."""
     sorted_out = Triage()
     for action in unfinished:
         if action.state is State.RUNNING:

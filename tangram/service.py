@@ -47,11 +47,11 @@ def build_managers(config: Config) -> list[ResourceManager]:
 
 
 @asynccontextmanager
-async def running_broker(config: Config, managers: list[ResourceManager] | None = None, fence: Fence | None = None
-                         ) -> AsyncIterator[tuple[Broker, web.Application]]:
+async def running_broker(config: Config, managers: list[ResourceManager] | None = None,
+                         fenced_by: Fence | None = None) -> AsyncIterator[tuple[Broker, web.Application]]:
     """A started broker and its app; everything is closed and flushed on exit. ``managers``: others than the
-    config's (a benchmark's node agents with modelled sandboxes); ``fence``: the leader's, on its store."""
-    store = await Store.open(config.store.url, fence=fence)
+    config's (a benchmark's node agents with modelled sandboxes); ``fenced_by``: the leader's fence on its store."""
+    store = await Store.open(config.store.url, fence=fenced_by)
     scheduler = config.scheduler
     managers = build_managers(config) if managers is None else managers
     broker = Broker(managers, store, policy=scheduler.policy, depth=scheduler.depth, horizon=scheduler.horizon,
@@ -90,7 +90,7 @@ async def lead(config: Config, stop: asyncio.Event, leadership: Leadership | Non
     """Run the broker until ``stop``; a leader that may have lost its lock exits at once instead (another broker
     may lead the store by then: nothing more of this one's may reach it)."""
     fenced = fence(leadership.epoch) if leadership is not None and leadership.epoch is not None else None
-    async with running_broker(config, fence=fenced) as (broker, app):
+    async with running_broker(config, fenced_by=fenced) as (broker, app):
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, config.server.host, config.server.port)

@@ -588,6 +588,7 @@ class Store:
     async def revoke_token(self, token_id: str, at: float) -> StoredToken | None:
         """Mark the token revoked at ``at`` (kept if it already was); None if there is no such token."""
         async with self.engine.begin() as conn:
+            await self._fenced(conn)
             await conn.execute(update(TokenRow).where(TokenRow.id == token_id, TokenRow.revoked_at.is_(None))
                                .values(revoked_at=at))
             row = (await conn.execute(select(TokenRow).where(TokenRow.id == token_id))).first()

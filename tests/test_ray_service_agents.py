@@ -59,7 +59,7 @@ def gpu_manager(live: Live) -> GpuManager:
     return next(m for m in live.broker.managers if isinstance(m, GpuManager))
 
 
-async def agent_of(live: Live, node: str) -> Any:
+def agent_of(live: Live, node: str) -> Any:
     """The Ray actor behind ``node``'s torch instances."""
     link = gpu_manager(live).nodes[node].backends["torch"]._link  # type: ignore[attr-defined]
     return link._actor
@@ -79,11 +79,11 @@ async def test_reward_actions_run_in_each_nodes_agent_on_its_ray_node(ray_cluste
             assert record["state"] == "succeeded", record
             assert record["result"]["scores"] == pytest.approx(reference_scores, abs=1e-5)
         assert {r["result"]["node"] for r in records} == {"g1", "g2"}  # both nodes took work at once
-        actors = [await agent_of(live, name) for name in ("g1", "g2")]
+        actors = [agent_of(live, name) for name in ("g1", "g2")]
         ray_nodes = {key.removeprefix("tangram_gpu_node_"): node["NodeID"] for node in ray.nodes()
                      if node["Alive"] for key in node["Resources"] if key.startswith("tangram_gpu_node_")}
         for name in ("g1", "g2"):
-            actor = await agent_of(live, name)
+            actor = agent_of(live, name)
             where = await actor.__ray_call__.remote(lambda _: (os.getpid(), ray.get_runtime_context().get_node_id(),
                                                                os.environ.get("CUDA_VISIBLE_DEVICES")))
             assert where[0] != os.getpid() and where[1] == ray_nodes[name]  # its own process, on its node
@@ -103,7 +103,7 @@ async def test_a_restarted_agent_fails_one_action_and_the_next_is_served_afresh(
     config["gpu"]["nodes"].pop("g2")
     async with live_broker(config, str(tmp_path / "b.db")) as live:
         assert (await run(live, reward("judge")))["state"] == "succeeded"
-        actor = await agent_of(live, "g1")
+        actor = agent_of(live, "g1")
         pid = await actor.__ray_call__.remote(lambda _: os.getpid())
         os.kill(pid, signal.SIGKILL)
         failed = await run(live, reward("judge"))
