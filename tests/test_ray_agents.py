@@ -25,30 +25,17 @@ from tangram.core.errors import RequestError
 from tangram.sim.broker_station import NoSandboxes
 from tests.docker_nodes import cpu_config, docker_engines, labelled_containers, new_broker_id
 from tests.harness import Live, live_broker, until
+from tests.ray_clusters import NODE, two_node_cluster
 from tests.test_malleable import a_tool_call_takes_a_core_and_gives_it_back
 from tests.test_recovery import free_port, start_broker
 
 T = TypeVar("T")
 
-#: each Ray node: one CPU and a small object store (Ray's default takes 30% of this machine's memory per node)
-NODE: dict[str, Any] = {"num_cpus": 1, "object_store_memory": 80 << 20}
-#: the GCS marks a raylet dead after three missed health checks 0.5 s apart (Ray's default takes ~15 s)
-HEALTH_CHECKS = {"health_check_period_ms": 500, "health_check_timeout_ms": 500, "health_check_failure_threshold": 3}
-
-
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[Cluster]:
-    """A head and a second raylet, the Ray nodes of CPU nodes n1 and n2, with Ray's token authentication on (the
-    token is the session's, tests/conftest.py)."""
-    cluster = Cluster(initialize_head=True, head_node_args={**NODE, "resources": {node_resource("n1"): 1},
-                                                            "_system_config": HEALTH_CHECKS})
-    cluster.add_node(**NODE, resources={node_resource("n2"): 1})
-    cluster.wait_for_nodes()
-    try:
+    """The Ray nodes of CPU nodes n1 (the head) and n2."""
+    with two_node_cluster(node_resource("n1"), node_resource("n2")) as cluster:
         yield cluster
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
 
 
 def agent_nodes(cluster: Cluster) -> dict[str, Any]:

@@ -24,8 +24,8 @@ from reward_services.backend import ServiceSpec
 from reward_services.requests import RewardLimits, parse_reward_input
 from reward_services.torch_worker import TorchBackend
 from tests.harness import Live, live_broker, until
+from tests.ray_clusters import NODE, two_node_cluster
 from tests.test_gpu_manager import PAIRS, reward, service, similarities_of_pairs
-from tests.test_ray_agents import HEALTH_CHECKS, NODE
 
 
 @pytest.fixture(scope="module")
@@ -35,16 +35,9 @@ def reference_scores() -> list[float]:
 
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[Cluster]:
-    """The Ray nodes of GPU nodes g1 and g2, with Ray's token authentication on (tests/conftest.py)."""
-    cluster = Cluster(initialize_head=True, head_node_args={**NODE, "resources": {gpu_node_resource("g1"): 1},
-                                                            "_system_config": HEALTH_CHECKS})
-    cluster.add_node(**NODE, resources={gpu_node_resource("g2"): 1})
-    cluster.wait_for_nodes()
-    try:
+    """The Ray nodes of GPU nodes g1 (the head) and g2."""
+    with two_node_cluster(gpu_node_resource("g1"), gpu_node_resource("g2")) as cluster:
         yield cluster
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
 
 
 def agent_gpus(cluster: Cluster, **extra: Any) -> dict[str, Any]:
