@@ -11,6 +11,7 @@ speed; a call's remaining work is re-timed whenever its batch grows or shrinks.
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -23,7 +24,7 @@ from tangram.sim.trace import Trajectory
 class _Server:
     name: str
     slowdown: float
-    #: calls in its batch: id(run) -> [run, solo seconds of work left, version of its finish event]
+    #: calls in its batch: admission number -> [run, solo seconds of work left, version of its finish event]
     batch: dict[int, list] = field(default_factory=dict)
     updated: float = 0.0
 
@@ -45,8 +46,11 @@ class StaticGpuStation:
         self.servers = {s.name: [_Server(f"{s.name}/{r}", cluster.static.slowdown(s)) for r in range(s.static_replicas)]
                         for s in cluster.services}
         self.waiting: dict[str, deque[CallRun]] = {s.name: deque() for s in cluster.services}
-        self.finishing: list[tuple[float, int, int, _Server, int]] = []  # (at, order, id(run), server, version)
+        self.finishing: list[tuple[float, int, int, _Server, int]] = []  # (at, order, admission, server, version)
         self.events = 0
+        #: each admitted call's key: never reused, unlike ``id(run)`` once a finished run is freed (a stale finish
+        #: event could then end another call, and results would hang on memory addresses)
+        self.admitted = itertools.count()
         self.gpus = sum(s.static_replicas * s.static_dop for s in cluster.services)
 
     def submit(self, run: CallRun, now: float) -> None:
@@ -82,7 +86,7 @@ class StaticGpuStation:
                 run.units = self.dop[service]
                 run.start_s = now
                 server.advance(now)
-                server.batch[id(run)] = [run, run.call.duration(run.units), 0]
+                server.batch[next(self.admitted)] = [run, run.call.duration(run.units), 0]
                 self._retime(server, now)
 
     def _retime(self, server: _Server, now: float) -> None:
