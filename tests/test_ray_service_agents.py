@@ -64,14 +64,21 @@ async def run(live: Live, body: dict[str, Any]) -> dict[str, Any]:
     return record  # type: ignore[no-any-return]
 
 
+async def batch(live: Live, bodies: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Submitted in one request (so one pass places them), each awaited to its end."""
+    status, body = await live.call("POST", "/v1/actions:batch", json={"actions": bodies})
+    assert status == 200, body
+    return [(await live.call("GET", f"/v1/actions/{r['id']}?wait=true&timeout_s=120"))[1] for r in body["actions"]]
+
+
 async def test_reward_actions_run_in_each_nodes_agent_on_its_ray_node(ray_cluster: Cluster, tmp_path,
                                                                       reference_scores) -> None:
     async with live_broker(agent_gpus(ray_cluster), str(tmp_path / "b.db")) as live:
-        records = await asyncio.gather(*(run(live, reward("judge")) for _ in range(6)))
+        records = await batch(live, [reward("judge")] * 6)
         for record in records:
             assert record["state"] == "succeeded", record
             assert record["result"]["scores"] == pytest.approx(reference_scores, abs=1e-5)
-        assert {r["result"]["node"] for r in records} == {"g1", "g2"}  # both nodes took work at once
+        assert {r["result"]["node"] for r in records} == {"g1", "g2"}  # the first pass placed one on each
         actors = [agent_of(live, name) for name in ("g1", "g2")]
         ray_nodes = {key.removeprefix("tangram_gpu_node_"): node["NodeID"] for node in ray.nodes()
                      if node["Alive"] for key in node["Resources"] if key.startswith("tangram_gpu_node_")}
@@ -116,9 +123,7 @@ async def test_a_gpu_node_joins_from_ray_sized_by_its_agent(ray_cluster: Cluster
     async with live_broker(config, str(tmp_path / "b.db")) as live:
         joined = gpu_manager(live).nodes["g2"].config
         assert joined.agent and joined.host_memory_mb == psutil.virtual_memory().total // 2 >> 20
-        status, body = await live.call("POST", "/v1/actions:batch", json={"actions": [reward("judge")] * 2})
-        assert status == 200
-        done = [(await live.call("GET", f"/v1/actions/{r['id']}?wait=true&timeout_s=120"))[1] for r in body["actions"]]
+        done = await batch(live, [reward("judge")] * 2)
         assert {r["result"]["node"] for r in done} == {"g1", "g2"}  # placed in one pass, one on each
         for record in done:
             assert record["result"]["scores"] == pytest.approx(reference_scores, abs=1e-5)
@@ -167,15 +172,14 @@ async def test_a_gpu_node_leaves_with_its_raylet_and_comes_back(ray_cluster: Clu
         assert ended["g1"]["state"] == "succeeded"
         assert ended["g2"]["state"] == "failed" and ended["g2"]["error"]["code"] == "node_lost", ended["g2"]
         assert "left the cluster" in ended["g2"]["error"]["message"]
-        pools = await until(lambda: gpu_pools())
+        pools = await gpu_pools()
         assert pools["g2"]["lost"] and pools["g2"]["in_use"] == 0 and pools["g1"]["lost"] is None
         elsewhere = await asyncio.gather(*(run(live, reward("judge")) for _ in range(3)))
         assert {r["state"] for r in elsewhere} == {"succeeded"} and {r["result"]["node"] for r in elsewhere} == {"g1"}
 
         ray_cluster.add_node(**NODE, resources={gpu_node_resource("g2"): 1})
         await until(lambda: _back(gpu_pools()), timeout_s=120)
-        status, body = await live.call("POST", "/v1/actions:batch", json={"actions": [reward("judge")] * 2})
-        back = [(await live.call("GET", f"/v1/actions/{r['id']}?wait=true&timeout_s=120"))[1] for r in body["actions"]]
+        back = await batch(live, [reward("judge")] * 2)
         assert {r["result"]["node"] for r in back} == {"g1", "g2"}  # placed in one pass: g2 serves again
         for record in back:
             assert record["result"]["scores"] == pytest.approx(reference_scores, abs=1e-5)
