@@ -49,6 +49,11 @@ log = logging.getLogger("tangram.gpu")
 NODE_FATE_S = 6.0
 #: how long a node coming back waits for the actions that were on it when it was lost to end
 SETTLE_S = 30.0
+#: ASSUMED: host-to-GPU copy rate of a restore before one was observed (MiB/s, pinned PCIe 4.0 x16 ~ 20 GB/s
+#: measured for large copies, halved for allocation and a cold cache); observed restores replace it
+RESTORE_PRIOR_MB_PER_S = 10_000.0
+#: weight of each observed restore in a service's restore estimate
+RESTORE_EWMA_ALPHA = 0.3
 
 RESOURCE = "gpu"
 BackendFactory = Callable[[str, GpuNodeConfig, GpuConfig], ServiceBackend]
@@ -155,6 +160,8 @@ class GpuManager(ResourceManager[GpuHandle]):
         self.evictions: Counter | None = None
         self.restore_seconds: Histogram | None = None
         self._membership: RayMembership | None = None
+        #: each service's expected restore seconds, from the restores seen (the prior until one is)
+        self._restore_s: dict[str, float] = {}
         for node_config in config.nodes:
             node = GpuNode(node_config, self._backends(node_config))
             self._admit(node)
@@ -350,6 +357,32 @@ class GpuManager(ResourceManager[GpuHandle]):
         action.parsed_spec = RewardRequest(name, request)
         return action.parsed_spec
 
+    def setup_costs(self, actions: Sequence[Action]) -> dict[str, float]:
+        """A reward action's setup: nothing when an instance of its service is resident, at a DoP it accepts, on
+        free GPUs of a node in service (it can start without a switch), else the service's expected restore."""
+        ready = {(slot.service, slot.chunk.size) for node in self.nodes.values() if node.lost is None
+                 for slot in node.residency.slots.values() if slot.state is SlotState.RESIDENT
+                 and any(free.contains(slot.chunk) for free in node.chunks.free)}
+        costs = {}
+        for action in actions:
+            if action.kind is not Kind.REWARD or RESOURCE not in action.demands:
+                continue
+            service = self.reward_request(action).service
+            if not any((service, k) in ready for k in action.demands[RESOURCE].choices):
+                costs[action.id] = self.restore_estimate_s(service)
+        return costs
+
+    def observe_restore(self, service: str, seconds: float) -> None:
+        """A restore of ``service`` took ``seconds`` (its evictions' wait included): what a switch costs."""
+        before = self._restore_s.get(service)
+        self._restore_s[service] = seconds if before is None else before + RESTORE_EWMA_ALPHA * (seconds - before)
+
+    def restore_estimate_s(self, service: str) -> float:
+        """Seconds a restore of ``service`` is expected to take: learned from its restores, else its host copy's
+        size at the assumed copy rate."""
+        learned = self._restore_s.get(service)
+        return learned if learned is not None else self.services[service].host_memory_mb / RESTORE_PRIOR_MB_PER_S
+
     def reward_request(self, action: Action) -> RewardRequest:
         """The action's spec as checked at submit (parsed here first for an action recovered from the store)."""
         if isinstance(action.parsed_spec, RewardRequest):
@@ -468,6 +501,7 @@ class GpuManager(ResourceManager[GpuHandle]):
             raise
         node.residency.restored(slot)
         elapsed = time.perf_counter() - started
+        self.observe_restore(slot.service, elapsed)
         labels = (node.name, slot.service, str(slot.chunk.size))
         if self.restores is not None and self.restore_seconds is not None:
             self.restores.labels(*labels).inc()

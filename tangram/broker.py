@@ -13,7 +13,7 @@ import collections
 import logging
 import math
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from tangram import dispatch
@@ -29,6 +29,7 @@ from tangram.metrics import Metrics
 from tangram.queue import make_queue
 from tangram.recovery import triage
 from tangram.scheduler import Placement, Resize, Scheduler
+from tangram.setup_order import SetupAwareOrder
 from tangram.store import Store
 from tangram.tenants import MAX_RETRY_S, EnvironmentHost, TaskLedger, Tenancy
 
@@ -55,7 +56,10 @@ class _Running:
 class Broker:
     def __init__(self, managers: Sequence[ResourceManager], store: Store, *, policy: str = "fcfs",
                  depth: int = 2, horizon: int = 64, default_duration_s: float = 1.0, ewma_alpha: float = 0.2,
-                 max_queue: int = 100_000, retain_s: float = 600.0, tick_s: float = 0.25) -> None:
+                 max_queue: int = 100_000, retain_s: float = 600.0, tick_s: float = 0.25,
+                 order: Mapping[str, str] | None = None, max_wait_s: float = 60.0) -> None:
+        """``order``: resources whose queued actions are ordered otherwise than ``policy`` ("hrrs":
+        ``tangram/setup_order.py``), each action ahead of later ones once it has waited ``max_wait_s``."""
         self.managers = list(managers)
         self.store = store
         self.owner: dict[str, ResourceManager] = {}
@@ -72,6 +76,9 @@ class Broker:
         self.arrivals = ArrivalModel(alpha=ewma_alpha)
         self.scheduler = Scheduler(self.managers, self.durations, depth=depth, horizon=horizon)
         self.queue = make_queue(policy)
+        hrrs = [resource for resource, name in (order or {}).items() if name == "hrrs"]
+        self.setup_order = SetupAwareOrder(hrrs, self.durations.duration, self._setup_costs, max_wait_s) \
+            if hrrs else None
         self.backoff = AllocationBackoff()
         self.metrics = Metrics()
         self.metrics.watch(lambda: dict(self.queue.depth_by_resource()), self._units)
@@ -346,6 +353,15 @@ class Broker:
                 self.scheduler.reshare()
             await asyncio.sleep(0)  # let completions and submits of this moment coalesce into the next pass
 
+    def _setup_costs(self, actions: Sequence[Action]) -> dict[str, float]:
+        """Each action's setup, from the managers of the setup-ordered resources (the largest where several)."""
+        assert self.setup_order is not None
+        costs: dict[str, float] = {}
+        for manager in {id(self.owner[r]): self.owner[r] for r in self.setup_order.resources}.values():
+            for action_id, seconds in manager.setup_costs(actions).items():
+                costs[action_id] = max(costs.get(action_id, 0.0), seconds)
+        return costs
+
     def schedule_once(self) -> int:
         """One pass: start what the scheduler places and resize running malleable actions (shrinks first, so the
         units they give up are free for the starts; grows last, into what is left)."""
@@ -358,6 +374,8 @@ class Broker:
                                    if self.ledger.tenancy.limited else self.queue)
         if self.backoff:
             queue = [action for action in queue if not self.backoff.waiting(action.id, now)]
+        if self.setup_order is not None:
+            queue = self.setup_order.order(queue, now)
         host = self.environment_host
         holds = host.holds_environment if host is not None else None
         plan = self.scheduler.schedule(queue, (r.action for r in self.running.values()), now,

@@ -8,7 +8,7 @@ import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, PlainValidator, StrictStr
 
@@ -110,6 +110,11 @@ class SchedulerConfig:
     __pydantic_config__ = TABLE
 
     policy: StrictStr = "fcfs"
+    #: a queue order per resource other than ``policy``: "hrrs" groups same-service reward actions to save
+    #: restores (``tangram/setup_order.py``), e.g. ``order = {gpu = "hrrs"}``
+    order: dict[str, Literal["fcfs", "hrrs"]] = field(default_factory=dict)
+    #: under "hrrs", an action that has waited this long goes ahead of those that have not (the starvation bound)
+    max_wait_s: Seconds = 60.0
     depth: Count = 2
     horizon: NonNegative = 64
     default_duration_s: Seconds = 1.0
@@ -214,6 +219,9 @@ def parse_config(raw: dict[str, Any]) -> Config:
     duplicate = next((n for n in names if names.count(n) > 1), None)
     if duplicate:
         raise ConfigError(duplicate, "resource is declared twice")
+    for resource in config.scheduler.order:
+        if resource not in names:
+            raise ConfigError(f"scheduler.order.{resource}", f"names no resource of this broker; it has {names}")
     if config.server.status_keep_s < config.server.status_interval_s:
         raise ConfigError("server.status_keep_s", "must be at least server.status_interval_s")
     return config

@@ -35,6 +35,8 @@ from tangram.core.errors import ConfigError
     ({"pools": {"lease.local": {"n0": 1}}}, "lease.local"),
     ({"extra": {}}, "extra"),
     ({"ray": {"auth": "maybe"}}, "ray.auth"),
+    ({"scheduler": {"order": {"gpux": "hrrs"}}}, "scheduler.order.gpux"),  # no such resource
+    ({"scheduler": {"order": {"lease.local": "sjf"}}}, "scheduler.order.lease.local"),
     ({"cpu": {"ray_address": "head:6379"}}, "cpu.ray_address"),
     ({"gpu": {"ray": {"address": "head:6379"}}}, "gpu.ray"),
 ])

@@ -103,6 +103,31 @@ async def test_eoe_cycle_keeps_every_result_correct_while_evicting(tmp_path, ref
         assert all(used <= 150 for used in row["gpu_memory_booked_mb"])
 
 
+async def restores_for_alternating_services(tmp_path: Path, order: str) -> tuple[int, list[str]]:
+    """Eight actions alternating two services on one GPU that holds one of them, submitted at once: the restores
+    they cost, and the order the services ran in."""
+    config = {"cpu": {"enabled": False}, "scheduler": {"order": {"gpu": order}},
+              "gpu": gpu_section({"a": service(dops=[1]), "b": service(dops=[1])}, gpus=1)}
+    async with live_broker(config, str(tmp_path / f"{order}.sqlite")) as live:
+        status, body = await live.call("POST", "/v1/actions:batch",
+                                       json={"actions": [reward(name) for name in "abababab"]})
+        assert status == 200
+        records = [(await live.call("GET", f"/v1/actions/{r['id']}?wait=true&timeout_s=120"))[1]
+                   for r in body["actions"]]
+        assert all(r["state"] == "succeeded" for r in records), records
+        ran = [r["result"]["service"] for r in sorted(records, key=lambda r: r["started_at"])]
+        return sum(r["result"]["restored"] for r in records), ran
+
+
+async def test_hrrs_groups_actions_of_the_resident_service_and_saves_restores(tmp_path):
+    """The setup-aware order on the real GPU manager (torch worker, CPU virtual GPU): FCFS restores at every switch,
+    HRRS runs the queued actions of the resident service first."""
+    fcfs, fcfs_ran = await restores_for_alternating_services(tmp_path, "fcfs")
+    hrrs, hrrs_ran = await restores_for_alternating_services(tmp_path, "hrrs")
+    assert fcfs == 8 and fcfs_ran == list("abababab")
+    assert hrrs == 2 and hrrs_ran == list("aaaabbbb"), hrrs_ran
+
+
 async def test_least_recently_used_service_is_evicted_first(tmp_path):
     services = {name: service() for name in ("a", "b", "c")}
     config = {"cpu": {"enabled": False}, "gpu": gpu_section(services, gpus=1, budget=250)}  # two fit on the GPU

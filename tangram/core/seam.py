@@ -179,6 +179,11 @@ class ResourceManager(abc.ABC, Generic[Handle]):
     def validate(self, action: Action) -> None:
         """Reject at submit what this manager could never run (raise ``BadRequest`` naming the field)."""
 
+    def setup_costs(self, actions: Sequence[Action]) -> dict[str, float]:
+        """Seconds each action (by id) would spend getting this manager's resource ready if it started now (a
+        GPU service's restore when it is not resident), for a setup-aware queue order; absent: none."""
+        return {}
+
     @abc.abstractmethod
     def status(self) -> list[PoolStatus]:
         """Capacity and use per resource and pool."""

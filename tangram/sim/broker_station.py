@@ -32,6 +32,7 @@ from tangram.core.seam import Allocation, ResourceManager
 from tangram.durations import DurationModel
 from tangram.queue import FCFSQueue
 from tangram.scheduler import Plan, Resize, Scheduler
+from tangram.setup_order import SetupAwareOrder
 from tangram.sim.cluster import Cluster, Costs, xdist_cpu_s
 from tangram.sim.engine import CallRun
 from tangram.sim.execution import Execution
@@ -138,7 +139,7 @@ class BrokerStation:
     def __init__(self, cluster: Cluster, *, test_demand: Demand = ELASTIC_TEST, depth: int = 2,
                  horizon: int = 64, malleable: bool = True, share_by_remaining: bool = False,
                  arrivals: bool = True, worker_overhead: float = CpuConfig.worker_overhead,
-                 static_dops: bool = False) -> None:
+                 static_dops: bool = False, order: str = "fcfs", max_wait_s: float = 60.0) -> None:
         self.cluster = cluster
         self.costs: Costs = cluster.costs
         self.test_demand = test_demand
@@ -154,6 +155,9 @@ class BrokerStation:
         self.scheduler = Scheduler(self.managers, self.durations, depth=depth, horizon=horizon,
                                    share_by_remaining=share_by_remaining)
         self.queue = FCFSQueue()
+        #: "hrrs": reward actions in the setup-aware order the broker gives them with ``[scheduler] order``
+        self.order = SetupAwareOrder(("gpu",), self.durations.duration, self.gpu.setup_costs, max_wait_s) \
+            if order == "hrrs" and self.gpu is not None else None
         self.calls: dict[str, CallRun] = {}
         self.running: dict[str, tuple[Action, list[tuple[ResourceManager, Allocation]]]] = {}
         self.finishing: list[tuple[float, int, str, int]] = []  # (finish, seq, action id, execution version)
@@ -213,7 +217,8 @@ class BrokerStation:
             return
         self.dirty = False
         started = time.perf_counter()
-        plan: Plan = self.scheduler.schedule(self.queue, (a for a, _ in self.running.values()), now,
+        queue = self.queue if self.order is None else self.order.order(self.queue, now)
+        plan: Plan = self.scheduler.schedule(queue, (a for a, _ in self.running.values()), now,
                                              self._expected(now))
         self.pass_ms.append((time.perf_counter() - started) * 1e3)
         for decision in plan.shrinks():
@@ -297,7 +302,9 @@ class BrokerStation:
         self.restores += 1
         self.evictions += len(victims)
         shard_gb = slot.instance.spec.host_memory_mb / 1024 / chunk.size
-        return (self.costs.evict_s if victims else 0.0) + shard_gb / self.costs.h2d_gb_per_s
+        seconds = (self.costs.evict_s if victims else 0.0) + shard_gb / self.costs.h2d_gb_per_s
+        self.gpu.observe_restore(service, seconds)  # type: ignore[union-attr]
+        return seconds
 
     def next_event(self) -> float | None:
         times = [t for t in (self.finishing[0][0] if self.finishing else None, self.wake_at) if t is not None]

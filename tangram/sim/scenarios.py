@@ -260,6 +260,45 @@ def gpu_cost(_scale: float, seed: int, progress: Progress = _stderr,
     return out
 
 
+def _mopd_and_search(batch: int, seed: int, assumed: Assumptions) -> Trace:
+    """§6.1's mixed workload: MOPD and DeepSearch trajectories sharing one GPU pool."""
+    return merged("mopd+deepsearch", mopd(assumed.mopd(batch=batch), seed), deepsearch(assumed.search(batch=batch),
+                                                                                     seed))
+
+
+def _mixed_gpus(assumed: Assumptions) -> Cluster:
+    """Ten services on 40 GPUs: nine MOPD teachers and DeepSearch's judge (§6.1), with the search APIs."""
+    return _gpu(GPUS, (*_teachers(9), replace(JUDGE, static_replicas=1, static_dop=4)), assumed,
+                _search_apis(1.0, assumed))
+
+
+def gpu_hrrs(_scale: float, seed: int, progress: Progress = _stderr,
+             assumed: Assumptions = NONE_ASSUMED) -> Outcome:
+    """Issue 18: the setup-aware order (HRRS) against FCFS on the MOPD+DeepSearch mix, same trace and cluster."""
+    points: list[Point] = []
+    batches = [512, 1024, 2048]
+    for batch in batches:
+        _run(_mopd_and_search(batch, seed, assumed), _mixed_gpus(assumed), ("tangram", "tangram-hrrs"), batch,
+             points, progress, f"gpu-hrrs {batch:5d}")
+    out = Outcome("gpu-hrrs", "MOPD+DeepSearch on 40 GPUs: setup-aware order (HRRS) vs FCFS", "RL batch size",
+                  points, [], [MOPD_FULL_SCALE])
+
+    def summary(policy: str, batch: int) -> dict[str, Any]:
+        return next(p.summary for p in points if p.policy == policy and p.x == batch)
+
+    for batch in batches:
+        fcfs, hrrs = summary("tangram", batch), summary("tangram-hrrs", batch)
+        out.figures += [
+            _figure(f"HRRS / FCFS restores at batch {batch:,}", 0.6, hrrs["restores"] / max(fcfs["restores"], 1),
+                    "target: at most 0.6 (40% fewer)"),
+            _figure(f"FCFS / HRRS mean ACT per trajectory at batch {batch:,}", 1.0,
+                    out.act("tangram", batch) / out.act("tangram-hrrs", batch), "target: above 1"),
+            _figure(f"HRRS / FCFS p99 reward wait at batch {batch:,}", 1.2,
+                    hrrs["by_kind"]["reward"]["p99_queue_s"] / max(fcfs["by_kind"]["reward"]["p99_queue_s"], 1e-9),
+                    "target: at most 1.2")]
+    return out
+
+
 def breakdown(scale: float, seed: int, progress: Progress = _stderr,
               assumed: Assumptions = NONE_ASSUMED) -> Outcome:
     """Table 1: a call's ACT split into execution, queueing and system overhead under the broker."""
@@ -424,4 +463,4 @@ def sensitivity(scale: float, seed: int, progress: Progress = _stderr,
 
 SCENARIOS: dict[str, Callable[..., Outcome]] = {
     "coding-batch": coding_batch, "coding-capacity": coding_capacity, "dop": dop, "gpu-batch": gpu_batch,
-    "gpu-cost": gpu_cost, "breakdown": breakdown, "e2e": e2e, "training": training, "sensitivity": sensitivity}
+    "gpu-cost": gpu_cost, "gpu-hrrs": gpu_hrrs, "breakdown": breakdown, "e2e": e2e, "training": training, "sensitivity": sensitivity}

@@ -1,0 +1,75 @@
+"""The setup-aware (HRRS) queue order (issue 18): grouping by what is set up, other resources' order kept, and the
+starvation bound under adversarial arrivals."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from tangram.core.action import Action
+from tangram.parse import parse_action
+from tangram.setup_order import SetupAwareOrder
+
+#: the services whose instances are set up (resident); any other needs a restore of RESTORE_S
+RESTORE_S = 10.0
+
+
+def reward(seq: int, service: str, submitted_at: float) -> Action:
+    action = parse_action({"task": "t", "kind": "reward", "demand": {"gpu": 1},
+                           "spec": {"service": service, "input": {"pairs": [["a", "b"]]}}})
+    action.seq, action.submitted_at = seq, submitted_at
+    return action
+
+
+def order_for(resident: set[str], max_wait_s: float = 60.0, expected_s: float = 1.0) -> SetupAwareOrder:
+    def setup_costs(actions: Sequence[Action]) -> dict[str, float]:
+        return {a.id: RESTORE_S for a in actions if a.spec["service"] not in resident}
+    return SetupAwareOrder({"gpu"}, lambda action: expected_s, setup_costs, max_wait_s)
+
+
+def services(actions: list[Action]) -> list[str]:
+    return [a.spec.get("service", a.kind.value) for a in actions]
+
+
+def test_actions_of_the_resident_service_go_first_and_other_resources_keep_their_places() -> None:
+    queue = [reward(1, "x", 0.0), reward(2, "y", 0.1), reward(3, "x", 0.2), reward(4, "y", 0.3)]
+    tool = parse_action({"task": "t", "kind": "exec", "demand": {"cpu": 1}, "spec": {"command": "true"}})
+    tool.seq, tool.submitted_at = 5, 0.05
+    queue.insert(1, tool)
+    ordered = order_for(resident={"y"}).order(queue, now=1.0)
+    assert services(ordered) == ["y", "exec", "y", "x", "x"]  # the exec action keeps its slot
+    assert [a.seq for a in ordered if a.kind.value == "reward"] == [2, 4, 1, 3]  # FCFS within a service
+    assert services(order_for(resident={"x", "y"}).order(queue, now=1.0))[0] == "x"  # nothing to save: oldest
+
+
+def test_a_long_wait_outranks_a_setup_saved() -> None:
+    """HRRS, not "resident first": the priority grows with the wait, so an old action of another service wins."""
+    old, fresh = reward(1, "x", 0.0), reward(2, "y", 99.5)
+    assert services(order_for(resident={"y"}, max_wait_s=math.inf).order([old, fresh], now=100.0)) == ["x", "y"]
+
+
+def starts_after(max_wait_s: float, steps: int) -> float | None:
+    """One GPU; every 0.1 s two actions of the resident service arrive and the best ranked action starts (one per
+    step: the resident service overloads the GPU). Returns how long the lone action of another service waited,
+    None if it never started within ``steps``."""
+    order = order_for(resident={"y"}, max_wait_s=max_wait_s, expected_s=0.01)
+    lone = reward(0, "x", 0.0)
+    queue = [lone]
+    for step in range(1, steps + 1):
+        now = step * 0.1
+        queue += [reward(2 * step, "y", now - 0.05), reward(2 * step + 1, "y", now - 0.05)]
+        first = order.order(queue, now)[0]
+        queue.remove(first)
+        if first is lone:
+            return now
+    return None
+
+
+def test_every_action_starts_within_the_bound_whatever_arrives() -> None:
+    """Adversarial arrivals: a resident service that overloads the GPU keeps the other one waiting for ever under
+    the paper's rule alone (its ratio grows as W / 10 s, the oldest resident one's as W / 0.01 s with W growing as
+    fast); with the bound it starts once it has waited ``max_wait_s``, at the first pass after."""
+    assert starts_after(max_wait_s=math.inf, steps=2000) is None  # 200 s and counting: starved
+    for bound in (1.0, 5.0, 30.0):
+        waited = starts_after(max_wait_s=bound, steps=2000)
+        assert waited is not None and bound <= waited < bound + 0.1 + 1e-9
