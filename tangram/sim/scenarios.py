@@ -272,16 +272,16 @@ def _mixed_gpus(assumed: Assumptions) -> Cluster:
                 _search_apis(1.0, assumed))
 
 
-def gpu_hrrs(_scale: float, seed: int, progress: Progress = _stderr,
+def gpu_hrrs(scale: float, seed: int, progress: Progress = _stderr,
              assumed: Assumptions = NONE_ASSUMED) -> Outcome:
     """Issue 18: the setup-aware order (HRRS) against FCFS on the MOPD+DeepSearch mix, same trace and cluster."""
     points: list[Point] = []
-    batches = [512, 1024, 2048]
+    batches = [round(batch * scale) for batch in (512, 1024, 2048)]
     for batch in batches:
         _run(_mopd_and_search(batch, seed, assumed), _mixed_gpus(assumed), ("tangram", "tangram-hrrs"), batch,
              points, progress, f"gpu-hrrs {batch:5d}")
     out = Outcome("gpu-hrrs", "MOPD+DeepSearch on 40 GPUs: setup-aware order (HRRS) vs FCFS", "RL batch size",
-                  points, [], [MOPD_FULL_SCALE])
+                  points, [], ["--scale scales the batches; the 40 GPUs stay"])
 
     def summary(policy: str, batch: int) -> dict[str, Any]:
         return next(p.summary for p in points if p.policy == policy and p.x == batch)
