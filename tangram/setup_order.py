@@ -25,9 +25,6 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from tangram.core.action import Action
 
-#: queue orders a resource may have (``[scheduler] order``)
-ORDERS = ("fcfs", "hrrs")
-
 
 class SetupAwareOrder:
     """Reorders the actions that demand one of ``resources`` by HRRS."""
