@@ -13,8 +13,6 @@ creating, reaping, taking over after a restart) are ``managers/environments.py``
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -40,9 +38,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("tangram.cpu")
 
 RESOURCE = "cpu"
-#: how long an action whose node stopped answering waits to learn whether the node is lost: Ray marks a dead raylet
-#: after its health checks (about 4 s at 0.5 s x 3, deploy/README.md), the membership polls every 0.5 s
-NODE_FATE_S = 6.0
 DEADLINE_MARGIN_S = 0.25  # the executor kills at the deadline minus this, so partial output comes back even
 # when killing a large process tree (a fork bomb) takes a while
 
@@ -386,7 +381,7 @@ class CpuManager(ResourceManager[CpuHandle]):
         try:
             return await self._execute_in(env, action, allocation)
         except ActionFailed as failure:
-            if failure.code == NODE_UNAVAILABLE and (lost := await self._lost_soon(env.node)) is not None:
+            if failure.code == NODE_UNAVAILABLE and (lost := await self.nodes[env.node].lost_within()) is not None:
                 raise ActionFailed("node_lost", lost, environment=env.id) from None
             raise
 
@@ -418,14 +413,6 @@ class CpuManager(ResourceManager[CpuHandle]):
             if env.ephemeral and not env.running:
                 await self.environments.destroy(env)
         return Outcome(self._result(executed.response, env, allocation.held()[2], setup_s))
-
-    async def _lost_soon(self, node_name: str) -> str | None:
-        """Why the node is lost, if it is or Ray declares it so within ``NODE_FATE_S``: an action whose agent
-        stopped answering then ends ``node_lost``, not ``node_unavailable`` (an agent restarting)."""
-        node = self.nodes[node_name]
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(node.gone.wait(), NODE_FATE_S)
-        return node.lost
 
     def _result(self, response: dict[str, Any], env: Environment, cores: tuple[int, ...],
                 setup_s: float) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from managers.agent_services import AgentServiceBackend
 from managers.chunk_operator import ChunkOperator
 from managers.chunks import Chunk, ChunkAllocator, Preference, after_allocating
 from managers.gpu_config import GpuConfig, GpuNodeConfig, on_this_host
+from managers.node_standing import NodeStanding
 from managers.residency import Residency, Slot, SlotState
 from managers.service_backends import make_service_backend
 from reward_services.backend import GONE, ServiceBackend, ServiceError, ServiceSpec
@@ -44,9 +45,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tangram.gpu")
 
-#: how long an action whose agent stopped answering waits to learn whether its node is lost (Ray declares a dead
-#: raylet within about 4 s with the health checks in ``ray_membership.py``)
-NODE_FATE_S = 6.0
 #: how long a node coming back waits for the actions that were on it when it was lost to end
 SETTLE_S = 30.0
 #: ASSUMED: host-to-GPU copy rate of a restore before one was observed (MiB/s, pinned PCIe 4.0 x16 ~ 20 GB/s
@@ -60,20 +58,17 @@ BackendFactory = Callable[[str, GpuNodeConfig, GpuConfig], ServiceBackend]
 RESTORE_SECONDS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
-class GpuNode:
+class GpuNode(NodeStanding):
     """One node's chunks, residency and backends."""
 
     def __init__(self, config: GpuNodeConfig, backends: dict[str, ServiceBackend]) -> None:
+        super().__init__()
         self.name = config.name
         self.config = config
         self.chunks = ChunkAllocator(config.gpus)
         self.residency = Residency(config.gpus, config.gpu_memory_mb)
         self.backends = backends
         self.services: dict[str, int] = {}  # admitted service -> GPU memory it needs per GPU
-        #: why the node is out of service (its Ray node left the cluster); None while it serves
-        self.lost: str | None = None
-        #: set when the node is lost, for actions that lost touch with its agent to learn their fate
-        self.gone = asyncio.Event()
 
     def chunk_key(self, service: str) -> Preference:
         """The allocator's preference among equal chunks: the service resident there, then least to evict."""
@@ -236,8 +231,7 @@ class GpuManager(ResourceManager[GpuHandle]):
         node = self.nodes.get(name)
         if node is None or node.lost is not None:
             return
-        node.lost = reason
-        node.gone.set()
+        node.lose(reason)
         log.warning("GPU node %s lost: %s", name, reason)
         for backend in node.backends.values():
             await backend.close()
@@ -265,7 +259,7 @@ class GpuManager(ResourceManager[GpuHandle]):
             for backend in node.backends.values():  # let its new agents go; it stays lost
                 await backend.close()
             return
-        node.lost, node.gone = None, asyncio.Event()
+        node.returned()
         log.info("GPU node %s is back: %d instance(s) prepared", name, len(node.residency.slots))
 
     async def _join(self, node_config: GpuNodeConfig) -> None:
@@ -510,12 +504,10 @@ class GpuManager(ResourceManager[GpuHandle]):
 
     async def _failure(self, node: GpuNode, error: ServiceError, where: dict[str, Any]) -> ActionFailed:
         """The action's failure: ``node_lost`` with the node's reason when its agent stopped answering because
-        the node is lost, or Ray declares it so within ``NODE_FATE_S``; otherwise the instance's own error."""
-        if error.code in GONE and node.config.agent:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(node.gone.wait(), NODE_FATE_S)
-            if node.lost is not None:
-                return ActionFailed("node_lost", f"GPU node {node.name} is lost: {node.lost}", **where)
+        the node is lost, or is declared so soon (``NodeStanding.lost_within``); otherwise the instance's own
+        error."""
+        if error.code in GONE and node.config.agent and (lost := await node.lost_within()) is not None:
+            return ActionFailed("node_lost", f"GPU node {node.name} is lost: {lost}", **where)
         return ActionFailed(error.code, error.message, **where)
 
     async def _evict(self, node: GpuNode, slot: Slot, was_broken: bool) -> None:

@@ -14,13 +14,12 @@ from dataclasses import replace
 from typing import Any
 
 import ray
-from ray.exceptions import ActorDiedError, RayActorError
 
 from managers.agent_backend import AgentBackend
-from managers.agent_replies import Reply, failed
+from managers.agent_replies import Reply
 from managers.cpu_config import CpuConfig, CpuNodeConfig, on_this_host
 from managers.node_agent import NodeAgent
-from managers.ray_cluster import PLACEMENT_TIMEOUT_S, RayUnavailable, connect, node_resource
+from managers.ray_cluster import PLACEMENT_TIMEOUT_S, RayUnavailable, call_agent, connect, node_resource
 from managers.sandbox_backends import open_sandbox_backend
 from sandboxes.backend import NODE_UNAVAILABLE, NodeHardware, SandboxError
 
@@ -54,13 +53,7 @@ async def open_agent_backend(node: CpuNodeConfig, config: CpuConfig) -> AgentBac
         resources={node_resource(node.name): 0.001}, max_restarts=-1, max_concurrency=1000).remote(node, config)
 
     async def call(method: str, *args: Any) -> Reply:
-        try:
-            reply: Reply = await getattr(actor, method).remote(*args)
-        except ActorDiedError as error:
-            return failed("node_lost", f"node {node.name}'s agent died: {error.error_msg or error}", lost=True)
-        except RayActorError as error:  # restarting: the call may be tried again
-            return failed(NODE_UNAVAILABLE, f"node {node.name}'s agent is unavailable: {error}")
-        return reply
+        return await call_agent(actor, method, args, f"node {node.name}'s agent", NODE_UNAVAILABLE)
 
     async def release() -> None:
         ray.kill(actor, no_restart=True)

@@ -11,9 +11,12 @@ import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import ray
+from ray.exceptions import ActorDiedError, RayActorError
 
+from managers.agent_replies import Reply, failed
 from managers.ray_config import RayConfig
 
 log = logging.getLogger("tangram.ray")
@@ -86,6 +89,18 @@ def connect(config: RayConfig) -> None:
     except ConnectionError as error:
         raise RayUnavailable("ray_unreachable", f"the Ray cluster at {config.address!r} did not accept the "
                                                 f"broker (down, or another token): {error}") from None
+
+
+async def call_agent(actor: Any, method: str, args: tuple[Any, ...], agent: str, unavailable: str) -> Reply:
+    """One call to an agent actor, its transport failures as error replies: ``node_lost`` (lost) when the actor
+    died for good, ``unavailable`` while Ray restarts it. ``agent`` names it in the messages."""
+    try:
+        reply: Reply = await getattr(actor, method).remote(*args)
+    except ActorDiedError as error:
+        return failed("node_lost", f"{agent} died: {error.error_msg or error}", lost=True)
+    except RayActorError as error:  # restarting: the call may be tried again
+        return failed(unavailable, f"{agent} is unavailable: {error}")
+    return reply
 
 
 def alive_nodes(prefix: str) -> set[str]:

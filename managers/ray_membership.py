@@ -6,7 +6,7 @@ table (its raylet died or left), without a restart.
 Ray decides when a node is dead: its GCS marks a raylet dead after missed health checks, by default about 15 s; a
 cluster started with ``--system-config='{"health_check_period_ms": 500, "health_check_failure_threshold": 3}'``
 tells within about 4 s. Actions in flight on a dead node lose their agent's connection sooner (about 2 s) and
-wait for the verdict (``CpuManager._lost_soon``).
+wait for the verdict (``NodeStanding.lost_within``).
 
 The membership raises ``RayUnavailable`` at start when the broker cannot join the cluster.
 """

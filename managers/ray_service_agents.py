@@ -14,11 +14,11 @@ import contextlib
 from typing import Any
 
 import ray
-from ray.exceptions import ActorDiedError, RayActorError, RayError
+from ray.exceptions import RayError
 
 from managers.agent_replies import Reply, failed, replying
 from managers.gpu_config import GpuConfig, GpuNodeConfig, node_on_this_host
-from managers.ray_cluster import PLACEMENT_TIMEOUT_S, RayUnavailable, connect, gpu_node_resource
+from managers.ray_cluster import PLACEMENT_TIMEOUT_S, RayUnavailable, call_agent, connect, gpu_node_resource
 from managers.service_agent import ServiceAgent
 from managers.service_backends import make_service_backend
 from reward_services.backend import ServiceError
@@ -87,14 +87,7 @@ class RayServiceLink:
             actor = self._actor or await self._placed()
         except ServiceError as error:
             return failed(error.code, error.message)
-        try:
-            reply: Reply = await getattr(actor, method).remote(*args)
-        except ActorDiedError as error:
-            return failed("node_lost", f"GPU node {self.node}'s service agent died: {error.error_msg or error}",
-                          lost=True)
-        except RayActorError as error:  # restarting: its instances will be made afresh
-            return failed("service_unavailable", f"GPU node {self.node}'s service agent is unavailable: {error}")
-        return reply
+        return await call_agent(actor, method, args, f"GPU node {self.node}'s service agent", "service_unavailable")
 
     async def release(self) -> None:
         actor, self._actor = self._actor, None
