@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
+import shutil
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
+from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +32,9 @@ from prometheus_client import Counter, Histogram
 from managers.agent_services import AgentServiceBackend
 from managers.chunk_operator import ChunkOperator
 from managers.chunks import Chunk, ChunkAllocator, Preference, after_allocating
+from managers.disk_tier import DiskTier
 from managers.gpu_config import GpuConfig, GpuNodeConfig, on_this_host
+from managers.host_tier import CopyState, HostCopy, HostTier
 from managers.node_standing import NodeStanding
 from managers.residency import Residency, Slot, SlotState
 from managers.service_backends import make_service_backend
@@ -53,6 +58,9 @@ RESTORE_PRIOR_MB_PER_S = 10_000.0
 #: weight of each observed restore in a service's restore estimate
 RESTORE_EWMA_ALPHA = 0.3
 
+#: queued reward actions whose services prefetch considers, in the order they will run
+PREFETCH_LOOKAHEAD = 256
+
 RESOURCE = "gpu"
 BackendFactory = Callable[[str, GpuNodeConfig, GpuConfig], ServiceBackend]
 RESTORE_SECONDS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -69,6 +77,10 @@ class GpuNode(NodeStanding):
         self.residency = Residency(config.gpus, config.gpu_memory_mb)
         self.backends = backends
         self.services: dict[str, int] = {}  # admitted service -> GPU memory it needs per GPU
+        #: host memory over the services that spill to the node's disk tier (None: no disk tier)
+        self.tier: HostTier | None = None
+        #: each tiered service's load from disk in flight or last done: its error message, or None
+        self.loads: dict[str, asyncio.Task[str | None]] = {}
 
     def chunk_key(self, service: str) -> Preference:
         """The allocator's preference among equal chunks: the service resident there, then least to evict."""
@@ -79,6 +91,9 @@ class GpuNode(NodeStanding):
             resident = slot is not None and slot.state is SlotState.RESIDENT
             return (0 if resident else 1, self.residency.shortfall_mb(chunk, need))
         return key
+
+    def resident_services(self) -> set[str]:
+        return {slot.service for slot in self.residency.slots.values() if slot.state is SlotState.RESIDENT}
 
     def resident_on_free_chunk(self, service: str, k: int, free: ChunkAllocator) -> bool:
         return any(slot.state is SlotState.RESIDENT and slot.chunk.size == k
@@ -94,28 +109,56 @@ class GpuFit(Fit):
         self.before = {name: node.chunks.copy() for name, node in manager.nodes.items()}
         self.free = {name: chunks.copy() for name, chunks in self.before.items()}
         self.placed: dict[str, tuple[str, Chunk]] = {}
+        #: actions refused this pass to wait for a node holding their host copy (``defers``)
+        self.waiting_for_host: set[str] = set()
+        self.relaxed = False
+        self._best_of: dict[tuple[str, int], tuple[bool, bool, int, int, str] | None] = {}
 
     def try_add(self, action: Action, units: Mapping[str, int]) -> bool:
         k = units[RESOURCE]
         service = self.manager.reward_request(action).service
-        options = []
-        for name, node in self.manager.nodes.items():
-            level = self.free[name].smallest_fitting_level(k)
-            if service in node.services and level is not None and node.lost is None:
-                resident = node.resident_on_free_chunk(service, k, self.free[name])
-                options.append((not resident, -self.free[name].free_gpus, level, name))
-        if not options:
+        best = self._best(service, k)
+        if best is None:
             return False
-        name = min(options)[-1]
+        if best[0] and best[1] and self.manager.disk.worth_waiting(action, service, self.relaxed):
+            self.waiting_for_host.add(action.id)
+            return False
+        name = best[-1]
         chunk = self.free[name].allocate(k, self.manager.nodes[name].chunk_key(service))
         assert chunk is not None
         self.placed[action.id] = (name, chunk)
+        self._best_of.clear()
         return True
+
+    def _best(self, service: str, k: int) -> tuple[bool, bool, int, int, str] | None:
+        """Where a chunk of ``k`` for ``service`` goes: a node where it is resident on a free chunk, then one that
+        holds its host copy, then the one with the most free GPUs (then the smallest fitting level). Kept until the
+        fit changes: many queued actions of one service ask the same."""
+        if (service, k) not in self._best_of:
+            options = []
+            for name, node in self.manager.nodes.items():
+                level = self.free[name].smallest_fitting_level(k)
+                if service in node.services and level is not None and node.lost is None:
+                    resident = node.resident_on_free_chunk(service, k, self.free[name])
+                    in_host = node.tier is None or node.tier.holds(service)
+                    options.append((not resident, not in_host, -self.free[name].free_gpus, level, name))
+            self._best_of[(service, k)] = min(options, default=None)
+        return self._best_of[(service, k)]
+
+    def holds_back(self, action: Action) -> bool:
+        return action.id not in self.waiting_for_host
+
+    def defers(self, action: Action) -> bool:
+        return action.id in self.waiting_for_host
+
+    def relax(self) -> None:
+        self.relaxed = True
 
     def remove(self, action: Action) -> None:
         placed = self.placed.pop(action.id, None)
         if placed is not None:
             self.free[placed[0]].release(placed[1])
+            self._best_of.clear()
 
     def pool_of(self, action: Action, resource: str) -> str:
         return self.placed[action.id][0]
@@ -144,9 +187,11 @@ class GpuManager(ResourceManager[GpuHandle]):
     kinds = frozenset({Kind.REWARD})
     spec_types = MappingProxyType({Kind.REWARD: RewardSpecBody})
 
-    def __init__(self, config: GpuConfig, make_backend: BackendFactory | None = None) -> None:
+    def __init__(self, config: GpuConfig, make_backend: BackendFactory | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
         """``make_backend(kind, node, config)`` builds a node's backend for a service kind (torch, sglang); the
-        simulator passes its own so that the manager's admission, chunks and residency run without GPUs."""
+        simulator passes its own so that the manager's admission, chunks and residency run without GPUs, and its
+        virtual ``clock`` (what actions' ``submitted_at`` are on)."""
         self._make_backend = make_backend or make_service_backend
         self.config = config = on_this_host(config)
         self.services: dict[str, ServiceSpec] = {spec.name: spec for spec in config.services}
@@ -154,9 +199,11 @@ class GpuManager(ResourceManager[GpuHandle]):
         self.restores: Counter | None = None
         self.evictions: Counter | None = None
         self.restore_seconds: Histogram | None = None
+        self.restore_stage_seconds: Histogram | None = None
         self._membership: RayMembership | None = None
         #: each service's expected restore seconds, from the restores seen (the prior until one is)
         self._restore_s: dict[str, float] = {}
+        self.disk = DiskTier(self.nodes, self.services, clock)
         for node_config in config.nodes:
             node = GpuNode(node_config, self._backends(node_config))
             self._admit(node)
@@ -171,8 +218,10 @@ class GpuManager(ResourceManager[GpuHandle]):
     def _admit(self, node: GpuNode) -> None:
         """Refuse, naming the service and the figures, any service whose host copies or per-GPU memory would
         exceed the node's budget; give each admitted service a slot on every chunk of each DoP it supports.
-        Services are admitted in config order."""
+        Services are admitted in config order. With a disk tier, the copies of services whose backend can spill
+        share what the others leave of the budget (each must fit it whole: a restore reads it from host memory)."""
         held: list[tuple[str, int]] = []
+        tiered: list[tuple[str, int]] = []
         for spec in self.config.services:
             where = f"gpu.services.{spec.name}"
             if spec.gpu_memory_mb > node.config.gpu_memory_mb:
@@ -182,21 +231,34 @@ class GpuManager(ResourceManager[GpuHandle]):
             if not chunks:
                 raise ConfigError(f"{where}.dops", f"node {node.name} has {node.config.gpus} GPU(s): no chunk "
                                                    f"of {list(spec.dops)} fits")
-            copies = node.backends[spec.backend].host_copies(spec, len(chunks))
+            backend = node.backends[spec.backend]
+            copies = backend.host_copies(spec, len(chunks))
             need = copies * spec.host_memory_mb
             total = sum(mb for _, mb in held) + need
-            if total > node.config.host_memory_mb:
+            if node.config.disk_dir is not None and backend.tiered:
+                tiered.append((spec.name, need))
+            elif total > node.config.host_memory_mb:
                 others = ", ".join(f"{name} {mb} MiB" for name, mb in held) or "nothing else"
                 raise ConfigError(f"{where}.host_memory_mb",
                                   f"admission refused: {copies} host cop{'y' if copies == 1 else 'ies'} of "
                                   f"{spec.host_memory_mb} MiB = {need} MiB would bring node {node.name} to "
                                   f"{total} MiB, over its host budget of {node.config.host_memory_mb} MiB "
                                   f"(held: {others})")
-            held.append((spec.name, need))
+            else:
+                held.append((spec.name, need))
             node.services[spec.name] = spec.gpu_memory_mb
             for chunk in chunks:
                 instance = node.backends[spec.backend].instance(spec, chunk.gpus)
                 node.residency.add(Slot(spec.name, chunk, instance))
+        if tiered:
+            budget = node.config.host_memory_mb - sum(mb for _, mb in held)
+            too_large = [f"{name} ({mb} MiB)" for name, mb in tiered if mb > budget]
+            if too_large:
+                raise ConfigError(f"gpu.nodes.{node.name}.host_memory_mb",
+                                  f"admission refused: the host copies of {', '.join(too_large)} do not fit the "
+                                  f"{budget} MiB that services without a disk tier leave of node {node.name}'s "
+                                  f"{node.config.host_memory_mb} MiB (a restore needs a copy whole in host memory)")
+            node.tier = HostTier(budget, dict(tiered))
 
     async def start(self) -> None:
         for node in self.nodes.values():
@@ -210,12 +272,26 @@ class GpuManager(ResourceManager[GpuHandle]):
             await self._membership.start()
 
     async def _prepare(self, node: GpuNode) -> None:
-        """Prepare every instance of the node (weights into its host memory); a failure names the service."""
+        """Prepare every instance of the node (weights into its host memory); a failure names the service. With a
+        disk tier, each tiered service's copy is written to disk once prepared, and the least recently prepared
+        copies are dropped from host memory to make room for the next."""
+        if node.tier is not None:
+            _check_disk_room(node)
         slots = list(node.residency.slots.values())
         for done, slot in enumerate(slots, start=1):
             started = time.perf_counter()
+            spec = self.services[slot.service]
+            backend = node.backends[spec.backend]
+            copy = node.tier.copies.get(spec.name) if node.tier is not None else None
             try:
-                await slot.instance.prepare()
+                if node.tier is not None and copy is not None and copy.state is CopyState.DISK:  # its first instance
+                    for victim in node.tier.plan_load(spec.name):
+                        await backend.drop_host(self.services[victim.service])
+                    await slot.instance.prepare()
+                    await backend.spill(spec)
+                    node.tier.loaded(spec.name)
+                else:
+                    await slot.instance.prepare()
             except ServiceError as error:
                 raise ConfigError(f"gpu.services.{slot.service}", f"preparing it on node {node.name} GPUs "
                                                                   f"{list(slot.chunk.gpus)} failed: "
@@ -287,6 +363,7 @@ class GpuManager(ResourceManager[GpuHandle]):
         if self._membership is not None:
             await self._membership.stop()
         for node in self.nodes.values():
+            await asyncio.gather(*node.loads.values())  # loads never raise
             if node.lost is not None:  # its agents were let go with it
                 continue
             results = await asyncio.gather(*(slot.instance.close() for slot in node.residency.slots.values()),
@@ -305,7 +382,15 @@ class GpuManager(ResourceManager[GpuHandle]):
                                  registry=None)
         self.restore_seconds = Histogram("tangram_gpu_restore_seconds", "Time to restore a service to its GPUs",
                                          labels, buckets=RESTORE_SECONDS, registry=None)
-        for metric in (self.restores, self.evictions, self.restore_seconds):
+        self.disk.host_loads = Counter("tangram_gpu_host_loads", "Host copies loaded from the disk tier, by what asked "
+                                  "(a restore waiting for it, or prefetch)", ["node", "service", "cause"],
+                                  registry=None)
+        self.restore_stage_seconds = Histogram(
+            "tangram_gpu_restore_stage_seconds", "A restore's stages: disk_to_host (the time it waited for its "
+            "host copy to load from the disk tier) and host_to_gpu", ["node", "service", "stage"],
+            buckets=RESTORE_SECONDS, registry=None)
+        for metric in (self.restores, self.evictions, self.restore_seconds, self.disk.host_loads,
+                       self.restore_stage_seconds):
             registry.register(metric)
 
     # -- the scheduler's view -------------------------------------------------------------------------------
@@ -318,6 +403,7 @@ class GpuManager(ResourceManager[GpuHandle]):
         return max((chunk.size for node in self.nodes.values() for chunk in node.chunks.tiles), default=0)
 
     def fit(self) -> GpuFit:
+        self.disk.new_pass()
         return GpuFit(self)
 
     def validate(self, action: Action) -> None:
@@ -366,6 +452,24 @@ class GpuManager(ResourceManager[GpuHandle]):
                 costs[action.id] = self.restore_estimate_s(service)
         return costs
 
+    @property
+    def foresees(self) -> bool:
+        return self.disk.active
+
+    def foresee(self, upcoming: Iterable[Action]) -> None:
+        for node, service, victims in self.prefetch_plan(upcoming):
+            self.disk.start_load(node, service, victims, "prefetch")
+
+    def prefetch_plan(self, upcoming: Iterable[Action]) -> list[tuple[GpuNode, str, list[HostCopy]]]:
+        """The loads prefetch starts now, booked (``DiskTier.prefetch_plan``) for the queued actions ``upcoming``,
+        in the order they will run."""
+        rewards = (action for action in upcoming if action.kind is Kind.REWARD)
+        return self.disk.prefetch_plan(self.reward_request(action).service
+                                       for action in itertools.islice(rewards, PREFETCH_LOOKAHEAD))
+
+    def next_change_in(self) -> float | None:
+        return self.disk.next_change_in()
+
     def observe_restore(self, service: str, seconds: float) -> None:
         """A restore of ``service`` took ``seconds`` (its evictions' wait included): what a switch costs."""
         before = self._restore_s.get(service)
@@ -409,7 +513,8 @@ class GpuManager(ResourceManager[GpuHandle]):
                                           "free_chunks": sorted([c.start, c.size] for c in node.chunks.free),
                                           "gpu_memory_mb": node.config.gpu_memory_mb,
                                           "gpu_memory_booked_mb": list(node.residency.used_mb),
-                                          "resident": resident}))
+                                          "resident": resident,
+                                          "host_tier": node.tier.to_json() if node.tier is not None else None}))
         return rows
 
     def describe_services(self) -> list[dict[str, Any]]:
@@ -423,6 +528,8 @@ class GpuManager(ResourceManager[GpuHandle]):
                         "host_memory_mb": spec.host_memory_mb,
                         "nodes": sorted(n.name for n in self.nodes.values() if spec.name in n.services),
                         "instances": len(slots),
+                        "host_copies": {n.name: n.tier.copies[spec.name].state.value for n in self.nodes.values()
+                                        if n.tier is not None and spec.name in n.tier.copies},
                         "resident": [{"node": n.name, **s.to_json()} for n in self.nodes.values()
                                      for s in n.residency.slots.values()
                                      if s.service == spec.name and s.state is SlotState.RESIDENT]})
@@ -439,7 +546,7 @@ class GpuManager(ResourceManager[GpuHandle]):
         assert slot is not None, "every service has a slot on every chunk of each DoP it supports"
         where = {"node": node.name, "gpus": list(chunk.gpus), "service": spec.name}
         evicted: list[dict[str, Any]] = []
-        restore_s = await self._make_resident(node, slot, evicted, where)
+        restore_s, load_s = await self._make_resident(node, slot, evicted, where)
         action.restore_s = restore_s
         node.residency.touch(slot)
         try:
@@ -449,13 +556,14 @@ class GpuManager(ResourceManager[GpuHandle]):
                 slot.state = SlotState.BROKEN
             raise await self._failure(node, error, where) from None
         return Outcome({**result, **where, "restored": restore_s > 0, "restore_s": round(restore_s, 6),
-                        "evicted": evicted})
+                        "load_s": round(load_s, 6), "evicted": evicted})
 
     async def _make_resident(self, node: GpuNode, slot: Slot, evicted: list[dict[str, Any]],
-                             where: dict[str, Any]) -> float:
-        """Restore ``slot`` unless resident, evicting LRU instances on its GPUs; returns the seconds it took."""
+                             where: dict[str, Any]) -> tuple[float, float]:
+        """Restore ``slot`` unless resident, evicting LRU instances on its GPUs; returns the seconds it took and,
+        of those, the seconds it waited for its host copy to load from the disk tier."""
         if slot.state is SlotState.RESIDENT:
-            return 0.0
+            return 0.0, 0.0
         started = time.perf_counter()
         revive = slot.state is SlotState.BROKEN
         if revive:  # its device state is unknown: start it afresh
@@ -471,7 +579,7 @@ class GpuManager(ResourceManager[GpuHandle]):
             victim.eviction = asyncio.create_task(self._evict(node, victim, was_broken),
                                                   name=f"tangram-evict-{victim.service}")
             evicted.append({"service": victim.service, "gpus": list(victim.chunk.gpus)})
-        began_restore = False
+        began_restore = pinned = False
         try:
             await asyncio.gather(*node.residency.pending_evictions(slot.chunk))
             stuck = [v for v, _ in victims if v.state is SlotState.BROKEN]
@@ -479,6 +587,8 @@ class GpuManager(ResourceManager[GpuHandle]):
                 raise ActionFailed("evict_failed", f"evicting {stuck[0].service} from GPUs "
                                                    f"{list(stuck[0].chunk.gpus)} failed; see the broker's log",
                                    **where)
+            load_s = await self.disk.host_copy(node, slot.service, where)
+            pinned = True
             began_restore = True
             if revive:
                 await self._renew(node, slot)
@@ -493,14 +603,20 @@ class GpuManager(ResourceManager[GpuHandle]):
                 node.residency.unbook(slot)
                 slot.state = SlotState.PREPARED
             raise
+        finally:
+            if pinned:
+                self.disk.unpin(node, slot.service)
         node.residency.restored(slot)
         elapsed = time.perf_counter() - started
         self.observe_restore(slot.service, elapsed)
         labels = (node.name, slot.service, str(slot.chunk.size))
-        if self.restores is not None and self.restore_seconds is not None:
+        if self.restores is not None and self.restore_seconds is not None and self.restore_stage_seconds is not None:
             self.restores.labels(*labels).inc()
             self.restore_seconds.labels(*labels).observe(elapsed)
-        return elapsed
+            if load_s:
+                self.restore_stage_seconds.labels(node.name, slot.service, "disk_to_host").observe(load_s)
+            self.restore_stage_seconds.labels(node.name, slot.service, "host_to_gpu").observe(elapsed - load_s)
+        return elapsed, load_s
 
     async def _failure(self, node: GpuNode, error: ServiceError, where: dict[str, Any]) -> ActionFailed:
         """The action's failure: ``node_lost`` with the node's reason when its agent stopped answering because
@@ -532,8 +648,29 @@ class GpuManager(ResourceManager[GpuHandle]):
         with contextlib.suppress(Exception):
             await slot.instance.close()
         spec = self.services[slot.service]
-        slot.instance = node.backends[spec.backend].instance(spec, slot.chunk.gpus)
+        backend = node.backends[spec.backend]
+        slot.instance = backend.instance(spec, slot.chunk.gpus)
         await slot.instance.prepare()
+        copy = node.tier.copies.get(spec.name) if node.tier is not None else None
+        if copy is not None and copy.state is CopyState.DISK:  # prepared from the model anew: back to disk
+            await backend.drop_host(spec)
+
+
+def _check_disk_room(node: GpuNode) -> None:
+    """The disk tier's directory can hold every tiered service's file (ConfigError naming it otherwise)."""
+    assert node.tier is not None and node.config.disk_dir is not None
+    where = f"gpu.nodes.{node.name}.disk_dir"
+    directory = Path(node.config.disk_dir)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        rewritten = sum(path.stat().st_size for path in directory.glob("*.safetensors"))  # a restart's files
+        free_mb = (shutil.disk_usage(directory).free + rewritten) >> 20
+    except OSError as error:
+        raise ConfigError(where, f"{directory}: {error.strerror or error}") from None
+    need_mb = sum(copy.size_mb for copy in node.tier.copies.values())
+    if need_mb > free_mb:
+        raise ConfigError(where, f"{directory} has {free_mb} MiB free; the host copies of "
+                                 f"{sorted(node.tier.copies)} need {need_mb} MiB")
 
 
 async def _all_free(node: GpuNode) -> None:

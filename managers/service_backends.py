@@ -4,6 +4,7 @@ host, or, for a node with ``agent = true``, the same backend on its own host beh
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 from managers.gpu_config import GpuConfig, GpuNodeConfig
 from reward_services.backend import ServiceBackend
@@ -23,7 +24,7 @@ def make_service_backend(kind: str, node: GpuNodeConfig, config: GpuConfig) -> S
         return AgentServiceBackend(RayServiceLink(kind, replace(node, agent=False), config), HOST_COPY_SHARED[kind])
     if kind == "torch":
         from reward_services.torch_worker import TorchBackend
-        return TorchBackend(device_type=node.device_type)
+        return TorchBackend(device_type=node.device_type, disk_dir=Path(node.disk_dir) if node.disk_dir else None)
     from reward_services.sglang import NvmlProbe, SglangBackend
     return SglangBackend(log_dir=f"{config.log_dir}/{node.name}",
                          probe=NvmlProbe() if node.device_type == "cuda" else None)

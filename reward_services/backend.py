@@ -109,6 +109,8 @@ class ServiceBackend(abc.ABC):
     #: True when every instance of a service restores from one shared host copy (the in-process torch worker);
     #: False when each instance keeps its own (each SGLang server process backs up its own weights)
     shares_host_copy: bool = False
+    #: True when its services' host copies can go down to a disk tier (one per service: ``shares_host_copy``)
+    tiered: bool = False
 
     @abc.abstractmethod
     def instance(self, spec: ServiceSpec, devices: tuple[int, ...]) -> ServiceInstance:
@@ -117,6 +119,18 @@ class ServiceBackend(abc.ABC):
     def host_copies(self, spec: ServiceSpec, instances: int) -> int:
         """How many host copies of ``spec``'s weights ``instances`` instances keep (for host-memory admission)."""
         return min(instances, 1) if self.shares_host_copy else instances
+
+    async def spill(self, spec: ServiceSpec) -> None:
+        """Write ``spec``'s host copy to its disk tier file (after an instance of it is prepared), once at start."""
+        raise ServiceError("prepare_failed", f"{spec.name}: {type(self).__name__} has no disk tier")
+
+    async def drop_host(self, spec: ServiceSpec) -> None:
+        """Free ``spec``'s host copy (spilled first); no restore may read it until ``load_host``."""
+        raise ServiceError("restore_failed", f"{spec.name}: {type(self).__name__} has no disk tier")
+
+    async def load_host(self, spec: ServiceSpec) -> None:
+        """Read ``spec``'s host copy back from its disk tier file."""
+        raise ServiceError("restore_failed", f"{spec.name}: {type(self).__name__} has no disk tier")
 
     async def close(self) -> None:
         """Free what the backend itself holds (instances are closed by the manager first)."""

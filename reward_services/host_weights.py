@@ -12,8 +12,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+
+from reward_services.weights_file import read_weights, write_weights
 
 ALIGN_BYTES = 256
 
@@ -49,7 +52,8 @@ class HostWeights:
     """A module's parameters and buffers in one host buffer per dtype, plus the table to find each tensor.
 
     Tied tensors (one tensor reachable under several names) are stored once: ``slots`` holds each distinct
-    tensor, ``aliases`` maps every other name to the slot name it shares.
+    tensor, ``aliases`` maps every other name to the slot name it shares. With a disk tier the buffers can be
+    written to a file (``save``), dropped (``release``) and read back (``load``); the layout stays.
     """
 
     def __init__(self, buffers: dict[torch.dtype, torch.Tensor], slots: tuple[TensorSlot, ...],
@@ -58,6 +62,9 @@ class HostWeights:
         self.slots = slots
         self.aliases = aliases
         self.pinned = pinned
+        #: elements per dtype buffer, kept while the buffers are on disk
+        self.sizes = {dtype: buffer.numel() for dtype, buffer in buffers.items()}
+        self.in_memory = True
 
     @classmethod
     def pack(cls, module: torch.nn.Module, pin: bool) -> HostWeights:
@@ -101,6 +108,8 @@ class HostWeights:
 
         All copies are issued first (asynchronous from pinned memory), so copies to different GPUs overlap.
         """
+        if not self.in_memory:
+            raise RuntimeError("the host copy is on disk: load it first")
         images = []
         for device in devices:
             buffers = {}
@@ -113,8 +122,19 @@ class HostWeights:
             torch.cuda.synchronize(device)
         return images
 
+    def save(self, path: Path) -> None:
+        """Write the buffers to ``path`` (a safetensors file) for ``load`` after ``release``."""
+        write_weights(path, self.buffers)
+
+    def load(self, path: Path) -> None:
+        """Read the buffers back from what ``save`` wrote."""
+        if not self.in_memory:
+            self.buffers = read_weights(path, self.sizes, self.pinned)
+            self.in_memory = True
+
     def release(self) -> None:
         """Drop the host buffers; cached pinned blocks go back to the system too."""
         self.buffers = {}
+        self.in_memory = False
         if self.pinned:
             torch._C._host_emptyCache()

@@ -7,6 +7,10 @@ so no instance ever builds a module of its own. ``functional_call`` swaps the te
 runs, so two forwards at the same moment (two shards of one DoP-2 instance, or two instances of one service)
 need two module objects: weightless replicas of the skeleton, made on demand and reused (see ``_SharedModel``).
 
+With a disk tier (``disk_dir``), a service's host copy can be written to a safetensors file (``spill``), dropped
+from host memory (``drop_host``) and read back into pinned memory (``load_host``); the GPU manager decides when
+(``managers/host_tier.py``).
+
 Only torch, the standard library and ``reward_services`` are imported at module level (sentence-transformers
 when a model is loaded), so the GPU check script runs where torch is installed but the project's other
 dependencies are not.
@@ -25,6 +29,7 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
+from urllib.parse import quote
 
 import torch
 from torch.func import functional_call
@@ -140,10 +145,13 @@ class TorchBackend(ServiceBackend):
 
     shares_host_copy = True
 
-    def __init__(self, device_type: str = "cuda") -> None:
+    def __init__(self, device_type: str = "cuda", disk_dir: Path | None = None) -> None:
+        """``disk_dir``: where services' host copies spill (the disk tier); None: they stay in host memory."""
         if device_type not in DEVICE_TYPES:
             raise ValueError(f"device_type {device_type!r}: must be one of {list(DEVICE_TYPES)}")
         self.device_type = device_type
+        self.disk_dir = disk_dir
+        self.tiered = disk_dir is not None
         self._models: dict[str, _SharedModel] = {}
         self._registered: dict[str, EmbeddingModel] = {}
         self._lock = threading.Lock()
@@ -191,6 +199,38 @@ class TorchBackend(ServiceBackend):
                 return
             del self._models[name]
         shared.release()
+
+    def weights_path(self, name: str) -> Path:
+        """The disk tier file of service ``name`` (quoted: a service name may hold any character)."""
+        if self.disk_dir is None:
+            raise ServiceError("restore_failed", f"{name}: this node has no disk tier")
+        return self.disk_dir / f"{quote(name, safe='')}.safetensors"
+
+    async def spill(self, spec: ServiceSpec) -> None:
+        host = self._host(spec, "prepare_failed")
+        path = self.weights_path(spec.name)
+        try:
+            await asyncio.to_thread(path.parent.mkdir, parents=True, exist_ok=True)
+            await asyncio.to_thread(host.save, path)
+        except OSError as exc:
+            raise ServiceError("prepare_failed", f"{spec.name}: writing {path}: {_describe(exc)}") from exc
+
+    async def drop_host(self, spec: ServiceSpec) -> None:
+        await asyncio.to_thread(self._host(spec, "restore_failed").release)
+
+    async def load_host(self, spec: ServiceSpec) -> None:
+        host = self._host(spec, "restore_failed")
+        path = self.weights_path(spec.name)
+        try:
+            await asyncio.to_thread(host.load, path)
+        except (OSError, ValueError, RuntimeError) as exc:
+            raise ServiceError("restore_failed", f"{spec.name}: loading {path}: {_describe(exc)}") from exc
+
+    def _host(self, spec: ServiceSpec, code: str) -> HostWeights:
+        shared = self._models.get(spec.name)
+        if shared is None or shared.host is None:
+            raise ServiceError(code, f"{spec.name}: not prepared on this backend")
+        return shared.host
 
     async def close(self) -> None:
         with self._lock:

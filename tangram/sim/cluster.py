@@ -59,6 +59,9 @@ class Costs:
     xdist_worker_share: float = 0.185
     h2d_gb_per_s: float = 25.0  # pinned host->GPU copy per GPU (PCIe 5 x16 in practice; assumed, unmeasured)
     evict_s: float = 0.05  # freeing a victim's GPU memory before a restore (assumed)
+    # reading a host copy from a GPU node's local NVMe into pinned host memory (the disk tier, issue 18): one
+    # PCIe 4 NVMe drive reads 3-7 GB/s sequentially; 3 assumed, unmeasured (scripts/gpu_check.py measures it)
+    disk_gb_per_s: float = 3.0
     pod_start_s: float = 2.0  # a Kubernetes pod from bound to running (image present; assumed)
     pod_bind_per_s: float = 50.0  # pods the control plane binds per second (kube-scheduler's default API QPS)
     api_error_s: float = 0.5  # an upstream's 429 answer
@@ -83,6 +86,7 @@ class Cluster:
     gpu_node_sizes: tuple[int, ...] = ()  # GPUs per GPU node
     gpu_memory_mb: int = 81_920  # per GPU
     gpu_host_memory_mb: int = 3_000_000  # 3 TB per GPU node (paper §6.1)
+    gpu_disk_tier: bool = False  # host copies that do not fit host memory spill to local disk (issue 18)
     services: tuple[ServiceModel, ...] = ()
     apis: tuple[ApiModel, ...] = ()
     costs: Costs = field(default_factory=Costs)

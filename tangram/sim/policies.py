@@ -71,6 +71,7 @@ POLICIES: dict[str, Policy] = {
     "tangram-srpt": broker(share_by_remaining=True),
     "tangram-min4": broker(test_demand=Demand.range(4, 32), malleable=False),
     "tangram-hrrs": broker(order="hrrs"),
+    "tangram-no-prefetch": broker(prefetch=False),
     **{f"dop{d}": broker(test_demand=Demand.fixed(d)) for d in FIXED_DOPS},
     "baseline": baseline,
     "pods-ideal": pods_ideal,

@@ -272,6 +272,39 @@ def _mixed_gpus(assumed: Assumptions) -> Cluster:
                 _search_apis(1.0, assumed))
 
 
+def gpu_tiers(scale: float, seed: int, progress: Progress = _stderr,
+              assumed: Assumptions = NONE_ASSUMED) -> Outcome:
+    """Issue 18: host copies twice the size of host memory, spilled to a disk tier, with and without prefetch,
+    against every copy in host memory; same trace, same 40 GPUs, FCFS."""
+    points: list[Point] = []
+    batches = [round(batch * scale) for batch in (512, 1024, 2048)]
+    in_host = _mixed_gpus(assumed)
+    copies_mb = sum(service.host_memory_mb for service in in_host.services)  # one shared copy each per node
+    tiered = replace(in_host, gpu_host_memory_mb=copies_mb // 2, gpu_disk_tier=True)
+    # labels: "tangram" is the broker over the disk tier, "all-in-host" today's behaviour with room for every copy
+    runs = (("all-in-host", in_host, "tangram"), ("tangram", tiered, "tangram"),
+            ("tangram-no-prefetch", tiered, "tangram-no-prefetch"))
+    for batch in batches:
+        trace = _mopd_and_search(batch, seed, assumed)
+        for label, cluster, policy in runs:
+            summary = simulate(trace, cluster, POLICIES[policy], label).summary()
+            points.append(Point(batch, label, summary))
+            progress(f"gpu-tiers {batch:5d} {label:>19}: mean ACT per trajectory "
+                     f"{summary['mean_trajectory_act_s']:9.2f} s, {summary['disk_loads']} disk loads, "
+                     f"{summary['wall_s']:.1f} s wall")
+    disk = f"disk tier read rate {assumed.costs().disk_gb_per_s} GB/s per node (assumed; --set costs.disk_gb_per_s=)"
+    out = Outcome("gpu-tiers", f"MOPD+DeepSearch on 40 GPUs, host copies ({copies_mb:,} MiB per node) twice the "
+                               f"host memory, over a disk tier", "RL batch size", points, [],
+                  ["--scale scales the batches; the 40 GPUs stay", disk])
+    for batch in batches:
+        out.figures += [
+            _figure(f"tiers / all-in-host mean ACT at batch {batch:,}", 1.3,
+                    out.act("tangram", batch) / out.act("all-in-host", batch), "target: at most 1.3"),
+            _figure(f"tiers without / with prefetch mean ACT at batch {batch:,}", None,
+                    out.act("tangram-no-prefetch", batch) / out.act("tangram", batch))]
+    return out
+
+
 def gpu_hrrs(scale: float, seed: int, progress: Progress = _stderr,
              assumed: Assumptions = NONE_ASSUMED) -> Outcome:
     """Issue 18: the setup-aware order (HRRS) against FCFS on the MOPD+DeepSearch mix, same trace and cluster."""
@@ -463,4 +496,4 @@ def sensitivity(scale: float, seed: int, progress: Progress = _stderr,
 
 SCENARIOS: dict[str, Callable[..., Outcome]] = {
     "coding-batch": coding_batch, "coding-capacity": coding_capacity, "dop": dop, "gpu-batch": gpu_batch,
-    "gpu-cost": gpu_cost, "gpu-hrrs": gpu_hrrs, "breakdown": breakdown, "e2e": e2e, "training": training, "sensitivity": sensitivity}
+    "gpu-cost": gpu_cost, "gpu-hrrs": gpu_hrrs, "gpu-tiers": gpu_tiers, "breakdown": breakdown, "e2e": e2e, "training": training, "sensitivity": sensitivity}
