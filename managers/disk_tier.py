@@ -174,9 +174,8 @@ class DiskTier:
                 tier.pin(service)
                 return time.perf_counter() - started if waited else 0.0
             if copy.state is CopyState.DISK:
-                self._held = None  # read anew: this runs between passes
                 try:
-                    victims = tier.plan_load(service, spare=self._sole_copies(node))
+                    victims = self.plan_restore_load(node, service)
                 except HostTierFull as full:
                     raise ActionFailed("host_memory_unavailable", str(full), **where) from None
                 self.start_load(node, service, victims, "restore")
@@ -187,6 +186,13 @@ class DiskTier:
         raise ActionFailed("host_memory_unavailable", f"{service}'s host copy was dropped {HOST_COPY_ATTEMPTS} times "
                                                       f"before its restore could read it: node {node.name}'s host "
                                                       f"memory is short for the restores starting at once", **where)
+
+    def plan_restore_load(self, node: GpuNode, service: str) -> list[HostCopy]:
+        """Book the load a restore of ``service`` on ``node`` needs: least recently used copies go first, a
+        service's last copy only after every other (``HostTier.plan_load``); raises ``HostTierFull``."""
+        assert node.tier is not None
+        self._held = None  # read anew: restores run between passes
+        return node.tier.plan_load(service, spare=self._sole_copies(node))
 
     @staticmethod
     def unpin(node: GpuNode, service: str) -> None:

@@ -12,6 +12,8 @@ from managers.gpu import GpuManager
 from managers.gpu_config import parse_gpu_config
 from reward_services.backend import ServiceBackend, ServiceInstance, ServiceSpec
 from tangram.core.action import Action, Demand, Kind
+from tangram.durations import DurationModel
+from tangram.scheduler import Scheduler
 
 
 class _Idle(ServiceInstance):
@@ -114,3 +116,28 @@ def test_an_action_waiting_for_its_copy_leaves_the_chunk_to_local_actions_and_ta
     clock.now += load_s / 2 + 1e-9  # (float steps)
     assert pass_(reward("d", clock.now)) == (False, ["n0"])  # a local action still goes first
     assert pass_() == (True, [])  # the chunk would idle: a loads its copy on n0
+
+
+def test_the_scheduler_lets_local_actions_take_the_chunk_first_and_gives_an_idle_one_to_the_deferred() -> None:
+    """The same, through Alg. 1's step 1: the deferred action holds nobody back, then takes what nobody took."""
+    clock = Clock()
+    manager = manager_of(clock)
+    n1 = manager.nodes["n1"]
+    assert n1.tier is not None
+    n1.tier.plan_load("a", keep=["c"])
+    n1.tier.loaded("a")
+    manager.allocate(reward("a", clock.now), {"gpu": 1}, {"gpu": "n1"})
+    scheduler = Scheduler([manager], DurationModel())
+    waiting, local = reward("a", clock.now), reward("d", clock.now)
+    for action in (waiting, local):
+        manager.validate(action)
+    placed = scheduler.schedule([waiting, local], [], clock.now).placements
+    assert [(p.action.id, p.pools["gpu"]) for p in placed] == [(local.id, "n0")]
+    assert scheduler.schedule([waiting], [], clock.now).placements == []  # n0 idle, but no load's time yet
+    clock.now += manager.disk.load_estimate_s("a") + 1e-9
+    later = reward("d", clock.now)
+    manager.validate(later)
+    placed = scheduler.schedule([waiting, later], [], clock.now).placements
+    assert [(p.action.id, p.pools["gpu"]) for p in placed] == [(later.id, "n0")]  # still, local first
+    placed = scheduler.schedule([waiting], [], clock.now).placements
+    assert [(p.action.id, p.pools["gpu"]) for p in placed] == [(waiting.id, "n0")]

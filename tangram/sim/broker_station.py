@@ -334,7 +334,8 @@ class BrokerStation:
 
     def _host_copy(self, node: GpuNode, service: str) -> float:
         """Seconds a restore waits for its host copy: none in host memory, until a load in flight lands, or a
-        load of its own (``HostTier.plan_load``, as ``GpuManager._host_copy``) behind the disk's other reads."""
+        load of its own (``DiskTier.plan_restore_load``, as ``DiskTier.host_copy``) behind the disk's other
+        reads."""
         tier = node.tier
         if tier is None:
             return 0.0
@@ -344,21 +345,23 @@ class BrokerStation:
             tier.unpin(service)
             return 0.0
         if copy.state is CopyState.DISK:
+            while True:
+                try:
+                    self.gpu.disk.plan_restore_load(node, service)  # type: ignore[union-attr]
+                    break
+                except HostTierFull:  # loads in flight fill host memory: the earliest lands first
+                    earliest = min((key for key in self.loads if key[0] == node.name), key=self.loads.__getitem__,
+                                   default=None)
+                    if earliest is None:
+                        raise
+                    self._land(earliest)
             self._load(node.name, service, self.now)
         return self.loads[(node.name, service)] - self.now
 
     def _load(self, node_name: str, service: str, now: float) -> None:
-        """Book a load (``plan_load`` unless prefetch booked it) and time it on the node's disk."""
+        """Time a load that was booked (by prefetch or a restore) on the node's disk, behind its other reads."""
         tier = self.gpu.nodes[node_name].tier  # type: ignore[union-attr]
         assert tier is not None
-        if tier.copies[service].state is CopyState.DISK:
-            while True:
-                try:
-                    tier.plan_load(service)
-                    break
-                except HostTierFull:  # loads in flight fill host memory: the earliest lands first
-                    earliest = min((key for key in self.loads if key[0] == node_name), key=self.loads.__getitem__)
-                    self._land(earliest)
         start = max(now, self.disk_free_at.get(node_name, 0.0))
         seconds = tier.copies[service].size_mb / 1024 / self.costs.disk_gb_per_s
         self.loads[(node_name, service)] = self.disk_free_at[node_name] = start + seconds
