@@ -15,6 +15,8 @@ bandwidth over the measured pinned H2D bandwidth (goal: at least 0.8). Sections,
 * ``disk_tier``: the restore per tier (issue 18): a synthetic service's host copy written to ``--disk-dir`` as a
   safetensors file, then each rep drops it from host memory, loads it back into pinned memory (the file's pages
   dropped from the page cache, so a real disk read) and restores it to GPU 0; the answer must not change;
+* ``tier_cycle``: the GPU manager on GPU 0 with a disk tier: three services whose host copies two fit in host
+  memory, cycled, so a restore reads the disk every time; the answers must not change;
 * ``hrrs_mix``: a two-service mix on GPU 0 (the budget holds one service) queued as alternating actions and run
   one at a time by the GPU manager in FCFS order, then in the setup-aware (HRRS) order: restores and wall time.
 
@@ -270,6 +272,55 @@ def disk_tier_section(args: argparse.Namespace, report: dict[str, Any]) -> dict[
         return asyncio.run(cycle())
 
 
+def tier_cycle_section(args: argparse.Namespace, report: dict[str, Any]) -> dict[str, Any]:
+    from managers.gpu import GpuManager
+    from managers.gpu_config import parse_gpu_config
+    from tangram.core.action import Action, Demand, Kind
+
+    size_mb = max(64, args.size_mb // 4)
+    service = {"backend": "torch", "model": "synthetic", "task": "similarity", "dops": [1],
+               "gpu_memory_mb": size_mb + 64, "host_memory_mb": size_mb + 16}
+    names = ("first", "second", "third")
+    args.disk_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=args.disk_dir) as directory:
+        config = parse_gpu_config({"nodes": {"gpu0": {
+            "gpus": 1, "gpu_memory_mb": int(size_mb * 1.5) + 128, "host_memory_mb": 2 * (size_mb + 16),
+            "device_type": DEVICE_TYPE, "disk_dir": directory}}, "services": dict.fromkeys(names, service)})
+
+        async def cycle() -> dict[str, Any]:
+            manager = GpuManager(config)
+            backend = manager.nodes["gpu0"].backends["torch"]
+            assert isinstance(backend, TorchBackend)
+            for name in names:
+                backend.register_model(name, synthetic_model(size_mb))
+            await manager.start()
+            answers: dict[str, list[float]] = {}
+            loads, copies, correct = [], [], True
+            try:
+                for step in range(3 * args.reps):
+                    name = names[step % 3]  # two copies fit host memory: every third restore reads the disk
+                    action = Action(task="check", kind=Kind.REWARD, demands={"gpu": Demand((1,))},
+                                    spec={"service": name, "input": {"pairs": [["same text", "other text"]]}})
+                    manager.validate(action)
+                    allocation = manager.allocate(action, {"gpu": 1}, {"gpu": "gpu0"})
+                    try:
+                        result = (await manager.execute(action, allocation)).result
+                    finally:
+                        manager.release(allocation)
+                    correct &= answers.setdefault(name, result["scores"]) == result["scores"]
+                    if result["load_s"]:
+                        loads.append(result["load_s"])
+                    copies.append(result["restore_s"] - result["load_s"])
+            finally:
+                await manager.close()
+            return {"service_mb": size_mb, "actions": 3 * args.reps, "restores_that_read_disk": len(loads),
+                    "answers_unchanged": correct,
+                    "disk_to_host_median_ms": statistics.median(loads) * 1e3 if loads else None,
+                    "host_to_gpu_median_ms": statistics.median(copies) * 1e3}
+
+        return asyncio.run(cycle())
+
+
 def hrrs_mix_section(args: argparse.Namespace, report: dict[str, Any]) -> dict[str, Any]:
     from managers.gpu import GpuManager
     from managers.gpu_config import parse_gpu_config
@@ -341,6 +392,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="a sentence-transformers model directory or model package for the real-model section")
     parser.add_argument("--disk-dir", type=Path, default=Path(tempfile.gettempdir()),
                         help="where the disk tier section writes its file (a local disk, not tmpfs, to mean anything)")
+    parser.add_argument("--only", type=lambda text: text.split(","), default=None,
+                        help="comma-separated sections to run (h2d always runs: the others compare with it)")
     parser.add_argument("--json", type=Path, help="also write the report here as JSON")
     return parser.parse_args(argv)
 
@@ -360,8 +413,16 @@ def main(argv: list[str] | None = None) -> int:
         ("restore_minilm", minilm_section),
         ("eoe_cycle", eoe_section),
         ("disk_tier", disk_tier_section),
+        ("tier_cycle", tier_cycle_section),
         ("hrrs_mix", hrrs_mix_section),
     ]
+    if args.only:
+        unknown = set(args.only) - {name for name, _ in sections}
+        if unknown:
+            print(f"gpu_check: no section {sorted(unknown)}; sections: {[name for name, _ in sections]}",
+                  file=sys.stderr)
+            return 2
+        sections = [(name, section) for name, section in sections if name in args.only or name == "h2d"]
     for name, section in sections:
         report[name] = section(args, report)
         print_section(name, report[name])
