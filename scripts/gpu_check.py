@@ -181,6 +181,15 @@ def minilm_section(args: argparse.Namespace, report: dict[str, Any]) -> dict[str
             "max_abs_diff_vs_sentence_transformers": max(abs(a - b) for a, b in zip(scores, expected))}
 
 
+async def run_on_gpu0(manager: Any, action: Any) -> dict[str, Any]:
+    """One reward action through the GPU manager on node ``gpu0``'s first GPU: its result."""
+    allocation = manager.allocate(action, {"gpu": 1}, {"gpu": "gpu0"})
+    try:
+        return dict((await manager.execute(action, allocation)).result)
+    finally:
+        manager.release(allocation)
+
+
 def eoe_section(args: argparse.Namespace, report: dict[str, Any]) -> dict[str, Any]:
     from managers.gpu import GpuManager
     from managers.gpu_config import parse_gpu_config
@@ -207,11 +216,7 @@ def eoe_section(args: argparse.Namespace, report: dict[str, Any]) -> dict[str, A
                 name = ("first", "second")[step % 2]
                 action = Action(task="check", kind=Kind.REWARD, demands={"gpu": Demand((1,))},
                                 spec={"service": name, "input": {"pairs": [["same text", "other text"]]}})
-                allocation = manager.allocate(action, {"gpu": 1}, {"gpu": "gpu0"})
-                try:
-                    result = (await manager.execute(action, allocation)).result
-                finally:
-                    manager.release(allocation)
+                result = await run_on_gpu0(manager, action)
                 correct &= result["restored"] and answers.setdefault(name, result["scores"]) == result["scores"]
                 restores.append(result["restore_s"])
         finally:
@@ -298,15 +303,11 @@ def tier_cycle_section(args: argparse.Namespace, report: dict[str, Any]) -> dict
             loads, copies, correct = [], [], True
             try:
                 for step in range(3 * args.reps):
-                    name = names[step % 3]  # two copies fit host memory: every third restore reads the disk
+                    name = names[step % 3]  # two copies fit host memory, cycled LRU: every restore reads the disk
                     action = Action(task="check", kind=Kind.REWARD, demands={"gpu": Demand((1,))},
                                     spec={"service": name, "input": {"pairs": [["same text", "other text"]]}})
                     manager.validate(action)
-                    allocation = manager.allocate(action, {"gpu": 1}, {"gpu": "gpu0"})
-                    try:
-                        result = (await manager.execute(action, allocation)).result
-                    finally:
-                        manager.release(allocation)
+                    result = await run_on_gpu0(manager, action)
                     correct &= answers.setdefault(name, result["scores"]) == result["scores"]
                     if result["load_s"]:
                         loads.append(result["load_s"])
@@ -353,11 +354,7 @@ def hrrs_mix_section(args: argparse.Namespace, report: dict[str, Any]) -> dict[s
             while queue:
                 action = (order.order(queue, time.time()) if order_name == "hrrs" else queue)[0]
                 queue.remove(action)
-                allocation = manager.allocate(action, {"gpu": 1}, {"gpu": "gpu0"})
-                try:
-                    result = (await manager.execute(action, allocation)).result
-                finally:
-                    manager.release(allocation)
+                result = await run_on_gpu0(manager, action)
                 ran.append(result["service"])
                 restores += result["restored"]
         finally:
