@@ -33,6 +33,7 @@ from managers.host_tier import CopyState, HostCopy, HostTierFull
 from reward_services.backend import ServiceError, ServiceSpec
 from tangram.core.action import Action
 from tangram.core.errors import ActionFailed
+from tangram.core.learned import LearnedSeconds
 
 if TYPE_CHECKING:
     from managers.gpu import GpuNode
@@ -59,8 +60,9 @@ class DiskTier:
         self._nodes = nodes  # the manager's own mapping: nodes that join are seen
         self._services = services
         self._clock = clock
-        #: each service's expected load seconds, from the loads seen (the prior until one is)
-        self._load_s: dict[str, float] = {}
+        #: each service's expected load, from the loads seen: its host copy at the assumed rate until one is
+        self.load_time = LearnedSeconds(lambda name: services[name].host_memory_mb / LOAD_PRIOR_MB_PER_S,
+                                        LOAD_EWMA_ALPHA)
         #: actions waiting for a node holding their copy: since when, and when a pass last deferred them
         self._waiting: dict[str, tuple[float, float]] = {}
         #: when the first action deferred by the last pass may load its copy on a new node
@@ -111,7 +113,7 @@ class DiskTier:
             return False
         now = self._clock()
         since = self._waiting.get(action.id, (now, now))[0]
-        until = since + self.load_estimate_s(service)
+        until = since + self.load_time.estimate(service)
         if relaxed and now >= until:
             self._waiting.pop(action.id, None)
             return False
@@ -147,15 +149,6 @@ class DiskTier:
                         break
             ahead.append(service)
         return plans
-
-    def observe_load(self, service: str, seconds: float) -> None:
-        before = self._load_s.get(service)
-        self._load_s[service] = seconds if before is None else before + LOAD_EWMA_ALPHA * (seconds - before)
-
-    def load_estimate_s(self, service: str) -> float:
-        """Seconds a load of ``service``'s host copy from disk is expected to take: learned, else assumed."""
-        learned = self._load_s.get(service)
-        return learned if learned is not None else self._services[service].host_memory_mb / LOAD_PRIOR_MB_PER_S
 
     # -- steps ------------------------------------------------------------------------------------------------
 
@@ -215,7 +208,7 @@ class DiskTier:
                 await backend.drop_host(self._services[victim.service])
             started = time.perf_counter()
             await backend.load_host(spec)
-            self.observe_load(service, time.perf_counter() - started)
+            self.load_time.observe(service, time.perf_counter() - started)
         except Exception as error:  # noqa: BLE001 - whatever it is, the copy is not in host memory
             node.tier.load_failed(service)
             message = error.message if isinstance(error, ServiceError) else f"{type(error).__name__}: {error}"

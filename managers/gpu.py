@@ -43,6 +43,7 @@ from reward_services.requests import RewardRequest, RewardSpecBody, parse_reward
 from tangram.core.action import Action, Kind
 from tangram.core.dparrange import DPOperator
 from tangram.core.errors import ActionFailed, BadRequest, ConfigError, NotFound, Unavailable, Unprocessable
+from tangram.core.learned import LearnedSeconds
 from tangram.core.seam import Allocation, Fit, MetricsRegistry, Outcome, PoolStatus, ResourceManager
 
 if TYPE_CHECKING:
@@ -201,8 +202,9 @@ class GpuManager(ResourceManager[GpuHandle]):
         self.restore_seconds: Histogram | None = None
         self.restore_stage_seconds: Histogram | None = None
         self._membership: RayMembership | None = None
-        #: each service's expected restore seconds, from the restores seen (the prior until one is)
-        self._restore_s: dict[str, float] = {}
+        #: each service's expected restore, from the restores seen: its host copy at the assumed rate until one is
+        self.restore_time = LearnedSeconds(lambda name: self.services[name].host_memory_mb / RESTORE_PRIOR_MB_PER_S,
+                                           RESTORE_EWMA_ALPHA)
         self.disk = DiskTier(self.nodes, self.services, clock)
         for node_config in config.nodes:
             node = GpuNode(node_config, self._backends(node_config))
@@ -382,9 +384,9 @@ class GpuManager(ResourceManager[GpuHandle]):
                                  registry=None)
         self.restore_seconds = Histogram("tangram_gpu_restore_seconds", "Time to restore a service to its GPUs",
                                          labels, buckets=RESTORE_SECONDS, registry=None)
-        self.disk.host_loads = Counter("tangram_gpu_host_loads", "Host copies loaded from the disk tier, by what asked "
-                                  "(a restore waiting for it, or prefetch)", ["node", "service", "cause"],
-                                  registry=None)
+        self.disk.host_loads = Counter(
+            "tangram_gpu_host_loads", "Host copies loaded from the disk tier, by what asked (a restore waiting for it, "
+            "or prefetch)", ["node", "service", "cause"], registry=None)
         self.restore_stage_seconds = Histogram(
             "tangram_gpu_restore_stage_seconds", "A restore's stages: disk_to_host (the time it waited for its "
             "host copy to load from the disk tier) and host_to_gpu", ["node", "service", "stage"],
@@ -449,7 +451,7 @@ class GpuManager(ResourceManager[GpuHandle]):
                 continue
             service = self.reward_request(action).service
             if not any((service, k) in ready for k in action.demands[RESOURCE].choices):
-                costs[action.id] = self.restore_estimate_s(service)
+                costs[action.id] = self.restore_time.estimate(service)
         return costs
 
     @property
@@ -469,17 +471,6 @@ class GpuManager(ResourceManager[GpuHandle]):
 
     def next_change_in(self) -> float | None:
         return self.disk.next_change_in()
-
-    def observe_restore(self, service: str, seconds: float) -> None:
-        """A restore of ``service`` took ``seconds`` (its evictions' wait included): what a switch costs."""
-        before = self._restore_s.get(service)
-        self._restore_s[service] = seconds if before is None else before + RESTORE_EWMA_ALPHA * (seconds - before)
-
-    def restore_estimate_s(self, service: str) -> float:
-        """Seconds a restore of ``service`` is expected to take: learned from its restores, else its host copy's
-        size at the assumed copy rate."""
-        learned = self._restore_s.get(service)
-        return learned if learned is not None else self.services[service].host_memory_mb / RESTORE_PRIOR_MB_PER_S
 
     def reward_request(self, action: Action) -> RewardRequest:
         """The action's spec as checked at submit (parsed here first for an action recovered from the store)."""
@@ -608,7 +599,7 @@ class GpuManager(ResourceManager[GpuHandle]):
                 self.disk.unpin(node, slot.service)
         node.residency.restored(slot)
         elapsed = time.perf_counter() - started
-        self.observe_restore(slot.service, elapsed)
+        self.restore_time.observe(slot.service, elapsed)  # its evictions' wait included: what a switch costs
         labels = (node.name, slot.service, str(slot.chunk.size))
         if self.restores is not None and self.restore_seconds is not None and self.restore_stage_seconds is not None:
             self.restores.labels(*labels).inc()

@@ -94,7 +94,7 @@ def test_an_action_waiting_for_its_copy_leaves_the_chunk_to_local_actions_and_ta
     n1.tier.plan_load("a", keep=["c"])  # now n1 holds a and c; n0 holds c and d
     n1.tier.loaded("a")
     manager.allocate(reward("a", clock.now), {"gpu": 1}, {"gpu": "n1"})  # n1's one GPU is taken
-    load_s = manager.disk.load_estimate_s("a")
+    load_s = manager.disk.load_time.estimate("a")
     waiting = reward("a", clock.now)
 
     def pass_(*behind: Action) -> tuple[bool, list[str]]:
@@ -134,7 +134,7 @@ def test_the_scheduler_lets_local_actions_take_the_chunk_first_and_gives_an_idle
     placed = scheduler.schedule([waiting, local], [], clock.now).placements
     assert [(p.action.id, p.pools["gpu"]) for p in placed] == [(local.id, "n0")]
     assert scheduler.schedule([waiting], [], clock.now).placements == []  # n0 idle, but no load's time yet
-    clock.now += manager.disk.load_estimate_s("a") + 1e-9
+    clock.now += manager.disk.load_time.estimate("a") + 1e-9
     later = reward("d", clock.now)
     manager.validate(later)
     placed = scheduler.schedule([waiting, later], [], clock.now).placements

@@ -329,7 +329,7 @@ class BrokerStation:
         shard_gb = slot.instance.spec.host_memory_mb / 1024 / chunk.size
         seconds = self._host_copy(node, service) + (self.costs.evict_s if victims else 0.0) \
             + shard_gb / self.costs.h2d_gb_per_s
-        self.gpu.observe_restore(service, seconds)  # type: ignore[union-attr]
+        self.gpu.restore_time.observe(service, seconds)  # type: ignore[union-attr]
         return seconds
 
     def _host_copy(self, node: GpuNode, service: str) -> float:
@@ -365,7 +365,7 @@ class BrokerStation:
         start = max(now, self.disk_free_at.get(node_name, 0.0))
         seconds = tier.copies[service].size_mb / 1024 / self.costs.disk_gb_per_s
         self.loads[(node_name, service)] = self.disk_free_at[node_name] = start + seconds
-        self.gpu.disk.observe_load(service, seconds)  # type: ignore[union-attr]
+        self.gpu.disk.load_time.observe(service, seconds)  # type: ignore[union-attr]
         self.disk_loads += 1
 
     def _settle_loads(self, now: float) -> None:
