@@ -4,18 +4,15 @@ and the loads themselves.
 Each node's ``HostTier`` books its host memory; this module decides across nodes:
 
 * **Locality.** The fit prefers a node holding the service's copy. When only nodes that would load it from disk
-  have a free chunk, the action is deferred (delay scheduling): the actions behind it go first, and one whose
-  service that node holds takes the chunk without a load. A chunk that nobody takes goes to a deferred action
-  once it has waited one load's time since it was first deferred: so waiting costs an action at most what the
-  load would, and a node's host memory keeps serving the services it holds instead of being churned by every
-  placement.
+  have a free chunk, the action is deferred (``managers/delay_wait.py``) for up to one load's time, so a node's
+  host memory keeps serving the services it holds instead of being churned by every placement.
 * **Prefetch.** The services of the queued reward actions, in the order they will run, that no node holds are
   loaded ahead of their actions, on one node each (the fit sends their actions there), dropping only copies that
   no earlier queued action needs, and a service's last copy only after every other.
 * **Loads.** A restore whose copy is on disk loads it (or waits for a prefetch under way); the copy is pinned while
   the restore reads it.
 
-The simulator runs the same decisions (``prefetch_plan``, ``worth_waiting``) and times the loads itself.
+The simulator runs the same decisions (``prefetch_plan``, ``held``) and times the loads itself.
 """
 
 from __future__ import annotations
@@ -24,14 +21,13 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import Counter
 
 from managers.host_tier import CopyState, HostCopy, HostTierFull
 from reward_services.backend import ServiceError, ServiceSpec
-from tangram.core.action import Action
 from tangram.core.errors import ActionFailed
 from tangram.core.learned import LearnedSeconds
 
@@ -48,25 +44,17 @@ LOAD_EWMA_ALPHA = 0.3
 #: times a restore asks for its service's host copy when a load lands and the copy is dropped again before the
 #: restore reads it (only when host memory is short for the restores starting at once)
 HOST_COPY_ATTEMPTS = 3
-#: an action no pass deferred for this long is forgotten (placed, cancelled or failed)
-FORGET_WAIT_S = 600.0
 
 
 class DiskTier:
     """The disk tier over a GPU manager's nodes (those with ``disk_dir``)."""
 
-    def __init__(self, nodes: Mapping[str, GpuNode], services: Mapping[str, ServiceSpec],
-                 clock: Callable[[], float]) -> None:
+    def __init__(self, nodes: Mapping[str, GpuNode], services: Mapping[str, ServiceSpec]) -> None:
         self._nodes = nodes  # the manager's own mapping: nodes that join are seen
         self._services = services
-        self._clock = clock
         #: each service's expected load, from the loads seen: its host copy at the assumed rate until one is
         self.load_time = LearnedSeconds(lambda name: services[name].host_memory_mb / LOAD_PRIOR_MB_PER_S,
                                         LOAD_EWMA_ALPHA)
-        #: actions waiting for a node holding their copy: since when, and when a pass last deferred them
-        self._waiting: dict[str, tuple[float, float]] = {}
-        #: when the first action deferred by the last pass may load its copy on a new node
-        self._wait_until: float | None = None
         #: ``_holders`` for this pass
         self._held: dict[str, set[str]] | None = None
         self.host_loads: Counter | None = None
@@ -95,37 +83,12 @@ class DiskTier:
     # -- decisions --------------------------------------------------------------------------------------------
 
     def new_pass(self) -> None:
-        """A scheduling pass begins; actions no pass deferred for ``FORGET_WAIT_S`` are forgotten (gone)."""
-        now = self._clock()
-        if any(now - seen > FORGET_WAIT_S for _, seen in self._waiting.values()):
-            self._waiting = {key: value for key, value in self._waiting.items() if now - value[1] <= FORGET_WAIT_S}
-        self._wait_until = None
+        """A scheduling pass begins: where the copies are is read anew."""
         self._held = None
 
-    def worth_waiting(self, action: Action, service: str, relaxed: bool) -> bool:
-        """Whether ``action``, placeable now only on nodes that would load its service from disk, waits for a node
-        that holds the copy. While some node does: always in a pass's first round (the actions behind it may use
-        the free chunk without a load); in its second (``relaxed``: the chunk would stay idle otherwise) until it
-        has waited one load's time since the first pass that deferred it, so waiting costs it at most what the
-        load would."""
-        if not self._holders().get(service):
-            self._waiting.pop(action.id, None)
-            return False
-        now = self._clock()
-        since = self._waiting.get(action.id, (now, now))[0]
-        until = since + self.load_time.estimate(service)
-        if relaxed and now >= until:
-            self._waiting.pop(action.id, None)
-            return False
-        self._waiting[action.id] = (since, now)
-        if until > now:  # past it, the action waits for a chunk like any other (and its release wakes a pass)
-            self._wait_until = min(until, self._wait_until or until)
-        return True
-
-    def next_change_in(self) -> float | None:
-        """Until the first action deferred by the last pass may take an idle chunk on a new node (a pass then
-        places it, even if nothing else happens by then)."""
-        return None if self._wait_until is None else max(0.0, self._wait_until - self._clock())
+    def held(self, service: str) -> bool:
+        """Whether some node in service holds ``service``'s copy (in host memory, loading, or on its GPUs)."""
+        return bool(self._holders().get(service))
 
     def prefetch_plan(self, upcoming: Iterable[str]) -> list[tuple[GpuNode, str, list[HostCopy]]]:
         """Loads to start now, booked: each service of ``upcoming`` (those of the queued reward actions, in the

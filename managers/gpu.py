@@ -7,10 +7,11 @@ there it runs at once, otherwise the instances sharing those GPUs are evicted le
 the service fits, and it is restored from host memory, runs, and stays cached (``residency.py``). The chunk is
 the action's alone, so at most one action runs on a GPU at a time.
 
-Pools are nodes. ``fit`` places an action on a node that already holds its service on a free chunk, else on the
-node with the most free GPUs (room for the elastic DP to scale actions up; inside a node, the buddy allocator's
-smallest fit keeps large chunks whole). The DP plans with the chunk operator, which follows the allocator's own
-transitions.
+Pools are nodes. ``fit`` places an action on a node that already holds its service, at a DoP the action accepts,
+on a free chunk, else on the node with the most free GPUs (room for the elastic DP to scale actions up; inside a
+node, the buddy allocator's smallest fit keeps large chunks whole). With ``wait_for_resident`` an action whose
+service is resident only on busy GPUs waits for them up to one restore's time (``delay_wait.py``). The DP plans
+with the chunk operator, which follows the allocator's own transitions.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from prometheus_client import Counter, Histogram
 from managers.agent_services import AgentServiceBackend
 from managers.chunk_operator import ChunkOperator
 from managers.chunks import Chunk, ChunkAllocator, Preference, after_allocating
+from managers.delay_wait import DelayWaits
 from managers.disk_tier import DiskTier
 from managers.gpu_config import GpuConfig, GpuNodeConfig, on_this_host
 from managers.host_tier import CopyState, HostCopy, HostTier
@@ -96,8 +98,8 @@ class GpuNode(NodeStanding):
     def resident_services(self) -> set[str]:
         return {slot.service for slot in self.residency.slots.values() if slot.state is SlotState.RESIDENT}
 
-    def resident_on_free_chunk(self, service: str, k: int, free: ChunkAllocator) -> bool:
-        return any(slot.state is SlotState.RESIDENT and slot.chunk.size == k
+    def resident_on_free_chunk(self, service: str, dops: Sequence[int], free: ChunkAllocator) -> bool:
+        return any(slot.state is SlotState.RESIDENT and slot.chunk.size in dops
                    and any(parent.contains(slot.chunk) for parent in free.free)
                    for (name, _), slot in self.residency.slots.items() if name == service)
 
@@ -110,19 +112,24 @@ class GpuFit(Fit):
         self.before = {name: node.chunks.copy() for name, node in manager.nodes.items()}
         self.free = {name: chunks.copy() for name, chunks in self.before.items()}
         self.placed: dict[str, tuple[str, Chunk]] = {}
-        #: actions refused this pass to wait for a node holding their host copy (``defers``)
-        self.waiting_for_host: set[str] = set()
-        self.relaxed = False
-        self._best_of: dict[tuple[str, int], tuple[bool, bool, int, int, str] | None] = {}
+        #: actions refused this pass to wait for a node that holds their service (``defers``)
+        self.deferred: set[str] = set()
+        self._best_of: dict[tuple[str, int, tuple[int, ...]], tuple[bool, bool, int, int, str] | None] = {}
+        #: (service, DoP) of the instances resident on nodes in service, read once per pass
+        self._resident: set[tuple[str, int]] | None = None
 
     def try_add(self, action: Action, units: Mapping[str, int]) -> bool:
         k = units[RESOURCE]
         service = self.manager.reward_request(action).service
-        best = self._best(service, k)
+        dops = action.demands[RESOURCE].choices
+        best = self._best(service, k, dops)
         if best is None:
             return False
-        if best[0] and best[1] and self.manager.disk.worth_waiting(action, service, self.relaxed):
-            self.waiting_for_host.add(action.id)
+        patience = self._avoidable_setup(service, best, dops)
+        if patience <= 0.0:
+            self.manager.waits.forget(action.id)
+        elif self.manager.waits.worth_waiting(action.id, patience):
+            self.deferred.add(action.id)
             return False
         name = best[-1]
         chunk = self.free[name].allocate(k, self.manager.nodes[name].chunk_key(service))
@@ -131,29 +138,45 @@ class GpuFit(Fit):
         self._best_of.clear()
         return True
 
-    def _best(self, service: str, k: int) -> tuple[bool, bool, int, int, str] | None:
-        """Where a chunk of ``k`` for ``service`` goes: a node where it is resident on a free chunk, then one that
-        holds its host copy, then the one with the most free GPUs (then the smallest fitting level). Kept until the
-        fit changes: many queued actions of one service ask the same."""
-        if (service, k) not in self._best_of:
+    def _best(self, service: str, k: int, dops: Sequence[int]) -> tuple[bool, bool, int, int, str] | None:
+        """Where a chunk of ``k`` for ``service`` goes: a node where it is resident (at one of ``dops``) on a free
+        chunk, then one that holds its host copy, then the one with the most free GPUs (then the smallest fitting
+        level). Kept until the fit changes: many queued actions of one service ask the same."""
+        key = (service, k, tuple(dops))
+        if key not in self._best_of:
             options = []
             for name, node in self.manager.nodes.items():
                 level = self.free[name].smallest_fitting_level(k)
                 if service in node.services and level is not None and node.lost is None:
-                    resident = node.resident_on_free_chunk(service, k, self.free[name])
+                    resident = node.resident_on_free_chunk(service, dops, self.free[name])
                     in_host = node.tier is None or node.tier.holds(service)
                     options.append((not resident, not in_host, -self.free[name].free_gpus, level, name))
-            self._best_of[(service, k)] = min(options, default=None)
-        return self._best_of[(service, k)]
+            self._best_of[key] = min(options, default=None)
+        return self._best_of[key]
+
+    def _avoidable_setup(self, service: str, best: tuple[bool, bool, int, int, str], dops: Sequence[int]) -> float:
+        """What starting on ``best`` would spend that waiting for a node holding the service (busy now) would
+        not: its restore when an instance is resident elsewhere (``wait_for_resident``), its load from disk when
+        another node's host memory holds its copy."""
+        not_resident, not_in_host = best[0], best[1]
+        if not not_resident:
+            return 0.0
+        seconds = 0.0
+        if self.manager.wait_for_resident and self._resident_somewhere(service, dops):
+            seconds += self.manager.restore_time.estimate(service)
+        if not_in_host and self.manager.disk.held(service):
+            seconds += self.manager.disk.load_time.estimate(service)
+        return seconds
+
+    def _resident_somewhere(self, service: str, dops: Sequence[int]) -> bool:
+        if self._resident is None:
+            self._resident = {(slot.service, slot.chunk.size) for node in self.manager.nodes.values()
+                              if node.lost is None for slot in node.residency.slots.values()
+                              if slot.state is SlotState.RESIDENT}
+        return any((service, k) in self._resident for k in dops)
 
     def holds_back(self, action: Action) -> bool:
-        return action.id not in self.waiting_for_host
-
-    def defers(self, action: Action) -> bool:
-        return action.id in self.waiting_for_host
-
-    def relax(self) -> None:
-        self.relaxed = True
+        return action.id not in self.deferred
 
     def remove(self, action: Action) -> None:
         placed = self.placed.pop(action.id, None)
@@ -205,7 +228,10 @@ class GpuManager(ResourceManager[GpuHandle]):
         #: each service's expected restore, from the restores seen: its host copy at the assumed rate until one is
         self.restore_time = LearnedSeconds(lambda name: self.services[name].host_memory_mb / RESTORE_PRIOR_MB_PER_S,
                                            RESTORE_EWMA_ALPHA)
-        self.disk = DiskTier(self.nodes, self.services, clock)
+        self.disk = DiskTier(self.nodes, self.services)
+        #: actions deferred to wait for a node that holds their service (delay scheduling)
+        self.waits = DelayWaits(clock)
+        self.wait_for_resident = config.wait_for_resident
         for node_config in config.nodes:
             node = GpuNode(node_config, self._backends(node_config))
             self._admit(node)
@@ -406,6 +432,7 @@ class GpuManager(ResourceManager[GpuHandle]):
 
     def fit(self) -> GpuFit:
         self.disk.new_pass()
+        self.waits.new_pass()
         return GpuFit(self)
 
     def validate(self, action: Action) -> None:
@@ -446,12 +473,15 @@ class GpuManager(ResourceManager[GpuHandle]):
                  for slot in node.residency.slots.values() if slot.state is SlotState.RESIDENT
                  and any(free.contains(slot.chunk) for free in node.chunks.free)}
         costs = {}
+        of: dict[tuple[str, tuple[int, ...]], float] = {}  # many queued actions ask the same
         for action in actions:
             if action.kind is not Kind.REWARD or RESOURCE not in action.demands:
                 continue
-            service = self.reward_request(action).service
-            if not any((service, k) in ready for k in action.demands[RESOURCE].choices):
-                costs[action.id] = self.restore_time.estimate(service)
+            key = (self.reward_request(action).service, action.demands[RESOURCE].choices)
+            if key not in of:
+                of[key] = 0.0 if any((key[0], k) in ready for k in key[1]) else self.restore_time.estimate(key[0])
+            if of[key]:
+                costs[action.id] = of[key]
         return costs
 
     @property
@@ -470,7 +500,7 @@ class GpuManager(ResourceManager[GpuHandle]):
                                        for action in itertools.islice(rewards, PREFETCH_LOOKAHEAD))
 
     def next_change_in(self) -> float | None:
-        return self.disk.next_change_in()
+        return self.waits.next_change_in()
 
     def reward_request(self, action: Action) -> RewardRequest:
         """The action's spec as checked at submit (parsed here first for an action recovered from the store)."""

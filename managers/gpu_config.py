@@ -70,6 +70,9 @@ class GpuConfig:
     #: where SGLang servers write their logs
     log_dir: Text = "/var/log/tangram/services" if os.geteuid() == 0 else f"/tmp/tangram-{os.geteuid()}/services"
     limits: RewardLimits = field(default_factory=RewardLimits)
+    #: an action whose service is resident on busy GPUs waits up to one restore's time for them before it is
+    #: restored on free ones elsewhere (delay scheduling, ``managers/delay_wait.py``)
+    wait_for_resident: Flag = False
     #: GPU nodes join (and leave) at runtime from the Ray cluster; absent: only the configured nodes serve
     join: GpuJoinConfig | None = None
     #: the ``[ray]`` section, for the nodes with ``agent = true`` and joining nodes (``parse_config`` sets it)

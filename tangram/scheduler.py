@@ -158,12 +158,10 @@ class Scheduler:
     # -- step 1 -------------------------------------------------------------------------------------------
 
     def _candidates(self, queue: list[Action], fits: dict[int, Fit]) -> list[Action]:
-        """Step 1: the actions that fit at their minimum, in queue order. An action a fit defers (it would fit
-        better later) lets the ones behind it go first, then is asked again once they all were."""
+        """Step 1: the actions that fit at their minimum, in queue order."""
         blocked: set[str] = set()
         everything = set(self.owner)
         candidates: list[Action] = []
-        deferred: list[Action] = []
         for action in queue:
             names = action.demands.keys()
             if not blocked.isdisjoint(names):
@@ -172,18 +170,10 @@ class Scheduler:
             refused_by = self._try_place(action, fits)
             if refused_by is None:
                 candidates.append(action)
-            elif refused_by.defers(action):
-                deferred.append(action)
             elif refused_by.holds_back(action):
                 blocked.update(names)
             if blocked >= everything:
                 break
-        if deferred:
-            for fit in fits.values():
-                fit.relax()
-            candidates += [action for action in deferred if self._try_place(action, fits) is None]
-            position = {action.id: i for i, action in enumerate(queue)}
-            candidates.sort(key=lambda action: position[action.id])
         return candidates
 
     def _try_place(self, action: Action, fits: dict[int, Fit]) -> Fit | None:

@@ -5,7 +5,9 @@ and each switch costs a restore (and an eviction). HRRS ranks each waiting actio
 
     P = 1 + W / (E + setup)
 
-with W its wait so far, E its expected execution time and ``setup`` what it would spend getting its resource ready
+with W its wait so far, E its expected execution time (estimated when the action is first ranked, as PlexRL's
+Algorithm 1 takes each request's execution time as given: re-estimating every queued action at every pass cost
+more than the rest of the pass) and ``setup`` what it would spend getting its resource ready
 if it started now (a restore when its service is not resident; 0 when it is). Actions of a resident service rise
 first, so same-service actions are grouped and the restore is amortised, while every action's priority grows with
 its wait. The paper's rule alone can still starve an action: when a resident service overloads the pool, its oldest
@@ -37,6 +39,8 @@ class SetupAwareOrder:
         self._expected_s = expected_s
         self._setup_costs = setup_costs
         self.max_wait_s = max_wait_s
+        #: each queued action's expected execution time, from its first ranking
+        self._expected: dict[str, float] = {}
 
     @staticmethod
     def priority(wait_s: float, expected_s: float, setup_s: float) -> float:
@@ -50,12 +54,15 @@ class SetupAwareOrder:
             return actions
         chosen = [actions[i] for i in slots]
         setup = self._setup_costs(chosen)
+        known = self._expected
+        self._expected = expected = {action.id: known[action.id] if action.id in known else self._expected_s(action)
+                                     for action in chosen}
 
         def rank(action: Action) -> tuple[int, float, int]:
             wait_s = now - action.submitted_at
             if wait_s >= self.max_wait_s:
                 return (0, 0.0, action.seq)  # overdue: first, in submission order
-            return (1, -self.priority(wait_s, self._expected_s(action), setup.get(action.id, 0.0)), action.seq)
+            return (1, -self.priority(wait_s, expected[action.id], setup.get(action.id, 0.0)), action.seq)
 
         for i, action in zip(slots, sorted(chosen, key=rank)):
             actions[i] = action

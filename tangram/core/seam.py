@@ -101,15 +101,6 @@ class Fit(abc.ABC):
         False when what it lacks is something those actions do not need: then letting them go cannot delay it."""
         return True
 
-    def defers(self, action: Action) -> bool:
-        """Whether ``action``, just refused by ``try_add``, was refused only to leave its place to actions that fit
-        better (the GPU manager: a node holding their service's host copy); after every other action of the pass,
-        the scheduler asks again, once ``relax`` is called. Such a refusal holds nobody back."""
-        return False
-
-    def relax(self) -> None:
-        """Every action of the pass was offered its place: the deferred ones are asked again (``defers``)."""
-
     def lend(self, resource: str, pool: str, units: int) -> None:
         """Count ``units`` of ``resource`` in ``pool``, held by a running malleable action above its floor, as free
         for this pass: queued actions may take them (the action is shrunk). Only resizable managers are asked."""

@@ -82,7 +82,8 @@ class _ModelledBackend(ServiceBackend):
 
 
 def build_managers(cluster: Cluster, clock: Any, malleable: bool = True,
-                   worker_overhead: float = CpuConfig.worker_overhead) -> list[ResourceManager]:
+                   worker_overhead: float = CpuConfig.worker_overhead,
+                   wait_for_resident: bool = False) -> list[ResourceManager]:
     """The real managers over the cluster's resources, with modelled sandboxes and services."""
     managers: list[ResourceManager] = []
     if cluster.cpu_nodes:
@@ -101,7 +102,8 @@ def build_managers(cluster: Cluster, clock: Any, malleable: bool = True,
                                         host_memory_mb=cluster.gpu_host_memory_mb,
                                         disk_dir=MODELLED_DISK if cluster.gpu_disk_tier else None)
                           for i, n in enumerate(cluster.gpu_node_sizes))
-        gpu = GpuManager(GpuConfig(enabled=True, nodes=gpu_nodes, services=specs),
+        gpu = GpuManager(GpuConfig(enabled=True, nodes=gpu_nodes, services=specs,
+                                   wait_for_resident=wait_for_resident),
                          make_backend=lambda *_: _ModelledBackend(), clock=clock)
         for node in gpu.nodes.values():  # as ``GpuManager.start`` leaves it: copies prepared in turn, LRU dropped
             tier = node.tier
@@ -152,12 +154,12 @@ class BrokerStation:
                  horizon: int = 64, malleable: bool = True, share_by_remaining: bool = False,
                  arrivals: bool = True, worker_overhead: float = CpuConfig.worker_overhead,
                  static_dops: bool = False, order: str = "fcfs", max_wait_s: float = 60.0,
-                 prefetch: bool = True) -> None:
+                 prefetch: bool = True, wait_for_resident: bool = False) -> None:
         self.cluster = cluster
         self.costs: Costs = cluster.costs
         self.test_demand = test_demand
         self.now = 0.0
-        self.managers = build_managers(cluster, lambda: self.now, malleable, worker_overhead)
+        self.managers = build_managers(cluster, lambda: self.now, malleable, worker_overhead, wait_for_resident)
         self.owner: dict[str, ResourceManager] = {r: m for m in self.managers for r in m.resources}
         self.cpu = next((m for m in self.managers if isinstance(m, CpuManager)), None)
         self.gpu = next((m for m in self.managers if isinstance(m, GpuManager)), None)

@@ -71,6 +71,8 @@ POLICIES: dict[str, Policy] = {
     "tangram-srpt": broker(share_by_remaining=True),
     "tangram-min4": broker(test_demand=Demand.range(4, 32), malleable=False),
     "tangram-hrrs": broker(order="hrrs"),
+    "tangram-wait": broker(wait_for_resident=True),
+    "tangram-hrrs-wait": broker(order="hrrs", wait_for_resident=True),
     "tangram-no-prefetch": broker(prefetch=False),
     **{f"dop{d}": broker(test_demand=Demand.fixed(d)) for d in FIXED_DOPS},
     "baseline": baseline,
