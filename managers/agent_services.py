@@ -10,7 +10,7 @@ failure (the agent or its node gone) arrives as an error reply like any other: `
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from managers.agent_replies import Reply
@@ -70,13 +70,28 @@ class AgentServiceInstance(ServiceInstance):
 class AgentServiceBackend(ServiceBackend):
     """The instances of one backend kind on one node, through its agent."""
 
-    def __init__(self, link: ServiceLink, shares_host_copy: bool) -> None:
+    def __init__(self, link: ServiceLink, shares_host_copy: bool, tiered: bool) -> None:
+        """``shares_host_copy``, ``tiered``: as the backend on the agent's node (``ServiceBackend``)."""
         self._link = link
         self.shares_host_copy = shares_host_copy
+        self.tiered = tiered
         self._ids = itertools.count(1)
 
     def instance(self, spec: ServiceSpec, devices: tuple[int, ...]) -> AgentServiceInstance:
         return AgentServiceInstance(self._link, spec, devices, next(self._ids))
+
+    async def disk_room_mb(self, names: Sequence[str]) -> int:
+        room: int = answer(await self._link.call("disk_room_mb", list(names)))
+        return room
+
+    async def spill(self, spec: ServiceSpec) -> None:
+        answer(await self._link.call("spill", spec))
+
+    async def drop_host(self, spec: ServiceSpec) -> None:
+        answer(await self._link.call("drop_host", spec))
+
+    async def load_host(self, spec: ServiceSpec) -> None:
+        answer(await self._link.call("load_host", spec))
 
     async def node_on_its_host(self) -> GpuNodeConfig:
         """The agent's node with the sizes its config left at 0 read on its host (a node that joins)."""

@@ -20,11 +20,9 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import shutil
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
-from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
@@ -304,7 +302,7 @@ class GpuManager(ResourceManager[GpuHandle]):
         disk tier, each tiered service's copy is written to disk once prepared, and the least recently prepared
         copies are dropped from host memory to make room for the next."""
         if node.tier is not None:
-            _check_disk_room(node)
+            await _check_disk_room(node, self.services)
         slots = list(node.residency.slots.values())
         for done, slot in enumerate(slots, start=1):
             started = time.perf_counter()
@@ -677,21 +675,24 @@ class GpuManager(ResourceManager[GpuHandle]):
             await backend.drop_host(spec)
 
 
-def _check_disk_room(node: GpuNode) -> None:
-    """The disk tier's directory can hold every tiered service's file (ConfigError naming it otherwise)."""
-    assert node.tier is not None and node.config.disk_dir is not None
+async def _check_disk_room(node: GpuNode, services: Mapping[str, ServiceSpec]) -> None:
+    """The disk tier's directory can hold every tiered service's file (ConfigError naming it otherwise), as the
+    backends that write them see it (on the node's own host, for a node behind an agent)."""
+    tier = node.tier
+    assert tier is not None
     where = f"gpu.nodes.{node.name}.disk_dir"
-    directory = Path(node.config.disk_dir)
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        rewritten = sum(path.stat().st_size for path in directory.glob("*.safetensors"))  # a restart's files
-        free_mb = (shutil.disk_usage(directory).free + rewritten) >> 20
-    except OSError as error:
-        raise ConfigError(where, f"{directory}: {error.strerror or error}") from None
-    need_mb = sum(copy.size_mb for copy in node.tier.copies.values())
-    if need_mb > free_mb:
-        raise ConfigError(where, f"{directory} has {free_mb} MiB free; the host copies of "
-                                 f"{sorted(node.tier.copies)} need {need_mb} MiB")
+    by_backend: dict[str, list[str]] = {}
+    for name in tier.copies:
+        by_backend.setdefault(services[name].backend, []).append(name)
+    for kind, names in by_backend.items():
+        try:
+            free_mb = await node.backends[kind].disk_room_mb(names)
+        except ServiceError as error:
+            raise ConfigError(where, error.message) from None
+        need_mb = sum(tier.copies[name].size_mb for name in names)
+        if need_mb > free_mb:
+            raise ConfigError(where, f"{node.config.disk_dir} has {free_mb} MiB free; the host copies of "
+                                     f"{sorted(names)} need {need_mb} MiB")
 
 
 async def _all_free(node: GpuNode) -> None:

@@ -36,8 +36,9 @@ class GpuNodeConfig:
     #: through its service agents on the Ray node that carries ``tangram_gpu_node_<name>`` (``[ray]``); its sizes
     #: are then required, since the broker's host cannot read them
     agent: Flag = False
-    #: the disk tier below host memory (``managers/host_tier.py``): a directory on local disk where the torch
-    #: services' host copies spill when they need more than ``host_memory_mb``; absent: no disk tier
+    #: the disk tier below host memory (``managers/host_tier.py``): a directory on the node's local disk (on its own
+    #: host for a node behind an agent) where the torch services' host copies spill when they need more than
+    #: ``host_memory_mb``; absent: no disk tier
     disk_dir: Text | None = None
 
 
@@ -90,8 +91,6 @@ def parse_gpu_config(raw: Any) -> GpuConfig:
     if "nodes" in raw and not nodes:
         raise ConfigError("gpu.nodes", "must be a table of at least one node")
     for node in nodes:
-        if node.agent and node.disk_dir:
-            raise ConfigError(f"gpu.nodes.{node.name}.disk_dir", "a node behind an agent has no disk tier yet")
         for size in ("gpus", "gpu_memory_mb", "host_memory_mb"):
             if node.agent and not getattr(node, size):
                 raise ConfigError(f"gpu.nodes.{node.name}.{size}", "is required for a node behind an agent (the "

@@ -41,15 +41,18 @@ class ServiceAgent:
                                                       f"(it was restarted, or the instance was closed)")
         return instance
 
+    def _made_backend(self) -> ServiceBackend:
+        if self._backend is None:
+            self._backend = self._make_backend()
+        return self._backend
+
     @replying
     async def prepare(self, instance_id: int, spec: ServiceSpec, devices: tuple[int, ...]) -> dict[str, Any]:
         """Make and prepare the instance; answers its description."""
         if instance_id in self._instances:
             raise ServiceError("prepare_failed", f"instance {instance_id} exists already on this node")
-        if self._backend is None:
-            self._backend = self._make_backend()
         try:
-            instance = self._backend.instance(spec, devices)
+            instance = self._made_backend().instance(spec, devices)
         except ValueError as error:  # the backend refuses the spec (a task it does not serve, no devices)
             raise ServiceError("prepare_failed", str(error)) from None
         self._instances[instance_id] = instance
@@ -78,6 +81,24 @@ class ServiceAgent:
         except RequestError as error:
             raise ServiceError("bad_input", f"{error.field}: {error.reason}") from None
         return await instance.infer(checked)
+
+    # the disk tier of this node (``managers/disk_tier.py`` decides when; the files are on this node's disk)
+
+    @replying
+    async def disk_room_mb(self, names: list[str]) -> int:
+        return await self._made_backend().disk_room_mb(names)
+
+    @replying
+    async def spill(self, spec: ServiceSpec) -> None:
+        await self._made_backend().spill(spec)
+
+    @replying
+    async def drop_host(self, spec: ServiceSpec) -> None:
+        await self._made_backend().drop_host(spec)
+
+    @replying
+    async def load_host(self, spec: ServiceSpec) -> None:
+        await self._made_backend().load_host(spec)
 
     @replying
     async def close(self, instance_id: int) -> None:

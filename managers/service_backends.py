@@ -12,6 +12,8 @@ from reward_services.backend import ServiceBackend
 #: whether a kind's instances share one host copy of a service's weights (``ServiceBackend.shares_host_copy``),
 #: known here without importing the backend (torch is heavy), for admission of a node behind an agent
 HOST_COPY_SHARED = {"torch": True, "sglang": False}
+#: whether a kind's host copies can go down to a node's disk tier (``ServiceBackend.tiered``, given ``disk_dir``)
+SPILLS_TO_DISK = {"torch": True, "sglang": False}
 
 
 def make_service_backend(kind: str, node: GpuNodeConfig, config: GpuConfig) -> ServiceBackend:
@@ -21,7 +23,8 @@ def make_service_backend(kind: str, node: GpuNodeConfig, config: GpuConfig) -> S
         from managers.agent_services import AgentServiceBackend
         from managers.ray_service_agents import RayServiceLink
 
-        return AgentServiceBackend(RayServiceLink(kind, replace(node, agent=False), config), HOST_COPY_SHARED[kind])
+        return AgentServiceBackend(RayServiceLink(kind, replace(node, agent=False), config), HOST_COPY_SHARED[kind],
+                                   SPILLS_TO_DISK[kind] and node.disk_dir is not None)
     if kind == "torch":
         from reward_services.torch_worker import TorchBackend
         return TorchBackend(device_type=node.device_type, disk_dir=Path(node.disk_dir) if node.disk_dir else None)

@@ -14,7 +14,7 @@ manager holds its chunk exclusively (at most one action per GPU).
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, get_args
 
@@ -131,6 +131,11 @@ class ServiceBackend(abc.ABC):
     async def load_host(self, spec: ServiceSpec) -> None:
         """Read ``spec``'s host copy back from its disk tier file."""
         raise ServiceError("restore_failed", f"{spec.name}: {type(self).__name__} has no disk tier")
+
+    async def disk_room_mb(self, names: Sequence[str]) -> int:
+        """MiB the disk tier can give the files of services ``names``: its free space plus their files from an
+        earlier run (rewritten at start); raises ``ServiceError`` when the directory cannot be used."""
+        raise ServiceError("prepare_failed", f"{type(self).__name__} has no disk tier")
 
     async def close(self) -> None:
         """Free what the backend itself holds (instances are closed by the manager first)."""

@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import copy
 import importlib
+import shutil
 import threading
 import traceback
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
@@ -225,6 +226,20 @@ class TorchBackend(ServiceBackend):
             await asyncio.to_thread(host.load, path)
         except (OSError, ValueError, RuntimeError) as exc:
             raise ServiceError("restore_failed", f"{spec.name}: loading {path}: {_describe(exc)}") from exc
+
+    async def disk_room_mb(self, names: Sequence[str]) -> int:
+        directory = self.disk_dir
+        if directory is None:
+            raise ServiceError("prepare_failed", "this node has no disk tier")
+
+        def measure() -> int:
+            directory.mkdir(parents=True, exist_ok=True)
+            earlier = sum(path.stat().st_size for path in map(self.weights_path, names) if path.exists())
+            return (shutil.disk_usage(directory).free + earlier) >> 20
+        try:
+            return await asyncio.to_thread(measure)
+        except OSError as exc:
+            raise ServiceError("prepare_failed", f"{directory}: {_describe(exc)}") from exc
 
     def _host(self, spec: ServiceSpec, code: str) -> HostWeights:
         shared = self._models.get(spec.name)

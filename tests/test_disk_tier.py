@@ -157,14 +157,6 @@ def test_admission_with_a_disk_tier_refuses_a_copy_larger_than_host_memory_namin
     assert refused.value.key == "gpu.services.c.host_memory_mb" and "admission refused" in refused.value.reason
 
 
-def test_a_node_behind_an_agent_has_no_disk_tier_yet(tmp_path):
-    config = tiered_config(tmp_path)
-    config["nodes"]["n0"].update(agent=True)
-    with pytest.raises(ConfigError) as refused:
-        parse_gpu_config(config)
-    assert refused.value.key == "gpu.nodes.n0.disk_dir"
-
-
 async def test_over_rest_the_stages_show_in_results_metrics_and_status(tmp_path, reference_scores):
     config = {"cpu": {"enabled": False}, "gpu": tiered_config(tmp_path)}
     async with live_broker(config, str(tmp_path / "db.sqlite")) as live:

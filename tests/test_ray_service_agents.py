@@ -23,6 +23,8 @@ from managers.service_backends import HOST_COPY_SHARED
 from reward_services.backend import ServiceSpec
 from reward_services.requests import RewardLimits, parse_reward_input
 from reward_services.torch_worker import TorchBackend
+from tangram.config import parse_config
+from tangram.core.errors import ConfigError
 from tests.harness import Live, live_broker, until
 from tests.ray_clusters import NODE, two_node_cluster
 from tests.test_gpu_manager import PAIRS, reward, service, similarities_of_pairs
@@ -140,6 +142,45 @@ async def test_nodes_that_cannot_hold_the_services_stay_out_and_submits_wait_for
         assert gpu_manager(live).nodes == {}
         status, body = await live.call("POST", "/v1/actions", json=reward("judge"))
         assert status == 503 and body["error"]["field"] == "demand.gpu", body
+
+
+async def test_an_agent_nodes_disk_tier_spills_on_its_host_and_restores_load_from_it(ray_cluster: Cluster, tmp_path,
+                                                                                     reference_scores) -> None:
+    """g1 behind its agent with a disk tier: host memory for two of three 100 MiB copies. The agent writes the
+    files and loads them on g1's host (this machine's disk here), and the broker's tier and results see it."""
+    config = agent_gpus(ray_cluster)
+    config["gpu"]["nodes"].pop("g2")
+    config["gpu"]["nodes"]["g1"].update(host_memory_mb=250, disk_dir=str(tmp_path / "tier"))
+    config["gpu"]["services"] = {name: service(dops=[1]) for name in "abc"}
+    async with live_broker(config, str(tmp_path / "b.db")) as live:
+        assert sorted(p.name for p in (tmp_path / "tier").iterdir()) == ["a.safetensors", "b.safetensors",
+                                                                         "c.safetensors"]
+        tier = gpu_manager(live).nodes["g1"].tier
+        assert tier is not None and tier.copies["a"].state.value == "disk"  # prepared first, dropped for c
+        loaded = await run(live, reward("a"))
+        assert loaded["state"] == "succeeded" and 0 < loaded["result"]["load_s"] <= loaded["result"]["restore_s"]
+        for name in "bca":
+            record = await run(live, reward(name))
+            assert record["result"]["scores"] == pytest.approx(reference_scores, abs=1e-5), record
+        row = next(r for r in (await live.call("GET", "/v1/resources"))[1]["resources"] if r["resource"] == "gpu")
+        assert row["host_tier"]["budget_mb"] == 250 and row["host_tier"]["used_mb"] <= 250
+
+
+async def test_an_agent_nodes_disk_tier_is_checked_on_its_host(ray_cluster: Cluster, tmp_path) -> None:
+    """A disk_dir the agent cannot create is refused at start, naming the field and the agent's reason."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    config = agent_gpus(ray_cluster)
+    config["gpu"]["nodes"].pop("g2")
+    config["gpu"]["nodes"]["g1"].update(host_memory_mb=250, disk_dir=str(blocker / "tier"))
+    config["gpu"]["services"] = {name: service(dops=[1]) for name in "abc"}
+    manager = GpuManager(parse_config(config).gpu)
+    try:
+        with pytest.raises(ConfigError) as refused:
+            await manager.start()
+        assert refused.value.key == "gpu.nodes.g1.disk_dir" and "a-file" in refused.value.reason
+    finally:
+        await manager.close()
 
 
 def long_reward() -> dict[str, Any]:
