@@ -21,8 +21,8 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import replace
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from dataclasses import fields, replace
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
@@ -42,7 +42,15 @@ from reward_services.backend import GONE, ServiceBackend, ServiceError, ServiceS
 from reward_services.requests import RewardRequest, RewardSpecBody, parse_reward_input, parse_reward_spec
 from tangram.core.action import Action, Kind
 from tangram.core.dparrange import DPOperator
-from tangram.core.errors import ActionFailed, BadRequest, ConfigError, NotFound, Unavailable, Unprocessable
+from tangram.core.errors import (
+    ActionFailed,
+    BadRequest,
+    ConfigError,
+    Conflict,
+    NotFound,
+    Unavailable,
+    Unprocessable,
+)
 from tangram.core.learned import LearnedSeconds
 from tangram.core.seam import Allocation, Fit, MetricsRegistry, Outcome, PoolStatus, ResourceManager
 
@@ -226,6 +234,9 @@ class GpuManager(ResourceManager[GpuHandle]):
         #: each service's expected restore, from the restores seen: its host copy at the assumed rate until one is
         self.restore_time = LearnedSeconds(lambda name: self.services[name].host_memory_mb / RESTORE_PRIOR_MB_PER_S,
                                            RESTORE_EWMA_ALPHA)
+        #: services added at runtime and not yet served: "preparing", or "failed: ..." with the reason
+        self.preparing: dict[str, str] = {}
+        self._preparations: set[asyncio.Task[None]] = set()
         self.disk = DiskTier(self.nodes, self.services)
         #: actions deferred to wait for a node that holds their service (delay scheduling)
         self.waits = DelayWaits(clock)
@@ -237,18 +248,21 @@ class GpuManager(ResourceManager[GpuHandle]):
 
     # -- lifecycle ------------------------------------------------------------------------------------------
 
-    def _backends(self, node: GpuNodeConfig) -> dict[str, ServiceBackend]:
-        """The node's backend for each kind of service the config declares."""
-        return {spec.backend: self._make_backend(spec.backend, node, self.config) for spec in self.config.services}
+    def _backends(self, node: GpuNodeConfig, services: Sequence[ServiceSpec] | None = None,
+                  made: Mapping[str, ServiceBackend] | None = None) -> dict[str, ServiceBackend]:
+        """The node's backend for each kind of ``services`` (the config's by default), those ``made`` kept."""
+        made = made or {}
+        return {spec.backend: made.get(spec.backend) or self._make_backend(spec.backend, node, self.config)
+                for spec in (self.config.services if services is None else services)}
 
-    def _admit(self, node: GpuNode) -> None:
+    def _admit(self, node: GpuNode, services: Sequence[ServiceSpec] | None = None) -> None:
         """Refuse, naming the service and the figures, any service whose host copies or per-GPU memory would
         exceed the node's budget; give each admitted service a slot on every chunk of each DoP it supports.
         Services are admitted in config order. With a disk tier, the copies of services whose backend can spill
         share what the others leave of the budget (each must fit it whole: a restore reads it from host memory)."""
         held: list[tuple[str, int]] = []
         tiered: list[tuple[str, int]] = []
-        for spec in self.config.services:
+        for spec in self.config.services if services is None else services:
             where = f"gpu.services.{spec.name}"
             if spec.gpu_memory_mb > node.config.gpu_memory_mb:
                 raise ConfigError(f"{where}.gpu_memory_mb", f"{spec.gpu_memory_mb} MiB per GPU is more than node "
@@ -297,13 +311,13 @@ class GpuManager(ResourceManager[GpuHandle]):
                                              self.node_left)
             await self._membership.start()
 
-    async def _prepare(self, node: GpuNode) -> None:
-        """Prepare every instance of the node (weights into its host memory); a failure names the service. With a
-        disk tier, each tiered service's copy is written to disk once prepared, and the least recently prepared
-        copies are dropped from host memory to make room for the next."""
+    async def _prepare(self, node: GpuNode, services: Collection[str] | None = None) -> None:
+        """Prepare every instance of the node (of ``services`` only, when given): weights into its host memory; a
+        failure names the service. With a disk tier, each tiered service's copy is written to disk once prepared,
+        and the least recently prepared copies are dropped from host memory to make room for the next."""
         if node.tier is not None:
             await _check_disk_room(node, self.services)
-        slots = list(node.residency.slots.values())
+        slots = [slot for slot in node.residency.slots.values() if services is None or slot.service in services]
         for done, slot in enumerate(slots, start=1):
             started = time.perf_counter()
             spec = self.services[slot.service]
@@ -324,6 +338,79 @@ class GpuManager(ResourceManager[GpuHandle]):
                                                                   f"{error.message}") from None
             log.info("node %s: prepared %s on GPUs %s (%d/%d, %.1f s)", node.name, slot.service,
                      list(slot.chunk.gpus), done, len(slots), time.perf_counter() - started)
+
+    # -- services added at runtime (POST /v1/admin/reload) ------------------------------------------------------
+
+    def reconfigure(self, new: GpuConfig) -> list[str]:
+        """Admit the services that ``new`` adds to the running ones and start preparing them; returns their names.
+
+        Every node's admission is run anew over all its services, old and new, and nothing changes unless every
+        node admits them (``ConfigError`` naming the service or the node's budget, as at start). Any other change
+        to ``[gpu]`` needs a restart (``Conflict`` naming the first changed field). The new services' actions get
+        503 until each of their instances is prepared, on every node in service (a lost node prepares them when
+        it comes back); a failed preparation is kept as their state, with its reason."""
+        added = self._added_services(new)
+        if not added:
+            return []
+        services = [*self.config.services, *added]
+        admitted: dict[str, GpuNode] = {}
+        for node in self.nodes.values():  # nothing is changed before every node admits them
+            scratch = GpuNode(node.config, self._backends(node.config, services, node.backends))
+            self._admit(scratch, services)
+            admitted[node.name] = scratch
+        names = [spec.name for spec in added]
+        self.config = replace(self.config, services=tuple(services))
+        for spec in added:
+            self.services[spec.name] = spec
+            self.preparing[spec.name] = "preparing"
+        for node in self.nodes.values():
+            scratch = admitted[node.name]
+            node.backends.update(scratch.backends)
+            node.services = scratch.services
+            for slot in scratch.residency.slots.values():
+                if slot.service in names:
+                    node.residency.add(slot)
+            if scratch.tier is not None:
+                if node.tier is None:
+                    node.tier = scratch.tier
+                else:
+                    node.tier.budget_mb = scratch.tier.budget_mb
+                    node.tier.copies.update({name: copy for name, copy in scratch.tier.copies.items()
+                                             if name in names})
+        task = asyncio.create_task(self._prepare_added(names), name="tangram-prepare-added-services")
+        self._preparations.add(task)
+        task.add_done_callback(self._preparations.discard)
+        return names
+
+    def _added_services(self, new: GpuConfig) -> list[ServiceSpec]:
+        """The services ``new`` adds; ``Conflict`` naming the field for any other change (a restart's)."""
+        sized = on_this_host(new)  # as the running config was
+        for field in fields(GpuConfig):
+            if field.name != "services" and getattr(sized, field.name) != getattr(self.config, field.name):
+                changed = next((f"gpu.nodes.{a.name}" for a, b in zip(sized.nodes, self.config.nodes) if a != b),
+                               "gpu.nodes") if field.name == "nodes" else f"gpu.{field.name}"
+                raise Conflict(changed, "changes need a restart (a reload adds services only)")
+        given = {spec.name: spec for spec in new.services}
+        for name, spec in self.services.items():
+            if given.get(name) != spec:
+                raise Conflict(f"gpu.services.{name}", "changing or removing a running service needs a restart "
+                                                       "(a reload adds services only)")
+        return [spec for spec in new.services if spec.name not in self.services]
+
+    async def _prepare_added(self, names: list[str]) -> None:
+        """Prepare the added services' instances on every node in service; each service is served once done."""
+        try:
+            for node in self.nodes.values():
+                if node.lost is None:
+                    await self._prepare(node, names)
+        except ConfigError as error:
+            log.error("adding services %s: %s", names, error)
+            for name in names:
+                self.preparing[name] = f"failed: {error.key}: {error.reason}"
+            return
+        for name in names:
+            del self.preparing[name]
+        log.info("services %s prepared on every GPU node in service", names)
 
     # -- membership (nodes behind agents join, leave and come back with their Ray nodes) ----------------------
 
@@ -386,6 +473,9 @@ class GpuManager(ResourceManager[GpuHandle]):
                  node.config.gpu_memory_mb, node.config.host_memory_mb)
 
     async def close(self) -> None:
+        for task in list(self._preparations):
+            task.cancel()
+        await asyncio.gather(*self._preparations, return_exceptions=True)
         if self._membership is not None:
             await self._membership.stop()
         for node in self.nodes.values():
@@ -437,6 +527,10 @@ class GpuManager(ResourceManager[GpuHandle]):
         if action.kind is not Kind.REWARD:
             return
         name = self._parse(action).service
+        state = self.preparing.get(name)
+        if state is not None:
+            raise Unavailable("spec.service", f"service {name!r} was added at runtime and is not served yet "
+                                              f"({state}); retry", retry_after_s=5)
         serving = [node for node in self.nodes.values() if name in node.services]
         if all(node.lost is not None for node in serving):
             why = "; ".join(f"{node.name}: {node.lost}" for node in serving) or "none has joined yet"
@@ -542,7 +636,8 @@ class GpuManager(ResourceManager[GpuHandle]):
         for spec in self.services.values():
             slots = [slot for node in self.nodes.values() for slot in node.residency.slots.values()
                      if slot.service == spec.name]
-            out.append({"name": spec.name, "backend": spec.backend, "model": spec.model, "task": spec.task,
+            out.append({"name": spec.name, "state": self.preparing.get(spec.name, "serving"),
+                        "backend": spec.backend, "model": spec.model, "task": spec.task,
                         "dops": list(spec.dops), "gpu_memory_mb": spec.gpu_memory_mb,
                         "host_memory_mb": spec.host_memory_mb,
                         "nodes": sorted(n.name for n in self.nodes.values() if spec.name in n.services),

@@ -18,13 +18,13 @@ from tangram.auth import AUTH, add_auth, authenticate, own_task, principal_of
 from tangram.broker import Broker
 from tangram.config import AccessConfig, ServerConfig, load_config
 from tangram.core.action import Action
-from tangram.core.errors import BadRequest, ConfigError, RequestError, TooLarge, Unprocessable
+from tangram.core.errors import BadRequest, ConfigError, Conflict, RequestError, TooLarge, Unprocessable
 from tangram.environments_api import add_environment_routes
 from tangram.http_errors import headers_of, status_of
 from tangram.openapi import openapi_document
 from tangram.parse import FLAGS, Limits, parse_action_json, parse_batch_json, to_action
 from tangram.profiles_api import add_profile_routes
-from tangram.services_api import add_service_routes
+from tangram.services_api import add_service_routes, catalog_of
 from tangram.status_page import add_status_routes
 
 log = logging.getLogger("tangram.api")
@@ -186,22 +186,34 @@ async def drain(request: web.Request) -> web.Response:
 
 
 async def reload(request: web.Request) -> web.Response:
-    """Re-read tokens and per-task caps ([auth], [tasks]) from the config file and the store, without a restart.
-    Nothing else is reloaded: other sections (resources, managers, the store) need a restart. A file that no
-    longer parses changes nothing (422)."""
+    """Re-read tokens and per-task caps ([auth], [tasks]) from the config file and the store, and admit the reward
+    services [gpu] adds, without a restart. Nothing else is reloaded: other changes need a restart (409 naming the
+    field). A file that no longer parses, or a service that does not fit, changes nothing (422)."""
     auth = request.app[AUTH]
+    broker = request.app[BROKER]
     source = auth.access.source
     access = auth.access
+    config = None
     if source is not None:
         try:
-            access = load_config(source).access
+            config = load_config(source)
         except ConfigError as error:
             raise Unprocessable("config", f"{source}: {error}; nothing was reloaded") from None
+        access = config.access
     await auth.refresh()
+    added: list[str] = []
+    catalog = catalog_of(broker)
+    if config is not None and catalog is not None:
+        try:
+            added = catalog.reconfigure(config.gpu)
+        except ConfigError as error:
+            raise Unprocessable(error.key, f"{error.reason}; nothing was reloaded") from None
+    elif config is not None and config.gpu.services:
+        raise Conflict("gpu.services", "this broker runs without reward services: adding them needs a restart")
     auth.configure(access)
-    request.app[BROKER].set_tenancy(access.tenancy)
-    return json_response({"config": source, "reloaded": ["auth", "tasks", "store tokens"],
-                          "needs_restart": "every other section", "auth": auth.enabled,
+    broker.set_tenancy(access.tenancy)
+    return json_response({"config": source, "reloaded": ["auth", "tasks", "store tokens", "gpu services added"],
+                          "added_services": added, "needs_restart": "every other change", "auth": auth.enabled,
                           "tokens": sum(1 for token in auth.describe() if token["revoked_at"] is None)})
 
 

@@ -174,9 +174,13 @@ def _admin_paths(server: ServerConfig) -> dict[str, Any]:
                           "400": _error("bad timeout_s")}}},
         "/v1/admin/reload": {"post": {
             "operationId": "reload", "summary": "Re-read tokens and per-task caps ([auth], [tasks]) from the config "
-                                                "file and the store",
-            "responses": {"200": _json({"type": "object"}, "what was reloaded"),
-                          "422": _error("the config file does not parse; nothing changed")}}},
+                                                "file and the store, and admit the reward services [gpu] adds",
+            "responses": {"200": _json({"type": "object"}, "what was reloaded, and the services added (each "
+                                                           "served once prepared)"),
+                          "409": _error("a change only a restart makes (a node, a running service); nothing "
+                                        "changed"),
+                          "422": _error("the config file does not parse, or an added service does not fit; nothing "
+                                        "changed")}}},
         "/v1/admin/tokens": {
             "post": {"operationId": "createToken", "summary": "Make a token for a task or the admin (shown once)",
                      "requestBody": {"required": True, "content": {"application/json": {

@@ -96,6 +96,8 @@ class ServiceRecord(Schema):
     """A reward service the GPU manager hosts and where it is resident (``GpuManager.describe_services``)."""
 
     name: str
+    state: str = Field(description='"serving"; for a service added at runtime (``POST /v1/admin/reload``), '
+                                   '"preparing" until every instance is prepared, or "failed: ..." with the reason')
     backend: Literal["torch", "sglang"]
     model: str
     task: Task

@@ -6,7 +6,9 @@ from typing import Any, Protocol, runtime_checkable
 
 from aiohttp import web
 
+from managers.gpu_config import GpuConfig
 from tangram.api_common import BROKER, json_response
+from tangram.broker import Broker
 from tangram.core.action import Kind
 from tangram.core.errors import NotFound
 
@@ -17,10 +19,17 @@ class ServiceCatalog(Protocol):
 
     def describe_services(self) -> list[dict[str, Any]]: ...
 
+    def reconfigure(self, new: GpuConfig) -> list[str]:
+        """Admit the services ``new`` adds (``POST /v1/admin/reload``); returns their names."""
+
+
+def catalog_of(broker: Broker) -> ServiceCatalog | None:
+    manager = broker.executor.get(Kind.REWARD)
+    return manager if isinstance(manager, ServiceCatalog) else None
+
 
 def _manager(request: web.Request) -> ServiceCatalog | None:
-    manager = request.app[BROKER].executor.get(Kind.REWARD)
-    return manager if isinstance(manager, ServiceCatalog) else None
+    return catalog_of(request.app[BROKER])
 
 
 async def list_services(request: web.Request) -> web.Response:

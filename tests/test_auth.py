@@ -319,7 +319,7 @@ async def test_reload_rereads_tokens_and_caps_from_the_file(tmp_path):
                      f'[tasks.a]\ntoken_sha256 = "{token_sha256(TOKEN_A)}"\nmax_queued = 0\n'
                      f'[tasks.b]\ntoken_sha256 = "{token_sha256(TOKEN_B)}"\n')
         code, reply = await live.call("POST", "/v1/admin/reload", headers=bearer(ADMIN))
-        assert code == 200 and reply["reloaded"] == ["auth", "tasks", "store tokens"] and reply["tokens"] == 3
+        assert code == 200 and reply["reloaded"][:3] == ["auth", "tasks", "store tokens"] and reply["tokens"] == 3
         assert (await live.call("POST", "/v1/actions", json=lease(), headers=bearer(TOKEN_B)))[0] == 201
         code, reply = await live.call("POST", "/v1/actions", json=lease(), headers=bearer(TOKEN_A))
         assert (code, reply["error"]["cap"]) == (429, "max_queued")
