@@ -2,10 +2,10 @@
 
 An action that could start now only where it would first pay a setup (a restore onto the GPUs, a load from disk),
 while its service is ready elsewhere but busy, is *deferred*: the actions behind it go first, and one whose
-service is ready on the free chunk takes it without a setup. A chunk that nobody takes goes to the deferred action
-once it has waited as long as the setup it avoids would take, counted from the first pass that deferred it: so
-waiting costs an action at most what the setup would, and each chunk keeps serving the service it holds instead of
-switching with every placement.
+service is ready on the free chunk takes it without a setup. Once the deferred action has waited as long as the
+setup it avoids would take, counted from the first pass that deferred it, it takes its place in the queue again:
+so waiting costs an action at most what the setup would, and each chunk keeps serving the service it holds instead
+of switching with every placement.
 """
 
 from __future__ import annotations
@@ -35,9 +35,8 @@ class DelayWaits:
 
     def worth_waiting(self, action_id: str, patience_s: float) -> bool:
         """Whether the action waits rather than pay a setup of ``patience_s``: until it has waited that long since
-        the first pass that deferred it. Past that it takes its place in the queue like any other action (were it
-        still deferred in a pass's first round, the actions behind it could take every free chunk, pass after
-        pass)."""
+        the first pass that deferred it. Past that it takes its place in the queue like any other action (still
+        deferred, it could see the actions behind it take every free chunk, pass after pass)."""
         now = self._clock()
         since = self._waiting.get(action_id, (now, now))[0]
         until = since + patience_s
@@ -45,8 +44,7 @@ class DelayWaits:
             self._waiting.pop(action_id, None)
             return False
         self._waiting[action_id] = (since, now)
-        if until > now:  # past it, the action waits for a chunk like any other (and its release wakes a pass)
-            self._wait_until = min(until, self._wait_until or until)
+        self._wait_until = min(until, self._wait_until or until)
         return True
 
     def forget(self, action_id: str) -> None:

@@ -118,7 +118,7 @@ class GpuFit(Fit):
         self.before = {name: node.chunks.copy() for name, node in manager.nodes.items()}
         self.free = {name: chunks.copy() for name, chunks in self.before.items()}
         self.placed: dict[str, tuple[str, Chunk]] = {}
-        #: actions refused this pass to wait for a node that holds their service (``defers``)
+        #: actions refused this pass to wait for a node that holds their service: they hold nobody back
         self.deferred: set[str] = set()
         self._best_of: dict[tuple[str, int, tuple[int, ...]], tuple[bool, bool, int, int, str] | None] = {}
         #: (service, DoP) of the instances resident on nodes in service, read once per pass
