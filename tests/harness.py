@@ -8,6 +8,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -15,7 +16,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from tangram.broker import Broker
-from tangram.config import parse_config
+from tangram.config import load_config, parse_config
 from tangram.service import running_broker
 from tests.docker_nodes import new_broker_id
 
@@ -44,6 +45,19 @@ async def live_broker(raw: dict[str, Any], db_path: str, store_url: str | None =
         await server.start_server()
         try:
             async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=200)) as http:
+                yield Live(broker, str(server.make_url("")).rstrip("/"), http)
+        finally:
+            await server.close()
+
+
+@asynccontextmanager
+async def broker_from_file(path: Path) -> AsyncIterator[Live]:
+    """A broker started the way ``tangram serve --config`` starts one, so reload can read the file again."""
+    async with running_broker(load_config(path)) as (broker, app):
+        server = TestServer(app, host="127.0.0.1")
+        await server.start_server()
+        try:
+            async with aiohttp.ClientSession() as http:
                 yield Live(broker, str(server.make_url("")).rstrip("/"), http)
         finally:
             await server.close()

@@ -7,14 +7,10 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import pytest
-from aiohttp.test_utils import TestServer
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import create_async_engine
@@ -22,12 +18,11 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from clients import AsyncTangramClient
 from clients.errors import ForbiddenError, NotFoundError, UnauthorizedError
 from tangram.auth import mint, new_token, token_sha256
-from tangram.config import load_config, parse_config
+from tangram.config import parse_config
 from tangram.core.errors import ConfigError
-from tangram.service import running_broker
 from tangram.store import Store, StoredToken, TokenRow
 from tests.docker_nodes import local_cpu
-from tests.harness import Live, live_broker
+from tests.harness import broker_from_file, live_broker
 
 ADMIN, TOKEN_A, TOKEN_B = new_token(), new_token(), new_token()
 LEASES = {"basic": {"lease.x": {"concurrency": 4, "lease_ttl_s": 30.0}}, "cpu": {"enabled": False}}
@@ -50,21 +45,6 @@ def lease(**extra: Any) -> dict[str, Any]:
 @pytest.fixture
 def db(tmp_path: Path) -> str:
     return str(tmp_path / "tangram.db")
-
-
-
-
-@asynccontextmanager
-async def broker_from_file(path: Path) -> AsyncIterator[Live]:
-    """A broker started the way ``tangram serve --config`` starts one, so reload can read the file again."""
-    async with running_broker(load_config(path)) as (broker, app):
-        server = TestServer(app, host="127.0.0.1")
-        await server.start_server()
-        try:
-            async with aiohttp.ClientSession() as http:
-                yield Live(broker, str(server.make_url("")).rstrip("/"), http)
-        finally:
-            await server.close()
 
 
 def write_config(path: Path, db_path: str, tasks: str) -> None:

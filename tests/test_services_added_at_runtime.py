@@ -5,19 +5,13 @@ nothing already admitted changes."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import pytest
-from aiohttp.test_utils import TestServer
 
 from tangram.auth import new_token, token_sha256
-from tangram.config import load_config
-from tangram.service import running_broker
-from tests.harness import Live, until
+from tests.harness import Live, broker_from_file, until
 from tests.test_gpu_manager import MODEL, reward, similarities_of_pairs
 
 ADMIN = new_token()
@@ -40,19 +34,6 @@ def write_config(path: Path, services: dict[str, dict[str, Any]], gpus: int = 2)
             f"{key} = {value}\n" if isinstance(value, (int, list)) else f'{key} = "{value}"\n'
             for key, value in body.items()))
     path.write_text("".join(lines))
-
-
-@asynccontextmanager
-async def broker_from_file(path: Path) -> AsyncIterator[Live]:
-    """Started as ``tangram serve --config`` starts it, so reload reads the file again."""
-    async with running_broker(load_config(path)) as (broker, app):
-        server = TestServer(app, host="127.0.0.1")
-        await server.start_server()
-        try:
-            async with aiohttp.ClientSession() as http:
-                yield Live(broker, str(server.make_url("")).rstrip("/"), http)
-        finally:
-            await server.close()
 
 
 async def service_states(live: Live) -> dict[str, str]:
