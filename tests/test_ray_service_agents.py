@@ -19,7 +19,7 @@ from ray.cluster_utils import Cluster
 from managers.gpu import GpuManager
 from managers.ray_cluster import gpu_node_resource
 from managers.service_agent import ServiceAgent
-from managers.service_backends import HOST_COPY_SHARED
+from managers.service_backends import HOST_COPY_SHARED, SPILLS_TO_DISK
 from reward_services.backend import ServiceSpec
 from reward_services.requests import RewardLimits, parse_reward_input
 from reward_services.torch_worker import TorchBackend
@@ -230,12 +230,14 @@ async def _back(pools: Any) -> bool:
     return (await pools)["g2"]["lost"] is None
 
 
-def test_admission_of_an_agent_node_counts_host_copies_as_its_backend_keeps_them() -> None:
+def test_admission_of_an_agent_node_counts_host_copies_as_its_backend_keeps_them(tmp_path) -> None:
     """The broker admits an agent node's services without importing its backends: what it assumes about shared
-    host copies is what the backends do."""
+    host copies, and about which kinds spill to a disk tier, is what the backends do."""
     from reward_services.sglang import SglangBackend
 
     assert HOST_COPY_SHARED == {"torch": TorchBackend.shares_host_copy, "sglang": SglangBackend.shares_host_copy}
+    with_disk = TorchBackend(device_type="cpu", disk_dir=tmp_path)
+    assert SPILLS_TO_DISK == {"torch": with_disk.tiered, "sglang": SglangBackend.tiered}
 
 
 async def test_an_agent_refuses_what_the_rest_api_would(tmp_path, reference_scores) -> None:
