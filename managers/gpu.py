@@ -144,11 +144,11 @@ class GpuFit(Fit):
         self._best_of.clear()
         return True
 
-    def _best(self, service: str, k: int, dops: Sequence[int]) -> tuple[bool, bool, int, int, str] | None:
+    def _best(self, service: str, k: int, dops: tuple[int, ...]) -> tuple[bool, bool, int, int, str] | None:
         """Where a chunk of ``k`` for ``service`` goes: a node where it is resident (at one of ``dops``) on a free
         chunk, then one that holds its host copy, then the one with the most free GPUs (then the smallest fitting
         level). Kept until the fit changes: many queued actions of one service ask the same."""
-        key = (service, k, tuple(dops))
+        key = (service, k, dops)
         if key not in self._best_of:
             options = []
             for name, node in self.manager.nodes.items():
@@ -160,7 +160,7 @@ class GpuFit(Fit):
             self._best_of[key] = min(options, default=None)
         return self._best_of[key]
 
-    def _avoidable_setup(self, service: str, best: tuple[bool, bool, int, int, str], dops: Sequence[int]) -> float:
+    def _avoidable_setup(self, service: str, best: tuple[bool, bool, int, int, str], dops: tuple[int, ...]) -> float:
         """What starting on ``best`` would spend that waiting for a node holding the service (busy now) would
         not: its restore when an instance is resident elsewhere (``wait_for_resident``), its load from disk when
         another node's host memory holds its copy."""
@@ -174,7 +174,7 @@ class GpuFit(Fit):
             seconds += self.manager.disk.load_time.estimate(service)
         return seconds
 
-    def _resident_somewhere(self, service: str, dops: Sequence[int]) -> bool:
+    def _resident_somewhere(self, service: str, dops: tuple[int, ...]) -> bool:
         if self._resident is None:
             self._resident = {(slot.service, slot.chunk.size) for node in self.manager.nodes.values()
                               if node.lost is None for slot in node.residency.slots.values()
