@@ -2,7 +2,7 @@
 
 Requests are authenticated by ``tangram.auth`` (bearer tokens, when auth is on): a task's token sees and changes
 only its task's actions, leases and environments (another task's ids are 404, as if they did not exist); the
-admin's sees everything and alone may drain the broker and reload its tokens and caps.
+admin's sees everything and alone may drain the broker, reload its tokens and caps, and plan the tasks' SLOs.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from tangram.openapi import openapi_document
 from tangram.parse import FLAGS, Limits, parse_action_json, parse_batch_json, to_action
 from tangram.profiles_api import add_profile_routes
 from tangram.services_api import add_service_routes, catalog_of
+from tangram.slo_api import SLO, add_slo_routes
 from tangram.status_page import add_status_routes
 
 log = logging.getLogger("tangram.api")
@@ -128,7 +129,8 @@ async def release_lease(request: web.Request) -> web.Response:
 
 async def resources(request: web.Request) -> web.Response:
     broker = request.app[BROKER]
-    return json_response({"resources": broker.resources(), "stats": broker.stats()})
+    return json_response({"resources": broker.resources(), "stats": broker.stats(),
+                          "slo": request.app[SLO].summary()})
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -186,11 +188,13 @@ async def drain(request: web.Request) -> web.Response:
 
 
 async def reload(request: web.Request) -> web.Response:
-    """Re-read tokens and per-task caps ([auth], [tasks]) from the config file and the store, and admit the reward
-    services [gpu] adds, without a restart. Nothing else is reloaded: other changes need a restart (409 naming the
-    field). A file that no longer parses, or a service that does not fit, changes nothing (422)."""
+    """Re-read tokens, per-task caps and SLO plans ([auth], [tasks]) from the config file and the store, and admit
+    the reward services [gpu] adds, without a restart. Nothing else is reloaded: other changes need a restart (409
+    naming the field). A file that no longer parses, or a service that does not fit, changes nothing (422); nor do
+    changed SLO plans under which a task's SLO would break (409 naming ``tasks.NAME.slo``)."""
     auth = request.app[AUTH]
     broker = request.app[BROKER]
+    slo = request.app[SLO]
     source = auth.access.source
     access = auth.access
     config = None
@@ -203,15 +207,24 @@ async def reload(request: web.Request) -> web.Response:
     await auth.refresh()
     added: list[str] = []
     catalog = catalog_of(broker)
-    if config is not None and catalog is not None:
-        try:
-            added = catalog.reconfigure(config.gpu)
-        except ConfigError as error:
-            raise Unprocessable(error.key, f"{error.reason}; nothing was reloaded") from None
-    elif config is not None and config.gpu.services:
-        raise Conflict("gpu.services", "this broker runs without reward services: adding them needs a restart")
-    auth.configure(access)
-    broker.set_tenancy(access.tenancy)
+    async with slo.lock:
+        # plans are checked only when they change: the pool's learned restore times move by themselves
+        plans_changed = config is not None and dict(config.access.slo_plans) != slo.config_plans
+        if config is not None and plans_changed:
+            refusal = slo.refusal({**slo.stored, **config.access.slo_plans}, config.gpu.services)
+            if refusal is not None:
+                refused = Conflict if refusal.breach is not None else Unprocessable
+                raise refused(f"tasks.{refusal.task}.{refusal.field}", f"{refusal.reason}; nothing was reloaded")
+        if config is not None and catalog is not None:
+            try:
+                added = catalog.reconfigure(config.gpu)
+            except ConfigError as error:
+                raise Unprocessable(error.key, f"{error.reason}; nothing was reloaded") from None
+        elif config is not None and config.gpu.services:
+            raise Conflict("gpu.services", "this broker runs without reward services: adding them needs a restart")
+        auth.configure(access)
+        broker.set_tenancy(access.tenancy)
+        slo.configure(access.slo_plans)
     return json_response({"config": source, "reloaded": ["auth", "tasks", "store tokens", "gpu services added"],
                           "added_services": added, "needs_restart": "every other change", "auth": auth.enabled,
                           "tokens": sum(1 for token in auth.describe() if token["revoked_at"] is None)})
@@ -238,6 +251,7 @@ def build_app(broker: Broker, server: ServerConfig, limits: Limits,
     add_environment_routes(app)
     add_profile_routes(app)
     add_service_routes(app)
+    add_slo_routes(app, access.slo_plans)
     add_status_routes(app, interval_s=server.status_interval_s, keep_s=server.status_keep_s)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)

@@ -4,7 +4,7 @@ A token is 256 random bits (``secrets.token_urlsafe(32)`` behind a ``tgm_`` pref
 it); only its SHA-256 is ever kept, in the config (``token_sha256``) or in the store's ``tokens`` table. A fast
 hash is right for secrets of that strength: nothing can be guessed by trying. Each token belongs to exactly one
 task or to the admin. A task's token scopes every request to that task; the admin sees everything and alone
-manages the broker (``/v1/admin/*``).
+manages the broker (``/v1/admin/*``, and the tasks' SLO plans ``/v1/tasks/.../slo``).
 
 Auth is on when ``[auth] required = true``, or, by default ("auto"), as soon as a token exists in the config or
 in the store; otherwise nothing is checked and the broker is as open as it always was. Open in every case:
@@ -46,6 +46,7 @@ ALWAYS_OPEN = frozenset({"/healthz", "/readyz", "/openapi.json"})
 STATUS = frozenset({"/", "/ui", "/ui/{asset}", "/v1/status/history", "/v1/resources", "/metrics"})
 #: routes only the admin may call (``/metrics`` only while status is not public)
 ADMIN_PREFIX = "/v1/admin/"
+ADMIN_ROUTES = frozenset({"/v1/tasks/slo", "/v1/tasks/{task}/slo"})
 #: verification looks tokens up by the first hex digits of their hash, then compares whole digests in constant time
 BUCKET_DIGITS = 8
 
@@ -197,7 +198,7 @@ async def authenticate(request: web.Request,
     auth = request.app[AUTH]
     resource = request.match_info.route.resource
     route = resource.canonical if resource is not None else ""
-    admin_route = route.startswith(ADMIN_PREFIX)
+    admin_route = route.startswith(ADMIN_PREFIX) or route in ADMIN_ROUTES
     if route in ALWAYS_OPEN or (not auth.enabled and not admin_route):
         principal = ANYONE
     elif not auth.enabled:

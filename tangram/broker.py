@@ -14,7 +14,7 @@ import logging
 import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from tangram import dispatch
 from tangram.arrivals import ArrivalModel
@@ -53,6 +53,14 @@ class _Running:
         self.after = after
 
 
+class ActionWatcher(Protocol):
+    """Told of every action a submit queues and of every action's end (``tangram/slo_attainment.py``)."""
+
+    def submitted(self, action: Action) -> None: ...
+
+    def ended(self, action: Action) -> None: ...
+
+
 class Broker:
     def __init__(self, managers: Sequence[ResourceManager], store: Store, *, policy: str = "fcfs",
                  depth: int = 2, horizon: int = 64, default_duration_s: float = 1.0, ewma_alpha: float = 0.2,
@@ -81,6 +89,7 @@ class Broker:
             if hrrs else None
         self.backoff = AllocationBackoff()
         self.metrics = Metrics()
+        self.watchers: list[ActionWatcher] = []
         self.metrics.watch(lambda: dict(self.queue.depth_by_resource()), self._units)
         for manager in self.managers:
             manager.register_metrics(self.metrics.registry)
@@ -209,6 +218,8 @@ class Broker:
             self._enqueue(action)
             self.arrivals.submitted(action, action.submitted_at)
             self.metrics.count_submit(action)
+            for watcher in self.watchers:
+                watcher.submitted(action)
             results.append((action, True))
             fresh.append(action)
         if fresh:
@@ -523,6 +534,8 @@ class Broker:
         dispatch.ended(self.durations, self.arrivals, action, action.finished_at, state is State.SUCCEEDED)
         self.store.save(action)
         self.metrics.record_finish(action)
+        for watcher in self.watchers:
+            watcher.ended(action)
         self.recent.append(action)
         self._forget.append((action.finished_at, action.id))
         event = self._waiters.pop(action.id, None)

@@ -79,9 +79,31 @@ def speedup_table(profiles: list[dict[str, Any]], limit: int = 8) -> Table | Non
     return table
 
 
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def slo_table(tasks: list[dict[str, Any]]) -> Table | None:
+    """Each planned task's SLO, predicted slowdown and measured attainment (windows within / windows)."""
+    if not tasks:
+        return None
+    table = Table(title="task SLOs (GET /v1/tasks/slo)", title_justify="left")
+    for column in ("task", "SLO", "predicted", "windows", "within", "attainment", "last slowdown"):
+        table.add_column(column, justify="left" if column == "task" else "right")
+    for task in tasks:
+        predicted = task["predicted_slowdown"]
+        over = predicted is None or predicted > task["slo"]
+        attainment = task["attainment"]
+        table.add_row(task["task"], _ratio(task["slo"]),
+                      Text("unbounded" if predicted is None else _ratio(predicted), style="bold red" if over else ""),
+                      str(task["windows"]), str(task["within"]), "-" if attainment is None else f"{attainment:.0%}",
+                      _ratio(task["last_slowdown"]))
+    return table
+
+
 def status_view(url: str, body: dict[str, Any], profiles: list[dict[str, Any]] | None = None) -> Group:
     """What ``tangram status`` shows: a table of resources, a line of queue and ACT figures and, when the broker
-    has learned any, the speed-up of the most observed elastic signatures."""
+    has any, the tasks' SLOs and the learned speed-up of the most observed elastic signatures."""
     table = Table(title=f"ARL-Tangram at {url}", title_justify="left")
     for column in ("resource", "pool", "manager", "utilization", "in use", "capacity", "queued"):
         table.add_column(column, justify="left" if column in ("resource", "pool", "manager", "utilization")
@@ -96,8 +118,8 @@ def status_view(url: str, body: dict[str, Any], profiles: list[dict[str, Any]] |
                             (f"  ACT over the last {stats['recent']} actions: ", "dim"),
                             f"p50 {_fmt(stats['act_p50_s'])}  p90 {_fmt(stats['act_p90_s'])}  "
                             f"p99 {_fmt(stats['act_p99_s'])}")
-    learned = speedup_table(profiles or [])
-    parts: list[RenderableType] = [table, summary] if learned is None else [table, summary, learned]
+    extra = (slo_table(body.get("slo", [])), speedup_table(profiles or []))
+    parts: list[RenderableType] = [table, summary, *(part for part in extra if part is not None)]
     return Group(*parts, Text(f"status page: {url}/ui", style="dim"))
 
 

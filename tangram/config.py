@@ -31,6 +31,7 @@ from tangram.core.config_tables import (
 from tangram.core.errors import ConfigError
 from tangram.core.names import NAME
 from tangram.parse import Limits
+from tangram.slo_plan import SloPlan
 from tangram.tenants import CAP_NAMES, TaskCaps, Tenancy
 
 DEFAULT_DB = "sqlite+aiosqlite:///tangram.db"
@@ -80,6 +81,8 @@ class AccessConfig:
     #: task -> SHA-256 (hex) of its tokens
     task_tokens: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     tenancy: Tenancy = field(default_factory=Tenancy)
+    #: task -> its SLO and worst-case step (``[tasks.NAME.slo]``), admitted to the GPU pool at start and on reload
+    slo_plans: Mapping[str, SloPlan] = field(default_factory=dict)
     #: the file these were read from, which ``POST /v1/admin/reload`` reads again (None: built-in defaults)
     source: str | None = None
 
@@ -141,9 +144,10 @@ def check_store(store: StoreConfig) -> StoreConfig:
 
 @dataclass(frozen=True)
 class TaskTable(TaskCaps):
-    """``[tasks.NAME]``: one task's caps and its tokens."""
+    """``[tasks.NAME]``: one task's caps, its tokens and its SLO."""
 
     token_sha256: TokenHashes = ()
+    slo: SloPlan | None = None
 
 
 @dataclass(frozen=True)
@@ -164,8 +168,8 @@ class Config:
 Pools = dict[str, Annotated[dict[str, Count], Field(min_length=1)]]
 
 
-def _tasks(raw: Any) -> tuple[dict[str, tuple[str, ...]], Tenancy]:
-    """``[tasks]``: caps for every task as plain keys, one task's tokens and caps as a ``[tasks.NAME]`` table."""
+def _tasks(raw: Any) -> tuple[dict[str, tuple[str, ...]], Tenancy, dict[str, SloPlan]]:
+    """``[tasks]``: caps for every task as plain keys, one task's tokens, caps and SLO as a ``[tasks.NAME]`` table."""
     if not isinstance(raw, dict):
         raise ConfigError("tasks", "must be a table")
     per_task = {name: value for name, value in raw.items() if isinstance(value, dict)}
@@ -176,13 +180,14 @@ def _tasks(raw: Any) -> tuple[dict[str, tuple[str, ...]], Tenancy]:
     defaults = table(TaskCaps, {k: v for k, v in raw.items() if k not in per_task}, "tasks")
     return ({name: t.token_sha256 for name, t in tables.items() if t.token_sha256},
             Tenancy(defaults, {name: TaskCaps(*(getattr(t, cap) for cap in CAP_NAMES))
-                                      for name, t in tables.items()}))
+                                      for name, t in tables.items()}),
+            {name: t.slo for name, t in tables.items() if t.slo is not None})
 
 
 def parse_access(raw: Mapping[str, Any]) -> AccessConfig:
     """The ``[auth]`` and ``[tasks]`` sections of a config; a token hash names one task or the admin, never two."""
     auth = table(AuthConfig, raw.get("auth", {}), "auth")
-    tokens, tenancy = _tasks(raw.get("tasks", {}))
+    tokens, tenancy, plans = _tasks(raw.get("tasks", {}))
     owners: dict[str, str] = {}
     for owner, digests in [("auth.admin_token_sha256", auth.admin_token_sha256),
                            *((f"tasks.{task}.token_sha256", d) for task, d in tokens.items())]:
@@ -191,7 +196,7 @@ def parse_access(raw: Mapping[str, Any]) -> AccessConfig:
                 raise ConfigError(owner, f"a token belongs to one task or to the admin; this one is also in "
                                          f"{owners[digest]}")
             owners[digest] = owner
-    return AccessConfig(auth=auth, task_tokens=tokens, tenancy=tenancy)
+    return AccessConfig(auth=auth, task_tokens=tokens, tenancy=tenancy, slo_plans=plans)
 
 
 SECTIONS = ("server", "scheduler", "store", "limits", "basic", "pools", "cpu", "gpu", "ray", "auth", "tasks")

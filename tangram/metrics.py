@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from tangram.core.action import Action
@@ -38,6 +38,44 @@ class _StateCollector(Collector):
         yield queued
         yield in_use
         yield capacity
+
+
+class SloFigures(NamedTuple):
+    """One planned task's SLO figures (``tangram/slo_admission.py``)."""
+
+    task: str
+    slo: float
+    predicted_slowdown: float  # inf: the pool cannot bound its phase
+    windows: int
+    within: int
+    last_slowdown: float | None
+
+
+class _SloCollector(Collector):
+    def __init__(self, figures: Callable[[], Iterable[SloFigures]]) -> None:
+        self.figures = figures
+
+    def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
+        windows = CounterMetricFamily("tangram_task_slo_windows", "Reward phases of a planned task that ended, by "
+                                      "whether its step stayed within its SLO", labels=["task", "within"])
+        slo = GaugeMetricFamily("tangram_task_slo", "The step slowdown a planned task tolerates against a dedicated "
+                                "deployment", labels=["task"])
+        predicted = GaugeMetricFamily("tangram_task_slo_predicted_slowdown", "A planned task's step slowdown planned "
+                                      "on worst-case durations with every planned task in the pool", labels=["task"])
+        attainment = GaugeMetricFamily("tangram_task_slo_attainment", "Fraction of a planned task's windows within "
+                                       "its SLO", labels=["task"])
+        observed = GaugeMetricFamily("tangram_task_slo_observed_slowdown", "A planned task's step slowdown in its "
+                                     "last window", labels=["task"])
+        for row in self.figures():
+            windows.add_metric([row.task, "true"], row.within)
+            windows.add_metric([row.task, "false"], row.windows - row.within)
+            slo.add_metric([row.task], row.slo)
+            predicted.add_metric([row.task], row.predicted_slowdown)
+            if row.windows:
+                attainment.add_metric([row.task], row.within / row.windows)
+            if row.last_slowdown is not None:
+                observed.add_metric([row.task], row.last_slowdown)
+        yield from (windows, slo, predicted, attainment, observed)
 
 
 class Metrics:
@@ -76,6 +114,9 @@ class Metrics:
     def watch(self, queue_depth: Callable[[], dict[str, int]],
               units: Callable[[], Iterable[tuple[str, str, int, int]]]) -> None:
         self.registry.register(_StateCollector(queue_depth, units))
+
+    def watch_slo(self, figures: Callable[[], Iterable[SloFigures]]) -> None:
+        self.registry.register(_SloCollector(figures))
 
     def record_finish(self, action: Action) -> None:
         labels = (action.kind.value, action.task)

@@ -6,10 +6,10 @@ import copy
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, TypeAdapter
 from pydantic.json_schema import models_json_schema
 
-from tangram.auth import TOKEN_REQUEST
+from tangram.auth import ADMIN_ROUTES, TOKEN_REQUEST
 from tangram.config import ServerConfig
 from tangram.core.schema import RequestJsonSchema
 from tangram.environments_api import EnvironmentRequest
@@ -22,9 +22,11 @@ from tangram.records import (
     Profiles,
     Resources,
     ServiceRecord,
+    SloPlans,
     StatusHistory,
     TokenRecord,
 )
+from tangram.slo_plan import SloPlan
 
 #: what a record answered by a submit leads to; the fuzzer's stateful runs follow these (submit -> get -> cancel)
 ACTION_LINKS = {name: {"operationId": operation, "parameters": {"id": "$response.body#/id"}}
@@ -53,7 +55,7 @@ ENVIRONMENT_LINKS = {name: {"operationId": operation, "parameters": {"id": "$res
 
 #: the answers' schemas, generated from ``tangram.records``
 RESPONSES: tuple[type[BaseModel], ...] = (ActionRecord, EnvironmentRecord, ServiceRecord, StatusHistory, Resources,
-                                          Profiles, TokenRecord, CreatedToken, Drained)
+                                          Profiles, TokenRecord, CreatedToken, Drained, SloPlans)
 
 
 def _ref(name: str) -> dict[str, str]:
@@ -155,14 +157,15 @@ def _secure(paths: dict[str, Any], public_status: bool) -> None:
                 continue
             operation["responses"]["401"] = {**_error("no token, or one the broker does not know"), "headers": {
                 "WWW-Authenticate": {"schema": {"type": "string"}, "description": "Bearer"}}}
-            if path.startswith("/v1/admin/") or path == "/metrics":
+            if path.startswith("/v1/admin/") or path in ADMIN_ROUTES or path == "/metrics":
                 operation["responses"]["403"] = _error("needs an admin token")
             elif (path, method) in forbidden:
                 operation["responses"]["403"] = _error(forbidden[(path, method)])
 
 
 def _admin_paths(server: ServerConfig) -> dict[str, Any]:
-    token, created = _ref("TokenRecord"), _ref("CreatedToken")
+    token, created, plans = _ref("TokenRecord"), _ref("CreatedToken"), _ref("SloPlans")
+    task = {"name": "task", "in": "path", "required": True, "schema": {"type": "string"}}
     return {
         "/v1/admin/drain": {"post": {
             "operationId": "drain", "summary": "Stop taking and starting actions until a restart; wait for running ones",
@@ -177,8 +180,8 @@ def _admin_paths(server: ServerConfig) -> dict[str, Any]:
                                                 "file and the store, and admit the reward services [gpu] adds",
             "responses": {"200": _json({"type": "object"}, "what was reloaded, and the services added (each "
                                                            "served once prepared)"),
-                          "409": _error("a change only a restart makes (a node, a running service); nothing "
-                                        "changed"),
+                          "409": _error("a change only a restart makes (a node, a running service), or changed "
+                                        "SLO plans under which a task's SLO would break; nothing changed"),
                           "422": _error("the config file does not parse, or an added service does not fit; nothing "
                                         "changed")}}},
         "/v1/admin/tokens": {
@@ -195,6 +198,27 @@ def _admin_paths(server: ServerConfig) -> dict[str, Any]:
             "parameters": [{"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}],
             "responses": {"200": _json(token, "the revoked token"), "404": _error("unknown id"),
                           "409": _error("a config token: remove it from the file and reload")}}},
+        "/v1/tasks/slo": {"get": {
+            "operationId": "listSloPlans", "summary": "Every task's SLO plan, its predicted slowdown in the GPU pool "
+                                                      "and its measured attainment",
+            "responses": {"200": _json(plans, "the planned tasks")}}},
+        "/v1/tasks/{task}/slo": {
+            "put": {"operationId": "putSloPlan", "summary": "Admit a task's SLO plan if every task's SLO still holds",
+                    "parameters": [task],
+                    "requestBody": {"required": True, "content": {"application/json": {"schema": TypeAdapter(
+                        SloPlan).json_schema(schema_generator=RequestJsonSchema)}}},
+                    "responses": {"200": _json(plans, "admitted (kept in the store); every task's prediction"),
+                                  "400": _error("the body is not JSON, or a field is missing, unknown or out of "
+                                                "range"),
+                                  "409": _error("a task's SLO would break (the body names it, its predicted_slowdown "
+                                                "and slo), or the task's plan is in the config; nothing changed"),
+                                  "422": _error("a service the GPU manager does not serve, or no GPU pool"),
+                                  "503": _error("the database is unavailable; nothing changed")}},
+            "delete": {"operationId": "deleteSloPlan", "summary": "Remove a task's SLO plan made through the API",
+                       "parameters": [task],
+                       "responses": {"204": {"description": "removed"}, "404": _error("no plan made through the API"),
+                                     "409": _error("the task's plan is in the config"),
+                                     "503": _error("the database is unavailable; nothing changed")}}},
     }
 
 

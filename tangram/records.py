@@ -13,6 +13,7 @@ from managers.environment import EnvState
 from reward_services.backend import Task
 from tangram.core.action import Action, Demand, Elasticity, Kind, State
 from tangram.core.schema import Schema
+from tangram.slo_plan import SloPlan
 
 
 class MalleableSummary(Schema):
@@ -158,9 +159,57 @@ class BrokerStats(Schema):
     act_p99_s: float | None
 
 
+class SloAttainmentRecord(Schema):
+    """A planned task's measured attainment (``tangram/slo_attainment.py``): each reward phase that ended is a
+    window, within SLO when the step it slowed stayed within the task's slowdown."""
+
+    windows: int
+    within: int
+    attainment: float | None = Field(description="within / windows; null before the first window")
+    last_slowdown: float | None = Field(description="the last window's step slowdown; null before the first "
+                                                    "window, or unbounded")
+
+
+class TaskSlo(SloAttainmentRecord):
+    task: str
+    slo: float = Field(description="the step slowdown the task tolerates against a dedicated deployment")
+    predicted_slowdown: float | None = Field(description="planned on worst-case durations with every planned task "
+                                                         "in the pool; null: unbounded (the pool is overloaded)")
+
+
 class Resources(Schema):
     resources: list[ResourceRow]
     stats: BrokerStats
+    slo: list[TaskSlo] = Field(description="the tasks with an SLO plan (GET /v1/tasks/slo has their plans)")
+
+
+class SloPrediction(Schema):
+    phase_s: float | None = Field(description="the bound on the task's reward phase in the pool; null: unbounded")
+    solo_phase_s: float = Field(description="its reward phase on the dedicated deployment, at its worst")
+    slowdown: float | None = Field(description="predicted step slowdown; null: unbounded")
+    slo: float
+    within: bool
+
+
+class PlannedTask(Schema):
+    task: str
+    source: Literal["config", "store"] = Field(description="[tasks.NAME.slo], or PUT /v1/tasks/NAME/slo")
+    plan: SloPlan
+    prediction: SloPrediction
+    attainment: SloAttainmentRecord
+
+
+class SloPool(Schema):
+    gpus: int
+    restore_s: dict[str, float] = Field(description="each service's expected restore now")
+
+
+class SloPlans(Schema):
+    """Every task with an SLO plan in force (``tangram/slo_admission.py``)."""
+
+    pool: SloPool | None = Field(description="null: this broker has no GPU manager")
+    tasks: list[PlannedTask]
+    shelved: dict[str, str] = Field(description="plans in the store not in force since the start, and why")
 
 
 class UnitsRuns(Schema):

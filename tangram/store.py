@@ -1,5 +1,5 @@
-"""Persistence of the broker: action records, their state transitions, learned duration profiles and
-the runs of learned speed-up models.
+"""Persistence of the broker: action records, their state transitions, learned duration profiles, the runs of
+learned speed-up models, API tokens and the SLO plans made through the API.
 
 Writes are write-behind: ``save`` only notes the action, and one flusher task writes everything pending in a
 single transaction of bulk upserts a few milliseconds later. ``durable`` waits for that commit, so concurrent
@@ -36,6 +36,7 @@ from sqlalchemy import (
     Text,
     UniqueConstraint,
     bindparam,
+    delete,
     event,
     func,
     insert,
@@ -146,6 +147,16 @@ class TokenRow(Base):
     note: Mapped[str] = mapped_column(String)
     created_at: Mapped[float] = mapped_column(Double)
     revoked_at: Mapped[float | None] = mapped_column(Double)
+
+
+class SloPlanRow(Base):
+    """A task's SLO plan made by ``PUT /v1/tasks/NAME/slo`` (``tangram.slo_plan.SloPlan``'s fields as JSON)."""
+
+    __tablename__ = "slo_plans"
+
+    task: Mapped[str] = mapped_column(String, primary_key=True)
+    plan: Mapped[str] = mapped_column(Text)
+    updated_at: Mapped[float] = mapped_column(Double)
 
 
 @dataclass(frozen=True, slots=True)
@@ -599,6 +610,29 @@ class Store:
         async with self.engine.connect() as conn:
             rows = await conn.execute(select(TokenRow).order_by(TokenRow.created_at, TokenRow.id))
             return [_stored_token(row) for row in rows]
+
+    # -- SLO plans: rare writes, committed at once ---------------------------------------------------------------
+
+    async def put_slo_plan(self, task: str, plan: dict[str, Any], at: float) -> None:
+        """Keep ``task``'s plan (its fields), replacing the one it had."""
+        dialect = postgresql if self.engine.dialect.name == "postgresql" else sqlite
+        async with self.engine.begin() as conn:
+            await self._fenced(conn)
+            await conn.execute(_upsert(dialect, SloPlanRow, ["task"]).values(
+                task=task, plan=orjson.dumps(plan).decode(), updated_at=at))
+
+    async def delete_slo_plan(self, task: str) -> bool:
+        """Forget ``task``'s plan; False if it had none."""
+        async with self.engine.begin() as conn:
+            await self._fenced(conn)
+            deleted = await conn.execute(delete(SloPlanRow).where(SloPlanRow.task == task))
+        return bool(deleted.rowcount)
+
+    async def load_slo_plans(self) -> dict[str, dict[str, Any]]:
+        """Every task's plan (its fields), oldest first."""
+        async with self.engine.connect() as conn:
+            rows = await conn.execute(select(SloPlanRow.task, SloPlanRow.plan).order_by(SloPlanRow.updated_at))
+            return {task: orjson.loads(plan) for task, plan in rows}
 
     async def _load(self, query: Any) -> list[Action]:
         await self.flush()

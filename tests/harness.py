@@ -16,7 +16,8 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from tangram.broker import Broker
-from tangram.config import load_config, parse_config
+from tangram.config import Config, load_config, parse_config
+from tangram.core.seam import ResourceManager
 from tangram.service import running_broker
 from tests.docker_nodes import new_broker_id
 
@@ -51,9 +52,12 @@ async def live_broker(raw: dict[str, Any], db_path: str, store_url: str | None =
 
 
 @asynccontextmanager
-async def broker_from_file(path: Path) -> AsyncIterator[Live]:
-    """A broker started the way ``tangram serve --config`` starts one, so reload can read the file again."""
-    async with running_broker(load_config(path)) as (broker, app):
+async def broker_from_file(path: Path, managers: Callable[[Config], list[ResourceManager]] | None = None
+                           ) -> AsyncIterator[Live]:
+    """A broker started the way ``tangram serve --config`` starts one, so reload can read the file again;
+    ``managers``: its managers made from the config otherwise (stand-in reward services)."""
+    config = load_config(path)
+    async with running_broker(config, None if managers is None else managers(config)) as (broker, app):
         server = TestServer(app, host="127.0.0.1")
         await server.start_server()
         try:

@@ -18,6 +18,10 @@ import pytest
 from tangram.auth import new_token, token_sha256
 from tangram.config import ADMIN_TOKEN_ENV, load_config, parse_config
 from tangram.core.errors import ConfigError
+from tangram.slo_plan import SloPlan
+
+#: a valid ``[tasks.NAME.slo]`` table
+SLO = {"slowdown": 1.2, "service": "judge", "actions": 8, "action_s": 2.0, "other_s": 30.0, "dedicated_gpus": 1}
 
 
 @pytest.mark.parametrize("raw,key", [
@@ -39,11 +43,23 @@ from tangram.core.errors import ConfigError
     ({"scheduler": {"order": {"lease.local": "sjf"}}}, "scheduler.order.lease.local"),
     ({"cpu": {"ray_address": "head:6379"}}, "cpu.ray_address"),
     ({"gpu": {"ray": {"address": "head:6379"}}}, "gpu.ray"),
+    ({"tasks": {"t": {"slo": {**SLO, "slowdown": 0.9}}}}, "tasks.t.slo.slowdown"),  # out of SloPlan's range
+    ({"tasks": {"t": {"slo": {**SLO, "efficiency": 1.5}}}}, "tasks.t.slo.efficiency"),
+    ({"tasks": {"t": {"slo": {**SLO, "actions": [1]}}}}, "tasks.t.slo.actions"),
+    ({"tasks": {"t": {"slo": {**SLO, "colour": 1}}}}, "tasks.t.slo.colour"),
+    ({"tasks": {"t": {"slo": {k: v for k, v in SLO.items() if k != "service"}}}}, "tasks.t.slo.service"),
+    ({"tasks": {"t": {"slo": 1.2}}}, "tasks.t.slo"),
 ])
 def test_bad_config_names_the_key(raw, key):
     with pytest.raises(ConfigError) as error:
         parse_config(raw)
     assert error.value.key == key, str(error.value)
+
+
+def test_a_tasks_slo_table_is_its_plan_beside_its_caps():
+    access = parse_config({"tasks": {"t": {"max_running": 3, "slo": SLO}, "u": {"max_running": 1}}}).access
+    assert access.slo_plans == {"t": SloPlan(**SLO)}
+    assert access.tenancy.tasks["t"].max_running == 3
 
 
 def test_defaults_serve_a_laptop_and_files_load(tmp_path):

@@ -25,6 +25,10 @@ from tangram.history import History
 from tangram.service import running_broker
 from tangram.status_page import HISTORY
 from tests.harness import Live, live_broker, live_upstream
+from tests.test_slo_admission import LOOSE, write_config
+from tests.test_slo_admission import broker as slo_broker
+from tests.test_slo_admission import call as slo_call
+from tests.test_slo_admission import reward as slo_reward
 
 SCREENSHOT_ENV = "TANGRAM_STATUS_SCREENSHOT"
 LEASES = {"lease.local": {"concurrency": 8}, "lease.gpu-quota": {"concurrency": 4}}
@@ -292,3 +296,32 @@ async def test_live_charts_follow_the_broker_and_survive_its_loss(db, browser):
             assert int(after["samples"]) >= len(shown)  # the last data stays on screen
             assert all(len(points) == int(after["samples"]) for points in kept["chart-utilization"]["series"].values())
             assert await page_errors(browser, allow_network=True) == []
+
+
+SLO_ROWS = """
+const rows = [...document.querySelectorAll("#slo tbody tr[data-task]")].map((row) => ({
+  task: row.dataset.task, cells: [...row.cells].map((cell) => cell.textContent),
+  over: row.querySelector(".predicted").classList.contains("over")}));
+return {hidden: document.getElementById("slo-panel").hidden, rows};
+"""
+
+
+async def test_the_slo_table_shows_each_planned_tasks_prediction_and_attainment(tmp_path, browser):
+    path = tmp_path / "tangram.toml"
+    write_config(path, {})
+    async with slo_broker(path) as live:
+        await asyncio.to_thread(browser.get, live.url + "/ui")
+        await until(browser, HEADER + "return header.connection === 'live' ? header : null;", "a live page")
+        assert await in_page(browser, SLO_ROWS) == {"hidden": True, "rows": []}  # no task has a plan
+
+        code, body = await slo_call(live, "PUT", "/v1/tasks/loose/slo", json=LOOSE)
+        assert code == 200, body
+        predicted = body["tasks"][0]["prediction"]["slowdown"]
+        code, record = await slo_call(live, "POST", "/v1/actions?wait=true", json=slo_reward("loose", "a"))
+        assert record["state"] == "succeeded", record
+        shown = await until(browser, SLO_ROWS.replace("return {", "return rows.length && rows[0].cells[3] === '1' && {"),
+                            "the planned task's window")
+        assert not shown["hidden"] and shown["rows"] == [{"task": "loose", "over": False, "cells": [
+            "loose", "2.00×", f"{predicted:.2f}×", "1", "1", "100%", shown["rows"][0]["cells"][6]]}]
+        assert shown["rows"][0]["cells"][6].endswith("×")
+        assert await page_errors(browser) == []

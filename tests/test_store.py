@@ -410,3 +410,20 @@ def test_a_record_is_rebuilt_whatever_the_request_limits_are_now() -> None:
     rebuilt = action_from_stored(stored_record(action))
     assert rebuilt.to_json() == action.to_json()
     assert rebuilt.elasticity == action.elasticity and rebuilt.seq == action.seq
+
+
+async def test_slo_plans_are_kept_replaced_and_deleted_at_once(store: Store, store_url: str) -> None:
+    plan = {"slowdown": 1.2, "service": "judge", "actions": 8, "action_s": 2.0, "other_s": 30.0,
+            "dedicated_gpus": 1, "efficiency": 1.0}
+    await store.put_slo_plan("b", plan, at=2.0)
+    await store.put_slo_plan("a", {**plan, "slowdown": 1.5}, at=1.0)
+    await store.put_slo_plan("a", {**plan, "slowdown": 2.0}, at=3.0)  # replaced, and now the newest
+    assert await store.load_slo_plans() == {"b": plan, "a": {**plan, "slowdown": 2.0}}
+    assert list(await store.load_slo_plans()) == ["b", "a"]  # oldest first
+    assert await store.delete_slo_plan("b") is True
+    assert await store.delete_slo_plan("b") is False
+    reopened = await Store.open(store_url)  # committed at once: another store sees it
+    try:
+        assert await reopened.load_slo_plans() == {"a": {**plan, "slowdown": 2.0}}
+    finally:
+        await reopened.close()

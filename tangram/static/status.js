@@ -29,6 +29,7 @@
 
   const plain = (value) => String(Number(value.toPrecision(4)));
   const percent = (fraction) => `${Math.round(fraction * 100)}%`;
+  const ratio = (value) => (value === null ? "–" : `${value.toFixed(2)}×`);
 
   function niceStep(rough) {
     const power = 10 ** Math.floor(Math.log10(rough));
@@ -238,6 +239,26 @@
       rows.push(row);
     }
     document.querySelector("#resources tbody").replaceChildren(...rows);
+    drawSlo(now.slo);
+  }
+
+  function drawSlo(tasks) {
+    document.getElementById("slo-panel").hidden = !tasks.length;
+    const rows = tasks.map((t) => {
+      const row = document.createElement("tr");
+      row.dataset.task = t.task;
+      cell(row, t.task);
+      cell(row, ratio(t.slo), "num slo");
+      const predicted = cell(row, t.predicted_slowdown === null ? "unbounded" : ratio(t.predicted_slowdown),
+                             "num predicted");
+      if (t.predicted_slowdown === null || t.predicted_slowdown > t.slo) predicted.classList.add("over");
+      cell(row, String(t.windows), "num windows");
+      cell(row, String(t.within), "num within");
+      cell(row, t.attainment === null ? "–" : percent(t.attainment), "num attainment");
+      cell(row, ratio(t.last_slowdown), "num last");
+      return row;
+    });
+    document.querySelector("#slo tbody").replaceChildren(...rows);
   }
 
   // -- polling --------------------------------------------------------------------------------------------

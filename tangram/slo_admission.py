@@ -1,0 +1,224 @@
+"""SLO admission of RL tasks sharing the GPU pool (issue 18): the plans in force, admitted together or not at all.
+
+A task's plan (``tangram/slo_plan.py``) comes from its ``[tasks.NAME.slo]`` table or from ``PUT /v1/tasks/NAME/slo``
+(kept in the store, so that it outlives a restart). The config's win over the store's for the same task; the API
+changes only the store's. A set of plans is admitted only if the GPU manager serves every plan's service and no
+task's predicted slowdown passes its SLO, with the pool as it is: the GPUs of the manager's nodes and each
+service's restore as the manager expects it now. A refusal names the task at fault, and nothing changes.
+
+The tracker of measured attainment (``tangram/slo_attainment.py``) is fed by the broker and judges by the plans
+in force.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import Awaitable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from managers.gpu import RESOURCE, RESTORE_PRIOR_MB_PER_S, GpuManager
+from reward_services.backend import ServiceSpec
+from tangram.broker import Broker
+from tangram.core.action import Action, Kind
+from tangram.core.config_tables import table
+from tangram.core.errors import ConfigError, Conflict, NotFound, Unavailable, Unprocessable
+from tangram.metrics import SloFigures
+from tangram.slo_attainment import Attainment, SloAttainment
+from tangram.slo_plan import Pool, Prediction, SloPlan, first_breach, predict
+
+log = logging.getLogger("tangram.slo")
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a set of plans is not admitted: the task at fault, the part of its plan (``slo`` or ``slo.service``),
+    and why; ``breach``: that task's prediction, when its SLO would break."""
+
+    task: str
+    field: str
+    reason: str
+    breach: Prediction | None = None
+
+    def config_error(self) -> ConfigError:
+        return ConfigError(f"tasks.{self.task}.{self.field}", self.reason)
+
+
+def finite(value: float | None) -> float | None:
+    """JSON has no infinity: an unbounded figure is null."""
+    return value if value is None or math.isfinite(value) else None
+
+
+class SloAdmission:
+    def __init__(self, broker: Broker, config_plans: Mapping[str, SloPlan]) -> None:
+        """Admit the config's plans (``ConfigError`` naming ``tasks.NAME.slo...`` if they are refused) and have
+        the broker feed the tracker; the store's plans come in with ``load``."""
+        manager = broker.executor.get(Kind.REWARD)
+        self.manager = manager if isinstance(manager, GpuManager) else None
+        self.store = broker.store
+        self.config_plans = dict(config_plans)
+        self.stored: dict[str, SloPlan] = {}
+        #: stored plans not admitted at start (the config or the pool changed since): task -> why
+        self.shelved: dict[str, str] = {}
+        #: held from a check to its change, so that two changes are never admitted against the same plans
+        self.lock = asyncio.Lock()
+        refusal = self.refusal(self.config_plans)
+        if refusal is not None:
+            raise refusal.config_error()
+        self.tracker = SloAttainment(self._service_of, RESOURCE)
+        self.tracker.plan(self.plans)
+        broker.watchers.append(self.tracker)
+        broker.metrics.watch_slo(self._figures)
+
+    @property
+    def plans(self) -> dict[str, SloPlan]:
+        return {**self.stored, **self.config_plans}
+
+    def _service_of(self, action: Action) -> str:
+        assert self.manager is not None, "reward actions run on the GPU manager"
+        return self.manager.reward_request(action).service
+
+    def pool(self, adding: Sequence[ServiceSpec] = ()) -> Pool | None:
+        """The GPUs of the manager's nodes and each service's expected restore; ``adding``: services a reload
+        would add, at the manager's prior (no restore of theirs has been seen)."""
+        if self.manager is None:
+            return None
+        restore = {name: self.manager.restore_time.estimate(name) for name in self.manager.services}
+        for spec in adding:
+            restore.setdefault(spec.name, spec.host_memory_mb / RESTORE_PRIOR_MB_PER_S)
+        return Pool(sum(node.config.gpus for node in self.manager.nodes.values()), restore)
+
+    def refusal(self, plans: Mapping[str, SloPlan], adding: Sequence[ServiceSpec] = ()) -> Refusal | None:
+        """Why ``plans`` cannot all be in force together, or None."""
+        if not plans:
+            return None
+        pool = self.pool(adding)
+        if pool is None or pool.gpus == 0:
+            why = "this broker has no GPU manager" if pool is None else "the GPU manager has no nodes"
+            return Refusal(next(iter(plans)), "slo", f"no GPU pool to plan on: {why}")
+        for task, plan in plans.items():
+            if plan.service not in pool.restore_s:
+                return Refusal(task, "slo.service", f"no reward service {plan.service!r}; this broker serves "
+                                                    f"{sorted(pool.restore_s)}")
+        breach = first_breach(plans, pool)
+        if breach is None:
+            return None
+        task, prediction = breach
+        slowdown = "unbounded (the pool is overloaded)" if not math.isfinite(prediction.slowdown) \
+            else f"{prediction.slowdown:.3g}"
+        source = "" if task in self.config_plans or task not in self.stored else " (planned through the API)"
+        return Refusal(task, "slo", f"the SLO of task {task!r}{source} would break: its predicted step slowdown is "
+                                    f"{slowdown} against its SLO of {prediction.slo:g} on {pool.gpus} GPUs "
+                                    f"(reward phase at most {prediction.phase_s:.3g} s here, "
+                                    f"{prediction.solo_phase_s:.3g} s dedicated)", prediction)
+
+    # -- changes ---------------------------------------------------------------------------------------------
+
+    async def load(self) -> None:
+        """Admit the store's plans, oldest first, each with those admitted before it; one refused now (the config
+        or the pool changed since it was made) is shelved with the reason and stays in the store."""
+        async with self.lock:
+            for task, raw in (await self.store.load_slo_plans()).items():
+                try:
+                    plan = table(SloPlan, raw, f"stored plan of {task}")
+                except ConfigError as error:
+                    self.shelved[task] = f"unreadable: {error}"
+                else:
+                    if task in self.config_plans:  # kept under the config's, in force again if that one goes
+                        log.info("the config's SLO of task %r is in force, not the one made through the API", task)
+                        self.stored[task] = plan
+                        continue
+                    refusal = self.refusal({**self.plans, task: plan})
+                    if refusal is None:
+                        self.stored[task] = plan
+                        continue
+                    self.shelved[task] = refusal.reason
+                log.error("the SLO of task %r made through the API is not in force: %s (DELETE /v1/tasks/%s/slo "
+                          "removes it)", task, self.shelved[task], task)
+            self.tracker.plan(self.plans)
+
+    def configure(self, config_plans: Mapping[str, SloPlan]) -> None:
+        """The config's plans from now on (``POST /v1/admin/reload``, after ``refusal`` let them in)."""
+        self.config_plans = dict(config_plans)
+        self.tracker.plan(self.plans)
+
+    async def put(self, task: str, plan: SloPlan) -> None:
+        """Plan ``task`` (replacing its plan) if every plan then holds; else 409 naming the task that would break,
+        or 422 naming the field, and nothing changes."""
+        async with self.lock:
+            self._not_in_config(task)
+            refusal = self.refusal({**self.plans, task: plan})
+            if refusal is not None and refusal.breach is not None:
+                raise Conflict("slo", f"{refusal.reason}; nothing changed", task=refusal.task,
+                               predicted_slowdown=finite(refusal.breach.slowdown), slo=refusal.breach.slo)
+            if refusal is not None:
+                raise Unprocessable(refusal.field.removeprefix("slo."), refusal.reason)
+            await self._written(self.store.put_slo_plan(task, dataclasses.asdict(plan), time.time()))
+            self.stored[task] = plan
+            self.shelved.pop(task, None)
+            self.tracker.plan(self.plans)
+
+    async def delete(self, task: str) -> None:
+        async with self.lock:
+            self._not_in_config(task)
+            if task not in self.stored and task not in self.shelved:
+                raise NotFound("task", f"task {task!r} has no SLO made through the API")
+            await self._written(self.store.delete_slo_plan(task))
+            self.stored.pop(task, None)
+            self.shelved.pop(task, None)
+            self.tracker.plan(self.plans)
+
+    def _not_in_config(self, task: str) -> None:
+        if task in self.config_plans:
+            raise Conflict("task", f"the SLO of task {task!r} is in the config (tasks.{task}.slo): change it there, "
+                                   f"then POST /v1/admin/reload")
+
+    @staticmethod
+    async def _written(write: Awaitable[object]) -> None:
+        try:
+            await write
+        except Exception as error:  # noqa: BLE001 - any driver error: the database cannot answer now
+            log.error("SLO plan not written: %r", error)
+            raise Unavailable("store", "the database is unavailable; nothing changed, retry") from None
+
+    # -- views -----------------------------------------------------------------------------------------------
+
+    def _predictions(self) -> dict[str, Prediction]:
+        pool, plans = self.pool(), self.plans
+        return predict(plans, pool) if plans and pool is not None and pool.gpus else {}
+
+    def describe(self) -> dict[str, Any]:
+        """Every planned task: its plan, its prediction with the pool as it is now, and its attainment so far."""
+        pool, predictions = self.pool(), self._predictions()
+        tasks = []
+        for task, plan in sorted(self.plans.items()):
+            prediction = predictions[task]
+            tasks.append({"task": task, "source": "config" if task in self.config_plans else "store",
+                          "plan": dataclasses.asdict(plan),
+                          "prediction": {"phase_s": finite(prediction.phase_s),
+                                         "solo_phase_s": prediction.solo_phase_s,
+                                         "slowdown": finite(prediction.slowdown), "slo": prediction.slo,
+                                         "within": prediction.within},
+                          "attainment": _attainment_json(self.tracker.tasks.get(task, Attainment()))})
+        return {"pool": None if pool is None else {"gpus": pool.gpus, "restore_s": pool.restore_s},
+                "tasks": tasks, "shelved": dict(self.shelved)}
+
+    def summary(self) -> list[dict[str, Any]]:
+        """Per planned task, its SLO, prediction and attainment (``GET /v1/resources``: the status views')."""
+        return [{"task": row.task, "slo": row.slo, "predicted_slowdown": finite(row.predicted_slowdown),
+                 **_attainment_json(self.tracker.tasks.get(row.task, Attainment()))} for row in self._figures()]
+
+    def _figures(self) -> Iterable[SloFigures]:
+        for task, prediction in sorted(self._predictions().items()):
+            attained = self.tracker.tasks.get(task, Attainment())
+            yield SloFigures(task, prediction.slo, prediction.slowdown, attained.windows, attained.within,
+                             attained.last_slowdown)
+
+
+def _attainment_json(attained: Attainment) -> dict[str, Any]:
+    return {"windows": attained.windows, "within": attained.within, "attainment": attained.fraction,
+            "last_slowdown": finite(attained.last_slowdown)}

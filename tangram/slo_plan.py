@@ -1,0 +1,134 @@
+"""SLO admission for RL tasks sharing a GPU pool (issue 18; RollMux/Weave §4.2, worst-case planning).
+
+A task states the slowdown of its training step it tolerates against a dedicated deployment of its reward model
+(say 1.2), and declares its step at its worst: reward actions per step, the longest one action can take, the rest
+of the step (rollout and training) at its shortest. A task is admitted to the pool only if every task's predicted
+slowdown, its own included, stays within its SLO. Both sides of the ratio are planned on the worst case, as RollMux
+does (its Algorithm 1, line 10).
+
+The bound on a task's reward phase in the pool is a response-time analysis (a fixed point, as Joseph and Pandya's,
+for a work-conserving pool of ``G`` GPUs with non-preemptive actions, Graham's list-scheduling bound):
+
+    R_k = p_max + C_k + (W_k + sum_{j != k} (1 + floor(R_k / O_j)) * W_j) / G
+
+* ``W_j``: GPU-seconds of task j's reward phase at its worst: each action at its longest, at the least efficient
+  DoP it asks for, and paying a restore of its service (an action never finds its service resident: FCFS
+  interleaving several services is that bad);
+* ``O_j``: the shortest gap between two of j's reward phases (the rest of its step: training, then the next
+  rollout until its first reward). Every two phases of j that meet a window of ``R`` have such a gap between them
+  inside it, so at most ``1 + floor(R / O_j)`` of them meet it;
+* ``p_max``: the longest action in the pool with its restore (one already running when the phase starts holds
+  its GPUs);
+* ``C_k``: one restore of k's own service.
+
+A dedicated deployment serves the task alone on ``dedicated_gpus`` with its service resident:
+``R_solo = p + W_solo / G_k``. Predicted slowdown: ``(other_s + R_k) / (other_s + R_solo)``.
+
+The bound holds only for GPU load that comes from planned tasks: a task without an SLO adds load no plan counts.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Annotated
+
+from pydantic import Field, Strict
+
+from tangram.core.config_tables import TABLE, Count, PositiveSeconds, Seconds, Text
+
+#: the fixed point stops here: a phase this many times its task's step period is as good as unbounded
+UNBOUNDED_PERIODS = 1000
+
+
+@dataclass(frozen=True)
+class SloPlan:
+    """One task's SLO and its step at its worst (``[tasks.NAME.slo]`` or ``PUT /v1/tasks/NAME/slo``)."""
+
+    __pydantic_config__ = TABLE
+
+    #: the step time the task tolerates, as a multiple of its step on a dedicated deployment (RollMux: 1-2)
+    slowdown: Annotated[float, Strict(), Field(ge=1)]
+    #: the reward service its actions call
+    service: Text
+    #: reward actions per step
+    actions: Count
+    #: the longest one action takes on one GPU (RollMux plans each response at the maximum token length)
+    action_s: PositiveSeconds
+    #: the rest of a step at its shortest: the gap from the last reward of a step to the first of the next (training,
+    #: then the next rollout until its first trajectory ends)
+    other_s: Seconds
+    #: GPUs of the dedicated deployment the slowdown is measured against
+    dedicated_gpus: Count
+    #: the least parallel efficiency E(m) among the DoPs its actions ask for (1: DoP 1 only)
+    efficiency: Annotated[float, Strict(), Field(gt=0, le=1)] = 1.0
+
+    def solo_phase_s(self) -> float:
+        """The reward phase on the dedicated deployment, at its worst, service resident."""
+        return self.action_s + self.actions * self.action_s / self.efficiency / self.dedicated_gpus
+
+
+@dataclass(frozen=True)
+class Pool:
+    """The GPUs the planned tasks share, and each service's expected restore (switch) time on them."""
+
+    gpus: int
+    restore_s: Mapping[str, float]
+
+    def phase_gpu_s(self, plan: SloPlan) -> float:
+        """GPU-seconds of one reward phase of ``plan`` at its worst: every action restores its service."""
+        return plan.actions * (plan.action_s / plan.efficiency + self.restore_s.get(plan.service, 0.0))
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One task's planned reward phase in the pool and on its dedicated deployment, and their step ratio."""
+
+    phase_s: float  # math.inf: the pool cannot bound it
+    solo_phase_s: float
+    slowdown: float
+    slo: float
+
+    @property
+    def within(self) -> bool:
+        return self.slowdown <= self.slo
+
+
+def phase_bound(task: str, plans: Mapping[str, SloPlan], pool: Pool) -> float:
+    """The bound ``R_task`` on the task's reward phase with every task of ``plans`` in the pool; inf if the fixed
+    point does not converge (the pool is overloaded)."""
+    own = plans[task]
+    others = [(pool.phase_gpu_s(plan), plan.other_s) for name, plan in plans.items() if name != task]
+    blocking = max(plan.action_s + pool.restore_s.get(plan.service, 0.0) for plan in plans.values())
+    fixed = blocking + pool.restore_s.get(own.service, 0.0)
+    own_work = pool.phase_gpu_s(own)
+    bound = fixed + own_work / pool.gpus
+    limit = UNBOUNDED_PERIODS * max(own.other_s, bound)
+    while True:
+        interference = sum((1 + math.floor(bound / gap)) * work if gap > 0 else math.inf for work, gap in others)
+        following = fixed + (own_work + interference) / pool.gpus
+        if following <= bound or following > limit:
+            return following if following <= limit else math.inf
+        bound = following
+
+
+def predict(plans: Mapping[str, SloPlan], pool: Pool) -> dict[str, Prediction]:
+    """Every task's prediction with all of ``plans`` in the pool."""
+    out = {}
+    for task, plan in plans.items():
+        phase = phase_bound(task, plans, pool)
+        solo = plan.solo_phase_s()
+        slowdown = (plan.other_s + phase) / (plan.other_s + solo)
+        out[task] = Prediction(phase, solo, slowdown, plan.slowdown)
+    return out
+
+
+def first_breach(plans: Mapping[str, SloPlan], pool: Pool) -> tuple[str, Prediction] | None:
+    """The task whose SLO the plans would break (the worst one, relative to its SLO); None if all hold."""
+    broken = [(prediction.slowdown / prediction.slo, task, prediction)
+              for task, prediction in predict(plans, pool).items() if not prediction.within]
+    if not broken:
+        return None
+    _, task, prediction = max(broken, key=lambda entry: entry[0])
+    return task, prediction
