@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import psutil
 
 from managers.gpu_discovery import discover_gpus
+from managers.gpu_types import GPU_TYPES, REFERENCE_TYPE, GpuType, merge_types
 from managers.ray_config import RayConfig, check_no_ray_keys
 from reward_services.backend import TASKS, ServiceSpec
 from reward_services.options import OPTIONS
@@ -40,6 +42,9 @@ class GpuNodeConfig:
     #: host for a node behind an agent) where the torch services' host copies spill when they need more than
     #: ``host_memory_mb``; absent: no disk tier
     disk_dir: Text | None = None
+    #: its GPUs' type, a name in ``[gpu.types]`` (``managers/gpu_types.py``); left out: ``cpu`` for virtual GPUs,
+    #: else the reference type (a cluster whose nodes name no type is homogeneous, whatever its cards are)
+    type: Text = REFERENCE_TYPE
 
 
 @dataclass(frozen=True)
@@ -57,7 +62,8 @@ class GpuJoinConfig:
 
     def node(self, name: str) -> GpuNodeConfig:
         return GpuNodeConfig(name=name, gpus=self.gpus, gpu_memory_mb=self.gpu_memory_mb,
-                             host_memory_mb=self.host_memory_mb, device_type=self.device_type, agent=True)
+                             host_memory_mb=self.host_memory_mb, device_type=self.device_type, agent=True,
+                             type=_default_type(self.device_type))
 
 
 @dataclass(frozen=True)
@@ -78,19 +84,29 @@ class GpuConfig:
     join: GpuJoinConfig | None = None
     #: the ``[ray]`` section, for the nodes with ``agent = true`` and joining nodes (``parse_config`` sets it)
     ray: RayConfig = field(default_factory=RayConfig)
+    #: GPU types by name: the shipped ones with the ``[gpu.types.NAME]`` tables merged in
+    types: Mapping[str, GpuType] = field(default_factory=lambda: dict(GPU_TYPES))
 
 
 def parse_gpu_config(raw: Any) -> GpuConfig:
     """The ``[gpu]`` section; ``enabled`` defaults to "auto". Nothing here probes NVML (``wanted`` does)."""
-    inner = {"nodes", "services"}
+    inner = {"nodes", "services", "types"}
     if isinstance(raw, dict):
         check_no_ray_keys(raw, "gpu")
     config = table(GpuConfig, {k: v for k, v in raw.items() if k not in inner} if isinstance(raw, dict) else raw,
                    "gpu")
-    nodes = named_tables(GpuNodeConfig, raw.get("nodes", {}), "gpu.nodes")
+    types = merge_types(raw.get("types", {}), "gpu.types")
+    raw_nodes = raw.get("nodes", {})
+    if isinstance(raw_nodes, dict):
+        raw_nodes = {name: {"type": _default_type(body.get("device_type")), **body} if isinstance(body, dict)
+                     else body for name, body in raw_nodes.items()}
+    nodes = named_tables(GpuNodeConfig, raw_nodes, "gpu.nodes")
     if "nodes" in raw and not nodes:
         raise ConfigError("gpu.nodes", "must be a table of at least one node")
     for node in nodes:
+        if node.type not in types:
+            raise ConfigError(f"gpu.nodes.{node.name}.type", f"unknown GPU type {node.type!r}; known types are "
+                                                              f"{sorted(types)} (add a [gpu.types.{node.type}] table)")
         for size in ("gpus", "gpu_memory_mb", "host_memory_mb"):
             if node.agent and not getattr(node, size):
                 raise ConfigError(f"gpu.nodes.{node.name}.{size}", "is required for a node behind an agent (the "
@@ -98,7 +114,13 @@ def parse_gpu_config(raw: Any) -> GpuConfig:
     services = raw.get("services", {})
     if not isinstance(services, dict):
         raise ConfigError("gpu.services", "must be a table of service name = settings")
-    return replace(config, nodes=nodes, services=tuple(_service(name, body) for name, body in services.items()))
+    return replace(config, nodes=nodes, types=types,
+                   services=tuple(_service(name, body) for name, body in services.items()))
+
+
+def _default_type(device_type: Any) -> str:
+    """A node's type when its table names none: virtual GPUs are ``cpu``; CUDA ones the reference type."""
+    return "cpu" if device_type == "cpu" else REFERENCE_TYPE
 
 
 def _service(name: str, raw: Any) -> ServiceSpec:
