@@ -11,9 +11,10 @@ for a work-conserving pool of ``G`` GPUs with non-preemptive actions, Graham's l
 
     R_k = p_max + C_k + (W_k + sum_{j != k} (1 + floor(R_k / O_j)) * W_j) / G
 
-* ``W_j``: GPU-seconds of task j's reward phase at its worst: each action at its longest, at the least efficient
-  DoP it asks for, and paying a restore of its service (an action never finds its service resident: FCFS
-  interleaving several services is that bad);
+* ``W_j``: GPU-seconds of task j's reward phase at its worst: each action at its longest (or, with the mean and
+  deviation of its duration declared, the 99.9th percentile of their sum: RollMux's "conservative stochastic
+  planning" without its maximum-length bound), at the least efficient DoP it asks for, and each paying a restore
+  of its service (an action never finds its service resident: FCFS interleaving several services is that bad);
 * ``O_j``: the shortest gap between two of j's reward phases (the rest of its step: training, then the next
   rollout until its first reward). Every two phases of j that meet a window of ``R`` have such a gap between them
   inside it, so at most ``1 + floor(R / O_j)`` of them meet it;
@@ -40,6 +41,8 @@ from tangram.core.config_tables import TABLE, Count, PositiveSeconds, Seconds, T
 
 #: the fixed point stops here: a phase this many times its task's step period is as good as unbounded
 UNBOUNDED_PERIODS = 1000
+#: the standard normal's 99.9th percentile: a phase's work planned from its actions' mean and deviation
+PHASE_Z = 3.09
 
 
 @dataclass(frozen=True)
@@ -63,10 +66,24 @@ class SloPlan:
     dedicated_gpus: Count
     #: the least parallel efficiency E(m) among the DoPs its actions ask for (1: DoP 1 only)
     efficiency: Annotated[float, Strict(), Field(gt=0, le=1)] = 1.0
+    #: optional: the mean and standard deviation of one action on one GPU. Given, a phase's work is planned at the
+    #: 99.9th percentile of its sum rather than every action at its longest (below)
+    action_mean_s: PositiveSeconds | None = None
+    action_sd_s: Seconds = 0.0
+
+    def work_s(self) -> float:
+        """Seconds on one GPU of one phase's actions, at the worst the plan admits: every action at ``action_s``, or,
+        with the mean and deviation declared, their sum's 99.9th percentile (independent durations, the central
+        limit over ``actions``), never above every action at its longest."""
+        longest = self.actions * self.action_s
+        if self.action_mean_s is None:
+            return longest
+        quantile = self.actions * self.action_mean_s + PHASE_Z * self.action_sd_s * math.sqrt(self.actions)
+        return min(longest, quantile)
 
     def solo_phase_s(self) -> float:
         """The reward phase on the dedicated deployment, at its worst, service resident."""
-        return self.action_s + self.actions * self.action_s / self.efficiency / self.dedicated_gpus
+        return self.action_s + self.work_s() / self.efficiency / self.dedicated_gpus
 
 
 @dataclass(frozen=True)
@@ -78,7 +95,7 @@ class Pool:
 
     def phase_gpu_s(self, plan: SloPlan) -> float:
         """GPU-seconds of one reward phase of ``plan`` at its worst: every action restores its service."""
-        return plan.actions * (plan.action_s / plan.efficiency + self.restore_s.get(plan.service, 0.0))
+        return plan.work_s() / plan.efficiency + plan.actions * self.restore_s.get(plan.service, 0.0)
 
 
 @dataclass(frozen=True)

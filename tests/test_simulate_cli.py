@@ -14,8 +14,8 @@ from tangram.sim.scenarios import SCENARIOS, SENSITIVITY_DOPS, VARIATIONS
 #: the smallest scale that keeps the paper's node density (one CPU node of 256 cores)
 QUICK = "0.2"
 #: scenarios with a test of their own below, which also checks what every scenario writes
-#: (training: tests/test_sim_training.py)
-CHECKED_BELOW = ("coding-batch", "coding-capacity", "dop", "sensitivity", "training")
+#: (training: tests/test_sim_training.py, gpu-slo: tests/test_sim_slo.py)
+CHECKED_BELOW = ("coding-batch", "coding-capacity", "dop", "sensitivity", "training", "gpu-slo")
 
 
 def check_written(body: dict, scenario: str, out_png: Path) -> None:

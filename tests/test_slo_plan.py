@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -72,3 +73,15 @@ def test_a_plan_out_of_range_is_refused_naming_the_field(field):
     with pytest.raises(ConfigError) as refused:
         table(SloPlan, {**fields, field: -1}, "p")
     assert refused.value.key == f"p.{field}"
+
+
+def test_a_declared_mean_and_deviation_plan_a_phase_at_the_quantile_of_its_sum_never_above_the_longest():
+    worst = SloPlan(slowdown=1.5, service="a", actions=100, action_s=6.0, other_s=10.0, dedicated_gpus=4)
+    assert worst.work_s() == 600.0
+    stochastic = replace(worst, action_mean_s=2.0, action_sd_s=1.0)
+    assert stochastic.work_s() == pytest.approx(100 * 2.0 + 3.09 * 1.0 * 10)  # 200 + z * sd * sqrt(100)
+    assert stochastic.solo_phase_s() == pytest.approx(6.0 + 230.9 / 4)
+    # the pool's phase work follows: restores per action on top of the planned work
+    assert Pool(4, {"a": 0.5}).phase_gpu_s(stochastic) == pytest.approx(230.9 + 100 * 0.5)
+    # one action: the quantile would exceed the longest, which bounds it
+    assert replace(stochastic, actions=1, action_sd_s=5.0).work_s() == 6.0

@@ -13,7 +13,7 @@ from __future__ import annotations
 import heapq
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from managers.basic import BasicManager, BasicResourceConfig
@@ -39,6 +39,8 @@ from tangram.sim.engine import CallRun
 from tangram.sim.execution import Execution
 from tangram.sim.records import percentile
 from tangram.sim.trace import Trajectory
+from tangram.slo_attainment import SloAttainment
+from tangram.slo_plan import SloPlan
 
 TOOL_SIGNATURE = "exec|tool"
 #: a GPU node's disk tier directory in simulation: named so that the manager makes the tier, never touched
@@ -154,7 +156,8 @@ class BrokerStation:
                  horizon: int = 64, malleable: bool = True, share_by_remaining: bool = False,
                  arrivals: bool = True, worker_overhead: float = CpuConfig.worker_overhead,
                  static_dops: bool = False, order: str = "fcfs", max_wait_s: float = 60.0,
-                 prefetch: bool = True, wait_for_resident: bool = False) -> None:
+                 prefetch: bool = True, wait_for_resident: bool = False,
+                 slo_plans: Mapping[str, SloPlan] | None = None) -> None:
         self.cluster = cluster
         self.costs: Costs = cluster.costs
         self.test_demand = test_demand
@@ -190,6 +193,11 @@ class BrokerStation:
         self.loads: dict[tuple[str, str], float] = {}
         self.disk_free_at: dict[str, float] = {}
         self.disk_loads = 0
+        #: the broker's own attainment estimate (``tangram/slo_attainment.py``) of the tasks with ``slo_plans``
+        self.slo: SloAttainment | None = None
+        if slo_plans:
+            self.slo = SloAttainment(lambda action: str(action.spec["service"]), "gpu")
+            self.slo.plan(slo_plans)
 
     def submit(self, run: CallRun, now: float) -> None:
         self.seq += 1
@@ -199,6 +207,8 @@ class BrokerStation:
         self.queue.push(action)
         if self.arrivals is not None:
             self.arrivals.submitted(action, now)
+        if self.slo is not None:
+            self.slo.submitted(action)
         self.dirty = True
 
     def collect(self, now: float) -> list[CallRun]:
@@ -226,6 +236,9 @@ class BrokerStation:
             if action.malleable is not None:
                 self.calls[action_id].resizes = action.malleable.resizes
             dispatch.ended(self.durations, self.arrivals, action, now, succeeded=True)
+            if self.slo is not None:
+                action.finished_at = now
+                self.slo.ended(action)
             done.append(self.calls.pop(action_id))
             self.dirty = True
         return done
@@ -400,4 +413,6 @@ class BrokerStation:
         passes = self.pass_ms or [0.0]
         return {"passes": len(self.pass_ms), "pass_ms_median": statistics.median(passes),
                 "pass_ms_p99": percentile(passes, 0.99), "restores": self.restores,
-                "evictions": self.evictions, "disk_loads": self.disk_loads}
+                "evictions": self.evictions, "disk_loads": self.disk_loads,
+                **({"slo_windows": {task: [a.windows, a.within] for task, a in self.slo.tasks.items()}}
+                   if self.slo is not None else {})}

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import heapq
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -69,21 +69,29 @@ class Station(Protocol):
 
 #: builds the stations of one run, and says which serves each call kind
 Policy = Callable[[Cluster], Mapping[str, Station]]
+#: trajectories that start because one ended (the next step of a task once its step's last trajectory is done)
+Follow = Callable[[Trajectory, float], Sequence[Trajectory]]
 
 
 class Stalled(RuntimeError):
     """Calls are waiting but no station will ever start them (a call larger than any pool, say)."""
 
 
-def simulate(trace: Trace, cluster: Cluster, policy: Policy, name: str) -> RunResult:
-    """Run every trajectory of ``trace`` to its end; returns every call's record."""
+def simulate(trace: Trace, cluster: Cluster, policy: Policy, name: str, follow: Follow | None = None) -> RunResult:
+    """Run every trajectory of ``trace`` to its end, and those ``follow`` starts as others end; returns every
+    call's record."""
     routes = policy(cluster)
     stations = list({id(s): s for s in routes.values()}.values())
-    trajectories = trace.trajectories
+    trajectories: list[Trajectory] = []
     wakeups: list[tuple[float, int, int]] = []  # (time, trajectory index, call index)
-    for i, trajectory in enumerate(trajectories):
+
+    def start(trajectory: Trajectory) -> None:
+        trajectories.append(trajectory)
         if trajectory.calls:
-            heapq.heappush(wakeups, (trajectory.start_s + trajectory.calls[0].think_s, i, 0))
+            heapq.heappush(wakeups, (trajectory.start_s + trajectory.calls[0].think_s, len(trajectories) - 1, 0))
+
+    for trajectory in trace.trajectories:
+        start(trajectory)
     records: list[CallRecord] = []
     in_flight = 0
     instants = 0
@@ -107,6 +115,8 @@ def simulate(trace: Trace, cluster: Cluster, policy: Policy, name: str) -> RunRe
                 else:
                     for done in stations:
                         done.trajectory_done(trajectory, now)
+                    for following_trajectory in follow(trajectory, now) if follow else ():
+                        start(following_trajectory)
         while wakeups and wakeups[0][0] <= now:
             _, i, index = heapq.heappop(wakeups)
             trajectory = trajectories[i]

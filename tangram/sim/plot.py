@@ -35,7 +35,7 @@ def plot(outcome: Outcome, path: str | Path) -> None:
     if outcome.series:
         _series(outcome, path)
         return
-    bars = outcome.scenario in ("breakdown", "e2e")
+    bars = outcome.scenario in ("breakdown", "e2e", "gpu-slo")
     named = {} if bars else _x_labels(outcome)  # unrelated settings (sensitivity): markers only, each x named
     figure, axes = plt.subplots(figsize=(9, 5) if named else (7, 4.2), dpi=110)
     if bars:
@@ -94,7 +94,14 @@ def _x_labels(outcome: Outcome) -> dict[int, str]:
 
 
 def _bars(outcome: Outcome, axes: object) -> None:
-    if outcome.scenario == "breakdown":
+    if outcome.scenario == "gpu-slo":  # tasks each admission put on the pool, each bar labelled with its attainment
+        names = [p.policy for p in outcome.points]
+        bars = axes.bar(names, [p.summary["tasks"] for p in outcome.points],  # type: ignore[attr-defined]
+                        label="tasks admitted")
+        axes.bar_label(bars, [f"{p.summary['attainment']:.0%} within SLO"  # type: ignore[attr-defined]
+                              for p in outcome.points], fontsize=8)
+        axes.set_ylabel("tasks on the 40 GPUs")  # type: ignore[attr-defined]
+    elif outcome.scenario == "breakdown":
         names = [f"{'Coding' if i < 2 else 'MOPD'} ({int(p.x)})" for i, p in enumerate(outcome.points)]
         bottom = [0.0] * len(names)
         for key, label in (("mean_exec_s", "execution"), ("mean_queue_s", "queueing"),
