@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import Counter
@@ -49,9 +49,12 @@ HOST_COPY_ATTEMPTS = 3
 class DiskTier:
     """The disk tier over a GPU manager's nodes (those with ``disk_dir``)."""
 
-    def __init__(self, nodes: Mapping[str, GpuNode], services: Mapping[str, ServiceSpec]) -> None:
+    def __init__(self, nodes: Mapping[str, GpuNode], services: Mapping[str, ServiceSpec],
+                 may_run: Callable[[str, GpuNode], bool] = lambda service, node: True) -> None:
         self._nodes = nodes  # the manager's own mapping: nodes that join are seen
         self._services = services
+        #: whether a service's actions may run on a node (``GpuManager.may_run``): a copy elsewhere serves none
+        self._may_run = may_run
         #: each service's expected load, from the loads seen: its host copy at the assumed rate until one is
         self.load_time = LearnedSeconds(lambda name: services[name].host_memory_mb / LOAD_PRIOR_MB_PER_S,
                                         LOAD_EWMA_ALPHA)
@@ -64,15 +67,16 @@ class DiskTier:
         return any(node.tier is not None for node in self._nodes.values())
 
     def _holders(self) -> dict[str, set[str]]:
-        """For each tiered service, the nodes in service whose host memory holds its copy (or is loading it), or
-        whose GPUs do. Read once per pass (nothing changes during one), and by each prefetch plan."""
+        """For each tiered service, the nodes in service that it may run on whose host memory holds its copy (or is
+        loading it), or whose GPUs do. Read once per pass (nothing changes during one), and by each prefetch
+        plan."""
         if self._held is None:
             self._held = {}
             for node in self._nodes.values():
                 if node.lost is None and node.tier is not None:
                     resident = node.resident_services()
                     for service in node.tier.copies:
-                        if node.tier.holds(service) or service in resident:
+                        if (node.tier.holds(service) or service in resident) and self._may_run(service, node):
                             self._held.setdefault(service, set()).add(node.name)
         return self._held
 
@@ -87,7 +91,8 @@ class DiskTier:
         self._held = None
 
     def held(self, service: str) -> bool:
-        """Whether some node in service holds ``service``'s copy (in host memory, loading, or on its GPUs)."""
+        """Whether some node in service that ``service`` may run on holds its copy (in host memory, loading, or on
+        its GPUs)."""
         return bool(self._holders().get(service))
 
     def prefetch_plan(self, upcoming: Iterable[str]) -> list[tuple[GpuNode, str, list[HostCopy]]]:
@@ -99,7 +104,8 @@ class DiskTier:
         plans = []
         ahead: list[str] = []
         for service in dict.fromkeys(upcoming):
-            serving = [node for node in nodes if node.tier is not None and service in node.tier.copies]
+            serving = [node for node in nodes if node.tier is not None and service in node.tier.copies
+                       and self._may_run(service, node)]
             if serving and not self._holders().get(service):
                 for node in sorted(serving, key=lambda node: -node.chunks.free_gpus):
                     assert node.tier is not None

@@ -11,7 +11,8 @@ Pools are nodes. ``fit`` places an action on a node that already holds its servi
 on a free chunk, else on the node with the most free GPUs (room for the elastic DP to scale actions up; inside a
 node, the buddy allocator's smallest fit keeps large chunks whole). With ``wait_for_resident`` an action whose
 service is resident only on busy GPUs waits for them up to one restore's time (``delay_wait.py``). The DP plans
-with the chunk operator, which follows the allocator's own transitions.
+with the chunk operator, which follows the allocator's own transitions. ``place_services`` confines each service to
+the nodes a placement gives it (``gpu_placement.py``): the fit then looks only there.
 """
 
 from __future__ import annotations
@@ -123,6 +124,10 @@ class GpuFit(Fit):
         self._best_of: dict[tuple[str, int, tuple[int, ...]], tuple[bool, bool, int, int, str] | None] = {}
         #: (service, DoP) of the instances resident on nodes in service, read once per pass
         self._resident: set[tuple[str, int]] | None = None
+        #: actions refused this pass only because the nodes their service is placed on are full (``place_services``)
+        self.confined: set[str] = set()
+        #: those nodes: no later action takes a chunk there this pass, so FCFS holds on them
+        self.kept: set[str] = set()
 
     def try_add(self, action: Action, units: Mapping[str, int]) -> bool:
         k = units[RESOURCE]
@@ -130,6 +135,7 @@ class GpuFit(Fit):
         dops = action.demands[RESOURCE].choices
         best = self._best(service, k, dops)
         if best is None:
+            self._confine(action, service, k)
             return False
         patience = self._avoidable_setup(service, best, dops)
         if patience <= 0.0:
@@ -153,12 +159,26 @@ class GpuFit(Fit):
             options = []
             for name, node in self.manager.nodes.items():
                 level = self.free[name].smallest_fitting_level(k)
-                if service in node.services and level is not None and node.lost is None:
+                if service in node.services and level is not None and node.lost is None and name not in self.kept \
+                        and self.manager.may_run(service, node):
                     resident = node.resident_on_free_chunk(service, dops, self.free[name])
                     in_host = node.tier is None or node.tier.holds(service)
                     options.append((not resident, not in_host, -self.free[name].free_gpus, level, name))
             self._best_of[key] = min(options, default=None)
         return self._best_of[key]
+
+    def _confine(self, action: Action, service: str, k: int) -> None:
+        """An action refused while a node its service is not placed on has room for it waits for its own nodes
+        without holding back the actions placed elsewhere: those nodes are kept from later actions instead."""
+        nodes = self.manager.nodes
+        mine = [name for name, node in nodes.items() if self.manager.may_run(service, node)]
+        if len(mine) < len(nodes) and any(self.free[name].smallest_fitting_level(k) is not None
+                                          for name, node in nodes.items() if name not in mine
+                                          and service in node.services and node.lost is None):
+            self.confined.add(action.id)
+            if not self.kept.issuperset(mine):
+                self.kept.update(mine)
+                self._best_of.clear()
 
     def _avoidable_setup(self, service: str, best: tuple[bool, bool, int, int, str], dops: tuple[int, ...]) -> float:
         """What starting on ``best`` would spend that waiting for a node holding the service (busy now) would
@@ -178,11 +198,11 @@ class GpuFit(Fit):
         if self._resident is None:
             self._resident = {(slot.service, slot.chunk.size) for node in self.manager.nodes.values()
                               if node.lost is None for slot in node.residency.slots.values()
-                              if slot.state is SlotState.RESIDENT}
+                              if slot.state is SlotState.RESIDENT and self.manager.may_run(slot.service, node)}
         return any((service, k) in self._resident for k in dops)
 
     def holds_back(self, action: Action) -> bool:
-        return action.id not in self.deferred
+        return action.id not in self.deferred and action.id not in self.confined
 
     def remove(self, action: Action) -> None:
         placed = self.placed.pop(action.id, None)
@@ -237,7 +257,9 @@ class GpuManager(ResourceManager[GpuHandle]):
         #: services added at runtime and not yet served: "preparing", or "failed: ..." with the reason
         self.preparing: dict[str, str] = {}
         self._preparations: set[asyncio.Task[None]] = set()
-        self.disk = DiskTier(self.nodes, self.services)
+        self.disk = DiskTier(self.nodes, self.services, self.may_run)
+        #: service -> the nodes its reward actions may run on (``place_services``); a service absent: every node
+        self.allowed: dict[str, frozenset[str]] = {}
         #: actions deferred to wait for a node that holds their service (delay scheduling)
         self.waits = DelayWaits(clock)
         self.wait_for_resident = config.wait_for_resident
@@ -518,6 +540,21 @@ class GpuManager(ResourceManager[GpuHandle]):
     def largest_pool(self, resource: str) -> int:
         return max((chunk.size for node in self.nodes.values() for chunk in node.chunks.tiles), default=0)
 
+    def place_services(self, allowed: Mapping[str, Collection[str]] | None = None) -> None:
+        """Confine each service's reward actions to the nodes named for it (a placement's variants,
+        ``managers/gpu_placement.py``); ``None``, the default, lets every service run on every node. An empty or
+        missing entry, or one naming no node in service (unknown or lost), also means every node: a placement can
+        slow a service down but never leave it unservable. Only where new actions start changes: instances
+        resident elsewhere stay until evicted, and a resident instance on a node outside counts for nothing."""
+        self.allowed = {service: frozenset(nodes) for service, nodes in (allowed or {}).items() if nodes}
+
+    def may_run(self, service: str, node: GpuNode) -> bool:
+        """Whether ``service``'s actions may start on ``node`` (``place_services``)."""
+        allowed = self.allowed.get(service)
+        if allowed is None or node.name in allowed:
+            return True
+        return not any(self.nodes[name].lost is None for name in allowed if name in self.nodes)
+
     def fit(self) -> GpuFit:
         self.disk.new_pass()
         self.waits.new_pass()
@@ -560,10 +597,11 @@ class GpuManager(ResourceManager[GpuHandle]):
 
     def setup_costs(self, actions: Sequence[Action]) -> dict[str, float]:
         """A reward action's setup: nothing when an instance of its service is resident, at a DoP it accepts, on
-        free GPUs of a node in service (it can start without a switch), else the service's expected restore."""
+        free GPUs of a node in service that it may run on (it can start without a switch), else the service's
+        expected restore."""
         ready = {(slot.service, slot.chunk.size) for node in self.nodes.values() if node.lost is None
                  for slot in node.residency.slots.values() if slot.state is SlotState.RESIDENT
-                 and any(free.contains(slot.chunk) for free in node.chunks.free)}
+                 and any(free.contains(slot.chunk) for free in node.chunks.free) and self.may_run(slot.service, node)}
         costs = {}
         of: dict[tuple[str, tuple[int, ...]], float] = {}  # many queued actions ask the same
         for action in actions:

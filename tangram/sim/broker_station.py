@@ -5,7 +5,8 @@ scheduling pass; placements are allocated by the real managers (cores per node w
 life, buddy GPU chunks, API quota windows on the virtual clock). Execution time is the call's true duration on the
 granted units; overhead is the dispatch cost and the sandbox creation on a trajectory's first exec (CPU), or the
 restore from host memory when the service is not resident on the chunk (GPU, using the manager's residency and
-its LRU eviction).
+its LRU eviction). On a typed cluster a reward call runs at its service's speed on the node's GPU type, and a
+restore's host-to-GPU copy at the type's rate (``managers/gpu_types.py``); an untyped cluster is all reference type.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from managers.cpu_config import CpuConfig, CpuNodeConfig
 from managers.cpu_node import CpuNode
 from managers.gpu import GpuManager, GpuNode
 from managers.gpu_config import GpuConfig, GpuNodeConfig
+from managers.gpu_placement import Method
+from managers.gpu_types import REFERENCE_TYPE, restore_factor, speed
 from managers.host_tier import CopyState, HostTierFull
 from managers.residency import SlotState
 from reward_services.backend import ServiceBackend, ServiceInstance, ServiceSpec
@@ -37,6 +40,7 @@ from tangram.setup_order import SetupAwareOrder
 from tangram.sim.cluster import Cluster, Costs, xdist_cpu_s
 from tangram.sim.engine import CallRun
 from tangram.sim.execution import Execution
+from tangram.sim.placement import allowed_nodes, placement_stats, solve
 from tangram.sim.records import percentile
 from tangram.sim.trace import Trajectory
 from tangram.slo_attainment import SloAttainment
@@ -100,12 +104,8 @@ def build_managers(cluster: Cluster, clock: Any, malleable: bool = True,
         specs = tuple(ServiceSpec(name=s.name, backend="torch", model=s.name, task="similarity", dops=s.dops,
                                   gpu_memory_mb=s.gpu_memory_mb, host_memory_mb=s.host_memory_mb)
                       for s in cluster.services)
-        gpu_nodes = tuple(GpuNodeConfig(name=f"gpu{i}", gpus=n, gpu_memory_mb=cluster.gpu_memory_mb,
-                                        host_memory_mb=cluster.gpu_host_memory_mb,
-                                        disk_dir=MODELLED_DISK if cluster.gpu_disk_tier else None)
-                          for i, n in enumerate(cluster.gpu_node_sizes))
-        gpu = GpuManager(GpuConfig(enabled=True, nodes=gpu_nodes, services=specs,
-                                   wait_for_resident=wait_for_resident),
+        gpu = GpuManager(GpuConfig(enabled=True, nodes=gpu_node_configs(cluster), services=specs,
+                                   wait_for_resident=wait_for_resident, types=cluster.gpu_types),
                          make_backend=lambda *_: _ModelledBackend(), clock=clock)
         for node in gpu.nodes.values():  # as ``GpuManager.start`` leaves it: copies prepared in turn, LRU dropped
             tier = node.tier
@@ -118,6 +118,14 @@ def build_managers(cluster: Cluster, clock: Any, malleable: bool = True,
         managers.append(BasicManager([BasicResourceConfig(a.name, concurrency=a.concurrency, quota=a.quota,
                                                           period_s=a.period_s) for a in cluster.apis], clock=clock))
     return managers
+
+
+def gpu_node_configs(cluster: Cluster) -> tuple[GpuNodeConfig, ...]:
+    """The cluster's GPU nodes as the GPU manager's config gives them, typed."""
+    return tuple(GpuNodeConfig(name=f"gpu{i}", gpus=n, gpu_memory_mb=cluster.gpu_memory_mb,
+                               host_memory_mb=cluster.gpu_host_memory_mb,
+                               disk_dir=MODELLED_DISK if cluster.gpu_disk_tier else None, type=cluster.gpu_node_type(i))
+                 for i, n in enumerate(cluster.gpu_node_sizes))
 
 
 ELASTIC_TEST = Demand.range(1, 32)  # §6.4: the DoP of a test run ranges from 1 to 32
@@ -157,7 +165,12 @@ class BrokerStation:
                  arrivals: bool = True, worker_overhead: float = CpuConfig.worker_overhead,
                  static_dops: bool = False, order: str = "fcfs", max_wait_s: float = 60.0,
                  prefetch: bool = True, wait_for_resident: bool = False,
-                 slo_plans: Mapping[str, SloPlan] | None = None) -> None:
+                 slo_plans: Mapping[str, SloPlan] | None = None, placement: Method | None = None,
+                 loads: Mapping[str, float] | None = None) -> None:
+        """``placement`` confines each reward service to the nodes of the GPU types where the placement of that
+        method (``tangram/sim/placement.py``) gives it a variant, computed once at the start from ``loads`` (service
+        -> GPU-seconds per second on the reference type; the scenario's oracle, ``trace_loads``); None: every
+        service on every node, today's broker."""
         self.cluster = cluster
         self.costs: Costs = cluster.costs
         self.test_demand = test_demand
@@ -198,6 +211,22 @@ class BrokerStation:
         if slo_plans:
             self.slo = SloAttainment(lambda action: str(action.spec["service"]), "gpu")
             self.slo.plan(slo_plans)
+        #: (node, service) -> times faster than on the reference type; node -> a restore's time over the reference's
+        self.speed: dict[tuple[str, str], float] = {}
+        self.restore_factor: dict[str, float] = {}
+        self.placement: dict[str, Any] | None = None
+        if self.gpu is not None:
+            reference = cluster.gpu_types[REFERENCE_TYPE]
+            for node in self.gpu.nodes.values():
+                kind = cluster.gpu_types[node.config.type]
+                self.restore_factor[node.name] = restore_factor(kind, reference)
+                for service in cluster.services:
+                    self.speed[(node.name, service.name)] = speed(kind, reference, service.bound)
+            if placement is not None:
+                nodes = self.gpu.config.nodes
+                placed = solve(placement, cluster, nodes, loads or {})
+                self.gpu.place_services(allowed_nodes(placed, nodes))
+                self.placement = placement_stats(placed)
 
     def submit(self, run: CallRun, now: float) -> None:
         self.seq += 1
@@ -312,9 +341,9 @@ class BrokerStation:
             return execution.finish_at()
         if call.kind == "reward":
             run.units = action.units["gpu"]
-            run.exec_s = call.duration(run.units)
             allocation = next(a for m, a in allocations if m is self.gpu)
             node_name, chunk = allocation.held()
+            run.exec_s = call.duration(run.units) / self.speed[(node_name, str(call.target))]
             run.pool = f"{node_name}:{chunk.start}+{chunk.size}"
             restore = self._make_resident(self.gpu.nodes[node_name], str(call.target), chunk)  # type: ignore[union-attr]
             run.overhead_s = restore
@@ -343,7 +372,7 @@ class BrokerStation:
         self.evictions += len(victims)
         shard_gb = slot.instance.spec.host_memory_mb / 1024 / chunk.size
         seconds = self._host_copy(node, service) + (self.costs.evict_s if victims else 0.0) \
-            + shard_gb / self.costs.h2d_gb_per_s
+            + shard_gb / self.costs.h2d_gb_per_s * self.restore_factor[node.name]
         self.gpu.restore_time.observe(service, seconds)  # type: ignore[union-attr]
         return seconds
 
@@ -415,4 +444,5 @@ class BrokerStation:
                 "pass_ms_p99": percentile(passes, 0.99), "restores": self.restores,
                 "evictions": self.evictions, "disk_loads": self.disk_loads,
                 **({"slo_windows": {task: [a.windows, a.within] for task, a in self.slo.tasks.items()}}
-                   if self.slo is not None else {})}
+                   if self.slo is not None else {}),
+                **({"placement": self.placement} if self.placement is not None else {})}

@@ -3,7 +3,10 @@ and the costs the simulator charges besides execution (all in seconds, each with
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+from managers.gpu_types import GPU_TYPES, REFERENCE_TYPE, Bound, GpuType
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,6 +20,11 @@ class ServiceModel:
     static_replicas: int = 1  # the static baseline's deployment: replicas of static_dop GPUs each (paper §6.1)
     static_dop: int = 4
     generates: bool = False  # a judge that generates text (decode-bound); a teacher only scores (prefill-bound)
+
+    @property
+    def bound(self) -> Bound:
+        """What limits its speed on a GPU type (``managers/gpu_types.py``): memory bandwidth if it generates."""
+        return "memory" if self.generates else "compute"
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,10 +95,24 @@ class Cluster:
     gpu_memory_mb: int = 81_920  # per GPU
     gpu_host_memory_mb: int = 3_000_000  # 3 TB per GPU node (paper §6.1)
     gpu_disk_tier: bool = False  # host copies that do not fit host memory spill to local disk (issue 18)
+    #: each GPU node's type, a name in ``gpu_types`` (issue 18); empty: every node the reference type (``h100``), on
+    #: which the trace's durations are. The memory per GPU stays ``gpu_memory_mb`` whatever the type
+    gpu_node_types: tuple[str, ...] = ()
+    gpu_types: Mapping[str, GpuType] = field(default_factory=lambda: GPU_TYPES)
     services: tuple[ServiceModel, ...] = ()
     apis: tuple[ApiModel, ...] = ()
     costs: Costs = field(default_factory=Costs)
     static: StaticServing = field(default_factory=StaticServing)
+
+    def __post_init__(self) -> None:
+        if self.gpu_node_types and len(self.gpu_node_types) != len(self.gpu_node_sizes):
+            raise ValueError(f"{len(self.gpu_node_types)} GPU node types for {len(self.gpu_node_sizes)} GPU nodes")
+        unknown = sorted(set(self.gpu_node_types) - set(self.gpu_types))
+        if unknown:
+            raise ValueError(f"unknown GPU types {unknown}; known: {sorted(self.gpu_types)}")
+
+    def gpu_node_type(self, index: int) -> str:
+        return self.gpu_node_types[index] if self.gpu_node_types else REFERENCE_TYPE
 
     @property
     def cores(self) -> int:
