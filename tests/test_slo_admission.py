@@ -31,6 +31,8 @@ INFER_S = {"a": 2.0, "b": 0.05}
 
 #: 2 actions of a at most 3 s each, 1000 s between reward phases: hardly slowed by anything
 LOOSE = {"slowdown": 2.0, "service": "a", "actions": 2, "action_s": 3.0, "other_s": 1000.0, "dedicated_gpus": 2}
+#: what a plan has where LOOSE leaves its optional fields out
+DEFAULTS = {"efficiency": 1.0, "action_mean_s": None, "action_sd_s": 0.0}
 #: 1 action of b at most 10 s, 10 s between phases, 1.05x tolerated
 TIGHT = {"slowdown": 1.05, "service": "b", "actions": 1, "action_s": 10.0, "other_s": 10.0, "dedicated_gpus": 1}
 #: 30 actions of a: alone on the pool it is within 2x, but a task sharing the pool waits for its phases
@@ -137,7 +139,7 @@ async def test_a_plan_that_would_break_a_task_is_refused_naming_it_and_nothing_c
         admitted = {task["task"]: task for task in body["tasks"]}
         assert set(admitted) == {"steady", "loose"} and admitted["loose"]["source"] == "store"
         assert all(task["prediction"]["within"] for task in admitted.values())
-        assert admitted["loose"]["plan"] == {**LOOSE, "efficiency": 1.0}
+        assert admitted["loose"]["plan"] == {**LOOSE, **DEFAULTS}
 
         code, body = await call(live, "PUT", "/v1/tasks/steady/slo", json=LOOSE)  # the config's plan
         assert code == 409 and body["error"]["field"] == "task" and "tasks.steady.slo" in body["error"]["reason"]
@@ -192,7 +194,7 @@ async def test_plans_made_through_the_api_outlive_a_restart_and_the_configs_win(
     async with broker(path) as live:
         after = await planned(live)
         assert set(after) == {"loose"} and after["loose"]["source"] == "store"
-        assert after["loose"]["plan"] == {**LOOSE, "efficiency": 1.0}
+        assert after["loose"]["plan"] == {**LOOSE, **DEFAULTS}
 
     write_config(path, {"loose": {**LOOSE, "slowdown": 1.5}}, store_url=store_url)
     async with broker(path) as live:
