@@ -170,6 +170,8 @@ class GpuFit(Fit):
     def _confine(self, action: Action, service: str, k: int) -> None:
         """An action refused while a node its service is not placed on has room for it waits for its own nodes
         without holding back the actions placed elsewhere: those nodes are kept from later actions instead."""
+        if service not in self.manager.allowed:  # every node is its own: nothing elsewhere to let go ahead
+            return
         nodes = self.manager.nodes
         mine = [name for name, node in nodes.items() if self.manager.may_run(service, node)]
         if len(mine) < len(nodes) and any(self.free[name].smallest_fitting_level(k) is not None
