@@ -77,12 +77,6 @@ def merge_types(raw: Any, where: str = "gpu.types") -> dict[str, GpuType]:
     return types
 
 
-def bound_of(task: str) -> Bound:
-    """A service that generates is bound by memory bandwidth (decode); one that only scores, by compute
-    (prefill)."""
-    return "memory" if task == "generate" else "compute"
-
-
 def speed(kind: GpuType, reference: GpuType, bound: Bound) -> float:
     """How many times faster a service with this ``bound`` runs on ``kind`` than on ``reference``."""
     if bound == "compute":

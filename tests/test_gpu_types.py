@@ -13,7 +13,6 @@ from managers.gpu_types import (
     GPU_TYPES,
     REFERENCE_TYPE,
     GpuType,
-    bound_of,
     fits,
     merge_types,
     restore_factor,
@@ -62,7 +61,6 @@ def test_speed_is_the_ratio_of_tflops_or_of_hbm_bandwidth() -> None:
     assert speed(h100, h100, "compute") == speed(h100, h100, "memory") == 1.0
     assert restore_factor(a100, h100) == pytest.approx(2.0)  # PCIe Gen4 against Gen5: twice as long
     assert fits(h100, 80 * 1024) and not fits(GPU_TYPES["a10"], 30_000)
-    assert (bound_of("generate"), bound_of("score"), bound_of("similarity")) == ("memory", "compute", "compute")
 
 
 def test_node_types_default_by_device_and_must_be_known() -> None:
