@@ -187,13 +187,14 @@ class SloAdmission:
 
     # -- views -----------------------------------------------------------------------------------------------
 
-    def _predictions(self) -> dict[str, Prediction]:
-        pool, plans = self.pool(), self.plans
+    def _predictions(self, pool: Pool | None) -> dict[str, Prediction]:
+        plans = self.plans
         return predict(plans, pool) if plans and pool is not None and pool.gpus else {}
 
     def describe(self) -> dict[str, Any]:
         """Every planned task: its plan, its prediction with the pool as it is now, and its attainment so far."""
-        pool, predictions = self.pool(), self._predictions()
+        pool = self.pool()
+        predictions = self._predictions(pool)
         tasks = []
         for task, plan in sorted(self.plans.items()):
             prediction = predictions[task]
@@ -213,7 +214,7 @@ class SloAdmission:
                  **_attainment_json(self.tracker.tasks.get(row.task, Attainment()))} for row in self._figures()]
 
     def _figures(self) -> Iterable[SloFigures]:
-        for task, prediction in sorted(self._predictions().items()):
+        for task, prediction in sorted(self._predictions(self.pool()).items()):
             attained = self.tracker.tasks.get(task, Attainment())
             yield SloFigures(task, prediction.slo, prediction.slowdown, attained.windows, attained.within,
                              attained.last_slowdown)
