@@ -14,15 +14,17 @@ a service fits (its memory per GPU within the type's, its host copy within a nod
                 sum_g x[s,g] >= 1                           for every service (each can run somewhere)
                 a >= 0, x binary, 0 <= t <= t_high
 
-``a[s,g]`` is GPUs' worth of group ``g``'s time given to ``s``; ``speed`` comes from ``managers/gpu_types.py``;
+``a[s,g]`` is GPUs' worth of group ``g``'s time given to ``s``; ``speed`` comes from ``managers/gpu_types.py``, or
+where given, from speeds measured (``speeds``, ``managers/service_demand.py``);
 ``load`` is GPU-seconds per second on the reference type; ``host[g]`` a node's host memory. ``t_high`` bounds the
 optimum (the LP relaxation's ``t``, tightened by re-solving with it), so ``m[s,g] = min(gpus[g], t_high * load[s] /
 speed[s,g])``: serving a service more than ``t`` times its load never helps, and the tighter ``m`` makes host memory
-bind in the relaxation too. ``scale`` is the greedy's ``t``, so the tie-break gives up at most ``TIE_BREAK`` of
-``t``. HiGHS solves it (``scipy.optimize.milp``) under a time limit, to a relative gap of ``TIE_BREAK / 10`` (which
-may leave a variant or two the tie-break would drop). Bad input, an infeasible ILP, a solver failure, or a time
-limit without a solution as good as the greedy's falls back to the greedy (``_greedy``) with the reason logged;
-nothing here raises on its input. Max-min leaves time that no bottleneck needs: each group's is shared out among
+bind in the relaxation too. ``scale`` is the ``t`` of the greedy's first dive, so the tie-break gives up at most
+``TIE_BREAK`` of ``t``. HiGHS solves it (``scipy.optimize.milp``) under a time limit, to a relative gap of
+``TIE_BREAK / 10`` (which may leave a variant or two the tie-break would drop). Bad input, an infeasible ILP, a
+solver failure, or a time limit without a solution as good as that dive's falls back to the greedy (``_greedy``:
+two dives through the relaxation, then a local search of LP-checked moves) with the reason logged; nothing here
+raises on its input. Max-min leaves time that no bottleneck needs: each group's is shared out among
 its variants at the end.
 """
 
@@ -46,9 +48,19 @@ log = logging.getLogger(__name__)
 
 Method = Literal["ilp", "greedy", "type-blind"]
 Matrix = NDArray[np.float64]
+#: (service, group) -> times faster than on the reference type
+Speeds = Mapping[tuple[str, str], float]
 
 #: the share of ``t`` the ILP may give up, over all variants together, to keep fewer of them
 TIE_BREAK = 1e-3
+#: at most this many LPs (a few ms each at 20 services x 6 types) in the greedy's relocation search
+RELOCATION_LPS = 200
+#: a host copy this large a share of a group's host memory makes the greedy's dive try each of its service's groups
+#: before fixing one (``_look_ahead``)
+LOOK_AHEAD_SHARE = 0.25
+#: the relocation search adds variants for this many of the least served services; it moves every service's
+#: variants, those of the largest host copies first (a large copy on a fast group is what keeps others off it)
+RELOCATION_ADDERS = 3
 
 
 @dataclass(frozen=True)
@@ -143,35 +155,39 @@ class _Instance:
 
 
 def place(services: Iterable[ServiceLoad], groups: Iterable[NodeGroup], reference: GpuType | None = None,
-          time_limit_s: float = 1.0, current: Mapping[str, Iterable[str]] | None = None) -> Placement:
+          time_limit_s: float = 1.0, current: Mapping[str, Iterable[str]] | None = None,
+          speeds: Speeds | None = None) -> Placement:
     """The ILP's placement, or the greedy's with the reason when the ILP cannot give one; ``solve_s`` is the whole
-    call's (bound, greedy and ILP). ``current`` (service -> groups with a variant now) halves the tie-break's cost of
-    keeping those, so a re-solve moves less."""
+    call's (the bound, one dive of the greedy, the ILP, and the rest of the greedy when it falls back). ``current``
+    (service -> groups with a variant now) halves the tie-break's cost of keeping those, so a re-solve moves less.
+    ``speeds`` ((service, group) -> times faster than on the reference type, measured) replaces the cost model's
+    prior where it gives a sound figure."""
     started = time.perf_counter()
-    instance, problems = _instance(tuple(services), tuple(groups), reference)
+    instance, problems = _instance(tuple(services), tuple(groups), reference, speeds)
     t_high = _t_high(instance)
-    greedy_x, greedy_a = _greedy(instance, t_high)
-    greedy_t = _throughput(instance, greedy_x, greedy_a)
+    dive_x, dive_a = _dive(instance, t_high, look_ahead=False)  # the tie-break's scale, and a bar for the ILP
+    dive_t = _throughput(instance, dive_x, dive_a)
     reason = "; ".join(problems) if problems else None
     if reason is None:
-        answer = _ilp(instance, greedy_t, t_high, time_limit_s, current or {})
+        answer = _ilp(instance, dive_t, t_high, time_limit_s, current or {})
         if isinstance(answer, str):
             reason = answer
         else:
             ilp_x, ilp_a, optimal = answer
             ilp_t = _throughput(instance, ilp_x, ilp_a)
-            if optimal or ilp_t >= greedy_t * (1 - TIE_BREAK):
+            if optimal or ilp_t >= dive_t * (1 - TIE_BREAK):
                 return _placement("ilp", instance, ilp_x, ilp_a, started, optimal=optimal)
-            reason = f"the ILP's best within {time_limit_s} s (t={ilp_t:.4g}) is worse than the greedy's"
+            reason = f"the ILP's best within {time_limit_s} s (t={ilp_t:.4g}) is worse than the greedy's dive's"
     log.warning("GPU placement falls back to the greedy: %s", reason)
+    greedy_x, greedy_a = _greedy(instance, t_high)
     return _placement("greedy", instance, greedy_x, greedy_a, started, fallback=reason)
 
 
 def place_greedy(services: Iterable[ServiceLoad], groups: Iterable[NodeGroup],
-                 reference: GpuType | None = None) -> Placement:
+                 reference: GpuType | None = None, speeds: Speeds | None = None) -> Placement:
     """The greedy alone (``_greedy``); services with bad figures or no room are reported unplaced."""
     started = time.perf_counter()
-    instance, _ = _instance(tuple(services), tuple(groups), reference)
+    instance, _ = _instance(tuple(services), tuple(groups), reference, speeds)
     x, a = _greedy(instance, _t_high(instance))
     return _placement("greedy", instance, x, a, started)
 
@@ -188,8 +204,8 @@ def place_type_blind(services: Iterable[ServiceLoad], groups: Iterable[NodeGroup
     return _placement("type-blind", instance, x, _proportional(instance, x, by_load), started)
 
 
-def _instance(services: tuple[ServiceLoad, ...], groups: tuple[NodeGroup, ...],
-              reference: GpuType | None) -> tuple[_Instance, list[str]]:
+def _instance(services: tuple[ServiceLoad, ...], groups: tuple[NodeGroup, ...], reference: GpuType | None,
+              speeds: Speeds | None = None) -> tuple[_Instance, list[str]]:
     """The sound part of the input and what is wrong with the rest (each problem in words)."""
     base = reference or GPU_TYPES[REFERENCE_TYPE]
     problems: list[str] = []
@@ -216,12 +232,18 @@ def _instance(services: tuple[ServiceLoad, ...], groups: tuple[NodeGroup, ...],
             unplaced.append(service.name)
         else:
             good.append(service)
-    speeds = np.array([[speed(g.kind, base, s.bound) if g.gpus > 0 and fits(g.kind, s.gpu_memory_mb)
+    measured = speeds or {}
+
+    def speed_of(s: ServiceLoad, g: NodeGroup) -> float:
+        figure = measured.get((s.name, g.name))
+        return figure if figure is not None and _positive(figure) else speed(g.kind, base, s.bound)
+
+    matrix = np.array([[speed_of(s, g) if g.gpus > 0 and fits(g.kind, s.gpu_memory_mb)
                         and s.host_memory_mb <= g.host_memory_mb else 0.0 for g in good_groups] for s in good],
                       dtype=float).reshape(len(good), len(good_groups))
     return _Instance(services=tuple(s.name for s in good), groups=tuple(g.name for g in good_groups),
                      load=np.array([s.load for s in good], dtype=float),
-                     host=np.array([s.host_memory_mb for s in good], dtype=float), speed=speeds,
+                     host=np.array([s.host_memory_mb for s in good], dtype=float), speed=matrix,
                      gpus=np.array([g.gpus for g in good_groups], dtype=float),
                      host_room=np.array([g.host_memory_mb for g in good_groups], dtype=float),
                      unplaced=tuple(unplaced)), problems
@@ -371,6 +393,23 @@ def _ilp(instance: _Instance, scale: float, t_high: float | None, time_limit_s: 
 
 
 def _greedy(instance: _Instance, t_high: float | None) -> tuple[NDArray[np.bool_], Matrix]:
+    """The better of two dives through the LP relaxation (``_dive``: fixing the variant with the most host memory at
+    stake, or first trying each group of a large copy), each improved by LP-checked relocation (``_relocated``).
+    Neither is better on every instance (``loadtest/bench_placement.py``)."""
+    answers: list[tuple[NDArray[np.bool_], Matrix]] = []
+    for look_ahead in (False, True):
+        answers.append(_relocated(instance, *_dive(instance, t_high, look_ahead), t_high, RELOCATION_LPS // 2))
+        if _optimal(instance, *answers[-1], t_high):
+            break
+    return max(answers, key=lambda answer: _throughput(instance, *answer))
+
+
+def _optimal(instance: _Instance, x: NDArray[np.bool_], a: Matrix, t_high: float | None) -> bool:
+    """Whether ``t`` reaches the relaxation's bound: nothing can do better."""
+    return t_high is not None and _throughput(instance, x, a) >= t_high * (1 - 1e-6)
+
+
+def _dive(instance: _Instance, t_high: float | None, look_ahead: bool) -> tuple[NDArray[np.bool_], Matrix]:
     """A dive through the ILP's LP relaxation, completed by list scheduling where it runs into host memory.
 
     The dive solves the relaxation (``x`` in [0, 1]; with ``t_high``, ``x`` is about the share of a service's load
@@ -379,7 +418,8 @@ def _greedy(instance: _Instance, t_high: float | None) -> tuple[NDArray[np.bool_
     0 the fixed ones are the variants, with the last LP's shares: about one LP per variant. A dive that ends
     infeasible keeps what it fixed, and ``_round`` gives each service still without a variant
     one on its fastest group with room; the shares are then an LP's over those variants, or without one, each
-    group's time in proportion to the GPU time its services need there."""
+    group's time in proportion to the GPU time its services need there. With ``look_ahead``, a large copy's group is
+    chosen by trying each (``_look_ahead``)."""
     model = _model(instance, t_high or 1.0, {}, t_high)
     x_at, s_of, g_of = model.x_at, model.pairs[:, 0], model.pairs[:, 1]
     low, high = np.zeros_like(model.high), model.high.copy()
@@ -395,6 +435,8 @@ def _greedy(instance: _Instance, t_high: float | None) -> tuple[NDArray[np.bool_
         if not len(free):
             return model.variants(instance, solution, low[x_at])
         last = int(x_at[free[np.argmax(solution[x_at][free] * instance.host[s_of[free]])]])
+        if look_ahead:
+            last = _look_ahead(instance, model, low, high, last)
         low[last] = 1.0
     fixed = np.zeros_like(instance.allowed)
     fixed[s_of, g_of] = low[x_at] > 0.5
@@ -405,6 +447,106 @@ def _greedy(instance: _Instance, t_high: float | None) -> tuple[NDArray[np.bool_
         return model.variants(instance, solution, low[x_at])
     return x, _proportional(instance, x, np.divide(instance.load[:, None], instance.speed,
                                                    out=np.zeros_like(instance.speed), where=x))
+
+
+def _look_ahead(instance: _Instance, model: _Model, low: Matrix, high: Matrix, column: int) -> int:
+    """The ``x`` column to fix next instead of ``column`` when its service's host copy is large
+    (``LOOK_AHEAD_SHARE`` of the group's host memory): of that service's free variants, the one whose fix leaves
+    the relaxation the largest ``t`` (one LP each). A large copy on the fastest group may keep every other service
+    off it; the relaxation after the fix sees that, the relaxation before it does not."""
+    p = column - len(model.pairs)
+    s, g = model.pairs[p]
+    if instance.host[s] < LOOK_AHEAD_SHARE * instance.host_room[g]:
+        return column
+    best, best_t = column, -math.inf
+    for q in np.flatnonzero((model.pairs[:, 0] == s) & (high[model.x_at] > 0) & (low[model.x_at] < 1)):
+        trial = low.copy()
+        trial[model.x_at[q]] = 1.0
+        solution = _solve(model, trial, high)
+        if solution is not None and solution[-1] > best_t:
+            best, best_t = int(model.x_at[q]), float(solution[-1])
+    return best
+
+
+def _relocated(instance: _Instance, x: NDArray[np.bool_], a: Matrix, t_high: float | None,
+               budget: int = RELOCATION_LPS) -> tuple[NDArray[np.bool_], Matrix]:
+    """The greedy's variants improved by LP-checked relocation (a local search, first improvement). A move puts a
+    variant of service ``s`` on group ``g`` (``_move``): added beside its others, or moved there from them; the
+    variants on ``g`` that leave too little host memory for it are dropped, those of services with other variants
+    first, and a service left without one gets one on its fastest group with room (``_round``). Tried in turn: an
+    added variant for each of the ``RELOCATION_ADDERS`` least served services, then a moved one for every service,
+    largest host copy first; each on its fastest groups first. A move is kept if the LP over the new variants
+    serves every load by a larger ``t``. The search stops at the relaxation's bound, when no move improves, or
+    after ``budget`` LPs."""
+    model = _model(instance, t_high or 1.0, {}, t_high)
+    best_t = _throughput(instance, x, a)
+    spent = 0
+
+    def served_by(candidate: NDArray[np.bool_]) -> tuple[float, Matrix] | None:
+        nonlocal spent
+        spent += 1
+        low, high = np.zeros_like(model.high), model.high.copy()
+        low[model.x_at] = high[model.x_at] = candidate[model.pairs[:, 0], model.pairs[:, 1]]
+        solution = _solve(model, low, high)
+        if solution is None:
+            return None
+        shares = np.zeros_like(instance.speed)
+        shares[model.pairs[:, 0], model.pairs[:, 1]] = solution[model.a_at]
+        shares = np.where(candidate, shares, 0.0)
+        return _throughput(instance, candidate, shares), shares
+
+    def first_improvement() -> tuple[NDArray[np.bool_], float, Matrix] | None:
+        served = (a * instance.speed).sum(axis=1) / np.where(instance.load > 0, instance.load, math.inf)
+        adding = [(int(s), False) for s in np.argsort(served, kind="stable")[:RELOCATION_ADDERS]]
+        moving = [(int(s), True) for s in np.argsort(-instance.host, kind="stable")]
+        for s, move in adding + moving:
+            for g in np.argsort(-instance.speed[s], kind="stable"):
+                if spent >= budget:
+                    return None
+                if x[s, g] or not instance.allowed[s, g]:
+                    continue
+                candidate = _move(instance, x, a, s, g, move)
+                answer = served_by(candidate) if candidate is not None else None
+                if candidate is not None and answer is not None and answer[0] > best_t * (1 + 1e-6):
+                    return candidate, *answer
+        return None
+
+    while math.isfinite(best_t) and not _optimal(instance, x, a, t_high):
+        found = first_improvement()
+        if found is None:
+            break
+        x, best_t, a = found
+    return x, a
+
+
+def _move(instance: _Instance, x: NDArray[np.bool_], a: Matrix, s: int, g: int,
+          moving: bool) -> NDArray[np.bool_] | None:
+    """``x`` with a variant of ``s`` on ``g`` (``_relocated``), beside its others or, ``moving``, instead of them;
+    None if host memory on ``g`` cannot be made, or a service is left with no group to go to."""
+    candidate = x.copy()
+    if moving:
+        if x[s].sum() == 0:
+            return None
+        candidate[s] = False
+    candidate[s, g] = True
+    used = (candidate * instance.host[:, None]).sum(axis=0)
+
+    def loss(t: int) -> tuple[bool, float]:  # dropping t's variant on g: whether t keeps one, how much it served
+        return bool(candidate[t].sum() == 1), float(a[t, g] * instance.speed[t, g] / max(instance.load[t], 1e-12))
+
+    others = sorted((int(t) for t in np.flatnonzero(candidate[:, g]) if t != s), key=loss)
+    while used[g] > instance.host_room[g] and others:
+        dropped = others.pop(0)
+        candidate[dropped, g] = False
+        used[g] -= instance.host[dropped]
+    if used[g] > instance.host_room[g]:
+        return None
+    homeless = ~candidate.any(axis=1)
+    if homeless.any():
+        candidate = _round(instance, instance.speed, candidate, np.zeros_like(candidate), instance.speed)
+        if not candidate.any(axis=1).all():
+            return None
+    return candidate
 
 
 def _solve(model: _Model, low: Matrix, high: Matrix) -> Matrix | None:
