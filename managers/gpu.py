@@ -35,10 +35,13 @@ from managers.chunks import Chunk, ChunkAllocator, Preference, after_allocating
 from managers.delay_wait import DelayWaits
 from managers.disk_tier import DiskTier
 from managers.gpu_config import GpuConfig, GpuNodeConfig, on_this_host
+from managers.gpu_types import REFERENCE_TYPE, bound_of, restore_factor
 from managers.host_tier import CopyState, HostCopy, HostTier
+from managers.live_placement import LivePlacement, PlacementCollector, ServiceFigures
 from managers.node_standing import NodeStanding
 from managers.residency import Residency, Slot, SlotState
 from managers.service_backends import make_service_backend
+from managers.service_demand import ServiceDemand
 from reward_services.backend import GONE, ServiceBackend, ServiceError, ServiceSpec
 from reward_services.requests import RewardRequest, RewardSpecBody, parse_reward_input, parse_reward_spec
 from tangram.core.action import Action, Kind
@@ -53,7 +56,15 @@ from tangram.core.errors import (
     Unprocessable,
 )
 from tangram.core.learned import LearnedSeconds
-from tangram.core.seam import Allocation, Fit, MetricsRegistry, Outcome, PoolStatus, ResourceManager
+from tangram.core.seam import (
+    ActionWatcher,
+    Allocation,
+    Fit,
+    MetricsRegistry,
+    Outcome,
+    PoolStatus,
+    ResourceManager,
+)
 
 if TYPE_CHECKING:
     from managers.ray_membership import RayMembership
@@ -111,6 +122,11 @@ class GpuNode(NodeStanding):
                    for (name, _), slot in self.residency.slots.items() if name == service)
 
 
+#: a node the fit ranks for an action: (expected end on typed nodes, not resident, host copy not in host memory,
+#: -free GPUs, smallest fitting level, node name), lowest first
+Choice = tuple[float, bool, bool, int, int, str]
+
+
 class GpuFit(Fit):
     """Scratch copies of every node's chunk allocator for one scheduling pass."""
 
@@ -121,7 +137,10 @@ class GpuFit(Fit):
         self.placed: dict[str, tuple[str, Chunk]] = {}
         #: actions refused this pass to wait for a node that holds their service: they hold nobody back
         self.deferred: set[str] = set()
-        self._best_of: dict[tuple[str, int, tuple[int, ...]], tuple[bool, bool, int, int, str] | None] = {}
+        self._best_of: dict[tuple[str, int, tuple[int, ...]], Choice | None] = {}
+        #: nodes of more than one type with the typed fit on: where an action is expected to end first comes first
+        self.typed = manager.typed_fit and len({node.config.type for node in manager.nodes.values()
+                                               if node.lost is None}) > 1
         #: (service, DoP) of the instances resident on nodes in service, read once per pass
         self._resident: set[tuple[str, int]] | None = None
         #: actions refused this pass only because the nodes their service is placed on are full (``place_services``)
@@ -137,7 +156,7 @@ class GpuFit(Fit):
         if best is None:
             self._confine(action, service, k)
             return False
-        patience = self._avoidable_setup(service, best, dops)
+        patience = self._avoidable_setup(service, best, dops) + self._slower_by(service, k, best)
         if patience <= 0.0:
             self.manager.waits.forget(action.id)
         elif self.manager.waits.worth_waiting(action.id, patience):
@@ -150,10 +169,12 @@ class GpuFit(Fit):
         self._best_of.clear()
         return True
 
-    def _best(self, service: str, k: int, dops: tuple[int, ...]) -> tuple[bool, bool, int, int, str] | None:
+    def _best(self, service: str, k: int, dops: tuple[int, ...]) -> Choice | None:
         """Where a chunk of ``k`` for ``service`` goes: a node where it is resident (at one of ``dops``) on a free
         chunk, then one that holds its host copy, then the one with the most free GPUs (then the smallest fitting
-        level). Kept until the fit changes: many queued actions of one service ask the same."""
+        level). On nodes of several types (``typed``), first the node where it is expected to end soonest: its
+        restore there unless resident, plus its run time on the node's type. Kept until the fit changes: many
+        queued actions of one service ask the same."""
         key = (service, k, dops)
         if key not in self._best_of:
             options = []
@@ -163,7 +184,8 @@ class GpuFit(Fit):
                         and self.manager.may_run(service, node):
                     resident = node.resident_on_free_chunk(service, dops, self.free[name])
                     in_host = node.tier is None or node.tier.holds(service)
-                    options.append((not resident, not in_host, -self.free[name].free_gpus, level, name))
+                    ends = self.manager.expected_s(service, node, k, resident) if self.typed else 0.0
+                    options.append((ends, not resident, not in_host, -self.free[name].free_gpus, level, name))
             self._best_of[key] = min(options, default=None)
         return self._best_of[key]
 
@@ -182,11 +204,11 @@ class GpuFit(Fit):
                 self.kept.update(mine)
                 self._best_of.clear()
 
-    def _avoidable_setup(self, service: str, best: tuple[bool, bool, int, int, str], dops: tuple[int, ...]) -> float:
+    def _avoidable_setup(self, service: str, best: Choice, dops: tuple[int, ...]) -> float:
         """What starting on ``best`` would spend that waiting for a node holding the service (busy now) would
         not: its restore when an instance is resident elsewhere (``wait_for_resident``), its load from disk when
         another node's host memory holds its copy."""
-        not_resident, not_in_host = best[0], best[1]
+        not_resident, not_in_host = best[1], best[2]
         if not not_resident:
             return 0.0
         seconds = 0.0
@@ -195,6 +217,20 @@ class GpuFit(Fit):
         if not_in_host and self.manager.disk.held(service):
             seconds += self.manager.disk.load_time.estimate(service)
         return seconds
+
+    def _slower_by(self, service: str, k: int, best: Choice) -> float:
+        """On typed nodes, how much longer the action would run on ``best`` than on the fastest of the nodes it may
+        run on that are busy now, where they are of a faster type: it waits up to that long for one of them (delay
+        scheduling across types; without it a scorer takes a free H20, at 0.15x an H100, whenever the H100s are busy
+        for a moment)."""
+        if not self.typed:
+            return 0.0
+        manager = self.manager
+        here = manager.demand.gpu_s(service, manager.nodes[best[-1]].config.type) / k
+        busy = [manager.demand.gpu_s(service, node.config.type) / k for name, node in manager.nodes.items()
+                if node.lost is None and service in node.services and manager.may_run(service, node)
+                and self.free[name].smallest_fitting_level(k) is None]
+        return max(0.0, here - min(busy, default=here))
 
     def _resident_somewhere(self, service: str, dops: tuple[int, ...]) -> bool:
         if self._resident is None:
@@ -240,10 +276,11 @@ class GpuManager(ResourceManager[GpuHandle]):
     spec_types = MappingProxyType({Kind.REWARD: RewardSpecBody})
 
     def __init__(self, config: GpuConfig, make_backend: BackendFactory | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, solve_inline: bool = False) -> None:
         """``make_backend(kind, node, config)`` builds a node's backend for a service kind (torch, sglang); the
-        simulator passes its own so that the manager's admission, chunks and residency run without GPUs, and its
-        virtual ``clock`` (what actions' ``submitted_at`` are on)."""
+        simulator passes its own so that the manager's admission, chunks and residency run without GPUs, its
+        virtual ``clock`` (what actions' ``submitted_at`` are on), and ``solve_inline`` to solve the placement in
+        the scheduling pass instead of on a thread."""
         self._make_backend = make_backend or make_service_backend
         self.config = config = on_this_host(config)
         self.services: dict[str, ServiceSpec] = {spec.name: spec for spec in config.services}
@@ -265,6 +302,14 @@ class GpuManager(ResourceManager[GpuHandle]):
         #: actions deferred to wait for a node that holds their service (delay scheduling)
         self.waits = DelayWaits(clock)
         self.wait_for_resident = config.wait_for_resident
+        self.typed_fit = config.typed_fit
+        #: each service's demand and run time per GPU type; the broker tells it of actions (``watchers``)
+        self.demand = ServiceDemand(lambda action: self.reward_request(action).service, self._node_type,
+                                    config.types, {spec.name: bound_of(spec.task) for spec in config.services},
+                                    config.placement_window_s)
+        method = config.placement_method
+        self.live = None if method is None else LivePlacement(
+            method, self.demand, config.placement_interval_s, config.placement_time_limit_s, clock, solve_inline)
         for node_config in config.nodes:
             node = GpuNode(node_config, self._backends(node_config))
             self._admit(node)
@@ -401,6 +446,9 @@ class GpuManager(ResourceManager[GpuHandle]):
                     node.tier.budget_mb = scratch.tier.budget_mb
                     node.tier.copies.update({name: copy for name, copy in scratch.tier.copies.items()
                                              if name in names})
+        self.demand.bounds.update({spec.name: bound_of(spec.task) for spec in added})
+        if self.live is not None:
+            self.live.stale()
         task = asyncio.create_task(self._prepare_added(names), name="tangram-prepare-added-services")
         self._preparations.add(task)
         task.add_done_callback(self._preparations.discard)
@@ -446,6 +494,8 @@ class GpuManager(ResourceManager[GpuHandle]):
             return
         node.lose(reason)
         log.warning("GPU node %s lost: %s", name, reason)
+        if self.live is not None:
+            self.live.stale()
         for backend in node.backends.values():
             await backend.close()
 
@@ -473,6 +523,8 @@ class GpuManager(ResourceManager[GpuHandle]):
                 await backend.close()
             return
         node.returned()
+        if self.live is not None:
+            self.live.stale()
         log.info("GPU node %s is back: %d instance(s) prepared", name, len(node.residency.slots))
 
     async def _join(self, node_config: GpuNodeConfig) -> None:
@@ -493,10 +545,14 @@ class GpuManager(ResourceManager[GpuHandle]):
                 await backend.close()
             return
         self.nodes[node.name] = node
+        if self.live is not None:
+            self.live.stale()
         log.info("GPU node %s joined: %d GPU(s) of %d MiB, %d MiB of host memory", node.name, node.config.gpus,
                  node.config.gpu_memory_mb, node.config.host_memory_mb)
 
     async def close(self) -> None:
+        if self.live is not None:
+            self.live.close()
         for task in list(self._preparations):
             task.cancel()
         await asyncio.gather(*self._preparations, return_exceptions=True)
@@ -513,6 +569,10 @@ class GpuManager(ResourceManager[GpuHandle]):
                     log.warning("closing a service instance on %s failed: %r", node.name, result)
             for backend in node.backends.values():
                 await backend.close()
+
+    @property
+    def watchers(self) -> Sequence[ActionWatcher]:
+        return (self.demand,)
 
     def register_metrics(self, registry: MetricsRegistry) -> None:
         labels = ["node", "service", "dop"]
@@ -532,6 +592,8 @@ class GpuManager(ResourceManager[GpuHandle]):
         for metric in (self.restores, self.evictions, self.restore_seconds, self.disk.host_loads,
                        self.restore_stage_seconds):
             registry.register(metric)
+        if self.live is not None:
+            registry.register(PlacementCollector(self.live))
 
     # -- the scheduler's view -------------------------------------------------------------------------------
 
@@ -560,7 +622,30 @@ class GpuManager(ResourceManager[GpuHandle]):
     def fit(self) -> GpuFit:
         self.disk.new_pass()
         self.waits.new_pass()
+        if self.live is not None:
+            self.live.poll((ServiceFigures(spec.name, spec.host_memory_mb, spec.gpu_memory_mb, bound_of(spec.task))
+                            for name, spec in self.services.items() if name not in self.preparing),
+                           [node.config for node in self.nodes.values() if node.lost is None], self.config.types,
+                           self._confine_to_types)
         return GpuFit(self)
+
+    def _confine_to_types(self, types: Mapping[str, Iterable[str]]) -> None:
+        """Apply a placement: each service named to the nodes of the types it has a variant on."""
+        self.place_services({service: [name for name, node in self.nodes.items() if node.config.type in set(kinds)]
+                             for service, kinds in types.items()})
+
+    def _node_type(self, name: str) -> str | None:
+        node = self.nodes.get(name)
+        return node.config.type if node is not None else None
+
+    def expected_s(self, service: str, node: GpuNode, k: int, resident: bool) -> float:
+        """Seconds an action of ``service`` on ``k`` of ``node``'s GPUs is expected to take: its restore unless
+        resident (scaled by the type's host-to-device rate), plus its run time there (``ServiceDemand``)."""
+        types = self.config.types
+        kind = node.config.type
+        restore = 0.0 if resident else self.restore_time.estimate(service) * restore_factor(
+            types[kind], types[REFERENCE_TYPE])
+        return restore + self.demand.gpu_s(service, kind) / k
 
     def validate(self, action: Action) -> None:
         if action.kind is not Kind.REWARD:
@@ -671,7 +756,9 @@ class GpuManager(ResourceManager[GpuHandle]):
         return rows
 
     def describe_services(self) -> list[dict[str, Any]]:
-        """``GET /v1/services``: every service, where it can run and where it is resident."""
+        """``GET /v1/services``: every service, where it can run and where it is resident, its run GPU-seconds per
+        action on each type it ran on, and its part of the placement in force."""
+        learned = self.demand.learned()
         out = []
         for spec in self.services.values():
             slots = [slot for node in self.nodes.values() for slot in node.residency.slots.values()
@@ -686,8 +773,15 @@ class GpuManager(ResourceManager[GpuHandle]):
                                         if n.tier is not None and spec.name in n.tier.copies},
                         "resident": [{"node": n.name, **s.to_json()} for n in self.nodes.values()
                                      for s in n.residency.slots.values()
-                                     if s.service == spec.name and s.state is SlotState.RESIDENT]})
+                                     if s.service == spec.name and s.state is SlotState.RESIDENT],
+                        "run_gpu_s": {kind: round(gpu_s, 6) for kind, gpu_s in learned.get(spec.name, {}).items()},
+                        **({"placement": self.live.describe(spec.name)} if self.live is not None else {})})
         return out
+
+    def describe_placement(self) -> dict[str, Any] | None:
+        """The placement in force (``GET /v1/resources``, the status page, ``tangram status``); None when the
+        manager solves none (``[gpu] placement``)."""
+        return self.live.summary() if self.live is not None else None
 
     # -- execution ------------------------------------------------------------------------------------------
 

@@ -15,8 +15,20 @@ from managers.ray_config import RayConfig, check_no_ray_keys
 from reward_services.backend import TASKS, ServiceSpec
 from reward_services.options import OPTIONS
 from reward_services.requests import RewardLimits
-from tangram.core.config_tables import TABLE, AutoFlag, Flag, NonNegative, Text, named_tables, table
+from tangram.core.config_tables import (
+    TABLE,
+    AutoFlag,
+    Flag,
+    NonNegative,
+    PositiveSeconds,
+    Text,
+    named_tables,
+    table,
+)
 from tangram.core.errors import ConfigError
+
+#: ``[gpu] placement``: "auto" (ILP on nodes of several types), "none", or the method to solve it with
+PlacementChoice = Literal["auto", "none", "ilp", "greedy"]
 
 #: what the torch worker computes (an embedding model); SGLang serves every task
 BACKEND_TASKS = {"torch": ("similarity",), "sglang": TASKS}
@@ -86,6 +98,26 @@ class GpuConfig:
     ray: RayConfig = field(default_factory=RayConfig)
     #: GPU types by name: the shipped ones with the ``[gpu.types.NAME]`` tables merged in
     types: Mapping[str, GpuType] = field(default_factory=lambda: dict(GPU_TYPES))
+    #: which node groups each service may run on, solved from measured demand (``managers/live_placement.py``):
+    #: "auto" is "ilp" when the nodes are of more than one type and "none" otherwise (on one type every service
+    #: would be placed on every node)
+    placement: PlacementChoice = "auto"
+    #: how often the placement is solved again (also at once when services are added or nodes leave or join)
+    placement_interval_s: PositiveSeconds = 30.0
+    #: the time constant of the demand the placement is solved for (``managers/service_demand.py``)
+    placement_window_s: PositiveSeconds = 300.0
+    #: HiGHS's time limit per solve; past it the greedy's answer is taken
+    placement_time_limit_s: PositiveSeconds = 1.0
+    #: on nodes of more than one type, an action goes where it is expected to end first (its restore if not
+    #: resident there, plus its run time on that type as measured); off: the type-blind fit of one type
+    typed_fit: Flag = True
+
+    @property
+    def placement_method(self) -> Literal["ilp", "greedy"] | None:
+        """The placement the manager solves, "auto" resolved; None for none."""
+        if self.placement == "auto":
+            return "ilp" if len({node.type for node in self.nodes}) > 1 else None
+        return None if self.placement == "none" else self.placement
 
 
 def parse_gpu_config(raw: Any) -> GpuConfig:

@@ -84,6 +84,11 @@ def speed(kind: GpuType, reference: GpuType, bound: Bound) -> float:
     return kind.hbm_gb_per_s / reference.hbm_gb_per_s
 
 
+def bound_of(task: str) -> Bound:
+    """A service task's bound: generating text is decode (memory-bound); the others score a prompt (prefill)."""
+    return "memory" if task == "generate" else "compute"
+
+
 def restore_factor(kind: GpuType, reference: GpuType) -> float:
     """A restore's time on ``kind`` over its time on ``reference``: a host-to-device copy of the same weights."""
     return reference.h2d_gb_per_s / kind.h2d_gb_per_s

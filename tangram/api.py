@@ -129,8 +129,10 @@ async def release_lease(request: web.Request) -> web.Response:
 
 async def resources(request: web.Request) -> web.Response:
     broker = request.app[BROKER]
+    catalog = catalog_of(broker)
     return json_response({"resources": broker.resources(), "stats": broker.stats(),
-                          "slo": request.app[SLO].summary()})
+                          "slo": request.app[SLO].summary(),
+                          "placement": catalog.describe_placement() if catalog is not None else None})
 
 
 async def healthz(request: web.Request) -> web.Response:

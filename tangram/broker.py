@@ -14,14 +14,14 @@ import logging
 import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 from tangram import dispatch
 from tangram.arrivals import ArrivalModel
 from tangram.backoff import AllocationBackoff
 from tangram.core.action import Action, Kind, State
 from tangram.core.errors import ActionFailed, BadRequest, Conflict, NotFound, RequestError, Unavailable, Unprocessable
-from tangram.core.seam import Allocation, ResourceManager
+from tangram.core.seam import ActionWatcher, Allocation, ResourceManager
 from tangram.durations import DurationModel
 from tangram.idempotency import IdempotencyIndex
 from tangram.leases import Leases
@@ -53,14 +53,6 @@ class _Running:
         self.after = after
 
 
-class ActionWatcher(Protocol):
-    """Told of every action a submit queues and of every action's end (``tangram/slo_attainment.py``)."""
-
-    def submitted(self, action: Action) -> None: ...
-
-    def ended(self, action: Action) -> None: ...
-
-
 class Broker:
     def __init__(self, managers: Sequence[ResourceManager], store: Store, *, policy: str = "fcfs",
                  depth: int = 2, horizon: int = 64, default_duration_s: float = 1.0, ewma_alpha: float = 0.2,
@@ -89,7 +81,7 @@ class Broker:
             if hrrs else None
         self.backoff = AllocationBackoff()
         self.metrics = Metrics()
-        self.watchers: list[ActionWatcher] = []
+        self.watchers: list[ActionWatcher] = [watcher for manager in self.managers for watcher in manager.watchers]
         self.metrics.watch(lambda: dict(self.queue.depth_by_resource()), self._units)
         for manager in self.managers:
             manager.register_metrics(self.metrics.registry)

@@ -101,9 +101,32 @@ def slo_table(tasks: list[dict[str, Any]]) -> Table | None:
     return table
 
 
+def placement_table(placement: dict[str, Any] | None) -> Table | None:
+    """The GPU manager's placement of services over GPU types: each service's measured load and the GPUs' worth of
+    each type it gets; the title says how it was found."""
+    if placement is None:
+        return None
+    how = "not solved yet (no demand measured)" if placement["answered_by"] is None else (
+        f"{placement['answered_by']}, t = {_fmt_number(placement['objective'])}, solved in "
+        f"{placement['solve_s']:.3f} s" + (f" (fell back: {placement['fallback']})" if placement["fallback"] else ""))
+    table = Table(title=f"GPU placement ({placement['method']}): {how}", title_justify="left")
+    for column in ("service", "load (GPU-s/s)", "GPU types (GPUs' worth)", "confined"):
+        table.add_column(column, justify="right" if column.startswith("load") else "left")
+    for row in placement["services"]:
+        table.add_row(row["service"], f"{row['load']:.3f}",
+                      ", ".join(f"{kind} {gpus:.2f}" for kind, gpus in row["types"].items()) or "-",
+                      "yes" if row["confined"] else "no (every node)")
+    return table
+
+
+def _fmt_number(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3g}"
+
+
 def status_view(url: str, body: dict[str, Any], profiles: list[dict[str, Any]] | None = None) -> Group:
     """What ``tangram status`` shows: a table of resources, a line of queue and ACT figures and, when the broker
-    has any, the tasks' SLOs and the learned speed-up of the most observed elastic signatures."""
+    has any, the tasks' SLOs, the placement of reward services over GPU types and the learned speed-up of the most
+    observed elastic signatures."""
     table = Table(title=f"ARL-Tangram at {url}", title_justify="left")
     for column in ("resource", "pool", "manager", "utilization", "in use", "capacity", "queued"):
         table.add_column(column, justify="left" if column in ("resource", "pool", "manager", "utilization")
@@ -118,7 +141,7 @@ def status_view(url: str, body: dict[str, Any], profiles: list[dict[str, Any]] |
                             (f"  ACT over the last {stats['recent']} actions: ", "dim"),
                             f"p50 {_fmt(stats['act_p50_s'])}  p90 {_fmt(stats['act_p90_s'])}  "
                             f"p99 {_fmt(stats['act_p99_s'])}")
-    extra = (slo_table(body.get("slo", [])), speedup_table(profiles or []))
+    extra = (slo_table(body.get("slo", [])), placement_table(body.get("placement")), speedup_table(profiles or []))
     parts: list[RenderableType] = [table, summary, *(part for part in extra if part is not None)]
     return Group(*parts, Text(f"status page: {url}/ui", style="dim"))
 

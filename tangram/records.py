@@ -93,6 +93,32 @@ class EnvironmentRecord(Schema):
     sandbox: dict[str, Any] | None = Field(description="the backend's description: container, engine, cores")
 
 
+class ServicePlacement(Schema):
+    """One service's part of the GPU manager's placement (``managers/live_placement.py``)."""
+
+    load: float = Field(description="its measured demand, GPU-seconds per second on the reference GPU type")
+    types: dict[str, float] = Field(description="GPU type -> GPUs' worth of that type's time the placement gives it")
+    confined: bool = Field(description="its actions start only on nodes of those types (false: on every node, "
+                                       "as for a service without load)")
+
+
+class ServicePlacementRow(ServicePlacement):
+    service: str
+
+
+class Placement(Schema):
+    """The placement of reward services over GPU types in force (``GET /v1/resources``)."""
+
+    method: Literal["ilp", "greedy"] = Field(description="[gpu] placement, resolved")
+    solves: dict[str, int] = Field(description="solves so far, by the method that gave the answer")
+    answered_by: Literal["ilp", "greedy"] | None = Field(description="the last solve's method (greedy when the ILP "
+                                                                     "fell back); null before the first")
+    objective: float | None = Field(description="t: the factor by which every measured load is served")
+    solve_s: float | None
+    fallback: str | None = Field(description="why the ILP's answer was not taken")
+    services: list[ServicePlacementRow]
+
+
 class ServiceRecord(Schema):
     """A reward service the GPU manager hosts and where it is resident (``GpuManager.describe_services``)."""
 
@@ -110,6 +136,10 @@ class ServiceRecord(Schema):
     host_copies: dict[str, Literal["disk", "loading", "host"]] = Field(
         description="per node with a disk tier: where the service's host copy is (``managers/host_tier.py``)")
     resident: list[dict[str, Any]]
+    run_gpu_s: dict[str, float] = Field(description="GPU type -> GPU-seconds one action ran there lately (an EWMA "
+                                                    "of its execution less its restore, times its GPUs)")
+    placement: ServicePlacement | None = Field(
+        default=None, description="its part of the placement in force; absent when the manager solves none")
 
 
 Share = Annotated[float, Field(ge=0, le=1)]
@@ -181,6 +211,8 @@ class Resources(Schema):
     resources: list[ResourceRow]
     stats: BrokerStats
     slo: list[TaskSlo] = Field(description="the tasks with an SLO plan (GET /v1/tasks/slo has their plans)")
+    placement: Placement | None = Field(description="the GPU manager's placement of services over GPU types; null "
+                                                    "when it solves none ([gpu] placement)")
 
 
 class SloPrediction(Schema):

@@ -19,6 +19,9 @@ class ServiceCatalog(Protocol):
 
     def describe_services(self) -> list[dict[str, Any]]: ...
 
+    def describe_placement(self) -> dict[str, Any] | None:
+        """The placement of services over GPU types in force, None without one (``GET /v1/resources``)."""
+
     def reconfigure(self, new: GpuConfig) -> list[str]:
         """Admit the services ``new`` adds (``POST /v1/admin/reload``); returns their names."""
 

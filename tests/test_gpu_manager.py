@@ -21,7 +21,7 @@ from tangram.core.action import Action, Demand, Kind
 from tangram.core.errors import ConfigError, Unavailable
 from tangram.parse import parse_action
 from tangram.records import ServiceRecord
-from tests.harness import live_broker
+from tests.harness import live_broker, until
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -337,3 +337,40 @@ async def test_sglang_services_through_the_manager_evict_and_recover_from_a_cras
         assert pids == []  # rm-a was evicted, not resident
 
     assert not [p for p in psutil.process_iter(["cmdline"]) if "tests.sglang_standin" in " ".join(p.info["cmdline"] or [])]
+
+
+async def test_run_times_are_learned_per_gpu_type_from_real_executions(tmp_path, reference_scores):
+    """Two nodes of CPU virtual GPUs typed as an H100 node and an A10 node: the same CPU runs both, so the run times
+    measured on each replace the datasheets' 8x speed ratio with about 1x, and the placement the manager solves next
+    is built on the measured speed."""
+    section = gpu_section({"a": service(dops=[1])}, nodes=2)
+    section["nodes"]["n0"]["type"], section["nodes"]["n1"]["type"] = "h100", "a10"
+    section["placement_interval_s"] = 3600  # solved at the first pass, then when made stale
+    config = {"cpu": {"enabled": False}, "gpu": section}
+    async with live_broker(config, str(tmp_path / "db.sqlite")) as live:
+        manager = next(m for m in live.broker.managers if isinstance(m, GpuManager))
+        assert manager.live is not None
+        status, record = await live.call("POST", "/v1/actions?wait=true", json=reward("a"))
+        assert status == 200 and record["state"] == "succeeded", record
+        await until(lambda: manager.live.solves.get("ilp") == 1)  # the first solve, on the prior, is applied
+        for node in ("n1", "n0"):  # the typed fit would keep them off the A10s: run some there on purpose
+            manager.place_services({"a": [node]})
+            status, body = await live.call("POST", "/v1/actions:batch", json={"actions": [reward("a")] * 6})
+            assert status == 200
+            for record in [(await live.call("GET", f"/v1/actions/{r['id']}?wait=true&timeout_s=120"))[1]
+                           for r in body["actions"]]:
+                assert record["state"] == "succeeded" and record["result"]["node"] == node, record
+                assert record["result"]["scores"] == pytest.approx(reference_scores, abs=1e-5)
+        status, described = await live.call("GET", "/v1/services/a")
+        assert status == 200
+        learned = described["run_gpu_s"]
+        assert learned.keys() == {"h100", "a10"} and all(seconds > 0 for seconds in learned.values())
+        speed = manager.demand.speed("a", "a10")
+        assert 1 / 3 < speed < 3  # measured; the datasheets' prior is 125/989
+
+        manager.live.stale()
+        status, record = await live.call("POST", "/v1/actions?wait=true", json=reward("a"))
+        assert status == 200 and record["state"] == "succeeded", record
+        placement = await until(lambda: manager.live.placement if manager.live.solves.get("ilp", 0) >= 2 else None)
+        # one service has every GPU: t x load is what both nodes serve, 2 GPUs at speed 1 and 2 at the A10's
+        assert placement.objective * manager.live.loads["a"] == pytest.approx(2 + 2 * speed, rel=0.05)

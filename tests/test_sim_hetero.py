@@ -66,3 +66,20 @@ def test_an_untyped_cluster_is_all_reference_type() -> None:
         Cluster(gpu_node_sizes=(1,), gpu_node_types=("h999",))
     with pytest.raises(ValueError, match="1 GPU node types for 2"):
         Cluster(gpu_node_sizes=(1, 1), gpu_node_types=("h20",))
+
+
+def test_the_managers_own_placement_learns_the_loads_as_the_run_goes() -> None:
+    """No oracle: the GPU manager measures each service's demand from the actions themselves and solves its own
+    placement (``[gpu] placement = "ilp"``) inline on the virtual clock; with the typed fit, as in the service."""
+    live = simulate(trace(), MIXED, broker(typed_fit=True, live_placement="ilp"), "live").summary()["live_placement"]
+    assert live["solves"] == {"ilp": 1}  # the first pass; the run ends before the next is due
+    assert live["loads"]["judge"] > live["loads"]["teacher"] > 0
+    assert live["last"]["method"] == "ilp" and set(live["last"]["shares"]["teacher"]) == {"h100"}
+
+
+def test_the_typed_fit_keeps_the_scorer_off_the_h20_while_an_h100_frees_soon_enough() -> None:
+    typed = simulate(trace(), MIXED, broker(typed_fit=True), "typed")
+    blind = simulate(trace(), MIXED, POLICIES["tangram"], "blind")
+    assert {r.pool.split(":")[0] for r in teacher_calls(typed.records)} == {"gpu0"}
+    assert "gpu1" in {r.pool.split(":")[0] for r in teacher_calls(blind.records)}
+    assert typed.summary()["mean_act_s"] < blind.summary()["mean_act_s"]

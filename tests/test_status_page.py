@@ -24,7 +24,9 @@ from tangram.config import parse_config
 from tangram.history import History
 from tangram.service import running_broker
 from tangram.status_page import HISTORY
-from tests.harness import Live, live_broker, live_upstream
+from tests.harness import Live, broker_from_file, live_broker, live_upstream
+from tests.test_gpu_live_placement import run_all, stand_ins
+from tests.test_gpu_live_placement import write_config as write_typed_config
 from tests.test_slo_admission import LOOSE, write_config
 from tests.test_slo_admission import broker as slo_broker
 from tests.test_slo_admission import call as slo_call
@@ -324,4 +326,33 @@ async def test_the_slo_table_shows_each_planned_tasks_prediction_and_attainment(
         assert not shown["hidden"] and shown["rows"] == [{"task": "loose", "over": False, "cells": [
             "loose", "2.00×", f"{predicted:.2f}×", "1", "1", "100%", shown["rows"][0]["cells"][6]]}]
         assert shown["rows"][0]["cells"][6].endswith("×")
+        assert await page_errors(browser) == []
+
+
+PLACEMENT_ROWS = """
+const rows = [...document.querySelectorAll("#placement tbody tr[data-service]")].map((row) => ({
+  service: row.dataset.service, cells: [...row.cells].map((cell) => cell.textContent)}));
+return {hidden: document.getElementById("placement-panel").hidden, rows,
+        how: document.getElementById("placement-how").textContent};
+"""
+
+
+async def test_the_placement_table_shows_where_each_service_runs(tmp_path, browser):
+    path = tmp_path / "tangram.toml"
+    write_typed_config(path)
+    async with broker_from_file(path, stand_ins) as live:
+        await asyncio.to_thread(browser.get, live.url + "/ui")
+        await until(browser, HEADER + "return header.connection === 'live' ? header : null;", "a live page")
+        shown = await in_page(browser, PLACEMENT_ROWS)
+        assert not shown["hidden"] and shown["rows"] == [] and "not solved yet" in shown["how"]
+        for _ in range(3):
+            await run_all(live, ["g"] * 16 + ["a"] * 2)
+        shown = await until(browser, PLACEMENT_ROWS.replace(
+            "return {", "return rows.length === 2 && rows.every((r) => r.cells[3] === 'yes') && {"),
+            "both services placed")
+        rows = {row["service"]: row["cells"] for row in shown["rows"]}
+        assert rows["a"][2].startswith("h100 ") and "h20" not in rows["a"][2]
+        assert "h100" in rows["g"][2] and "h20" in rows["g"][2]
+        assert float(rows["g"][1]) > float(rows["a"][1]) > 0
+        assert shown["how"].startswith("ilp, answered by ilp: every load served")
         assert await page_errors(browser) == []

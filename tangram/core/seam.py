@@ -31,6 +31,15 @@ class MetricsRegistry(Protocol):
     def register(self, collector: Any) -> None: ...
 
 
+class ActionWatcher(Protocol):
+    """Told of every action a submit queues and of every action's end (``tangram/slo_attainment.py``,
+    ``managers/service_demand.py``)."""
+
+    def submitted(self, action: Action) -> None: ...
+
+    def ended(self, action: Action) -> None: ...
+
+
 #: what a manager keeps in its allocations to find their resources again (the CPU manager: environment, node and
 #: cores; the GPU manager: node and chunk); typed per manager, so only the manager that made a handle reads it
 Handle = TypeVar("Handle")
@@ -200,6 +209,12 @@ class ResourceManager(abc.ABC, Generic[Handle]):
     def foresee(self, upcoming: Iterable[Action]) -> None:
         """The actions still queued after a pass, in the order they will run: a manager may get ready for them
         (the GPU manager prefetches host copies from its disk tier). Must not block."""
+
+    @property
+    def watchers(self) -> Sequence[ActionWatcher]:
+        """What this manager learns from every action queued and ended, not only those it runs (the GPU manager's
+        demand per service): the broker tells each of them."""
+        return ()
 
     def register_metrics(self, registry: MetricsRegistry) -> None:
         """Add this manager's own Prometheus metrics (restores, evictions, ...) to the broker's registry."""

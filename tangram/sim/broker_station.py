@@ -22,7 +22,7 @@ from managers.cpu import CpuManager
 from managers.cpu_config import CpuConfig, CpuNodeConfig
 from managers.cpu_node import CpuNode
 from managers.gpu import GpuManager, GpuNode
-from managers.gpu_config import GpuConfig, GpuNodeConfig
+from managers.gpu_config import GpuConfig, GpuNodeConfig, PlacementChoice
 from managers.gpu_placement import Method
 from managers.gpu_types import REFERENCE_TYPE, restore_factor, speed
 from managers.host_tier import CopyState, HostTierFull
@@ -88,9 +88,10 @@ class _ModelledBackend(ServiceBackend):
 
 
 def build_managers(cluster: Cluster, clock: Any, malleable: bool = True,
-                   worker_overhead: float = CpuConfig.worker_overhead,
-                   wait_for_resident: bool = False) -> list[ResourceManager]:
-    """The real managers over the cluster's resources, with modelled sandboxes and services."""
+                   worker_overhead: float = CpuConfig.worker_overhead, wait_for_resident: bool = False,
+                   live_placement: PlacementChoice = "none", typed_fit: bool = False) -> list[ResourceManager]:
+    """The real managers over the cluster's resources, with modelled sandboxes and services. The GPU manager's
+    ``[gpu] placement`` and ``typed_fit`` are off unless asked for: a scenario names what it compares."""
     managers: list[ResourceManager] = []
     if cluster.cpu_nodes:
         nodes = tuple(CpuNodeConfig(name=f"cpu{i}", cores=tuple(range(cluster.cores_per_node)),
@@ -101,12 +102,15 @@ def build_managers(cluster: Cluster, clock: Any, malleable: bool = True,
             cpu.add_node(CpuNode(config, NoSandboxes()))
         managers.append(cpu)
     if cluster.gpu_node_sizes:
-        specs = tuple(ServiceSpec(name=s.name, backend="torch", model=s.name, task="similarity", dops=s.dops,
+        # a judge generates (decode-bound), a teacher scores: the task the manager reads the bound from
+        specs = tuple(ServiceSpec(name=s.name, backend="torch", model=s.name,
+                                  task="generate" if s.generates else "similarity", dops=s.dops,
                                   gpu_memory_mb=s.gpu_memory_mb, host_memory_mb=s.host_memory_mb)
                       for s in cluster.services)
         gpu = GpuManager(GpuConfig(enabled=True, nodes=gpu_node_configs(cluster), services=specs,
-                                   wait_for_resident=wait_for_resident, types=cluster.gpu_types),
-                         make_backend=lambda *_: _ModelledBackend(), clock=clock)
+                                   wait_for_resident=wait_for_resident, types=cluster.gpu_types,
+                                   placement=live_placement, typed_fit=typed_fit),
+                         make_backend=lambda *_: _ModelledBackend(), clock=clock, solve_inline=True)
         for node in gpu.nodes.values():  # as ``GpuManager.start`` leaves it: copies prepared in turn, LRU dropped
             tier = node.tier
             for service in tier.copies if tier is not None else ():
@@ -132,9 +136,10 @@ ELASTIC_TEST = Demand.range(1, 32)  # §6.4: the DoP of a test run ranges from 1
 
 
 def action_for(run: CallRun, seq: int, now: float, test_demand: Demand = ELASTIC_TEST,
-               dops: tuple[int, ...] = (1, 2, 4, 8)) -> Action:
+               dops: tuple[int, ...] = (1, 2, 4, 8), generates: bool = False) -> Action:
     """The action a client sends for ``run.call``: tool calls on one core, test runs on ``test_demand`` cores
-    (elastic when it is a range), rewards on a GPU chunk of the service's DoPs, API calls on one quota unit."""
+    (elastic when it is a range), rewards on a GPU chunk of the service's DoPs (a prompt to a service that
+    ``generates``, a pair to one that scores), API calls on one quota unit."""
     call = run.call
     trajectory = run.trajectory
     spec: dict[str, Any] = {"command": "true", "memory_mb": trajectory.memory_mb}  # never run: a valid spec
@@ -147,7 +152,7 @@ def action_for(run: CallRun, seq: int, now: float, test_demand: Demand = ELASTIC
         elasticity = call.elasticity("cpu") if test_demand.elastic else None
     elif call.kind == "reward":
         kind, signature = Kind.REWARD, f"reward|{call.target}"
-        spec = {"service": call.target, "input": {"pairs": [["", ""]]}}  # the modelled services' task
+        spec = {"service": call.target, "input": {"prompts": [""]} if generates else {"pairs": [["", ""]]}}
         demands = {"gpu": Demand(dops)}
         elasticity = call.elasticity("gpu")
     else:
@@ -166,16 +171,19 @@ class BrokerStation:
                  static_dops: bool = False, order: str = "fcfs", max_wait_s: float = 60.0,
                  prefetch: bool = True, wait_for_resident: bool = False,
                  slo_plans: Mapping[str, SloPlan] | None = None, placement: Method | None = None,
-                 loads: Mapping[str, float] | None = None) -> None:
+                 loads: Mapping[str, float] | None = None, live_placement: PlacementChoice = "none",
+                 typed_fit: bool = False) -> None:
         """``placement`` confines each reward service to the nodes of the GPU types where the placement of that
         method (``tangram/sim/placement.py``) gives it a variant, computed once at the start from ``loads`` (service
         -> GPU-seconds per second on the reference type; the scenario's oracle, ``trace_loads``); None: every
-        service on every node, today's broker."""
+        service on every node, today's broker. ``live_placement`` and ``typed_fit`` are the GPU manager's own
+        ``[gpu] placement`` (solved from the demand it measures as the run goes) and ``typed_fit``."""
         self.cluster = cluster
         self.costs: Costs = cluster.costs
         self.test_demand = test_demand
         self.now = 0.0
-        self.managers = build_managers(cluster, lambda: self.now, malleable, worker_overhead, wait_for_resident)
+        self.managers = build_managers(cluster, lambda: self.now, malleable, worker_overhead, wait_for_resident,
+                                       live_placement, typed_fit)
         self.owner: dict[str, ResourceManager] = {r: m for m in self.managers for r in m.resources}
         self.cpu = next((m for m in self.managers if isinstance(m, CpuManager)), None)
         self.gpu = next((m for m in self.managers if isinstance(m, GpuManager)), None)
@@ -211,6 +219,9 @@ class BrokerStation:
         if slo_plans:
             self.slo = SloAttainment(lambda action: str(action.spec["service"]), "gpu")
             self.slo.plan(slo_plans)
+        #: told of every action queued and ended, as the broker's ``watchers`` are
+        self.watchers = [w for m in self.managers for w in m.watchers] + ([self.slo] if self.slo is not None else [])
+        self.generates = {s.name for s in cluster.services if s.generates}
         #: (node, service) -> times faster than on the reference type; node -> a restore's time over the reference's
         self.speed: dict[tuple[str, str], float] = {}
         self.restore_factor: dict[str, float] = {}
@@ -231,13 +242,13 @@ class BrokerStation:
     def submit(self, run: CallRun, now: float) -> None:
         self.seq += 1
         dops = self.dops.get(run.call.target or "", (1,))
-        action = action_for(run, self.seq, now, self.test_demand, dops)
+        action = action_for(run, self.seq, now, self.test_demand, dops, run.call.target in self.generates)
         self.calls[action.id] = run
         self.queue.push(action)
         if self.arrivals is not None:
             self.arrivals.submitted(action, now)
-        if self.slo is not None:
-            self.slo.submitted(action)
+        for watcher in self.watchers:
+            watcher.submitted(action)
         self.dirty = True
 
     def collect(self, now: float) -> list[CallRun]:
@@ -265,9 +276,9 @@ class BrokerStation:
             if action.malleable is not None:
                 self.calls[action_id].resizes = action.malleable.resizes
             dispatch.ended(self.durations, self.arrivals, action, now, succeeded=True)
-            if self.slo is not None:
-                action.finished_at = now
-                self.slo.ended(action)
+            action.finished_at = now
+            for watcher in self.watchers:
+                watcher.ended(action)
             done.append(self.calls.pop(action_id))
             self.dirty = True
         return done
@@ -445,4 +456,14 @@ class BrokerStation:
                 "evictions": self.evictions, "disk_loads": self.disk_loads,
                 **({"slo_windows": {task: [a.windows, a.within] for task, a in self.slo.tasks.items()}}
                    if self.slo is not None else {}),
-                **({"placement": self.placement} if self.placement is not None else {})}
+                **({"placement": self.placement} if self.placement is not None else {}),
+                **({"live_placement": self._live_stats()} if self.gpu is not None and self.gpu.live is not None
+                   else {})}
+
+    def _live_stats(self) -> dict[str, Any]:
+        """The GPU manager's own placement at the end of the run, and how many solves each method answered."""
+        assert self.gpu is not None and self.gpu.live is not None
+        live = self.gpu.live
+        last = placement_stats(live.placement) if live.placement is not None else None
+        return {"solves": dict(live.solves), "last": last,
+                "loads": {service: round(load, 4) for service, load in live.loads.items()}}

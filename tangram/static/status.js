@@ -240,6 +240,28 @@
     }
     document.querySelector("#resources tbody").replaceChildren(...rows);
     drawSlo(now.slo);
+    drawPlacement(now.placement);
+  }
+
+  function drawPlacement(placement) {
+    document.getElementById("placement-panel").hidden = !placement;
+    if (!placement) return;
+    document.getElementById("placement-how").textContent = placement.answered_by === null
+      ? `${placement.method}: not solved yet (no demand measured).`
+      : `${placement.method}, answered by ${placement.answered_by}: every load served ` +
+        `${placement.objective === null ? "–" : placement.objective.toPrecision(3)}×, solved in ` +
+        `${placement.solve_s.toFixed(3)} s` + (placement.fallback ? ` (fell back: ${placement.fallback})` : "") + ".";
+    const rows = placement.services.map((s) => {
+      const row = document.createElement("tr");
+      row.dataset.service = s.service;
+      cell(row, s.service);
+      cell(row, s.load.toFixed(3), "num load");
+      cell(row, Object.entries(s.types).map(([kind, gpus]) => `${kind} ${gpus.toFixed(2)}`).join(", ") || "–",
+           "types");
+      cell(row, s.confined ? "yes" : "no (every node)", "confined");
+      return row;
+    });
+    document.querySelector("#placement tbody").replaceChildren(...rows);
   }
 
   function drawSlo(tasks) {
