@@ -6,12 +6,14 @@ from __future__ import annotations
 import pytest
 
 from managers.gpu_types import GPU_TYPES, speed
+from tangram.sim.assumptions import parse
 from tangram.sim.broker_station import gpu_node_configs
 from tangram.sim.cluster import Cluster, ServiceModel
 from tangram.sim.engine import simulate
 from tangram.sim.placement import solve, trace_loads
 from tangram.sim.policies import POLICIES, broker
 from tangram.sim.records import CallRecord
+from tangram.sim.scenarios import NONE_ASSUMED, hetero_cluster
 from tangram.sim.trace import Call, Trace, Trajectory
 
 #: one GPU of each type; a teacher that scores (compute-bound) and a judge that generates (memory-bound)
@@ -83,3 +85,12 @@ def test_the_typed_fit_keeps_the_scorer_off_the_h20_while_an_h100_frees_soon_eno
     assert {r.pool.split(":")[0] for r in teacher_calls(typed.records)} == {"gpu0"}
     assert "gpu1" in {r.pool.split(":")[0] for r in teacher_calls(blind.records)}
     assert typed.summary()["mean_act_s"] < blind.summary()["mean_act_s"]
+
+
+def test_the_h20s_speeds_move_with_the_assumptions() -> None:
+    assumed = hetero_cluster(parse(["hetero.tflops_factor=2", "hetero.hbm_factor=1.5"])).gpu_types
+    shipped = hetero_cluster(NONE_ASSUMED).gpu_types
+    assert shipped["h20"] == GPU_TYPES["h20"]
+    assert speed(assumed["h20"], assumed["h100"], "compute") == pytest.approx(2 * 148 / 989)
+    assert speed(assumed["h20"], assumed["h100"], "memory") == pytest.approx(1.5 * 4000 / 3350)
+    assert assumed["h100"] == shipped["h100"]

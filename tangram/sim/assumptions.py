@@ -14,21 +14,23 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
-from tangram.sim.cluster import ApiModel, Costs, StaticServing
+from tangram.sim.cluster import ApiModel, Costs, HeteroParams, StaticServing
 from tangram.sim.slo_workload import SloTaskParams
 from tangram.sim.training import StepParams
 from tangram.sim.workloads import CodingParams, MopdParams, SearchParams
 
 #: what each group overrides; the search upstreams (``api``) take their quota and concurrency, the static GPU
 #: deployment's servers (``static``) their batching, a training run (``step``) its steps, the tasks offered to a
-#: shared pool (``slo``) their steps and SLOs
+#: shared pool (``slo``) their steps and SLOs, the mixed cluster's H20 (``hetero``) its speeds
 GROUPS: Mapping[str, type] = MappingProxyType({"costs": Costs, "coding": CodingParams, "mopd": MopdParams,
                                                "search": SearchParams, "api": ApiModel, "static": StaticServing,
-                                               "step": StepParams, "slo": SloTaskParams})
+                                               "step": StepParams, "slo": SloTaskParams, "hetero": HeteroParams})
 #: fields below 1 mean nothing: an upstream or a server takes some calls, a run has a step, a window some time, an
-#: SLO tolerates no speed-up, a task has a GPU and a step, a reward's longest is no shorter than its median
+#: SLO tolerates no speed-up, a task has a GPU and a step, a reward's longest is no shorter than its median, the
+#: H20 is no slower than its datasheet
 AT_LEAST_ONE = frozenset({"static.batch", "step.steps", "step.window_s", "slo.candidates", "slo.steps",
-                          "slo.slo_low", "slo.slo_high", "slo.reward_cap", "slo.unchecked"})
+                          "slo.slo_low", "slo.slo_high", "slo.reward_cap", "slo.unchecked", "hetero.tflops_factor",
+                          "hetero.hbm_factor"})
 #: fields a scenario sets itself (what it sweeps or how it is defined), so an override would be silently lost
 SCENARIO_FIELDS = frozenset({"coding.batch", "mopd.batch", "mopd.teachers", "search.batch", "search.task",
                              "api.name", "api.period_s"})
@@ -60,6 +62,9 @@ class Assumptions:
 
     def slo(self) -> SloTaskParams:
         return SloTaskParams(**self.overrides.get("slo", {}))
+
+    def hetero(self) -> HeteroParams:
+        return HeteroParams(**self.overrides.get("hetero", {}))
 
     def api(self, base: ApiModel) -> ApiModel:
         return replace(base, **self.overrides.get("api", {}))

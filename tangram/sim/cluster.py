@@ -52,6 +52,16 @@ class ApiModel:
 
 
 @dataclass(frozen=True, slots=True)
+class HeteroParams:
+    """``gpu-hetero``'s H20 against its datasheet (``--set hetero.*``): the speed ratio to the H100 decides what a
+    typed fit and a placement gain, so it must move. Each factor multiplies the shipped figure; only faster than
+    the datasheet (at least 1), the side where the gain shrinks."""
+
+    tflops_factor: float = 1.0  # compute: an H20 runs a scorer at 0.150 x this of an H100's speed
+    hbm_factor: float = 1.0  # memory bandwidth: a generator at 1.194 x this
+
+
+@dataclass(frozen=True, slots=True)
 class Costs:
     """Time charged besides execution."""
 

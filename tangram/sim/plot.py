@@ -13,11 +13,15 @@ DOP_SHADES = {"dop1": "#fdd0a2", "dop2": "#fdae6b", "dop4": "#fd8d3c", "dop8": "
               "dop32": "#8c2d04"}
 COLORS = {"tangram": "#1f77b4", "baseline": "#d62728", "pods-ideal": "#e377c2", "tangram-min4": "#9467bd",
           "tangram-paper": "#7f7f7f", "tangram-moldable": "#bcbd22", "tangram-srpt": "#17becf", "serverless": "#2ca02c",
+          "tangram-typed": "#ff7f0e", "tangram-live": "#2ca02c", "tangram-placed": "#9467bd", "tangram-greedy": "#8c564b",
           **DOP_SHADES}
 LABELS = {"tangram": "ARL-Tangram (malleable, simulated)", "baseline": "pods", "pods-ideal": "pods, free control plane",
           "tangram-min4": "elastic DoP 4-32 (moldable)", "tangram-paper": "paper's algorithm (moldable)",
           "tangram-moldable": "moldable + arrivals", "tangram-srpt": "malleable, by remaining work",
           "serverless": "ServerlessLLM-style (on demand, fixed DoP)",
+          "tangram-typed": "typed fit, no placement", "tangram-live": "typed fit + placement from measured demand",
+          "tangram-placed": "typed fit + ILP placement from the trace (oracle)",
+          "tangram-greedy": "typed fit + greedy placement from the trace (oracle)",
           **{name: f"fixed DoP {name[3:]}" for name in DOP_SHADES}}
 
 

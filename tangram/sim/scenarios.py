@@ -360,6 +360,15 @@ HETERO_POLICIES: dict[str, dict[str, Any]] = {
 }
 
 
+def hetero_cluster(assumed: Assumptions) -> Cluster:
+    """``gpu-hetero``'s 40 GPUs, half H100 and half H20, the H20's figures scaled by ``--set hetero.*``."""
+    cluster = replace(_mixed_gpus(assumed), gpu_node_sizes=HETERO_NODES, gpu_node_types=HETERO_TYPES)
+    scaled = assumed.hetero()
+    h20 = cluster.gpu_types["h20"]
+    h20 = replace(h20, tflops=h20.tflops * scaled.tflops_factor, hbm_gb_per_s=h20.hbm_gb_per_s * scaled.hbm_factor)
+    return replace(cluster, gpu_types={**cluster.gpu_types, "h20": h20})
+
+
 def gpu_hetero(scale: float, seed: int, progress: Progress = _stderr,
                assumed: Assumptions = NONE_ASSUMED) -> Outcome:
     """Issue 18: the MOPD+DeepSearch mix on 40 GPUs, half H100 and half H20, under today's type-blind broker and
@@ -368,7 +377,7 @@ def gpu_hetero(scale: float, seed: int, progress: Progress = _stderr,
     15% of an H100's speed); the judge generates (memory-bound: 119%)."""
     points: list[Point] = []
     batches = [round(batch * scale) for batch in (512, 1024, 2048)]
-    cluster = replace(_mixed_gpus(assumed), gpu_node_sizes=HETERO_NODES, gpu_node_types=HETERO_TYPES)
+    cluster = hetero_cluster(assumed)
     h20, h100 = cluster.gpu_types["h20"], cluster.gpu_types["h100"]
     blind_t: dict[int, float] = {}
     notes = ["--scale scales the batches; the 40 GPUs stay",
