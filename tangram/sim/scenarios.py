@@ -371,10 +371,10 @@ def hetero_cluster(assumed: Assumptions) -> Cluster:
 
 def gpu_hetero(scale: float, seed: int, progress: Progress = _stderr,
                assumed: Assumptions = NONE_ASSUMED) -> Outcome:
-    """Issue 18: the MOPD+DeepSearch mix on 40 GPUs, half H100 and half H20, under today's type-blind broker and
-    with each service confined to the GPU types its placement (ILP, greedy; ``managers/gpu_placement.py``) gives
-    it, computed from the trace's own loads (an oracle). Teachers only score (compute-bound: an H20 runs them at
-    15% of an H100's speed); the judge generates (memory-bound: 119%)."""
+    """Issue 18: the MOPD+DeepSearch mix on 40 GPUs, half H100 and half H20, under the ``HETERO_POLICIES``: a
+    type-blind broker, the typed fit alone, the GPU manager's own placement from the demand it measures, and a
+    placement (ILP, greedy; ``managers/gpu_placement.py``) from the trace's own loads (an oracle). Teachers only
+    score (compute-bound: an H20 runs them at 15% of an H100's speed); the judge generates (memory-bound: 119%)."""
     points: list[Point] = []
     batches = [round(batch * scale) for batch in (512, 1024, 2048)]
     cluster = hetero_cluster(assumed)
