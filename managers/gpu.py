@@ -626,13 +626,15 @@ class GpuManager(ResourceManager[GpuHandle]):
             self.live.poll((ServiceFigures(spec.name, spec.host_memory_mb, spec.gpu_memory_mb, bound_of(spec.task))
                             for name, spec in self.services.items() if name not in self.preparing),
                            [node.config for node in self.nodes.values() if node.lost is None], self.config.types,
-                           self._confine_to_types)
+                           self.place_on_types)
         return GpuFit(self)
 
-    def _confine_to_types(self, types: Mapping[str, Iterable[str]]) -> None:
-        """Apply a placement: each service named to the nodes of the types it has a variant on."""
-        self.place_services({service: [name for name, node in self.nodes.items() if node.config.type in set(kinds)]
-                             for service, kinds in types.items()})
+    def place_on_types(self, types: Mapping[str, Iterable[str]]) -> None:
+        """Apply a placement (``place_services``): each service named to the nodes of the types (node groups) it
+        has a variant on."""
+        kinds = {service: set(names) for service, names in types.items()}
+        self.place_services({service: [name for name, node in self.nodes.items() if node.config.type in mine]
+                             for service, mine in kinds.items()})
 
     def _node_type(self, name: str) -> str | None:
         node = self.nodes.get(name)

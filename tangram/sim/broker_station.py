@@ -40,7 +40,7 @@ from tangram.setup_order import SetupAwareOrder
 from tangram.sim.cluster import Cluster, Costs, xdist_cpu_s
 from tangram.sim.engine import CallRun
 from tangram.sim.execution import Execution
-from tangram.sim.placement import allowed_nodes, placement_stats, solve
+from tangram.sim.placement import placement_stats, solve
 from tangram.sim.records import percentile
 from tangram.sim.trace import Trajectory
 from tangram.slo_attainment import SloAttainment
@@ -234,9 +234,8 @@ class BrokerStation:
                 for service in cluster.services:
                     self.speed[(node.name, service.name)] = speed(kind, reference, service.bound)
             if placement is not None:
-                nodes = self.gpu.config.nodes
-                placed = solve(placement, cluster, nodes, loads or {})
-                self.gpu.place_services(allowed_nodes(placed, nodes))
+                placed = solve(placement, cluster, self.gpu.config.nodes, loads or {})
+                self.gpu.place_on_types({service: placed.variants(service) for service in placed.shares})
                 self.placement = placement_stats(placed)
 
     def submit(self, run: CallRun, now: float) -> None:

@@ -1,9 +1,10 @@
 """Which GPU nodes each reward service may run on in a simulated run on a typed cluster (issue 18): the placement
 of ``managers/gpu_placement.py`` over the cluster's node groups, from loads that the scenario reads off the trace,
-given to the GPU manager as the nodes of the groups where each service has a variant (``place_services``).
+given to the GPU manager as the groups where each service has a variant (``GpuManager.place_on_types``).
 
 The loads are an oracle: the whole trace's reward work is known before the run starts, which a broker never knows.
-This step measures what a placement is worth with its input right; learning the loads online is the next one.
+It measures what a placement is worth with its input right, against the manager's own placement from the demand it
+measures (``[gpu] placement``, ``managers/live_placement.py``).
 """
 
 from __future__ import annotations
@@ -52,13 +53,6 @@ def solve(method: Method, cluster: Cluster, nodes: Iterable[GpuNodeConfig], load
     if method == "greedy":
         return place_greedy(services, groups, reference)
     return place_type_blind(services, groups, reference)
-
-
-def allowed_nodes(placement: Placement, nodes: Iterable[GpuNodeConfig]) -> dict[str, list[str]]:
-    """Each placed service's nodes: those of the groups (types) where it has a variant."""
-    nodes = tuple(nodes)
-    return {service: [node.name for node in nodes if node.type in groups]
-            for service, groups in placement.shares.items()}
 
 
 def placement_stats(placement: Placement) -> dict[str, Any]:
