@@ -71,7 +71,8 @@ class ServiceDemand:
         self.window_s = window_s
         self._resource = resource
         self._arrivals: dict[str, _Arrivals] = {}
-        self._gpu_s: dict[tuple[str, str], float] = {}
+        #: service -> type -> GPU-seconds per action, for the types its actions have run on
+        self._gpu_s: dict[str, dict[str, float]] = {}
 
     # -- the broker's watcher -------------------------------------------------------------------------------
 
@@ -92,9 +93,9 @@ class ServiceDemand:
         if kind is None or not units:
             return
         seconds = max(action.execution_s - (action.restore_s or 0.0), MIN_GPU_S) * units
-        key = (self._service_of(action), kind)
-        before = self._gpu_s.get(key)
-        self._gpu_s[key] = seconds if before is None else before + RUN_EWMA_ALPHA * (seconds - before)
+        learned = self._gpu_s.setdefault(self._service_of(action), {})
+        before = learned.get(kind)
+        learned[kind] = seconds if before is None else before + RUN_EWMA_ALPHA * (seconds - before)
 
     # -- what the placement and the fit read ----------------------------------------------------------------
 
@@ -106,7 +107,7 @@ class ServiceDemand:
     def gpu_s(self, service: str, kind: str) -> float:
         """GPU-seconds one action of ``service`` runs on a GPU of type ``kind``: learned there, else carried over
         from the types learned by the speed prior, else the prior."""
-        learned = self._gpu_s.get((service, kind))
+        learned = self._gpu_s.get(service, {}).get(kind)
         if learned is not None:
             return learned
         return self.reference_gpu_s(service) / self._prior_speed(service, kind)
@@ -114,11 +115,10 @@ class ServiceDemand:
     def reference_gpu_s(self, service: str) -> float:
         """GPU-seconds per action on the reference type: learned there, else the mean of the types learned, each
         brought to the reference by its prior speed, else ``PRIOR_GPU_S``."""
-        learned = self._gpu_s.get((service, REFERENCE_TYPE))
-        if learned is not None:
-            return learned
-        seen = [seconds * self._prior_speed(service, kind) for (name, kind), seconds in self._gpu_s.items()
-                if name == service]
+        learned = self._gpu_s.get(service, {})
+        if REFERENCE_TYPE in learned:
+            return learned[REFERENCE_TYPE]
+        seen = [seconds * self._prior_speed(service, kind) for kind, seconds in learned.items()]
         return sum(seen) / len(seen) if seen else PRIOR_GPU_S
 
     def speed(self, service: str, kind: str) -> float:
@@ -132,10 +132,7 @@ class ServiceDemand:
 
     def learned(self) -> dict[str, dict[str, float]]:
         """service -> type -> GPU-seconds per action, for the types actions have run on (``/metrics``, status)."""
-        out: dict[str, dict[str, float]] = {}
-        for (service, kind), seconds in self._gpu_s.items():
-            out.setdefault(service, {})[kind] = seconds
-        return out
+        return {service: dict(learned) for service, learned in self._gpu_s.items()}
 
     def _prior_speed(self, service: str, kind: str) -> float:
         reference = self.types[REFERENCE_TYPE]
