@@ -165,7 +165,8 @@ def place(services: Iterable[ServiceLoad], groups: Iterable[NodeGroup], referenc
     started = time.perf_counter()
     instance, problems = _instance(tuple(services), tuple(groups), reference, speeds)
     t_high = _t_high(instance)
-    dive_x, dive_a = _dive(instance, t_high, look_ahead=False)  # the tie-break's scale, and a bar for the ILP
+    relaxation = _relaxation(instance, t_high)
+    dive_x, dive_a = _dive(instance, relaxation, look_ahead=False)  # the tie-break's scale, and a bar for the ILP
     dive_t = _throughput(instance, dive_x, dive_a)
     reason = "; ".join(problems) if problems else None
     if reason is None:
@@ -179,7 +180,7 @@ def place(services: Iterable[ServiceLoad], groups: Iterable[NodeGroup], referenc
                 return _placement("ilp", instance, ilp_x, ilp_a, started, optimal=optimal)
             reason = f"the ILP's best within {time_limit_s} s (t={ilp_t:.4g}) is worse than the greedy's dive's"
     log.warning("GPU placement falls back to the greedy: %s", reason)
-    greedy_x, greedy_a = _greedy(instance, t_high)
+    greedy_x, greedy_a = _greedy(instance, relaxation, t_high)
     return _placement("greedy", instance, greedy_x, greedy_a, started, fallback=reason)
 
 
@@ -188,7 +189,8 @@ def place_greedy(services: Iterable[ServiceLoad], groups: Iterable[NodeGroup],
     """The greedy alone (``_greedy``); services with bad figures or no room are reported unplaced."""
     started = time.perf_counter()
     instance, _ = _instance(tuple(services), tuple(groups), reference, speeds)
-    x, a = _greedy(instance, _t_high(instance))
+    t_high = _t_high(instance)
+    x, a = _greedy(instance, _relaxation(instance, t_high), t_high)
     return _placement("greedy", instance, x, a, started)
 
 
@@ -392,13 +394,19 @@ def _ilp(instance: _Instance, scale: float, t_high: float | None, time_limit_s: 
     return x, a, result.status == 0
 
 
-def _greedy(instance: _Instance, t_high: float | None) -> tuple[NDArray[np.bool_], Matrix]:
+def _relaxation(instance: _Instance, t_high: float | None) -> _Model:
+    """The ILP the greedy dives through and checks its moves on (scaled by ``t_high``, without ``current``)."""
+    return _model(instance, t_high or 1.0, {}, t_high)
+
+
+def _greedy(instance: _Instance, model: _Model, t_high: float | None) -> tuple[NDArray[np.bool_], Matrix]:
     """The better of two dives through the LP relaxation (``_dive``: fixing the variant with the most host memory at
     stake, or first trying each group of a large copy), each improved by LP-checked relocation (``_relocated``).
     Neither is better on every instance (``loadtest/bench_placement.py``)."""
     answers: list[tuple[NDArray[np.bool_], Matrix]] = []
     for look_ahead in (False, True):
-        answers.append(_relocated(instance, *_dive(instance, t_high, look_ahead), t_high, RELOCATION_LPS // 2))
+        answers.append(_relocated(instance, model, *_dive(instance, model, look_ahead), t_high,
+                                  RELOCATION_LPS // 2))
         if _optimal(instance, *answers[-1], t_high):
             break
     return max(answers, key=lambda answer: _throughput(instance, *answer))
@@ -409,7 +417,7 @@ def _optimal(instance: _Instance, x: NDArray[np.bool_], a: Matrix, t_high: float
     return t_high is not None and _throughput(instance, x, a) >= t_high * (1 - 1e-6)
 
 
-def _dive(instance: _Instance, t_high: float | None, look_ahead: bool) -> tuple[NDArray[np.bool_], Matrix]:
+def _dive(instance: _Instance, model: _Model, look_ahead: bool) -> tuple[NDArray[np.bool_], Matrix]:
     """A dive through the ILP's LP relaxation, completed by list scheduling where it runs into host memory.
 
     The dive solves the relaxation (``x`` in [0, 1]; with ``t_high``, ``x`` is about the share of a service's load
@@ -420,7 +428,6 @@ def _dive(instance: _Instance, t_high: float | None, look_ahead: bool) -> tuple[
     one on its fastest group with room; the shares are then an LP's over those variants, or without one, each
     group's time in proportion to the GPU time its services need there. With ``look_ahead``, a large copy's group is
     chosen by trying each (``_look_ahead``)."""
-    model = _model(instance, t_high or 1.0, {}, t_high)
     x_at, s_of, g_of = model.x_at, model.pairs[:, 0], model.pairs[:, 1]
     low, high = np.zeros_like(model.high), model.high.copy()
     last: int | None = None
@@ -468,7 +475,7 @@ def _look_ahead(instance: _Instance, model: _Model, low: Matrix, high: Matrix, c
     return best
 
 
-def _relocated(instance: _Instance, x: NDArray[np.bool_], a: Matrix, t_high: float | None,
+def _relocated(instance: _Instance, model: _Model, x: NDArray[np.bool_], a: Matrix, t_high: float | None,
                budget: int = RELOCATION_LPS) -> tuple[NDArray[np.bool_], Matrix]:
     """The greedy's variants improved by LP-checked relocation (a local search, first improvement). A move puts a
     variant of service ``s`` on group ``g`` (``_move``): added beside its others, or moved there from them; the
@@ -478,7 +485,6 @@ def _relocated(instance: _Instance, x: NDArray[np.bool_], a: Matrix, t_high: flo
     largest host copy first; each on its fastest groups first. A move is kept if the LP over the new variants
     serves every load by a larger ``t``. The search stops at the relaxation's bound, when no move improves, or
     after ``budget`` LPs."""
-    model = _model(instance, t_high or 1.0, {}, t_high)
     best_t = _throughput(instance, x, a)
     spent = 0
 
@@ -529,17 +535,17 @@ def _move(instance: _Instance, x: NDArray[np.bool_], a: Matrix, s: int, g: int,
             return None
         candidate[s] = False
     candidate[s, g] = True
-    used = (candidate * instance.host[:, None]).sum(axis=0)
+    used = float(instance.host[candidate[:, g]].sum())
 
     def loss(t: int) -> tuple[bool, float]:  # dropping t's variant on g: whether t keeps one, how much it served
         return bool(candidate[t].sum() == 1), float(a[t, g] * instance.speed[t, g] / max(instance.load[t], 1e-12))
 
     others = sorted((int(t) for t in np.flatnonzero(candidate[:, g]) if t != s), key=loss)
-    while used[g] > instance.host_room[g] and others:
+    while used > instance.host_room[g] and others:
         dropped = others.pop(0)
         candidate[dropped, g] = False
-        used[g] -= instance.host[dropped]
-    if used[g] > instance.host_room[g]:
+        used -= instance.host[dropped]
+    if used > instance.host_room[g]:
         return None
     homeless = ~candidate.any(axis=1)
     if homeless.any():

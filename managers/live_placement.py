@@ -142,8 +142,8 @@ class LivePlacement:
     def _adopt(self, placement: Placement, apply: Callable[[Mapping[str, Iterable[str]]], None]) -> None:
         self.placement = placement
         self.solves[placement.method] = self.solves.get(placement.method, 0) + 1
-        apply({service: groups for service, groups in
-               ((s, placement.variants(s)) for s in placement.shares) if self.loads.get(service, 0.0) > 0})
+        apply({service: placement.variants(service) for service in placement.shares
+               if self.loads.get(service, 0.0) > 0})
         log.info("GPU placement (%s, %.3f s, t=%.3g): %s", placement.method, placement.solve_s, placement.objective,
                  "; ".join(f"{s} on {', '.join(g)}" for s, g in sorted(
                      (s, placement.variants(s)) for s in placement.shares)) or "nothing placed")
