@@ -30,6 +30,7 @@ its variants at the end.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import time
@@ -61,6 +62,9 @@ LOOK_AHEAD_SHARE = 0.25
 #: the relocation search adds variants for this many of the least served services; it moves every service's
 #: variants, those of the largest host copies first (a large copy on a fast group is what keeps others off it)
 RELOCATION_ADDERS = 3
+#: once no single move improves, the relocation search tries at most this many exchanges of two copies too large to
+#: share a node, each a dive (about one LP per variant): neither copy can move alone, as it would evict the other
+RELOCATION_EXCHANGES = 1
 
 
 @dataclass(frozen=True)
@@ -417,7 +421,8 @@ def _optimal(instance: _Instance, x: NDArray[np.bool_], a: Matrix, t_high: float
     return t_high is not None and _throughput(instance, x, a) >= t_high * (1 - 1e-6)
 
 
-def _dive(instance: _Instance, model: _Model, look_ahead: bool) -> tuple[NDArray[np.bool_], Matrix]:
+def _dive(instance: _Instance, model: _Model, look_ahead: bool,
+          bounds: tuple[Matrix, Matrix] | None = None) -> tuple[NDArray[np.bool_], Matrix]:
     """A dive through the ILP's LP relaxation, completed by list scheduling where it runs into host memory.
 
     The dive solves the relaxation (``x`` in [0, 1]; with ``t_high``, ``x`` is about the share of a service's load
@@ -427,9 +432,10 @@ def _dive(instance: _Instance, model: _Model, look_ahead: bool) -> tuple[NDArray
     infeasible keeps what it fixed, and ``_round`` gives each service still without a variant
     one on its fastest group with room; the shares are then an LP's over those variants, or without one, each
     group's time in proportion to the GPU time its services need there. With ``look_ahead``, a large copy's group is
-    chosen by trying each (``_look_ahead``)."""
+    chosen by trying each (``_look_ahead``). ``bounds`` (the columns' lower and upper, changed in place) start it with
+    some variants fixed (``_exchange``)."""
     x_at, s_of, g_of = model.x_at, model.pairs[:, 0], model.pairs[:, 1]
-    low, high = np.zeros_like(model.high), model.high.copy()
+    low, high = bounds or (np.zeros_like(model.high), model.high.copy())
     last: int | None = None
     for _ in range(2 * len(model.pairs) + 1):
         solution = _solve(model, low, high)
@@ -482,11 +488,12 @@ def _relocated(instance: _Instance, model: _Model, x: NDArray[np.bool_], a: Matr
     variants on ``g`` that leave too little host memory for it are dropped, those of services with other variants
     first, and a service left without one gets one on its fastest group with room (``_round``). Tried in turn: an
     added variant for each of the ``RELOCATION_ADDERS`` least served services, then a moved one for every service,
-    largest host copy first; each on its fastest groups first. A move is kept if the LP over the new variants
-    serves every load by a larger ``t``. The search stops at the relaxation's bound, when no move improves, or
-    after ``budget`` LPs."""
+    largest host copy first; each on its fastest groups first. Only when none of these improves, up to
+    ``RELOCATION_EXCHANGES`` exchanges (``_exchange``) of two copies that cannot share a node, the largest first. A
+    move is kept if the LP over the new variants serves every load by a larger ``t``. The search stops at the
+    relaxation's bound, when no move improves, or after ``budget`` LPs (the exchanges' dives aside)."""
     best_t = _throughput(instance, x, a)
-    spent = 0
+    spent = exchanges = 0
 
     def served_by(candidate: NDArray[np.bool_]) -> tuple[float, Matrix] | None:
         nonlocal spent
@@ -502,10 +509,11 @@ def _relocated(instance: _Instance, model: _Model, x: NDArray[np.bool_], a: Matr
         return _throughput(instance, candidate, shares), shares
 
     def first_improvement() -> tuple[NDArray[np.bool_], float, Matrix] | None:
+        nonlocal exchanges
         served = (a * instance.speed).sum(axis=1) / np.where(instance.load > 0, instance.load, math.inf)
         adding = [(int(s), False) for s in np.argsort(served, kind="stable")[:RELOCATION_ADDERS]]
-        moving = [(int(s), True) for s in np.argsort(-instance.host, kind="stable")]
-        for s, move in adding + moving:
+        largest = [int(s) for s in np.argsort(-instance.host, kind="stable")]
+        for s, move in adding + [(s, True) for s in largest]:
             for g in np.argsort(-instance.speed[s], kind="stable"):
                 if spent >= budget:
                     return None
@@ -515,6 +523,19 @@ def _relocated(instance: _Instance, model: _Model, x: NDArray[np.bool_], a: Matr
                 answer = served_by(candidate) if candidate is not None else None
                 if candidate is not None and answer is not None and answer[0] > best_t * (1 + 1e-6):
                     return candidate, *answer
+        for i, s in enumerate(largest):
+            for u in largest[i + 1:]:
+                for g, h in itertools.product(np.flatnonzero(x[s] & ~x[u]), np.flatnonzero(x[u] & ~x[s])):
+                    if exchanges >= RELOCATION_EXCHANGES:
+                        return None
+                    if (instance.host[s] + instance.host[u] <= max(instance.host_room[g], instance.host_room[h])
+                            or not (instance.allowed[s, h] and instance.allowed[u, g])):
+                        continue
+                    exchanges += 1
+                    traded, shares = _exchange(instance, model, s, int(g), u, int(h))
+                    t = _throughput(instance, traded, shares)
+                    if t > best_t * (1 + 1e-6):
+                        return traded, t, shares
         return None
 
     while math.isfinite(best_t) and not _optimal(instance, x, a, t_high):
@@ -523,6 +544,20 @@ def _relocated(instance: _Instance, model: _Model, x: NDArray[np.bool_], a: Matr
             break
         x, best_t, a = found
     return x, a
+
+
+def _exchange(instance: _Instance, model: _Model, s: int, g: int, u: int,
+              h: int) -> tuple[NDArray[np.bool_], Matrix]:
+    """A dive (``_dive``) with ``s``'s variant on ``h`` instead of ``g`` and ``u``'s on ``g`` instead of ``h``
+    (``_relocated``). The trade displaces other copies on both groups, and where they go decides whether it pays:
+    ``_move``'s re-homing (each to its fastest group with room, one at a time) can leave the right trade worse than
+    no trade, where the dive re-places them with the LP."""
+    column = np.zeros(instance.speed.shape, dtype=np.intp)
+    column[model.pairs[:, 0], model.pairs[:, 1]] = model.x_at
+    low, high = np.zeros_like(model.high), model.high.copy()
+    low[column[s, h]] = low[column[u, g]] = 1.0
+    high[column[s, g]] = high[column[u, h]] = 0.0
+    return _dive(instance, model, look_ahead=False, bounds=(low, high))
 
 
 def _move(instance: _Instance, x: NDArray[np.bool_], a: Matrix, s: int, g: int,

@@ -179,17 +179,19 @@ def test_the_benchmark_runs_on_two_seeds() -> None:
         assert figures["greedy_median"] >= 1 - 2 * TIE_BREAK and figures["blind_worst"] >= 1 - 2 * TIE_BREAK
 
 
-@pytest.mark.parametrize(("size", "seed"), [((10, 4, 5), 3), ((20, 6, 16), 4)])
-def test_on_host_tight_instances_the_greedy_comes_within_10_percent_of_the_ilp(size: tuple[int, int, int],
-                                                                             seed: int) -> None:
+@pytest.mark.parametrize(("size", "seed", "short"), [((10, 4, 5), 3, 1.4), ((20, 6, 16), 4, 1.4),
+                                                    ((10, 4, 5), 1, 1.2)])
+def test_on_host_tight_instances_the_greedy_comes_within_10_percent_of_the_ilp(size: tuple[int, int, int], seed: int,
+                                                                             short: float) -> None:
     """A large copy on the fastest group keeps others off it: the plain dive, which fixes the largest copies first,
-    falls far short here; the look-ahead dive and the relocation search bring the greedy back."""
+    falls ``short`` of the ILP here; the look-ahead dive and the relocation search bring the greedy back (on seed 1,
+    only by exchanging two large copies that no single move can swap)."""
     services, groups = instance(random.Random(seed), *size, 0.4)
     ilp = place(services, groups, time_limit_s=30)
     assert ilp.method == "ilp"
     problem, _ = _instance(tuple(services), tuple(groups), None)
     plain = _throughput(problem, *_dive(problem, _relaxation(problem, _t_high(problem)), look_ahead=False))
-    assert plain < ilp.objective / 1.4
+    assert plain < ilp.objective / short
     greedy = place_greedy(services, groups)
     check_feasible(greedy, services, groups, GPU_TYPES["h100"])
     assert greedy.objective >= ilp.objective / 1.1
