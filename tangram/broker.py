@@ -57,9 +57,11 @@ class Broker:
     def __init__(self, managers: Sequence[ResourceManager], store: Store, *, policy: str = "fcfs",
                  depth: int = 2, horizon: int = 64, default_duration_s: float = 1.0, ewma_alpha: float = 0.2,
                  max_queue: int = 100_000, retain_s: float = 600.0, tick_s: float = 0.25,
-                 order: Mapping[str, str] | None = None, max_wait_s: float = 60.0) -> None:
+                 order: Mapping[str, str] | None = None, max_wait_s: float = 60.0,
+                 overdue_floor_s: float = 10.0) -> None:
         """``order``: resources whose queued actions are ordered otherwise than ``policy`` ("hrrs":
-        ``tangram/setup_order.py``), each action ahead of later ones once it has waited ``max_wait_s``."""
+        ``tangram/setup_order.py``), each action ahead of later ones once it is overdue: after twice the mean wait
+        of the actions queued with it, at least ``overdue_floor_s`` and at most ``max_wait_s``."""
         self.managers = list(managers)
         self.store = store
         self.owner: dict[str, ResourceManager] = {}
@@ -77,7 +79,8 @@ class Broker:
         self.scheduler = Scheduler(self.managers, self.durations, depth=depth, horizon=horizon)
         self.queue = make_queue(policy)
         hrrs = [resource for resource, name in (order or {}).items() if name == "hrrs"]
-        self.setup_order = SetupAwareOrder(hrrs, self.durations.duration, self._setup_costs, max_wait_s) \
+        self.setup_order = SetupAwareOrder(hrrs, self.durations.duration, self._setup_costs, max_wait_s,
+                                           overdue_floor_s) \
             if hrrs else None
         self.backoff = AllocationBackoff()
         self.metrics = Metrics()

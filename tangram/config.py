@@ -116,8 +116,11 @@ class SchedulerConfig:
     #: a queue order per resource other than ``policy``: "hrrs" groups same-service reward actions to save
     #: restores (``tangram/setup_order.py``), e.g. ``order = {gpu = "hrrs"}``
     order: dict[str, Literal["fcfs", "hrrs"]] = field(default_factory=dict)
-    #: under "hrrs", an action that has waited this long goes ahead of those that have not (the starvation bound)
+    #: under "hrrs", an action is overdue, and goes ahead of those that are not, once it has waited twice the mean
+    #: wait of the actions queued with it, but at least ``overdue_floor_s`` and at most ``max_wait_s`` (the
+    #: starvation bound)
     max_wait_s: Seconds = 60.0
+    overdue_floor_s: Seconds = 10.0
     depth: Count = 2
     horizon: NonNegative = 64
     default_duration_s: Seconds = 1.0

@@ -55,6 +55,7 @@ async def running_broker(config: Config, managers: list[ResourceManager] | None 
     scheduler = config.scheduler
     managers = build_managers(config) if managers is None else managers
     broker = Broker(managers, store, policy=scheduler.policy, order=scheduler.order, max_wait_s=scheduler.max_wait_s,
+                    overdue_floor_s=scheduler.overdue_floor_s,
                     depth=scheduler.depth, horizon=scheduler.horizon,
                     default_duration_s=scheduler.default_duration_s, ewma_alpha=scheduler.ewma_alpha,
                     max_queue=scheduler.max_queue, retain_s=scheduler.retain_s)

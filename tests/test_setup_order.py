@@ -21,10 +21,11 @@ def reward(seq: int, service: str, submitted_at: float) -> Action:
     return action
 
 
-def order_for(resident: set[str], max_wait_s: float = 60.0, expected_s: float = 1.0) -> SetupAwareOrder:
+def order_for(resident: set[str], max_wait_s: float = 60.0, expected_s: float = 1.0,
+              overdue_floor_s: float | None = None) -> SetupAwareOrder:
     def setup_costs(actions: Sequence[Action]) -> dict[str, float]:
         return {a.id: RESTORE_S for a in actions if a.spec["service"] not in resident}
-    return SetupAwareOrder({"gpu"}, lambda action: expected_s, setup_costs, max_wait_s)
+    return SetupAwareOrder({"gpu"}, lambda action: expected_s, setup_costs, max_wait_s, overdue_floor_s)
 
 
 def services(actions: list[Action]) -> list[str]:
@@ -48,11 +49,11 @@ def test_a_long_wait_outranks_a_setup_saved() -> None:
     assert services(order_for(resident={"y"}, max_wait_s=math.inf).order([old, fresh], now=100.0)) == ["x", "y"]
 
 
-def starts_after(max_wait_s: float, steps: int) -> float | None:
+def starts_after(max_wait_s: float, steps: int, overdue_floor_s: float | None = None) -> float | None:
     """One GPU; every 0.1 s two actions of the resident service arrive and the best ranked action starts (one per
     step: the resident service overloads the GPU). Returns how long the lone action of another service waited,
     None if it never started within ``steps``."""
-    order = order_for(resident={"y"}, max_wait_s=max_wait_s, expected_s=0.01)
+    order = order_for(resident={"y"}, max_wait_s=max_wait_s, expected_s=0.01, overdue_floor_s=overdue_floor_s)
     lone = reward(0, "x", 0.0)
     queue = [lone]
     for step in range(1, steps + 1):
@@ -73,3 +74,20 @@ def test_every_action_starts_within_the_bound_whatever_arrives() -> None:
     for bound in (1.0, 5.0, 30.0):
         waited = starts_after(max_wait_s=bound, steps=2000)
         assert waited is not None and bound <= waited < bound + 0.1 + 1e-9
+    # overdue sooner where the queue is short: never later than the bound
+    for floor, bound in ((1.0, 30.0), (5.0, 30.0), (30.0, 30.0)):
+        waited = starts_after(max_wait_s=bound, steps=2000, overdue_floor_s=floor)
+        assert waited is not None and waited < bound + 0.1 + 1e-9
+
+
+def test_an_action_is_overdue_after_twice_the_queues_mean_wait_between_the_floor_and_the_bound() -> None:
+    order = order_for(resident={"y"}, max_wait_s=60.0, overdue_floor_s=10.0)
+    assert order.overdue_after_s([1.0, 3.0, 5.0]) == 10.0  # twice 3 s: the floor
+    assert order.overdue_after_s([4.0, 12.0, 20.0]) == 24.0
+    assert order.overdue_after_s([30.0, 40.0, 50.0]) == 60.0  # twice 40 s: the bound
+    assert order_for(resident={"y"}, max_wait_s=60.0).overdue_after_s([1.0]) == 60.0  # no floor: the bound, fixed
+    # x has waited 25 s, y's 5 s: the mean is 10 s, so x is overdue and first; with the fixed 60 s it is not, and y's
+    # ratio (1 + 5 / 1) beats x's (1 + 25 / (1 + 10))
+    queue = [reward(1, "x", 0.0), reward(2, "y", 20.0), reward(3, "y", 20.0), reward(4, "y", 20.0)]
+    assert services(order.order(queue, now=25.0))[0] == "x"
+    assert services(order_for(resident={"y"}, max_wait_s=60.0).order(queue, now=25.0))[0] == "y"

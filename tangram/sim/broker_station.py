@@ -169,6 +169,7 @@ class BrokerStation:
                  horizon: int = 64, malleable: bool = True, share_by_remaining: bool = False,
                  arrivals: bool = True, worker_overhead: float = CpuConfig.worker_overhead,
                  static_dops: bool = False, order: str = "fcfs", max_wait_s: float = 60.0,
+                 overdue_floor_s: float = 10.0,
                  prefetch: bool = True, wait_for_resident: bool = False,
                  slo_plans: Mapping[str, SloPlan] | None = None, placement: Method | None = None,
                  loads: Mapping[str, float] | None = None, live_placement: PlacementChoice = "none",
@@ -195,7 +196,8 @@ class BrokerStation:
                                    share_by_remaining=share_by_remaining)
         self.queue = FCFSQueue()
         #: "hrrs": reward actions in the setup-aware order the broker gives them with ``[scheduler] order``
-        self.order = SetupAwareOrder(("gpu",), self.durations.duration, self.gpu.setup_costs, max_wait_s) \
+        self.order = SetupAwareOrder(("gpu",), self.durations.duration, self.gpu.setup_costs, max_wait_s,
+                                     overdue_floor_s) \
             if order == "hrrs" and self.gpu is not None else None
         self.calls: dict[str, CallRun] = {}
         self.running: dict[str, tuple[Action, list[tuple[ResourceManager, Allocation]]]] = {}
