@@ -28,6 +28,7 @@ from tangram.leases import Leases
 from tangram.metrics import Metrics
 from tangram.queue import make_queue
 from tangram.recovery import triage
+from tangram.reserved_shares import ReservedShares
 from tangram.scheduler import Placement, Resize, Scheduler
 from tangram.setup_order import SetupAwareOrder
 from tangram.store import Store
@@ -82,6 +83,8 @@ class Broker:
         self.setup_order = SetupAwareOrder(hrrs, self.durations.duration, self._setup_costs, max_wait_s,
                                            overdue_floor_s) \
             if hrrs else None
+        #: GPUs reserved for SLO-planned tasks, put ahead in each pass; set by SLO admission (``slo_admission.py``)
+        self.reserved_shares: ReservedShares | None = None
         self.backoff = AllocationBackoff()
         self.metrics = Metrics()
         self.watchers: list[ActionWatcher] = [watcher for manager in self.managers for watcher in manager.watchers]
@@ -382,6 +385,8 @@ class Broker:
             queue = [action for action in queue if not self.backoff.waiting(action.id, now)]
         if self.setup_order is not None:
             queue = self.setup_order.order(queue, now)
+        if self.reserved_shares is not None:
+            queue = self.reserved_shares.order(queue, (r.action for r in self.running.values()))
         foreseeing = [manager for manager in self.managers if manager.foresees]
         if foreseeing and not isinstance(queue, list):
             queue = list(queue)  # read again after the pass

@@ -88,7 +88,7 @@ def slo_table(tasks: list[dict[str, Any]]) -> Table | None:
     if not tasks:
         return None
     table = Table(title="task SLOs (GET /v1/tasks/slo)", title_justify="left")
-    for column in ("task", "SLO", "predicted", "windows", "within", "attainment", "last slowdown"):
+    for column in ("task", "SLO", "predicted", "reserved GPUs", "windows", "within", "attainment", "last slowdown"):
         table.add_column(column, justify="left" if column == "task" else "right")
     for task in tasks:
         predicted = task["predicted_slowdown"]
@@ -96,7 +96,7 @@ def slo_table(tasks: list[dict[str, Any]]) -> Table | None:
         attainment = task["attainment"]
         table.add_row(task["task"], _ratio(task["slo"]),
                       Text("unbounded" if predicted is None else _ratio(predicted), style="bold red" if over else ""),
-                      str(task["windows"]), str(task["within"]), "-" if attainment is None else f"{attainment:.0%}",
+                      str(task["reserved_gpus"] or "-"), str(task["windows"]), str(task["within"]), "-" if attainment is None else f"{attainment:.0%}",
                       _ratio(task["last_slowdown"]))
     return table
 

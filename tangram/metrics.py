@@ -46,6 +46,7 @@ class SloFigures(NamedTuple):
     task: str
     slo: float
     predicted_slowdown: float  # inf: the pool cannot bound its phase
+    reserved_gpus: int  # the GPUs its actions are put ahead on (0: none)
     windows: int
     within: int
     last_slowdown: float | None
@@ -62,6 +63,8 @@ class _SloCollector(Collector):
                                 "deployment", labels=["task"])
         predicted = GaugeMetricFamily("tangram_task_slo_predicted_slowdown", "A planned task's step slowdown planned "
                                       "on worst-case durations with every planned task in the pool", labels=["task"])
+        reserved = GaugeMetricFamily("tangram_task_slo_reserved_gpus", "GPUs reserved for a planned task: its actions "
+                                     "go first while it holds fewer", labels=["task"])
         attainment = GaugeMetricFamily("tangram_task_slo_attainment", "Fraction of a planned task's windows within "
                                        "its SLO", labels=["task"])
         observed = GaugeMetricFamily("tangram_task_slo_observed_slowdown", "A planned task's step slowdown in its "
@@ -71,11 +74,12 @@ class _SloCollector(Collector):
             windows.add_metric([row.task, "false"], row.windows - row.within)
             slo.add_metric([row.task], row.slo)
             predicted.add_metric([row.task], row.predicted_slowdown)
+            reserved.add_metric([row.task], row.reserved_gpus)
             if row.windows:
                 attainment.add_metric([row.task], row.within / row.windows)
             if row.last_slowdown is not None:
                 observed.add_metric([row.task], row.last_slowdown)
-        yield from (windows, slo, predicted, attainment, observed)
+        yield from (windows, slo, predicted, reserved, attainment, observed)
 
 
 class Metrics:

@@ -205,6 +205,8 @@ class TaskSlo(SloAttainmentRecord):
     slo: float = Field(description="the step slowdown the task tolerates against a dedicated deployment")
     predicted_slowdown: float | None = Field(description="planned on worst-case durations with every planned task "
                                                          "in the pool; null: unbounded (the pool is overloaded)")
+    reserved_gpus: int = Field(description="GPUs reserved for the task: its actions go ahead of others' while it "
+                                           "holds fewer (0: the shared pool's bound holds it)")
 
 
 class Resources(Schema):
@@ -221,6 +223,8 @@ class SloPrediction(Schema):
     slowdown: float | None = Field(description="predicted step slowdown; null: unbounded")
     slo: float
     within: bool
+    reserved_gpus: int = Field(description="the GPUs this prediction reserves for the task (0: none needed, the "
+                                           "shared bound holds)")
 
 
 class PlannedTask(Schema):
@@ -228,6 +232,8 @@ class PlannedTask(Schema):
     source: Literal["config", "store"] = Field(description="[tasks.NAME.slo], or PUT /v1/tasks/NAME/slo")
     plan: SloPlan
     prediction: SloPrediction
+    reserved_gpus: int = Field(description="the GPUs reserved in force, set when the plans or the config last "
+                                           "changed (the prediction's may differ as restore times are learned)")
     attainment: SloAttainmentRecord
 
 

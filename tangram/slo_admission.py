@@ -28,8 +28,9 @@ from tangram.core.action import Action, Kind
 from tangram.core.config_tables import table
 from tangram.core.errors import ConfigError, Conflict, NotFound, Unavailable, Unprocessable
 from tangram.metrics import SloFigures
+from tangram.reserved_shares import ReservedShares
 from tangram.slo_attainment import Attainment, SloAttainment
-from tangram.slo_plan import Pool, Prediction, SloPlan, first_breach, predict
+from tangram.slo_plan import Pool, Prediction, SloPlan, first_breach, predict, reservations
 
 log = logging.getLogger("tangram.slo")
 
@@ -70,7 +71,9 @@ class SloAdmission:
         if refusal is not None:
             raise refusal.config_error()
         self.tracker = SloAttainment(self._service_of, RESOURCE)
-        self.tracker.plan(self.plans)
+        #: the GPUs reserved for the plans in force, which the broker's passes put ahead
+        self.shares = broker.reserved_shares = ReservedShares(RESOURCE)
+        self._in_force()
         broker.watchers.append(self.tracker)
         broker.metrics.watch_slo(self._figures)
 
@@ -139,12 +142,12 @@ class SloAdmission:
                     self.shelved[task] = refusal.reason
                 log.error("the SLO of task %r made through the API is not in force: %s (DELETE /v1/tasks/%s/slo "
                           "removes it)", task, self.shelved[task], task)
-            self.tracker.plan(self.plans)
+            self._in_force()
 
     def configure(self, config_plans: Mapping[str, SloPlan]) -> None:
         """The config's plans from now on (``POST /v1/admin/reload``, after ``refusal`` let them in)."""
         self.config_plans = dict(config_plans)
-        self.tracker.plan(self.plans)
+        self._in_force()
 
     async def put(self, task: str, plan: SloPlan) -> None:
         """Plan ``task`` (replacing its plan) if every plan then holds; else 409 naming the task that would break,
@@ -160,7 +163,7 @@ class SloAdmission:
             await self._written(self.store.put_slo_plan(task, dataclasses.asdict(plan), time.time()))
             self.stored[task] = plan
             self.shelved.pop(task, None)
-            self.tracker.plan(self.plans)
+            self._in_force()
 
     async def delete(self, task: str) -> None:
         async with self.lock:
@@ -170,7 +173,14 @@ class SloAdmission:
             await self._written(self.store.delete_slo_plan(task))
             self.stored.pop(task, None)
             self.shelved.pop(task, None)
-            self.tracker.plan(self.plans)
+            self._in_force()
+
+    def _in_force(self) -> None:
+        """Judge attainment by the plans in force, and reserve the GPUs they need on the pool as it is now."""
+        plans = self.plans
+        self.tracker.plan(plans)
+        pool = self.pool()
+        self.shares.reserve(reservations(plans, pool) if plans and pool is not None and pool.gpus else {})
 
     def _not_in_config(self, task: str) -> None:
         if task in self.config_plans:
@@ -203,7 +213,8 @@ class SloAdmission:
                           "prediction": {"phase_s": finite(prediction.phase_s),
                                          "solo_phase_s": prediction.solo_phase_s,
                                          "slowdown": finite(prediction.slowdown), "slo": prediction.slo,
-                                         "within": prediction.within},
+                                         "within": prediction.within, "reserved_gpus": prediction.reserved_gpus},
+                          "reserved_gpus": self.shares.reserved.get(task, 0),
                           "attainment": _attainment_json(self.tracker.tasks.get(task, Attainment()))})
         return {"pool": None if pool is None else {"gpus": pool.gpus, "restore_s": pool.restore_s},
                 "tasks": tasks, "shelved": dict(self.shelved)}
@@ -211,13 +222,13 @@ class SloAdmission:
     def summary(self) -> list[dict[str, Any]]:
         """Per planned task, its SLO, prediction and attainment (``GET /v1/resources``: the status views')."""
         return [{"task": row.task, "slo": row.slo, "predicted_slowdown": finite(row.predicted_slowdown),
-                 **_attainment_json(self.tracker.tasks.get(row.task, Attainment()))} for row in self._figures()]
+                 "reserved_gpus": row.reserved_gpus, **_attainment_json(self.tracker.tasks.get(row.task, Attainment()))} for row in self._figures()]
 
     def _figures(self) -> Iterable[SloFigures]:
         for task, prediction in sorted(self._predictions(self.pool()).items()):
             attained = self.tracker.tasks.get(task, Attainment())
-            yield SloFigures(task, prediction.slo, prediction.slowdown, attained.windows, attained.within,
-                             attained.last_slowdown)
+            yield SloFigures(task, prediction.slo, prediction.slowdown, self.shares.reserved.get(task, 0),
+                             attained.windows, attained.within, attained.last_slowdown)
 
 
 def _attainment_json(attained: Attainment) -> dict[str, Any]:

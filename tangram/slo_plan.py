@@ -25,7 +25,23 @@ for a work-conserving pool of ``G`` GPUs with non-preemptive actions, Graham's l
 A dedicated deployment serves the task alone on ``dedicated_gpus`` with its service resident:
 ``R_solo = p + W_solo / G_k``. Predicted slowdown: ``(other_s + R_k) / (other_s + R_solo)``.
 
-The bound holds only for GPU load that comes from planned tasks: a task without an SLO adds load no plan counts.
+That bound assumes every other task's phase may meet k's at its worst: on a busy pool it admits fewer tasks than
+dedicated deployments would hold. So a task the shared bound does not hold gets GPUs *reserved*: the broker orders
+its actions ahead of every other task's while it holds fewer than ``g_k`` GPUs (``tangram/reserved_shares.py``),
+and the GPUs it does not use serve anyone. With the reservations summing to at most ``G``, k's own work then runs
+on at least ``g_k`` GPUs once the actions holding them end, whatever the others do:
+
+    R_k = p_max + C_k + p_k + W_k / g_k
+
+(``p_k``: k's longest action, the last one to start). Each task gets the fewest GPUs that keep it within its SLO, 0
+where the shared bound already does; a task's prediction is the smaller of its two bounds, both hold under this
+order (the shared one asks only that the pool work whenever an action waits). A set of plans is admitted only if
+the reservations fit the pool. Departures: RollMux orchestrates the phases of a group so that they do not meet;
+the broker does not hold a task's rollout back, so it guarantees GPUs instead. The reservation counts GPUs at the
+actions' minimum DoP; an action Algorithm 1 holds back to widen an earlier one can delay a reserved task beyond
+the bound (none did in ``gpu-slo``, which measures attainment).
+
+The bounds hold only for GPU load that comes from planned tasks: a task without an SLO adds load no plan counts.
 """
 
 from __future__ import annotations
@@ -106,10 +122,19 @@ class Prediction:
     solo_phase_s: float
     slowdown: float
     slo: float
+    #: GPUs reserved for the task's actions; 0: the shared bound holds it (or no reservation would)
+    reserved_gpus: int = 0
 
     @property
     def within(self) -> bool:
         return self.slowdown <= self.slo
+
+
+def _blocking(task: str, plans: Mapping[str, SloPlan], pool: Pool) -> float:
+    """``p_max + C_k``: the longest action in the pool with its restore (holding GPUs when k's phase starts), and a
+    restore of k's own service."""
+    longest = max(plan.action_s + pool.restore_s.get(plan.service, 0.0) for plan in plans.values())
+    return longest + pool.restore_s.get(plans[task].service, 0.0)
 
 
 def phase_bound(task: str, plans: Mapping[str, SloPlan], pool: Pool) -> float:
@@ -117,8 +142,7 @@ def phase_bound(task: str, plans: Mapping[str, SloPlan], pool: Pool) -> float:
     point does not converge (the pool is overloaded)."""
     own = plans[task]
     others = [(pool.phase_gpu_s(plan), plan.other_s) for name, plan in plans.items() if name != task]
-    blocking = max(plan.action_s + pool.restore_s.get(plan.service, 0.0) for plan in plans.values())
-    fixed = blocking + pool.restore_s.get(own.service, 0.0)
+    fixed = _blocking(task, plans, pool)
     own_work = pool.phase_gpu_s(own)
     bound = fixed + own_work / pool.gpus
     limit = UNBOUNDED_PERIODS * max(own.other_s, bound)
@@ -130,21 +154,64 @@ def phase_bound(task: str, plans: Mapping[str, SloPlan], pool: Pool) -> float:
         bound = following
 
 
-def predict(plans: Mapping[str, SloPlan], pool: Pool) -> dict[str, Prediction]:
-    """Every task's prediction with all of ``plans`` in the pool."""
+def reserved_bound(task: str, plans: Mapping[str, SloPlan], pool: Pool, gpus: int) -> float:
+    """The bound on the task's reward phase with ``gpus`` reserved for it; inf with none."""
+    if gpus <= 0:
+        return math.inf
+    own = plans[task]
+    return _blocking(task, plans, pool) + own.action_s + pool.phase_gpu_s(own) / gpus
+
+
+def least_reservation(task: str, plans: Mapping[str, SloPlan], pool: Pool) -> int | None:
+    """The fewest GPUs whose reservation keeps the task within its SLO; None if even the whole pool would not."""
+    own = plans[task]
+    longest = own.slowdown * (own.other_s + own.solo_phase_s()) - own.other_s  # the longest phase within its SLO
+    room = longest - _blocking(task, plans, pool) - own.action_s
+    if room <= 0:
+        return None
+    gpus = max(1, math.ceil(pool.phase_gpu_s(own) / room))
+    while gpus <= pool.gpus and reserved_bound(task, plans, pool, gpus) > longest:  # float rounding of the ceil
+        gpus += 1
+    return gpus if gpus <= pool.gpus else None
+
+
+def predict(plans: Mapping[str, SloPlan], pool: Pool, reserve: bool = True) -> dict[str, Prediction]:
+    """Every task's prediction with all of ``plans`` in the pool: each task's reservation is the least that keeps
+    it within its SLO (0 where the shared bound does). If the reservations exceed the pool, each reserved task is
+    predicted on what the others' leave it, so the plans cannot all hold. ``reserve=False``: the shared bound
+    alone, as without reservations (the simulator's baseline)."""
+    shared = {task: phase_bound(task, plans, pool) for task in plans}
+    wanted: dict[str, int] = {}
+    for task, plan in plans.items():
+        solo = plan.solo_phase_s()
+        if not reserve or (plan.other_s + shared[task]) / (plan.other_s + solo) <= plan.slowdown:
+            wanted[task] = 0
+        else:
+            least = least_reservation(task, plans, pool)
+            wanted[task] = pool.gpus if least is None else least
+    total = sum(wanted.values())
     out = {}
     for task, plan in plans.items():
-        phase = phase_bound(task, plans, pool)
+        gpus = wanted[task]
+        if total > pool.gpus and gpus:
+            gpus = max(0, pool.gpus - (total - gpus))
+        phase = min(shared[task], reserved_bound(task, plans, pool, gpus))
         solo = plan.solo_phase_s()
         slowdown = (plan.other_s + phase) / (plan.other_s + solo)
-        out[task] = Prediction(phase, solo, slowdown, plan.slowdown)
+        out[task] = Prediction(phase, solo, slowdown, plan.slowdown, gpus)
     return out
 
 
-def first_breach(plans: Mapping[str, SloPlan], pool: Pool) -> tuple[str, Prediction] | None:
+def reservations(plans: Mapping[str, SloPlan], pool: Pool) -> dict[str, int]:
+    """The GPUs reserved for each task with a reservation (what the broker's order enforces)."""
+    return {task: p.reserved_gpus for task, p in predict(plans, pool).items() if p.reserved_gpus}
+
+
+def first_breach(plans: Mapping[str, SloPlan], pool: Pool,
+                 reserve: bool = True) -> tuple[str, Prediction] | None:
     """The task whose SLO the plans would break (the worst one, relative to its SLO); None if all hold."""
     broken = [(prediction.slowdown / prediction.slo, task, prediction)
-              for task, prediction in predict(plans, pool).items() if not prediction.within]
+              for task, prediction in predict(plans, pool, reserve).items() if not prediction.within]
     if not broken:
         return None
     _, task, prediction = max(broken, key=lambda entry: entry[0])

@@ -80,8 +80,9 @@ def test_the_offered_tasks_declare_their_worst_case_and_fit_their_dedicated_gpus
 
 
 def test_admission_takes_a_task_only_if_no_slo_breaks_and_goes_on_after_a_refusal():
-    tasks = slo_tasks(SloTaskParams(candidates=12, steps=1, batches=(256, 1024)), 3)
+    tasks = slo_tasks(SloTaskParams(candidates=12, steps=1, batches=(256, 1024)), 5)
     pool = Pool(40, {t.name: 0.84 for t in tasks})
+    assert len(_admitted(tasks, pool, reserve=False)) == 3  # on the shared bound alone
     admitted = _admitted(tasks, pool)
     names = [t.name for t in admitted]
     assert 0 < len(admitted) < len(tasks) and first_breach({t.name: t.plan for t in admitted}, pool) is None
@@ -97,7 +98,8 @@ def test_the_scenario_writes_each_admission_with_its_attainment(tmp_path):
                  "--json", str(out_json), "--plot", str(out_png)]) == 0
     body = json.loads(out_json.read_text())
     points = {p["policy"]: p for p in body["points"]}
-    assert set(points) == {"worst-case", "stochastic", "dedicated", "unchecked"}
+    assert set(points) == {"worst-case", "stochastic", "shared", "dedicated", "unchecked"}
+    assert points["shared"]["reserved_gpus"] == 0 and points["worst-case"]["reserved_gpus"] <= 40
     assert points["unchecked"]["tasks"] == min(8, SloTaskParams().unchecked * points["dedicated"]["tasks"])
     for label, point in points.items():
         assert point["steps"] == 2 * point["tasks"] and 0 <= point["attainment"] <= 1
@@ -118,3 +120,22 @@ def test_the_slo_group_can_be_set_and_refuses_what_means_nothing():
     for bad in ("slo.reward_cap=0.5", "slo.steps=0", "slo.batches=3"):
         with pytest.raises(ValueError):
             parse([bad])
+
+
+def test_a_reserved_task_goes_ahead_of_a_queue_asked_before_it_up_to_its_reservation() -> None:
+    # a asks for 8 rewards of 4 s at 1 s, b for 2 at 2 s, on 2 GPUs (a restore takes 1 s)
+    a = _task("a", [[1.0] * 8], work_s=4.0)
+    b = _task("b", [[2.0] * 2], work_s=4.0)
+    steps: dict[int, dict[str, list[float]]] = {}
+    for gpus in (0, 1, 2):
+        reserved = {"b": gpus} if gpus else {}
+        steps[gpus] = run_steps([a, b], _cluster(2, "a", "b"), broker(slo_plans={"b": b.plan}, reserved=reserved),
+                                f"reserved {gpus}")[0]
+    # unreserved, b's rewards start after all of a's (a's last two end at 1 + 1 + 4 * 4 = 18); training 10 s
+    assert steps[0]["b"][0] == pytest.approx(18 + 1 + 4 + 10, abs=0.01)
+    # one GPU reserved: each GPU a's first rewards hold frees at 6; b takes one of them for its two rewards in turn
+    assert steps[1]["b"][0] == pytest.approx(6 + 1 + 4 + 4 + 10, abs=0.01)
+    # two: both of b's rewards start at 6
+    assert steps[2]["b"][0] == pytest.approx(6 + 1 + 4 + 10, abs=0.01)
+    # what b gains, a pays for: never less than a's time unreserved
+    assert steps[2]["a"][0] >= steps[1]["a"][0] >= steps[0]["a"][0]

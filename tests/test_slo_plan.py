@@ -9,7 +9,16 @@ import pytest
 
 from tangram.core.config_tables import table
 from tangram.core.errors import ConfigError
-from tangram.slo_plan import Pool, SloPlan, first_breach, phase_bound, predict
+from tangram.slo_plan import (
+    Pool,
+    SloPlan,
+    first_breach,
+    least_reservation,
+    phase_bound,
+    predict,
+    reservations,
+    reserved_bound,
+)
 
 #: two GPUs, a restore of 1 s for either service
 POOL = Pool(2, {"a": 1.0, "b": 1.0})
@@ -34,7 +43,8 @@ def test_the_fixed_point_for_two_tasks_is_the_hand_computed_one():
     assert predictions["a"].slowdown == pytest.approx(25 / 20)
     assert predictions["b"].slowdown == pytest.approx(47 / 29)
     assert predictions["a"].within and predictions["b"].within
-    assert not predict(two_tasks(slo_b=1.6), POOL)["b"].within
+    assert predictions["a"].reserved_gpus == predictions["b"].reserved_gpus == 0  # the shared bound holds both
+    assert not predict(two_tasks(slo_b=1.6), POOL, reserve=False)["b"].within
 
 
 def test_an_overloaded_pool_has_no_bound():
@@ -48,6 +58,7 @@ def test_an_overloaded_pool_has_no_bound():
 
 
 def test_first_breach_names_the_task_worst_off_against_its_slo():
+    # with reservations too: each task needs one of the two GPUs at least (below), so neither can be reserved
     assert first_breach(two_tasks(), POOL) is None
     # both break: b at 1.62 against 1.5 (1.08x its SLO) is worse off than a at 1.25 against 1.2 (1.04x) ...
     breach = first_breach(two_tasks(slo_a=1.2, slo_b=1.5), POOL)
@@ -85,3 +96,34 @@ def test_a_declared_mean_and_deviation_plan_a_phase_at_the_quantile_of_its_sum_n
     assert Pool(4, {"a": 0.5}).phase_gpu_s(stochastic) == pytest.approx(230.9 + 100 * 0.5)
     # one action: the quantile would exceed the longest, which bounds it
     assert replace(stochastic, actions=1, action_sd_s=5.0).work_s() == 6.0
+
+
+def test_a_task_the_shared_bound_breaks_gets_the_fewest_gpus_that_keep_it_within():
+    # b against 1.6: shared 27 s -> 47/29 = 1.62. Reserved: blocking 4 + own restore 1 + its longest action 3 + W_b 8 / g.
+    # Its longest phase within 1.6 is 1.6 * 29 - 20 = 26.4 s: one GPU (16 s) does
+    plans = two_tasks(slo_b=1.6)
+    assert not predict(plans, POOL, reserve=False)["b"].within
+    assert reserved_bound("b", plans, POOL, 1) == 16.0 and reserved_bound("b", plans, POOL, 0) == math.inf
+    assert least_reservation("b", plans, POOL) == 1
+    predictions = predict(plans, POOL)
+    assert predictions["b"].reserved_gpus == 1 and predictions["b"].phase_s == 16.0
+    assert predictions["b"].slowdown == pytest.approx(36 / 29) and predictions["b"].within
+    assert predictions["a"].reserved_gpus == 0 and predictions["a"].phase_s == 15.0  # a keeps the shared bound
+    assert reservations(plans, POOL) == {"b": 1} and first_breach(plans, POOL) is None
+    # against 1.2 the longest is 14.8 s, so 8 / g <= 6.8: two GPUs (12 s), the whole pool, and a has none
+    assert reservations(two_tasks(slo_b=1.2), POOL) == {"b": 2} and first_breach(two_tasks(slo_b=1.2), POOL) is None
+
+
+def test_reservations_beyond_the_pool_break_the_slo_of_the_task_left_worst_off():
+    # a at 1.2 needs two GPUs (12 / g <= 14 - 7 -> 13 s), b at 1.2 two as well: four of two. Each is predicted on what
+    # the other leaves it (none), so on the shared bound: a 1.25 against 1.2, b 1.62 against 1.2 -> b
+    plans = two_tasks(slo_a=1.2, slo_b=1.2)
+    assert least_reservation("a", plans, POOL) == 2 and least_reservation("b", plans, POOL) == 2
+    predictions = predict(plans, POOL)
+    assert predictions["a"].reserved_gpus == predictions["b"].reserved_gpus == 0
+    breach = first_breach(plans, POOL)
+    assert breach is not None and breach[0] == "b" and breach[1].slowdown == pytest.approx(47 / 29)
+    # b at 1.0: its longest phase is 9 s, 8 / g <= 1 needs eight GPUs: no reservation on two keeps it
+    assert least_reservation("b", two_tasks(slo_b=1.0), POOL) is None
+    breach = first_breach(two_tasks(slo_b=1.0), POOL)
+    assert breach is not None and breach[0] == "b" and breach[1].reserved_gpus == 2  # the best the pool can do

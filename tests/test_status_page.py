@@ -27,7 +27,7 @@ from tangram.status_page import HISTORY
 from tests.harness import Live, broker_from_file, live_broker, live_upstream
 from tests.test_gpu_live_placement import run_all, stand_ins
 from tests.test_gpu_live_placement import write_config as write_typed_config
-from tests.test_slo_admission import LOOSE, write_config
+from tests.test_slo_admission import HEAVY, QUICK, write_config
 from tests.test_slo_admission import broker as slo_broker
 from tests.test_slo_admission import call as slo_call
 from tests.test_slo_admission import reward as slo_reward
@@ -316,16 +316,22 @@ async def test_the_slo_table_shows_each_planned_tasks_prediction_and_attainment(
         await until(browser, HEADER + "return header.connection === 'live' ? header : null;", "a live page")
         assert await in_page(browser, SLO_ROWS) == {"hidden": True, "rows": []}  # no task has a plan
 
-        code, body = await slo_call(live, "PUT", "/v1/tasks/loose/slo", json=LOOSE)
-        assert code == 200, body
-        predicted = body["tasks"][0]["prediction"]["slowdown"]
-        code, record = await slo_call(live, "POST", "/v1/actions?wait=true", json=slo_reward("loose", "a"))
+        for task, plan in (("heavy", HEAVY), ("quick", QUICK)):  # quick gets a GPU reserved beside heavy
+            code, body = await slo_call(live, "PUT", f"/v1/tasks/{task}/slo", json=plan)
+            assert code == 200, body
+        code, record = await slo_call(live, "POST", "/v1/actions?wait=true", json=slo_reward("quick", "b"))
         assert record["state"] == "succeeded", record
-        shown = await until(browser, SLO_ROWS.replace("return {", "return rows.length && rows[0].cells[3] === '1' && {"),
-                            "the planned task's window")
-        assert not shown["hidden"] and shown["rows"] == [{"task": "loose", "over": False, "cells": [
-            "loose", "2.00×", f"{predicted:.2f}×", "1", "1", "100%", shown["rows"][0]["cells"][6]]}]
-        assert shown["rows"][0]["cells"][6].endswith("×")
+        shown = await until(browser, SLO_ROWS.replace(
+            "return {", "return rows.length === 2 && rows[1].cells[4] === '1' && {"), "the planned task's window")
+        # as predicted now, with the restore the manager has learned from quick's action
+        code, body = await slo_call(live, "GET", "/v1/tasks/slo")
+        predicted = {task["task"]: task["prediction"]["slowdown"] for task in body["tasks"]}
+        assert not shown["hidden"] and shown["rows"] == [
+            {"task": "heavy", "over": False, "cells": ["heavy", "1.10×", f"{predicted['heavy']:.2f}×", "–", "0", "0",
+                                                       "–", "–"]},
+            {"task": "quick", "over": False, "cells": ["quick", "1.50×", f"{predicted['quick']:.2f}×", "1", "1", "1",
+                                                       "100%", shown["rows"][1]["cells"][7]]}]
+        assert shown["rows"][1]["cells"][7].endswith("×")
         assert await page_errors(browser) == []
 
 

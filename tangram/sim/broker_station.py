@@ -14,7 +14,7 @@ from __future__ import annotations
 import heapq
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from managers.basic import BasicManager, BasicResourceConfig
@@ -35,6 +35,7 @@ from tangram.core.action import Action, Demand, Kind
 from tangram.core.seam import Allocation, ResourceManager
 from tangram.durations import DurationModel
 from tangram.queue import FCFSQueue
+from tangram.reserved_shares import ReservedShares
 from tangram.scheduler import Plan, Resize, Scheduler
 from tangram.setup_order import SetupAwareOrder
 from tangram.sim.cluster import Cluster, Costs, xdist_cpu_s
@@ -171,14 +172,16 @@ class BrokerStation:
                  static_dops: bool = False, order: str = "fcfs", max_wait_s: float = 60.0,
                  overdue_floor_s: float = 10.0,
                  prefetch: bool = True, wait_for_resident: bool = False,
-                 slo_plans: Mapping[str, SloPlan] | None = None, placement: Method | None = None,
+                 slo_plans: Mapping[str, SloPlan] | None = None, reserved: Mapping[str, int] | None = None,
+                 placement: Method | None = None,
                  loads: Mapping[str, float] | None = None, live_placement: PlacementChoice = "none",
                  typed_fit: bool = False) -> None:
         """``placement`` confines each reward service to the nodes of the GPU types where the placement of that
         method (``tangram/sim/placement.py``) gives it a variant, computed once at the start from ``loads`` (service
         -> GPU-seconds per second on the reference type; the scenario's oracle, ``trace_loads``); None: every
         service on every node, today's broker. ``live_placement`` and ``typed_fit`` are the GPU manager's own
-        ``[gpu] placement`` (solved from the demand it measures as the run goes) and ``typed_fit``."""
+        ``[gpu] placement`` (solved from the demand it measures as the run goes) and ``typed_fit``. ``reserved``:
+        the GPUs SLO admission reserves per task (``tangram/slo_plan.py``), put ahead as the broker does."""
         self.cluster = cluster
         self.costs: Costs = cluster.costs
         self.test_demand = test_demand
@@ -199,6 +202,8 @@ class BrokerStation:
         self.order = SetupAwareOrder(("gpu",), self.durations.duration, self.gpu.setup_costs, max_wait_s,
                                      overdue_floor_s) \
             if order == "hrrs" and self.gpu is not None else None
+        self.reserved_shares = ReservedShares("gpu")
+        self.reserved_shares.reserve(reserved or {})
         self.calls: dict[str, CallRun] = {}
         self.running: dict[str, tuple[Action, list[tuple[ResourceManager, Allocation]]]] = {}
         self.finishing: list[tuple[float, int, str, int]] = []  # (finish, seq, action id, execution version)
@@ -293,7 +298,8 @@ class BrokerStation:
             return
         self.dirty = False
         started = time.perf_counter()
-        queue = self.queue if self.order is None else self.order.order(self.queue, now)
+        queue: Iterable[Action] = self.queue if self.order is None else self.order.order(self.queue, now)
+        queue = self.reserved_shares.order(queue, (a for a, _ in self.running.values()))
         plan: Plan = self.scheduler.schedule(queue, (a for a, _ in self.running.values()), now,
                                              self._expected(now))
         self.pass_ms.append((time.perf_counter() - started) * 1e3)

@@ -33,7 +33,7 @@ from tangram.sim.workloads import (
     mopd,
     teacher_names,
 )
-from tangram.slo_plan import Pool, first_breach, predict
+from tangram.slo_plan import Pool, first_breach, predict, reservations
 
 CPU_NODES = 5  # §6.3: 1,280 cores over five nodes
 GPUS = 40  # §6.1: five nodes of eight GPUs
@@ -433,12 +433,13 @@ def gpu_hetero(scale: float, seed: int, progress: Progress = _stderr,
     return out
 
 
-def _admitted(tasks: list[SloTask], pool: Pool) -> list[SloTask]:
+def _admitted(tasks: list[SloTask], pool: Pool, reserve: bool = True) -> list[SloTask]:
     """The tasks admitted one by one in arrival order: each if no task's SLO would break with it (the service's own
-    planner, ``tangram/slo_plan.py``), refused otherwise, and the next one tried."""
+    planner, ``tangram/slo_plan.py``; ``reserve=False``: on the shared bound alone), refused otherwise, and the next
+    one tried."""
     admitted: list[SloTask] = []
     for task in tasks:
-        if first_breach({t.name: t.plan for t in (*admitted, task)}, pool) is None:
+        if first_breach({t.name: t.plan for t in (*admitted, task)}, pool, reserve) is None:
             admitted.append(task)
     return admitted
 
@@ -449,8 +450,10 @@ def gpu_slo(scale: float, seed: int, progress: Progress = _stderr,
     offered in order; the planner admits those whose worst case keeps every admitted task within its SLO. The
     admitted tasks then run their steps together on the pool under the broker, and each alone on its dedicated
     GPUs under the broker, on the same calls; a step is within its SLO if pooled / dedicated is at most the SLO.
-    Also: the planner fed each task's reward mean and deviation too (a phase at the 99.9th percentile of its work),
-    and ``slo.unchecked`` times as many tasks as the dedicated deployments hold, admitted unchecked: what the pool
+    The planner reserves GPUs for the tasks the shared bound cannot keep, and the pooled run puts their actions
+    ahead as the broker does. Also: the planner fed each task's reward mean and deviation too (a phase at the 99.9th
+    percentile of its work); the shared bound alone, without reservations (the planner before them); and
+    ``slo.unchecked`` times as many tasks as the dedicated deployments hold, admitted unchecked: what the pool
     really holds."""
     params = assumed.slo()
     params = replace(params, batches=tuple(max(1, round(batch * scale)) for batch in params.batches))
@@ -469,7 +472,9 @@ def gpu_slo(scale: float, seed: int, progress: Progress = _stderr,
         if sum(t.plan.dedicated_gpus for t in dedicated) + task.plan.dedicated_gpus <= GPUS:
             dedicated.append(task)
     chosen = {"worst-case": _admitted(tasks, pool), "stochastic": _admitted(stochastic, pool),
-              "dedicated": dedicated, "unchecked": tasks[:params.unchecked * len(dedicated)]}
+              "shared": _admitted(tasks, pool, reserve=False), "dedicated": dedicated,
+              "unchecked": tasks[:params.unchecked * len(dedicated)]}
+    reserving = ("worst-case", "stochastic")
     solo: dict[str, list[float]] = {}
     for task in {t.name: t for group in chosen.values() for t in group}.values():
         cluster = _gpu(task.plan.dedicated_gpus, (services[task.name],), assumed)
@@ -478,16 +483,18 @@ def gpu_slo(scale: float, seed: int, progress: Progress = _stderr,
     for label, group in chosen.items():
         plans = {t.name: t.plan for t in group}
         stats: dict[str, Any] = {}
+        reserved = reservations(plans, pool) if label in reserving else {}
         if label == "dedicated":
             pooled = solo
         else:  # the broker also estimates attainment itself, as it does for /metrics (``slo_attainment.py``)
             cluster = _gpu(GPUS, tuple(services[t.name] for t in group), assumed)
-            pooled, stats = run_steps(group, cluster, broker(slo_plans=plans), label)
+            pooled, stats = run_steps(group, cluster, broker(slo_plans=plans, reserved=reserved), label)
         met = [attainment(task, pooled[task.name], solo[task.name]) for task in group]
         summary = _slo_summary(label, met)
+        summary["reserved_gpus"] = sum(reserved.values())
         if label != "dedicated":  # what the planner predicts for the set in the pool, on the plans it was given
-            summary["max_predicted_slowdown"] = max((p.slowdown for p in predict(plans, pool).values()),
-                                                    default=0.0)
+            predicted = predict(plans, pool, reserve=label != "shared").values()
+            summary["max_predicted_slowdown"] = max((p.slowdown for p in predicted), default=0.0)
             windows = stats["slo_windows"].values()
             summary["broker_windows"] = sum(w for w, _ in windows)
             summary["broker_attainment"] = sum(i for _, i in windows) / max(summary["broker_windows"], 1)
@@ -506,6 +513,10 @@ def gpu_slo(scale: float, seed: int, progress: Progress = _stderr,
         _figure("SLO attainment of the tasks admitted on the worst case (steps within)", 1.0,
                 by["worst-case"]["attainment"], "target: 1"),
         _figure("worst-case admission: the least attainment of one task", 1.0, by["worst-case"]["min_attainment"]),
+        _figure(f"GPUs reserved on the worst case (of {GPUS})", None, by["worst-case"]["reserved_gpus"]),
+        _figure(f"tasks per {GPUS} GPUs: worst-case admission on the shared bound alone / dedicated", None,
+                by["shared"]["tasks"] / by["dedicated"]["tasks"], "the planner without reservations"),
+        _figure("SLO attainment of the tasks admitted on the shared bound alone", 1.0, by["shared"]["attainment"]),
         _figure(f"tasks per {GPUS} GPUs: stochastic admission / dedicated", 1.84,
                 by["stochastic"]["tasks"] / by["dedicated"]["tasks"], "phases at their 99.9th percentile"),
         _figure("SLO attainment of the tasks admitted stochastically", 1.0, by["stochastic"]["attainment"],

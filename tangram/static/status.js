@@ -274,6 +274,7 @@
       const predicted = cell(row, t.predicted_slowdown === null ? "unbounded" : ratio(t.predicted_slowdown),
                              "num predicted");
       if (t.predicted_slowdown === null || t.predicted_slowdown > t.slo) predicted.classList.add("over");
+      cell(row, t.reserved_gpus ? String(t.reserved_gpus) : "–", "num reserved");
       cell(row, String(t.windows), "num windows");
       cell(row, String(t.within), "num within");
       cell(row, t.attainment === null ? "–" : percent(t.attainment), "num attainment");
