@@ -222,7 +222,8 @@ class SloAdmission:
     def summary(self) -> list[dict[str, Any]]:
         """Per planned task, its SLO, prediction and attainment (``GET /v1/resources``: the status views')."""
         return [{"task": row.task, "slo": row.slo, "predicted_slowdown": finite(row.predicted_slowdown),
-                 "reserved_gpus": row.reserved_gpus, **_attainment_json(self.tracker.tasks.get(row.task, Attainment()))} for row in self._figures()]
+                 "reserved_gpus": row.reserved_gpus,
+                 **_attainment_json(self.tracker.tasks.get(row.task, Attainment()))} for row in self._figures()]
 
     def _figures(self) -> Iterable[SloFigures]:
         for task, prediction in sorted(self._predictions(self.pool()).items()):
