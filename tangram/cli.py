@@ -96,8 +96,8 @@ def slo_table(tasks: list[dict[str, Any]]) -> Table | None:
         attainment = task["attainment"]
         table.add_row(task["task"], _ratio(task["slo"]),
                       Text("unbounded" if predicted is None else _ratio(predicted), style="bold red" if over else ""),
-                      str(task["reserved_gpus"] or "-"), str(task["windows"]), str(task["within"]), "-" if attainment is None else f"{attainment:.0%}",
-                      _ratio(task["last_slowdown"]))
+                      str(task["reserved_gpus"] or "-"), str(task["windows"]), str(task["within"]),
+                      "-" if attainment is None else f"{attainment:.0%}", _ratio(task["last_slowdown"]))
     return table
 
 

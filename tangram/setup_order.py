@@ -19,8 +19,8 @@ How long an action may be passed over sets the trade between grouping and the ta
 a short queue and a long one: 10 s kept the p99 wait within 1.2x FCFS's where queues are short but gave up most of
 the grouping where every action waits longer than that, and 60 s the reverse (docs/EVALUATION.md). So an action is
 overdue once it has waited ``OVERDUE_FACTOR`` times the mean wait of the actions queued with it, never sooner than
-``overdue_floor_s`` and never later than ``max_wait_s``: the wait it may lose grows with the queue, the wait it
-would have had under FCFS.
+``overdue_floor_s`` and never later than ``max_wait_s``: the wait it may lose grows with the queue, as does the
+wait it would have had under FCFS.
 
 Only actions that demand a resource ordered by HRRS are reordered, among the queue positions they hold, so every
 other resource keeps its FCFS order and the scheduler's per-resource blocking works as before. Algorithm 1 runs on
