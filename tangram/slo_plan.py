@@ -101,6 +101,10 @@ class SloPlan:
         """The reward phase on the dedicated deployment, at its worst, service resident."""
         return self.action_s + self.work_s() / self.efficiency / self.dedicated_gpus
 
+    def slowdown_at(self, phase_s: float) -> float:
+        """The step slowdown with a reward phase of ``phase_s`` in the pool against the dedicated one."""
+        return (self.other_s + phase_s) / (self.other_s + self.solo_phase_s())
+
 
 @dataclass(frozen=True)
 class Pool:
@@ -165,13 +169,14 @@ def reserved_bound(task: str, plans: Mapping[str, SloPlan], pool: Pool, gpus: in
 def least_reservation(task: str, plans: Mapping[str, SloPlan], pool: Pool) -> int | None:
     """The fewest GPUs whose reservation keeps the task within its SLO; None if even the whole pool would not."""
     own = plans[task]
-    longest = own.slowdown * (own.other_s + own.solo_phase_s()) - own.other_s  # the longest phase within its SLO
+    # the longest phase within its SLO, solved for: where the search starts; the check is the prediction's own
+    longest = own.slowdown * (own.other_s + own.solo_phase_s()) - own.other_s
     room = longest - _blocking(task, plans, pool) - own.action_s
     if room <= 0:
         return None
     gpus = max(1, math.ceil(pool.phase_gpu_s(own) / room))
-    while gpus <= pool.gpus and reserved_bound(task, plans, pool, gpus) > longest:  # float rounding of the ceil
-        gpus += 1
+    while gpus <= pool.gpus and own.slowdown_at(reserved_bound(task, plans, pool, gpus)) > own.slowdown:
+        gpus += 1  # float rounding of the ceil
     return gpus if gpus <= pool.gpus else None
 
 
@@ -183,8 +188,7 @@ def predict(plans: Mapping[str, SloPlan], pool: Pool, reserve: bool = True) -> d
     shared = {task: phase_bound(task, plans, pool) for task in plans}
     wanted: dict[str, int] = {}
     for task, plan in plans.items():
-        solo = plan.solo_phase_s()
-        if not reserve or (plan.other_s + shared[task]) / (plan.other_s + solo) <= plan.slowdown:
+        if not reserve or plan.slowdown_at(shared[task]) <= plan.slowdown:
             wanted[task] = 0
         else:
             least = least_reservation(task, plans, pool)
@@ -196,9 +200,7 @@ def predict(plans: Mapping[str, SloPlan], pool: Pool, reserve: bool = True) -> d
         if total > pool.gpus and gpus:
             gpus = max(0, pool.gpus - (total - gpus))
         phase = min(shared[task], reserved_bound(task, plans, pool, gpus))
-        solo = plan.solo_phase_s()
-        slowdown = (plan.other_s + phase) / (plan.other_s + solo)
-        out[task] = Prediction(phase, solo, slowdown, plan.slowdown, gpus)
+        out[task] = Prediction(phase, plan.solo_phase_s(), plan.slowdown_at(phase), plan.slowdown, gpus)
     return out
 
 
