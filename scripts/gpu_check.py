@@ -18,7 +18,11 @@ bandwidth over the measured pinned H2D bandwidth (goal: at least 0.8). Sections,
 * ``tier_cycle``: the GPU manager on GPU 0 with a disk tier: three services whose host copies two fit in host
   memory, cycled, so a restore reads the disk every time; the answers must not change;
 * ``hrrs_mix``: a two-service mix on GPU 0 (the budget holds one service) queued as alternating actions and run
-  one at a time by the GPU manager in FCFS order, then in the setup-aware (HRRS) order: restores and wall time.
+  one at a time by the GPU manager in FCFS order, then in the setup-aware (HRRS) order: restores and wall time;
+* ``type_speeds``: the GPU type's speed model (``managers/gpu_types.py``) against this GPU: a bf16 matrix product,
+  the synthetic model of ``--size-mb`` scoring a long batch (compute-bound, as prefill) and a short one
+  (memory-bound, as decode), and an elementwise pass over device memory, each over the nominal figure of the shipped type the
+  device's name matches; the type's prior speed against the reference type, to set beside another type's run.
 
     python3 scripts/gpu_check.py [--size-mb 2048] [--reps 5] [--model DIR_OR_PACKAGE] [--disk-dir DIR] [--json OUT]
 
@@ -44,6 +48,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from managers.gpu_types import GPU_TYPES, REFERENCE_TYPE, speed
 from reward_services.backend import ServiceSpec
 from reward_services.torch_worker import (
     EmbeddingModel,
@@ -59,6 +64,11 @@ SYNTHETIC_WIDTH = 4096
 CHECK_PAIRS = [("A man is eating food.", "A man is eating a meal."),
                ("A man is eating food.", "The stock market fell sharply this morning."),
                ("The cat sits on the mat.", "A cat is sitting on a rug.")]
+
+#: tokens per forward pass through the synthetic model: a long batch is compute-bound, a short one memory-bound
+PREFILL_TOKENS = 8192
+DECODE_TOKENS = 16
+MATMUL_SIZE = 8192
 
 #: a section gets the parsed arguments and the report so far, and returns its own part of the report
 Section = Callable[[argparse.Namespace, dict[str, Any]], dict[str, Any]]
@@ -369,6 +379,89 @@ def hrrs_mix_section(args: argparse.Namespace, report: dict[str, Any]) -> dict[s
             "fcfs_over_hrrs_wall": fcfs["wall_s"] / hrrs["wall_s"], "fcfs_ran": fcfs["ran"], "hrrs_ran": hrrs["ran"]}
 
 
+def replay_seconds(run: Callable[[], Any], reps: int) -> float:
+    """Median seconds of ``run`` on GPU 0, captured once as a CUDA graph and replayed (Python's per-layer launch
+    cost stays out of a figure that is about the GPU), timed by CUDA events after three warm-ups."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    graph.replay()
+    seconds = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        seconds.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(seconds)
+
+
+def type_of(device_name: str) -> str | None:
+    """The shipped GPU type whose name the device's contains ("NVIDIA H200" is ``h200``), or None."""
+    lowered = device_name.lower()
+    named = [name for name in GPU_TYPES if name != "cpu" and name in lowered]
+    return max(named, key=len) if named else None
+
+
+def matmul_tflops(device: torch.device, reps: int) -> float:
+    """A square bf16 matrix product's rate: the arithmetic a type's ``tflops`` stands for."""
+    left, right = (torch.randn(MATMUL_SIZE, MATMUL_SIZE, dtype=torch.bfloat16, device=device) for _ in range(2))
+    product = torch.empty(MATMUL_SIZE, MATMUL_SIZE, dtype=torch.bfloat16, device=device)
+    return 2 * MATMUL_SIZE**3 / replay_seconds(lambda: torch.matmul(left, right, out=product), reps) / 1e12
+
+
+def forward_seconds(size_mb: int, device: torch.device, reps: int) -> tuple[int, int, float, float]:
+    """The synthetic model's weights (count, bytes) and its seconds for a long and a short batch of tokens."""
+    module = synthetic_model(size_mb).module.to(device)
+    weights = sum(parameter.numel() for parameter in module.parameters())
+    weight_bytes = sum(parameter.nbytes for parameter in module.parameters())
+    prefill = torch.randn(PREFILL_TOKENS, SYNTHETIC_WIDTH, dtype=torch.bfloat16, device=device)
+    decode = torch.randn(DECODE_TOKENS, SYNTHETIC_WIDTH, dtype=torch.bfloat16, device=device)
+    with torch.no_grad():
+        return (weights, weight_bytes, replay_seconds(lambda: module(prefill), reps),
+                replay_seconds(lambda: module(decode), reps))
+
+
+def stream_gbps(size_bytes: int, device: torch.device, reps: int) -> float:
+    """Device memory bandwidth of an elementwise kernel (each element read, negated, written; both counted). Not a
+    ``copy_``: captured in a graph, a device-to-device copy may run on a copy engine, slower than the SMs."""
+    source = torch.zeros(size_bytes // 2, dtype=torch.bfloat16, device=device)
+    target = torch.empty_like(source)
+    return 2 * source.nbytes / replay_seconds(lambda: torch.neg(source, out=target), reps) / 1e9
+
+
+def type_speeds_section(args: argparse.Namespace, report: dict[str, Any]) -> dict[str, Any]:
+    device = torch.device("cuda", 0)
+    reps = max(10, args.reps)
+    tflops = matmul_tflops(device, reps)
+    weights, weight_bytes, prefill_s, decode_s = forward_seconds(args.size_mb, device, reps)
+    stream = stream_gbps(args.size_mb << 20, device, reps)
+    torch.cuda.empty_cache()
+    measured = {"tflops_matmul": tflops, "tflops_prefill": 2 * PREFILL_TOKENS * weights / prefill_s / 1e12,
+                "hbm_gbps_decode": weight_bytes / decode_s / 1e9, "hbm_gbps_stream": stream,
+                "h2d_gbps": report["h2d"]["best_gbps"]}
+    result: dict[str, Any] = {"weight_bytes": weight_bytes, "prefill_ms": prefill_s * 1e3,
+                              "decode_ms": decode_s * 1e3, **measured}
+    kind_name = type_of(report["device"])
+    result["type"] = kind_name
+    if kind_name is None:
+        return result
+    kind, reference = GPU_TYPES[kind_name], GPU_TYPES[REFERENCE_TYPE]
+    nominal = {"tflops_matmul": kind.tflops, "tflops_prefill": kind.tflops, "hbm_gbps_decode": kind.hbm_gb_per_s,
+               "hbm_gbps_stream": kind.hbm_gb_per_s, "h2d_gbps": kind.h2d_gb_per_s}
+    result.update({f"{key}_over_nominal": measured[key] / nominal[key] for key in measured})
+    result.update({f"prior_speed_vs_{REFERENCE_TYPE}_{bound}": speed(kind, reference, bound)
+                   for bound in ("compute", "memory")})
+    return result
+
+
 def print_section(name: str, result: dict[str, Any]) -> None:
     print(f"\n[{name}]")
     for key, value in result.items():
@@ -412,6 +505,7 @@ def main(argv: list[str] | None = None) -> int:
         ("disk_tier", disk_tier_section),
         ("tier_cycle", tier_cycle_section),
         ("hrrs_mix", hrrs_mix_section),
+        ("type_speeds", type_speeds_section),
     ]
     if args.only:
         unknown = set(args.only) - {name for name, _ in sections}
