@@ -789,8 +789,9 @@ def _refuse(conn, message):
         conn.close()
 
 
-class _Shutdown(Exception):
-    pass
+class _Shutdown(BaseException):
+    """SIGTERM or SIGINT, raised in the main thread wherever it is. Not an ``Exception``: the handlers that keep the
+    executor alive (a failed log write, say) must not swallow its stop."""
 
 
 def _on_term(signum, frame):

@@ -702,6 +702,23 @@ async def test_wait_ready_waits_for_a_starting_executor(tmp_path: Path) -> None:
             own.stop()
 
 
+def test_a_stop_signal_during_a_log_write_is_not_swallowed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The signal handler raises in the main thread wherever it is, also inside ``_log``, whose write errors are
+    ignored (a closed stderr must not stop the executor); the stop must still reach the serve loop."""
+
+    class SignalledStderr:
+        def write(self, _: str) -> int:
+            ex._on_term(signal.SIGTERM, None)
+            return 0
+
+        def flush(self) -> None:
+            pass
+
+    monkeypatch.setattr(sys, "stderr", SignalledStderr())
+    with pytest.raises(ex._Shutdown):
+        ex._log("serving")
+
+
 @pytest.fixture(autouse=True)
 def _no_leftover_executors() -> Iterator[None]:
     """Every test stops the executors it started."""
