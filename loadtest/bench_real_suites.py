@@ -22,7 +22,7 @@ whose pytest exits non-zero is still a succeeded action, but a suite must exit a
 profiling, or the bench says so and fails.
 
     python -m loadtest.bench_real_suites [--rounds 3] [--trajectories 6] [--stagger 2] [--think 0.5] [--cores 0-1]
-                                         [--no-profiles]
+                                         [--no-profiles [--no-profiling]] [--engine URL|local]
 """
 
 from __future__ import annotations
@@ -58,6 +58,8 @@ POLICIES: dict[str, int | None] = {"tangram": None, "dop1": 1, "dop2": 2}
 ELASTIC_MAX = 2
 #: the same guess for every suite: the bench does not tune the broker's model to each suite
 EFFICIENCY = {"1": 1.0, "2": 0.9}
+#: the node's memory, unless the trajectories' sandboxes need more
+NODE_MEMORY_MB = 8192
 #: every action's deadline, queueing included (a 50 s suite behind others on a shared machine must not time out)
 ACTION_TIMEOUT_S = 1200.0
 PYTEST = "python3 -m pytest -p no:cacheprovider"
@@ -68,22 +70,24 @@ SUMMARY = re.compile(r"\d+ (passed|failed|error)")
 
 
 def broker_config(cores: str, db: Path, engine: str, broker_id: str | None = None,
-                  worker_overhead: float | None = None) -> dict[str, Any]:
+                  worker_overhead: float | None = None, memory_mb: int = NODE_MEMORY_MB) -> dict[str, Any]:
+    """``engine`` "local": the node runs its sandboxes as local processes (a machine without Docker)."""
     overhead = {} if worker_overhead is None else {"worker_overhead": worker_overhead}
+    backend = {"backend": "local"} if engine == "local" else {"backend": "docker", "engine": engine}
     return {"store": {"url": f"sqlite+aiosqlite:///{db}"}, "gpu": {"enabled": False},
             "cpu": {"broker_id": broker_id or f"bench-{uuid.uuid4().hex[:8]}", **overhead,
-                    "nodes": {"n1": {"backend": "docker", "engine": engine, "cores": cores, "memory_mb": 8192}}}}
+                    "nodes": {"n1": {**backend, "cores": cores, "memory_mb": memory_mb}}}}
 
 
 @asynccontextmanager
-async def fresh_broker(cores: str, engine: str, store: Path | None = None,
-                       worker_overhead: float | None = None) -> AsyncIterator[str]:
+async def fresh_broker(cores: str, engine: str, store: Path | None = None, worker_overhead: float | None = None,
+                       memory_mb: int = NODE_MEMORY_MB) -> AsyncIterator[str]:
     """A fresh broker on a free loopback port. With no ``store``, it has its own store for one run only: no learned
     durations or sandboxes carry over from one policy's run to the next. With ``store`` (a SQLite file), it loads
     what the brokers before it on that file learned and leaves what it learns there. Yields its URL."""
     with tempfile.TemporaryDirectory() as directory:
         db, broker_id = (Path(directory) / "bench.db", None) if store is None else (store, "bench-learned")
-        config = parse_config(broker_config(cores, db, engine, broker_id, worker_overhead))
+        config = parse_config(broker_config(cores, db, engine, broker_id, worker_overhead, memory_mb))
         async with running_broker(config) as (_, app):
             runner = web.AppRunner(app, access_log=None)
             await runner.setup()
@@ -380,14 +384,17 @@ async def bench(args: argparse.Namespace) -> int:
     declares = ("elastic test runs declare no profile (learned per suite, one store across rounds)" if args.no_profiles
                 else f"elastic test runs declare efficiency {EFFICIENCY} for every suite")
     largest = max(body_size(unpack_step(item, args.memory_mb)) for item in fetched)
-    print(f"suites: {', '.join(f'{f.suite.name} {f.suite.version}' for f in fetched)}; Docker node on cores "
+    node = "local-process node" if args.engine == "local" else "Docker node"
+    print(f"suites: {', '.join(f'{f.suite.name} {f.suite.version}' for f in fetched)}; {node} on cores "
           f"{args.cores}; {args.trajectories} trajectories staggered {args.stagger:g} s, think {args.think:g} s; "
           f"{declares}; largest action body "
           f"{largest / 2**20:.2f} MiB (limit {ServerConfig.max_body_bytes / 2**20:g})", flush=True)
     exit_codes: dict[str, dict[str, set[int | None]]] = defaultdict(lambda: defaultdict(set))
-    t1 = await profile(fetched, args.cores, args.engine, args.memory_mb, exit_codes)
-    if t1 is None:
-        return 1
+    t1 = None
+    if not args.no_profiling:
+        t1 = await profile(fetched, args.cores, args.engine, args.memory_mb, exit_codes)
+        if t1 is None:
+            return 1
     names = list(POLICIES)
     fixed = [name for name in names if name != "tangram"]
     figures = {name: PolicyFigures() for name in names}
@@ -396,11 +403,12 @@ async def bench(args: argparse.Namespace) -> int:
         for round_index in range(args.rounds):
             order = names[round_index % len(names):] + names[:round_index % len(names)]
             for policy in order:
-                plan = plan_for(fetched, policy, None if args.no_profiles else t1, args.trajectories, args.stagger,
+                plan = plan_for(fetched, policy, t1 if not args.no_profiles else None, args.trajectories, args.stagger,
                                 args.memory_mb)
                 # --no-profiles: the elastic policy's brokers share one store, cold in round 1, learning across rounds
                 store = Path(learned_dir) / "learned.db" if args.no_profiles and policy == "tangram" else None
-                async with fresh_broker(args.cores, args.engine, store, args.worker_overhead) as url:
+                node_mb = max(NODE_MEMORY_MB, args.trajectories * args.memory_mb)  # every sandbox at once
+                async with fresh_broker(args.cores, args.engine, store, args.worker_overhead, node_mb) as url:
                     result = await run_trajectories(url, plan, args.think)
                     learned = await learned_profiles(url) if store is not None else None
                 if result.failures():
@@ -442,14 +450,19 @@ def main() -> int:
     parser.add_argument("--think", type=float, default=0.5, help="seconds before each action (LLM generation)")
     parser.add_argument("--memory-mb", type=int, default=1024, help="each sandbox's memory")
     parser.add_argument("--cores", default="0-1")
-    parser.add_argument("--engine", default="unix:///var/run/docker.sock")
+    parser.add_argument("--engine", default="unix:///var/run/docker.sock",
+                        help='the Docker engine of the node, or "local" for local-process sandboxes')
     parser.add_argument("--cache-dir", default=str(DEFAULT_CACHE_DIR), help="where sdists are kept")
     parser.add_argument("--worker-overhead", type=float, help="the brokers' cpu.worker_overhead (default: the "
                                                                   "service's)")
     parser.add_argument("--no-profiles", action="store_true",
                         help="elastic test runs declare no t1 or efficiency (the broker learns them per suite); the "
                              "elastic policy keeps one store across rounds, cold in the first")
+    parser.add_argument("--no-profiling", action="store_true",
+                        help="skip the profiling pass (with --no-profiles, where it is for reference only)")
     args = parser.parse_args()
+    if args.no_profiling and not args.no_profiles:
+        parser.error("--no-profiling needs --no-profiles: the elastic runs declare the profiled t1")
     return asyncio.run(bench(args))
 
 
