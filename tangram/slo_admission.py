@@ -3,8 +3,11 @@
 A task's plan (``tangram/slo_plan.py``) comes from its ``[tasks.NAME.slo]`` table or from ``PUT /v1/tasks/NAME/slo``
 (kept in the store, so that it outlives a restart). The config's win over the store's for the same task; the API
 changes only the store's. A set of plans is admitted only if the GPU manager serves every plan's service and no
-task's predicted slowdown passes its SLO, with the pool as it is: the GPUs of the manager's nodes and each
-service's restore as the manager expects it now. A refusal names the task at fault, and nothing changes.
+task's predicted slowdown passes its SLO, with the pool as it is: the GPUs of the manager's nodes in service (a
+lost node's do not count) and each service's restore as the manager expects it now. A refusal names the task at
+fault, and nothing changes. The GPUs reserved for the plans in force follow the pool: they are worked out again
+when a reward action ends on a pool that is no longer the one they were worked out on (a node lost or back, a
+service's expected restore moved by more than ``RESTORE_DRIFT``).
 
 The tracker of measured attainment (``tangram/slo_attainment.py``) is fed by the broker and judges by the plans
 in force.
@@ -33,6 +36,9 @@ from tangram.slo_attainment import Attainment, SloAttainment
 from tangram.slo_plan import Pool, Prediction, SloPlan, first_breach, predict, reservations
 
 log = logging.getLogger("tangram.slo")
+
+#: how far (relative) a service's expected restore may move from the one the reservations were worked out with
+RESTORE_DRIFT = 0.1
 
 
 @dataclass(frozen=True)
@@ -73,8 +79,10 @@ class SloAdmission:
         self.tracker = SloAttainment(self._service_of, RESOURCE)
         #: the GPUs reserved for the plans in force, which the broker's passes put ahead
         self.shares = broker.reserved_shares = ReservedShares(RESOURCE)
+        #: the pool the reservations in force were worked out on
+        self._reserved_on: Pool | None = None
         self._in_force()
-        broker.watchers.append(self.tracker)
+        broker.watchers.extend((self.tracker, self))
         broker.metrics.watch_slo(self._figures)
 
     @property
@@ -93,7 +101,7 @@ class SloAdmission:
         restore = {name: self.manager.restore_time.estimate(name) for name in self.manager.services}
         for spec in adding:
             restore.setdefault(spec.name, spec.host_memory_mb / RESTORE_PRIOR_MB_PER_S)
-        return Pool(sum(node.config.gpus for node in self.manager.nodes.values()), restore)
+        return Pool(sum(node.config.gpus for node in self.manager.nodes.values() if node.lost is None), restore)
 
     def refusal(self, plans: Mapping[str, SloPlan], adding: Sequence[ServiceSpec] = ()) -> Refusal | None:
         """Why ``plans`` cannot all be in force together, or None."""
@@ -179,8 +187,27 @@ class SloAdmission:
         """Judge attainment by the plans in force, and reserve the GPUs they need on the pool as it is now."""
         plans = self.plans
         self.tracker.plan(plans)
-        pool = self.pool()
+        pool = self._reserved_on = self.pool()
         self.shares.reserve(reservations(plans, pool) if plans and pool is not None and pool.gpus else {})
+
+    # -- the broker's watcher: reservations that follow the pool ----------------------------------------------
+
+    def submitted(self, action: Action) -> None:
+        """Nothing: a queued action changes neither the pool nor the plans."""
+
+    def ended(self, action: Action) -> None:
+        """Work the reservations out again if the pool has moved since they were (what a reward action's end
+        follows: a restore learned, a node lost with the actions it ran); logged with what changed."""
+        if action.kind is not Kind.REWARD or not self.plans:
+            return
+        before, now = self._reserved_on, self.pool()
+        if before is None or now is None or not _moved(before, now):
+            return
+        held = dict(self.shares.reserved)
+        self._in_force()
+        log.info("SLO reservations worked out again on %d GPUs (were %d), restores %s: %s (were %s)", now.gpus,
+                 before.gpus, {name: round(seconds, 3) for name, seconds in now.restore_s.items()},
+                 self.shares.reserved, held)
 
     def _not_in_config(self, task: str) -> None:
         if task in self.config_plans:
@@ -230,6 +257,14 @@ class SloAdmission:
             attained = self.tracker.tasks.get(task, Attainment())
             yield SloFigures(task, prediction.slo, prediction.slowdown, self.shares.reserved.get(task, 0),
                              attained.windows, attained.within, attained.last_slowdown)
+
+
+def _moved(before: Pool, now: Pool) -> bool:
+    """Whether the pool's GPUs differ, or a service's expected restore moved by more than ``RESTORE_DRIFT``."""
+    if before.gpus != now.gpus or before.restore_s.keys() != now.restore_s.keys():
+        return True
+    return any(abs(now.restore_s[name] - seconds) > RESTORE_DRIFT * seconds
+               for name, seconds in before.restore_s.items())
 
 
 def _attainment_json(attained: Attainment) -> dict[str, Any]:
