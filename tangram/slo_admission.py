@@ -205,9 +205,11 @@ class SloAdmission:
             return
         held = dict(self.shares.reserved)
         self._in_force()
-        log.info("SLO reservations worked out again on %d GPUs (were %d), restores %s: %s (were %s)", now.gpus,
-                 before.gpus, {name: round(seconds, 3) for name, seconds in now.restore_s.items()},
-                 self.shares.reserved, held)
+        changed = now.gpus != before.gpus or self.shares.reserved != held  # else a restore moved, to no effect
+        log.log(logging.INFO if changed else logging.DEBUG,
+                "SLO reservations worked out again on %d GPUs (were %d), restores %s: %s (were %s)", now.gpus,
+                before.gpus, {name: round(seconds, 3) for name, seconds in now.restore_s.items()},
+                self.shares.reserved, held)
 
     def _not_in_config(self, task: str) -> None:
         if task in self.config_plans:
