@@ -49,6 +49,27 @@ def test_a_long_wait_outranks_a_setup_saved() -> None:
     assert services(order_for(resident={"y"}, max_wait_s=math.inf).order([old, fresh], now=100.0)) == ["x", "y"]
 
 
+def test_a_longer_action_is_not_passed_over_for_its_length() -> None:
+    """One E for every ranked action (the mean of their expected times), not each one's own: among actions that
+    need the same setup the order is FCFS, whatever their lengths. With its own E, the short action (1 s, waited
+    1 s: P = 2) would go ahead of the long one (10 s, waited 5 s: P = 1.5). A switch is still handicapped: the
+    action needing a restore waits (E + setup) / E times as long as a resident one before it goes first."""
+    long, short = reward(1, "y", 95.0), reward(2, "y", 99.0)
+
+    def order(resident: set[str]) -> SetupAwareOrder:
+        def setup_costs(actions: Sequence[Action]) -> dict[str, float]:
+            return {a.id: RESTORE_S for a in actions if a.spec["service"] not in resident}
+        return SetupAwareOrder({"gpu"}, lambda action: 10.0 if action is long else 1.0, setup_costs, math.inf)
+
+    assert [a.seq for a in order({"y"}).order([short, long], now=100.0)] == [1, 2]
+    assert [a.seq for a in order(set()).order([short, long], now=100.0)] == [1, 2]
+    # both 1 s long, so E = 1: a restore of 10 s needs (1 + 10) / 1 = 11 times the resident action's wait (1 s)
+    switching, resident = reward(3, "x", 100.0 - 11.5), reward(4, "y", 99.0)
+    assert services(order({"y"}).order([resident, switching], now=100.0)) == ["x", "y"]
+    switching.submitted_at = 100.0 - 10.5
+    assert services(order({"y"}).order([resident, switching], now=100.0)) == ["y", "x"]
+
+
 def starts_after(max_wait_s: float, steps: int, overdue_floor_s: float | None = None) -> float | None:
     """One GPU; every 0.1 s two actions of the resident service arrive and the best ranked action starts (one per
     step: the resident service overloads the GPU). Returns how long the lone action of another service waited,
