@@ -21,8 +21,9 @@ bandwidth over the measured pinned H2D bandwidth (goal: at least 0.8). Sections,
   one at a time by the GPU manager in FCFS order, then in the setup-aware (HRRS) order: restores and wall time;
 * ``type_speeds``: the GPU type's speed model (``managers/gpu_types.py``) against this GPU: a bf16 matrix product,
   the synthetic model of ``--size-mb`` scoring a long batch (compute-bound, as prefill) and a short one
-  (memory-bound, as decode), and an elementwise pass over device memory, each over the nominal figure of the shipped type the
-  device's name matches; the type's prior speed against the reference type, to set beside another type's run.
+  (memory-bound, as decode), and an elementwise pass over device memory, each over the nominal figure of the
+  shipped type the device's name matches; the type's prior speed against the reference type, to set beside
+  another type's run.
 
     python3 scripts/gpu_check.py [--size-mb 2048] [--reps 5] [--model DIR_OR_PACKAGE] [--disk-dir DIR] [--json OUT]
 

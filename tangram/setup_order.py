@@ -15,7 +15,9 @@ does. In ``gpu-hrrs`` at 1,024 with restores at the measured 55 GB/s, that made 
 than the teachers', wait 1.41x FCFS's p99 (seed 1; docs/EVALUATION.md). With one E the order is FCFS with a
 handicap for a switch: an action that needs a restore goes ahead of one that does not only once it has waited
 ``(E + setup) / E`` times as long. Each action's expected time is estimated when it is first ranked (re-estimating
-every queued action at every pass cost more than the rest of the pass). The paper's rule alone can still starve an action: when a resident service overloads the pool, its oldest
+every queued action at every pass cost more than the rest of the pass).
+
+The paper's rule alone can still starve an action: when a resident service overloads the pool, its oldest
 actions' ratios grow faster than any other's (``tests/test_setup_order.py``). So an action that is *overdue* goes
 ahead of every action that is not, in submission order: whatever the arrivals, once it has waited ``max_wait_s`` it
 is ordered as under FCFS among the overdue ones (the bound: ``max_wait_s`` plus its FCFS wait from then on).
