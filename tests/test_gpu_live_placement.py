@@ -100,9 +100,7 @@ async def test_the_broker_places_its_services_from_measured_demand(tmp_path: Pat
         for service in ("a", "g"):
             assert services[service]["run_gpu_s"].keys() <= {"h100", "h20"} and services[service]["run_gpu_s"]
 
-        ran_on = {record["result"]["node"] for record in await run_all(live, ["a"] * 6)}
-        assert ran_on == {"fast"}  # a is confined to the H100 node, though the H20 node is free
-
+        # read before more actions move the measured demand (and a solve every 0.5 s could then place g elsewhere)
         code, metrics = await live.call("GET", "/metrics")
         assert code == 200
         solves = next(line for line in metrics.splitlines() if line.startswith("tangram_gpu_placement_solves_total"))
@@ -112,6 +110,9 @@ async def test_the_broker_places_its_services_from_measured_demand(tmp_path: Pat
                        'tangram_gpu_placement_share{service="g",type="h20"}', "tangram_gpu_placement_solve_seconds "):
             line = next((line for line in metrics.splitlines() if line.startswith(prefix)), None)
             assert line is not None and float(line.split()[-1]) > 0, prefix
+
+        ran_on = {record["result"]["node"] for record in await run_all(live, ["a"] * 6)}
+        assert ran_on == {"fast"}  # a is confined to the H100 node, though the H20 node is free
 
         code, resources = await live.call("GET", "/v1/resources")  # public status: the placement in force
         assert code == 200
