@@ -399,15 +399,15 @@ async def bench(args: argparse.Namespace) -> int:
     fixed = [name for name in names if name != "tangram"]
     figures = {name: PolicyFigures() for name in names}
     ratios: list[float] = []
+    node_mb = max(NODE_MEMORY_MB, args.trajectories * args.memory_mb)  # every sandbox at once
     with tempfile.TemporaryDirectory() as learned_dir:
         for round_index in range(args.rounds):
             order = names[round_index % len(names):] + names[:round_index % len(names)]
             for policy in order:
-                plan = plan_for(fetched, policy, t1 if not args.no_profiles else None, args.trajectories, args.stagger,
+                plan = plan_for(fetched, policy, None if args.no_profiles else t1, args.trajectories, args.stagger,
                                 args.memory_mb)
                 # --no-profiles: the elastic policy's brokers share one store, cold in round 1, learning across rounds
                 store = Path(learned_dir) / "learned.db" if args.no_profiles and policy == "tangram" else None
-                node_mb = max(NODE_MEMORY_MB, args.trajectories * args.memory_mb)  # every sandbox at once
                 async with fresh_broker(args.cores, args.engine, store, args.worker_overhead, node_mb) as url:
                     result = await run_trajectories(url, plan, args.think)
                     learned = await learned_profiles(url) if store is not None else None
