@@ -12,11 +12,15 @@ from pydantic import AfterValidator, BeforeValidator, Field, Strict
 from managers.cores import host_numa_nodes
 from managers.exec_spec import ExecLimits
 from managers.ray_config import RayConfig, check_no_ray_keys
-from sandboxes.backend import SandboxSpec
+from sandboxes.backend import DEFAULT_SANDBOX_USER, SANDBOX_USER, SandboxSpec
 from sandboxes.cgroup import parse_cpu_list
 from sandboxes.image import DEFAULT_IMAGE
 from tangram.core.config_tables import TABLE, Count, Flag, NonNegative, PositiveSeconds, Text, named_tables, table
 from tangram.core.errors import ConfigError
+from tangram.core.schema import explained
+
+SandboxUser = Annotated[str, Strict(), Field(pattern=explained(SANDBOX_USER.pattern.removesuffix(r"\Z") + "$",
+                                                                 'must be "UID:GID" or "root"'))]
 
 UNIX_PATH_MAX = 107
 LOCAL_ENGINE = "unix:///var/run/docker.sock"
@@ -38,6 +42,13 @@ def _engine(address: str) -> str:
     return address
 
 
+def _no_auto(value: Any) -> Any:
+    if value == "auto":
+        raise ValueError('"auto" (Docker, else local processes) is gone: exec never falls back to unsandboxed '
+                         'processes. Use "docker" (the default), or "local" with unsandboxed = true')
+    return value
+
+
 def _existing_file(path: str) -> str:
     if not os.path.isfile(path):
         raise ValueError("must be the path of an existing file")
@@ -47,17 +58,23 @@ def _existing_file(path: str) -> str:
 CoreList = Annotated[tuple[Annotated[int, Strict(), Field(ge=0)], ...], BeforeValidator(_core_list),
                      AfterValidator(lambda cores: tuple(sorted(set(cores))))]
 ExistingFile = Annotated[str, Strict(), AfterValidator(_existing_file)]
+#: "docker": the node's Docker engine, which must answer and have the default image at start; "local": this host's
+#: processes, unsandboxed, only with ``unsandboxed = true`` beside it
+Backend = Annotated[Literal["docker", "local"], BeforeValidator(_no_auto)]
 NonNegativeCost = Annotated[float, Strict(), Field(ge=0, le=1e6)]
 
 
 @dataclass(frozen=True)
 class CpuNodeConfig:
-    """One node. ``backend = "auto"`` uses the local Docker engine when it answers, else local processes."""
+    """One node: a Docker engine, or (``backend = "local"``, ``unsandboxed = true``) this host's processes."""
 
     __pydantic_config__ = TABLE
 
     name: str
-    backend: Literal["auto", "docker", "local"] = "auto"
+    backend: Backend = "docker"
+    #: says that ``backend = "local"`` is meant: commands run as the broker's user (root for the fast path), with
+    #: its environment and filesystem, in no sandbox; required with "local", refused with "docker"
+    unsandboxed: Flag = False
     engine: Annotated[str, Strict(), AfterValidator(_engine)] = LOCAL_ENGINE
     tls_ca: ExistingFile | None = None
     tls_cert: ExistingFile | None = None
@@ -88,14 +105,15 @@ class JoinConfig:
 
     __pydantic_config__ = TABLE
 
-    backend: Literal["auto", "docker", "local"] = "auto"
+    backend: Backend = "docker"
+    unsandboxed: Flag = False
     #: the joining host's engine, as that host sees it
     engine: Annotated[str, Strict(), AfterValidator(_engine)] = LOCAL_ENGINE
     fast_path: Flag | None = None
 
     def node(self, name: str) -> CpuNodeConfig:
-        return CpuNodeConfig(name=name, backend=self.backend, engine=self.engine, fast_path=self.fast_path,
-                             agent=True)
+        return CpuNodeConfig(name=name, backend=self.backend, unsandboxed=self.unsandboxed, engine=self.engine,
+                             fast_path=self.fast_path, agent=True)
 
 
 @dataclass(frozen=True)
@@ -110,6 +128,9 @@ class CpuConfig:
     default_image: Text = DEFAULT_IMAGE
     default_memory_mb: Count = 1024
     pids_limit: Count = 1024
+    #: who the executor and the commands of Docker sandboxes run as: "UID:GID" (the image need not name them) or
+    #: "root" (the container's root, with no capabilities: the host's root unless the engine remaps users)
+    sandbox_user: SandboxUser = DEFAULT_SANDBOX_USER
     idle_ttl_s: PositiveSeconds = 900.0
     max_environments: Count = 10_000
     #: where the broker keeps executor sockets and local environments' directories
@@ -145,7 +166,7 @@ class CpuConfig:
         """A sandbox of this broker's: the environment's identity, the config's limits and broker label."""
         return SandboxSpec(env_id=env_id, task=task, trajectory=trajectory, image=image, memory_mb=memory_mb,
                            pids_limit=self.pids_limit, broker_id=self.broker_id,
-                           read_only_root=self.read_only_root, **more)
+                           read_only_root=self.read_only_root, user=self.sandbox_user, **more)
 
 
 def parse_cpu_config(raw: Any) -> CpuConfig:
@@ -165,6 +186,9 @@ def parse_cpu_config(raw: Any) -> CpuConfig:
     if config.read_only_root and local:
         raise ConfigError("cpu.read_only_root", f"needs Docker sandboxes, but node {local[0]!r} has backend "
                                                 f"\"local\" (its commands share this host's filesystem)")
+    for where, backend in [*((f"cpu.nodes.{node.name}", node) for node in nodes),
+                           *((("cpu.join", config.join),) if config.join is not None else ())]:
+        _check_unsandboxed(backend, where)
     longest = max((len(node.name) for node in nodes), default=0)
     socket_length = len(config.run_dir) + len(config.broker_id) + longest + len("/x/x/env-act_/exec.sock") + 24
     if socket_length > UNIX_PATH_MAX:
@@ -172,6 +196,16 @@ def parse_cpu_config(raw: Any) -> CpuConfig:
                                          f"{UNIX_PATH_MAX} a unix socket allows: shorten run_dir, broker_id or "
                                          f"node names")
     return config
+
+
+def _check_unsandboxed(node: CpuNodeConfig | JoinConfig, where: str) -> None:
+    """Local processes only when the config says they are unsandboxed, in so many words."""
+    if node.backend == "local" and not node.unsandboxed:
+        raise ConfigError(f"{where}.unsandboxed", 'must be true for backend = "local": its commands run as this '
+                                                  'broker\'s user with its environment, in no sandbox. Say so, or '
+                                                  'use backend = "docker" (tangram image build makes the image)')
+    if node.unsandboxed and node.backend != "local":
+        raise ConfigError(f"{where}.unsandboxed", 'is only for backend = "local"')
 
 
 def _check_node(node: CpuNodeConfig, where: str) -> None:

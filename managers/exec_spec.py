@@ -58,7 +58,19 @@ Command = Annotated[Annotated[str, Field(pattern=explained(r"\S", COMMAND_FORMS)
 FileContent = Annotated[Annotated[str, Tag(tag("text"))] | Annotated[Base64File, Tag(tag("base64"))],
                         Discriminator(_file_form, custom_error_type="file_form", custom_error_message=FILE_FORMS)]
 Files = dict[str, FileContent]
-Image = Annotated[str, Field(min_length=1, max_length=256, description="an image name the node's engine has")]
+#: a Docker image reference as the engine parses one (distribution's grammar): ``[host[:port]/]path[:tag][@digest]``,
+#: the path's components lower-case; refused here, it never reaches the engine
+_DOMAIN = r"(?:[A-Za-z0-9]|[A-Za-z0-9][A-Za-z0-9-]*[A-Za-z0-9])"
+_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+IMAGE_REFERENCE = re.compile(
+    rf"^(?:(?:{_DOMAIN}(?:\.{_DOMAIN})*|\[[0-9A-Fa-f:]+\])(?::[0-9]+)?/)?{_COMPONENT}(?:/{_COMPONENT})*"
+    r"(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?"
+    r"(?:@[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9A-Fa-f]{32,})?\Z")
+IMAGE_REASON = "must be a Docker image reference: [host[:port]/]name[:tag][@digest], lower-case name"
+#: at most 255 characters, Docker's bound on a reference's name
+Image = Annotated[str, Field(min_length=1, max_length=255,
+                             pattern=explained(json_pattern(IMAGE_REFERENCE), IMAGE_REASON),
+                             description="an image the node's engine has, as a Docker reference")]
 MemoryMb = Annotated[int, Field(ge=16), WHOLE]
 
 
@@ -188,7 +200,7 @@ def executor_request(spec: ExecSpec, cores: tuple[int, ...], timeout_s: float, w
             command[1:1] = ["-n", str(n)]
     env = {**spec.env, **extra_env, "TANGRAM_NUM_CPUS": str(n)}
     request = {"op": "run", "command": command, "env": env, "cwd": spec.cwd or workdir, "timeout_s": timeout_s,
-               "output_limit": spec.output_limit, "cpus": list(cores)}
+               "output_limit": spec.output_limit, "cpus": list(cores), "reap": True}
     if tag is not None:
         request["tag"] = tag
     return request

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import abc
 import functools
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from sandboxes.core_pins import CorePins
-from sandboxes.executor import UNKNOWN_OP
+from sandboxes.executor import DEFAULT_OUTPUT_LIMIT, UNKNOWN_OP
+from sandboxes.executor_answer import BadAnswer, bounded_run_answer
 from sandboxes.executor_client import ExecutorUnavailable, call
 
 #: labels every broker-made container carries, so a restarted broker can find, adopt or reap them
@@ -29,6 +31,21 @@ LABEL_CREATED = "org.arl-tangram.created-at"
 LABEL_EPHEMERAL = "org.arl-tangram.ephemeral"
 #: a warm sandbox: made ahead of any trajectory; once claimed, its identity lives beside it (``sandboxes/docker.py``)
 LABEL_WARM = "org.arl-tangram.warm"
+
+
+#: who runs in a sandbox unless its environment says otherwise: not root, so that a command owns nothing of the
+#: host's (the sandbox's files, its executor's socket directory and /workspace belong to it)
+DEFAULT_SANDBOX_USER = "1000:1000"
+#: ``UID:GID`` or ``root``
+SANDBOX_USER = re.compile(r"^(root|\d{1,9}:\d{1,9})\Z")
+
+
+def sandbox_owner(user: str) -> tuple[int, int]:
+    """The (uid, gid) a sandbox ``user`` (``SANDBOX_USER``) names."""
+    if user == "root":
+        return 0, 0
+    uid, gid = user.split(":")
+    return int(uid), int(gid)
 
 
 #: the code of a node that did not answer (its agent restarts, or its host is going): not lost yet, maybe never
@@ -64,6 +81,14 @@ class SandboxSpec:
     created_at: float = 0.0
     #: made ahead of any trajectory, for a warm pool (``sandboxes/warm_pool.py``)
     warm: bool = False
+    #: who the executor and its commands run as in a container: ``UID:GID`` (any ids, whether or not the image
+    #: names them) or ``root`` (the container's root: the host's root unless the engine remaps users)
+    user: str = DEFAULT_SANDBOX_USER
+
+    @property
+    def owner(self) -> tuple[int, int]:
+        """The (uid, gid) of ``user``."""
+        return sandbox_owner(self.user)
 
     def labels(self) -> dict[str, str]:
         """Everything a restarted broker needs to adopt the sandbox as the same environment."""
@@ -96,9 +121,12 @@ class Leftover:
     def from_labels(cls, labels: Mapping[str, str]) -> Leftover:
         """The environment the labels describe, with no sandbox yet (``adopted`` or ``lost`` says which).
         Raises KeyError or ValueError on labels this version did not write."""
+        memory_mb = int(labels[LABEL_MEMORY])
+        if memory_mb <= 0:
+            raise ValueError(f"memory {memory_mb} MiB")
         return cls(env_id=labels[LABEL_ENV], task=labels[LABEL_TASK], trajectory=labels.get(LABEL_TRAJECTORY),
-                   image=labels[LABEL_IMAGE], memory_mb=int(labels[LABEL_MEMORY]),
-                   created_at=float(labels[LABEL_CREATED]), sandbox=None)
+                   image=labels[LABEL_IMAGE], memory_mb=memory_mb, created_at=float(labels[LABEL_CREATED]),
+                   sandbox=None)
 
     def adopted(self, sandbox: Sandbox) -> Leftover:
         return replace(self, sandbox=sandbox)
@@ -129,12 +157,18 @@ class Sandbox(abc.ABC):
     async def execute(self, tag: str, request: dict[str, Any]) -> Executed:
         """Run one executor request tagged ``tag`` on its "cpus": the sandbox widens to the union of its running
         commands' cores first and narrows to those still running (frozen when none) after. The command starts on
-        the cores of a ``repin`` that came before it. Raises ``SandboxError`` as ``run`` and ``set_cores`` do."""
+        the cores of a ``repin`` that came before it. The answer is the executor's word, checked and cut to the
+        request's ``output_limit`` (``sandboxes/executor_answer.py``). Raises ``SandboxError`` as ``run`` and
+        ``set_cores`` do, and ``executor_bad_answer`` for an answer out of protocol."""
         cores = self._pins.start(tag, frozenset(request["cpus"]))  # before any await: a repin now finds it
         try:
             async with self._pins.lock:
                 await self.set_cores(self._pins.union())
-            response = await self.run({**request, "cpus": sorted(cores), "tag": tag})
+            answer = await self.run({**request, "cpus": sorted(cores), "tag": tag})
+            response = bounded_run_answer(answer, request.get("output_limit", DEFAULT_OUTPUT_LIMIT))
+        except BadAnswer as error:
+            raise SandboxError("executor_bad_answer", f"the sandbox's executor answered out of protocol: {error}") \
+                from None
         finally:
             self._pins.end(tag)
             unsettled = await self._settle()
@@ -193,6 +227,8 @@ async def repin_via_executor(socket_path: str, tag: str, cores: frozenset[int]) 
         answer = await call(socket_path, {"op": "cpus", "tag": tag, "cpus": sorted(cores)})
     except ExecutorUnavailable as error:
         raise SandboxError("environment_lost", f"the environment's executor is gone ({error})", lost=True) from None
+    except BadAnswer as error:
+        raise SandboxError("repin_failed", str(error)) from None
     if str(answer.get("error", "")).startswith(UNKNOWN_OP):  # an executor older than the op (adopted sandbox)
         return False
     if not answer.get("ok"):

@@ -19,9 +19,13 @@ from __future__ import annotations
 import asyncio
 import io
 import logging
+import os
+import posixpath
 import shutil
 import tarfile
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +51,9 @@ from sandboxes.backend import (
     repin_via_executor,
 )
 from sandboxes.cgroup import CFS_PERIOD_US, ContainerCgroup, cpu_list
+from sandboxes.executor_answer import BadAnswer, frame_limit
 from sandboxes.executor_client import EXECUTOR_PATH, ExecutorUnavailable, call, encode_once, wait_ready
+from sandboxes.untrusted_paths import UntrustedPath, read_regular
 from sandboxes.warm_pool import CreateRate, WarmPool
 
 log = logging.getLogger("tangram.sandboxes.docker")
@@ -57,42 +63,102 @@ EXECUTOR_IN_CONTAINER = f"{EXECUTOR_DIR}/executor.py"
 SOCKET_DIR_IN_CONTAINER = "/run/tangram"
 WORKDIR = "/workspace"
 READY_TIMEOUT_S = 30.0
-#: how long an adopted sandbox's executor may take to answer once thawed
-ADOPT_TIMEOUT_S = 5.0
+#: how long an adopted sandbox's executor may take to answer once thawed (a ping; a stalled or hostile one costs the
+#: start this long)
+ADOPT_TIMEOUT_S = 1.0
+#: sandboxes adopted at once
+ADOPT_CONCURRENCY = 32
 #: /tmp of a read-only-root sandbox: writable, executable, and counted against the container's memory limit
 READ_ONLY_ROOT_TMPFS = {"/tmp": "rw,exec,nosuid,nodev,size=64m,mode=1777"}
-#: beside a claimed warm sandbox's socket: the labels of the trajectory environment it became (its container's own
-#: labels cannot change)
+#: how much of a one-shot executor's stderr the engine path keeps, for the message when it fails
+ENGINE_STDERR_TAIL_BYTES = 4096
+#: in a sandbox's host directory, the subdirectory shared with it as SOCKET_DIR_IN_CONTAINER: the sandbox can write
+#: there, so nothing in it is trusted (``sandboxes/untrusted_paths.py``)
+SOCKET_SUBDIR = "sock"
+#: in a claimed warm sandbox's host directory, beside (not in) the shared one: the labels of the trajectory
+#: environment it became (its container's own labels cannot change)
 CLAIM_FILE = "claimed.json"
+#: the owner of a root sandbox's sealed socket directory (``DockerSandbox.seal``): nobody, so that the container's
+#: root, without capabilities, cannot write there
+SEALED_OWNER_OF_ROOT = 65534
+#: a claim file is a few labels; anything larger was not written by a broker
+MAX_CLAIM_BYTES = 64 * 1024
 
 
-def _archive(files: dict[str, bytes], executable: str | None = None) -> bytes:
-    """A tar of ``files`` (paths relative to the extraction directory), for ``put_archive`` (works on remote
-    engines too); the file at ``executable`` gets mode 755, the others 644."""
+@dataclass(frozen=True)
+class _Tree:
+    """Files to put under ``top`` (a path relative to the extraction directory, "." for itself), owned by
+    ``owner``: ``top`` and every directory the files are in get an entry of the same owner, so that the sandbox's
+    user can write there; the file at ``executable`` gets mode 755, the others 644."""
+
+    top: str
+    files: Mapping[str, bytes]
+    owner: tuple[int, int]
+    executable: str | None = None
+
+
+def _archive(*trees: _Tree) -> bytes:
+    """A tar of ``trees``, for ``put_archive`` (works on remote engines too)."""
     buffer = io.BytesIO()
+    now = int(time.time())
     with tarfile.open(fileobj=buffer, mode="w") as tar:
-        for path, data in files.items():
-            info = tarfile.TarInfo(path)
-            info.size = len(data)
-            info.mode = 0o755 if path == executable else 0o644
-            info.mtime = int(time.time())
-            tar.addfile(info, io.BytesIO(data))
+        for tree in trees:
+            directories = {tree.top} | {posixpath.normpath(posixpath.join(tree.top, parent))
+                                        for path in tree.files for parent in _parents(path)}
+            for directory in sorted(directories, key=lambda d: (d.count("/"), d)):
+                info = tarfile.TarInfo(directory)
+                info.type, info.mode, info.mtime = tarfile.DIRTYPE, 0o755, now
+                info.uid, info.gid = tree.owner
+                tar.addfile(info)
+            for path, data in tree.files.items():
+                info = tarfile.TarInfo(posixpath.normpath(posixpath.join(tree.top, path)))
+                info.size, info.mtime = len(data), now
+                info.mode = 0o755 if path == tree.executable else 0o644
+                info.uid, info.gid = tree.owner
+                tar.addfile(info, io.BytesIO(data))
     return buffer.getvalue()
+
+
+def _parents(path: str) -> list[str]:
+    """The directories ``path`` (relative) is in, below its top: ``a/b/c`` -> ``a``, ``a/b``."""
+    parts = path.split("/")[:-1]
+    return ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
 
 
 class DockerSandbox(Sandbox):
     workdir = WORKDIR
 
     def __init__(self, backend: DockerBackend, container: Container, host_dir: Path | None,
-                 cgroup: ContainerCgroup | None) -> None:
+                 cgroup: ContainerCgroup | None, socket_dir: Path | None = None) -> None:
+        """``host_dir``: the broker's directory for the sandbox on the fast path; the executor's socket is in
+        ``socket_dir``, by default its shared subdirectory."""
         self.backend = backend
         self.container = container
         self.host_dir = host_dir
         self.cgroup = cgroup
-        self.socket = str(host_dir / "exec.sock") if host_dir else None
+        if host_dir is not None and socket_dir is None:
+            socket_dir = host_dir / SOCKET_SUBDIR
+        self.socket = str(socket_dir / "exec.sock") if socket_dir is not None else None
         self.frozen = False
         self.destroyed = False
         self.old_executor = False  # adopted from an older broker: its executor cannot re-pin a command
+
+    def seal(self) -> None:
+        """Once its executor listens: the socket's directory becomes another user's (root's, or nobody's for a
+        root sandbox) and read-only to the sandbox, and anything in it but the socket is removed. The sandbox can
+        then neither fill the host's disk there nor put anything in place of its socket."""
+        assert self.socket is not None
+        directory = os.path.dirname(self.socket)
+        user = str(self.container.attrs.get("Config", {}).get("User") or "0").split(":")[0]
+        owner = SEALED_OWNER_OF_ROOT if user in ("0", "root") else 0
+        os.chown(directory, owner, owner)
+        os.chmod(directory, 0o755)
+        for entry in os.scandir(directory):
+            if entry.name != "exec.sock":
+                if entry.is_dir(follow_symlinks=False):
+                    shutil.rmtree(entry.path, ignore_errors=True)
+                else:
+                    os.unlink(entry.path)
 
     async def set_cores(self, cores: frozenset[int]) -> None:
         if self.cgroup is not None:  # 0.01 ms per write: no thread hop
@@ -151,16 +217,37 @@ class DockerSandbox(Sandbox):
                                                    f"state: {state}", lost=True) from None
 
     def _run_via_engine(self, request: dict[str, Any]) -> dict[str, Any]:
-        command = ["python3", EXECUTOR_IN_CONTAINER, "once", encode_once(request), "--oom-counter", "auto"]
+        """The executor in one-shot mode under ``docker exec``; its answer (stdout) is read up to the frame an
+        honest executor sends for the request, its stderr up to a small tail."""
+        command = ["python3", EXECUTOR_IN_CONTAINER, "once", encode_once(request), "--oom-counter", "auto", "--reap"]
+        api = self.container.client.api
+        limit = frame_limit(request)
+        stdout, stderr = bytearray(), bytearray()
         try:
-            exit_code, output = self.container.exec_run(command, stdout=True, stderr=True, demux=True)
+            exec_id = api.exec_create(self.container.id, command, stdout=True, stderr=True)["Id"]
+            stream = api.exec_start(exec_id, stream=True, demux=True)
+            try:
+                for out, err in stream:
+                    stdout += out or b""
+                    stderr = (stderr + (err or b""))[-ENGINE_STDERR_TAIL_BYTES:]
+                    if len(stdout) > limit:
+                        raise BadAnswer(f"the executor in {self.container.short_id} answered with more than an "
+                                        f"executor sends for this request ({limit} bytes)")
+            finally:
+                stream.close()
+            exit_code = api.exec_inspect(exec_id)["ExitCode"]
         except docker.errors.APIError as error:
             raise ExecutorUnavailable(self.container.short_id, str(error)) from None
-        stdout, stderr = output
         if exit_code != 0 or not stdout:
             raise ExecutorUnavailable(self.container.short_id,
-                                      f"executor exited {exit_code}: {(stderr or b'')[-500:].decode(errors='replace')}")
-        return orjson.loads(stdout)
+                                      f"executor exited {exit_code}: {stderr[-500:].decode(errors='replace')}")
+        try:
+            answer = orjson.loads(stdout)
+        except orjson.JSONDecodeError as error:
+            raise ExecutorUnavailable(self.container.short_id, f"malformed response: {error}") from None
+        if not isinstance(answer, dict):
+            raise ExecutorUnavailable(self.container.short_id, "malformed response: not an object")
+        return answer
 
     def _state(self) -> str:
         try:
@@ -259,22 +346,23 @@ class DockerBackend(SandboxBackend):
         return await self._create(spec)
 
     def _hand_over(self, sandbox: DockerSandbox, spec: SandboxSpec) -> None:
-        """Make a claimed warm sandbox ``spec``'s environment: its identity recorded beside its socket (read back
-        by ``adopt``), the spec's files in its working directory."""
+        """Make a claimed warm sandbox ``spec``'s environment: its identity recorded in its host directory, out of
+        the sandbox's reach (read back by ``adopt``), the spec's files in its working directory."""
         assert sandbox.host_dir is not None  # warm sandboxes exist on the fast path only
         (sandbox.host_dir / CLAIM_FILE).write_bytes(orjson.dumps(spec.labels()))
         if spec.files:
-            sandbox.container.put_archive(WORKDIR, _archive(dict(spec.files)))
+            sandbox.container.put_archive(WORKDIR, _archive(_Tree(".", spec.files, spec.owner)))
 
     async def _create(self, spec: SandboxSpec) -> DockerSandbox:
         sandbox = await self.off_loop(self._start_container, spec)
         try:
             if sandbox.socket is not None:
                 await wait_ready(sandbox.socket, READY_TIMEOUT_S)
+                await self.off_loop(sandbox.seal)
             else:
                 await self.off_loop(self._check_running, sandbox.container)
             await sandbox.set_cores(frozenset())  # born idle
-        except (ExecutorUnavailable, SandboxError) as error:
+        except (ExecutorUnavailable, SandboxError, OSError) as error:
             logs = await self.off_loop(self._logs, sandbox.container)
             await sandbox.destroy()
             raise SandboxError("sandbox_create_failed", f"the executor in the container from {spec.image!r} never "
@@ -283,21 +371,30 @@ class DockerBackend(SandboxBackend):
 
     def _start_container(self, spec: SandboxSpec) -> DockerSandbox:
         assert self.client is not None
+        if spec.read_only_root and spec.owner != (0, 0) and not self.engine.startswith("unix://"):
+            raise SandboxError("sandbox_create_failed", f"a read-only root with sandbox user {spec.user} needs the "
+                                                        f"engine on the node's own host, not {self.engine}: set "
+                                                        f"[cpu] sandbox_user = \"root\" or run a node agent there")
         host_dir = self.run_dir / spec.env_id if self.fast_path else None
         # On the engine path nobody connects to the socket, but the serving executor keeps the container alive.
         socket_dir = SOCKET_DIR_IN_CONTAINER if host_dir is not None else "/tmp"
         command = ["python3", EXECUTOR_IN_CONTAINER, "serve", "--socket", f"{socket_dir}/exec.sock",
-                   "--oom-counter", "auto"]
+                   "--oom-counter", "auto", "--reap"]
+        uid, gid = spec.owner
+        environment = {"PYTHONUNBUFFERED": "1", "TANGRAM_ENVIRONMENT": spec.env_id}
+        if uid != 0:  # the image may not name the user: a home it can write in
+            environment["HOME"] = WORKDIR
         options: dict[str, Any] = {
             "image": spec.image, "command": command, "name": f"tangram-{spec.env_id}", "labels": spec.labels(),
             "network_mode": "none", "security_opt": ["no-new-privileges"], "cap_drop": ["ALL"],
             "pids_limit": spec.pids_limit, "mem_limit": f"{spec.memory_mb}m",
             "memswap_limit": f"{spec.memory_mb}m", "cpuset_cpus": cpu_list(self.cores), "init": True,
-            "working_dir": WORKDIR, "detach": True,
-            "environment": {"PYTHONUNBUFFERED": "1", "TANGRAM_ENVIRONMENT": spec.env_id}}
+            "working_dir": WORKDIR, "detach": True, "user": f"{uid}:{gid}", "environment": environment}
         if host_dir is not None:
             host_dir.mkdir(mode=0o700, exist_ok=True)
-            options["volumes"] = {str(host_dir): {"bind": SOCKET_DIR_IN_CONTAINER, "mode": "rw"}}
+            (host_dir / SOCKET_SUBDIR).mkdir(mode=0o700, exist_ok=True)
+            os.chown(host_dir / SOCKET_SUBDIR, uid, gid)  # the executor makes its socket there
+            options["volumes"] = {str(host_dir / SOCKET_SUBDIR): {"bind": SOCKET_DIR_IN_CONTAINER, "mode": "rw"}}
         if spec.read_only_root:
             # The engine extracts archives into a read-only-root container only inside its volumes.
             options.update(read_only=True, tmpfs=READ_ONLY_ROOT_TMPFS,
@@ -314,6 +411,8 @@ class DockerBackend(SandboxBackend):
             raise SandboxError("sandbox_create_failed", f"engine {self.engine} refused the container: "
                                                         f"{error.explanation or error}") from None
         try:
+            if spec.read_only_root and spec.owner != (0, 0):
+                self._hand_workspace(container, spec.owner)
             self._copy_in(container, spec)
             container.start()
             container.reload()
@@ -327,18 +426,25 @@ class DockerBackend(SandboxBackend):
                                      f"(the image needs python3): {explanation}") from None
         return DockerSandbox(self, container, host_dir, cgroup)
 
+    def _hand_workspace(self, container: Container, owner: tuple[int, int]) -> None:
+        """Give a read-only-root sandbox's work dir, an anonymous volume the engine makes root's, to its user. An
+        archive cannot (the engine extracts no entry for the directory it extracts into), so the volume's directory
+        is changed on the engine's host: this one (``_start_container`` checked)."""
+        for mount in container.attrs.get("Mounts", []):
+            if mount.get("Destination") == WORKDIR:
+                os.chown(mount["Source"], *owner)
+
     @staticmethod
     def _copy_in(container: Container, spec: SandboxSpec) -> None:
         """Put the executor and the spec's files in the created container, before it starts."""
-        executor = Path(EXECUTOR_PATH).read_bytes()
+        executor = _Tree(".", {"executor.py": Path(EXECUTOR_PATH).read_bytes()}, (0, 0), "executor.py")
+        workspace = _Tree(".", spec.files, spec.owner)
         if spec.read_only_root:  # one archive per volume: the root itself refuses them
-            container.put_archive(EXECUTOR_DIR, _archive({"executor.py": executor}, "executor.py"))
-            if spec.files:
-                container.put_archive(WORKDIR, _archive(dict(spec.files)))
+            container.put_archive(EXECUTOR_DIR, _archive(executor))
+            container.put_archive(WORKDIR, _archive(workspace))
             return
-        files = {EXECUTOR_IN_CONTAINER.lstrip("/"): executor}
-        files.update({f"{WORKDIR.lstrip('/')}/{path}": data for path, data in spec.files.items()})
-        container.put_archive("/", _archive(files, EXECUTOR_IN_CONTAINER.lstrip("/")))
+        container.put_archive("/", _archive(replace(executor, top=EXECUTOR_DIR.lstrip("/")),
+                                            replace(workspace, top=WORKDIR.lstrip("/"))))
 
     def _check_running(self, container: Container) -> None:
         container.reload()
@@ -393,16 +499,18 @@ class DockerBackend(SandboxBackend):
             return None
 
     async def adopt(self, broker_id: str) -> list[Leftover]:
-        leftovers = []
-        kept: set[str] = set()  # socket directories of the adopted sandboxes
-        for container in await self.off_loop(self._labelled, broker_id):
-            if self._pooled(container.labels.get(LABEL_ENV, "")):
-                continue
-            leftover = await self._adopt(container)
-            if leftover is not None:
-                leftovers.append(leftover)
-                if isinstance(leftover.sandbox, DockerSandbox) and leftover.sandbox.host_dir is not None:
-                    kept.add(leftover.sandbox.host_dir.name)
+        """Every container at once (at most ADOPT_CONCURRENCY): a sandbox whose executor stalls costs the start its
+        own ADOPT_TIMEOUT_S, not that times the number of such sandboxes."""
+        containers = [c for c in await self.off_loop(self._labelled, broker_id)
+                      if not self._pooled(c.labels.get(LABEL_ENV, ""))]
+        turns = asyncio.Semaphore(ADOPT_CONCURRENCY)
+
+        async def adopt_one(container: Container) -> Leftover | None:
+            async with turns:
+                return await self._adopt(container)
+        leftovers = [left for left in await asyncio.gather(*map(adopt_one, containers)) if left is not None]
+        kept = {left.sandbox.host_dir.name for left in leftovers  # host directories of the adopted sandboxes
+                if isinstance(left.sandbox, DockerSandbox) and left.sandbox.host_dir is not None}
         if self.fast_path and self.run_dir.is_dir():  # socket directories of sandboxes no longer there
             for path in self.run_dir.iterdir():
                 if path.name not in kept and not self._pooled(path.name):
@@ -416,12 +524,27 @@ class DockerBackend(SandboxBackend):
         return self._warm is not None and self._warm.owns(env_id)
 
     def _claimed_labels(self, labels: dict[str, str]) -> dict[str, str] | None:
-        """The labels of the environment a warm sandbox became (None: never claimed)."""
+        """The labels of the environment a warm sandbox became (None: never claimed, or no claim a broker wrote)."""
         try:
-            claimed: dict[str, str] = orjson.loads((self.run_dir / labels[LABEL_ENV] / CLAIM_FILE).read_bytes())
-        except (KeyError, OSError, orjson.JSONDecodeError):
+            claimed = orjson.loads(read_regular(str(self.run_dir / labels[LABEL_ENV] / CLAIM_FILE), MAX_CLAIM_BYTES))
+        except (KeyError, OSError, UntrustedPath, orjson.JSONDecodeError) as error:
+            if not isinstance(error, FileNotFoundError):
+                log.warning("warm sandbox %s: its claim is unreadable (%s)", labels.get(LABEL_ENV), error)
+            return None
+        if not (isinstance(claimed, dict) and all(isinstance(v, str) for v in claimed.values())):
+            log.warning("warm sandbox %s: its claim is not a broker's labels", labels.get(LABEL_ENV))
             return None
         return claimed
+
+    def _socket_dir(self, container: Container, host_dir: Path) -> Path | None:
+        """Where the adopted container's executor socket is on the host, as its engine reports the mount: the
+        shared subdirectory of ``host_dir``, or ``host_dir`` itself for a sandbox made before the subdirectory was
+        (whose claim, written in the shared directory, is not trusted); None for anything else."""
+        for mount in container.attrs.get("Mounts", []):
+            if mount.get("Destination") == SOCKET_DIR_IN_CONTAINER:
+                source = Path(mount.get("Source", ""))
+                return source if source in (host_dir / SOCKET_SUBDIR, host_dir) else None
+        return None
 
     async def _adopt(self, container: Container) -> Leftover | None:
         """The container as the same environment, idle; lost (and removed) if it stopped or its executor does not
@@ -429,9 +552,11 @@ class DockerBackend(SandboxBackend):
         version did not write."""
         labels = container.labels
         cgroup = self._cgroup(container)
-        socket_dir = labels.get(LABEL_ENV, "")
+        host_dir = self.run_dir / labels.get(LABEL_ENV, "") if self.fast_path else None
+        socket_dir = self._socket_dir(container, host_dir) if host_dir is not None else None
         if labels.get(LABEL_WARM) == "1":
-            claimed = self._claimed_labels(labels)
+            trusted = host_dir is not None and socket_dir == host_dir / SOCKET_SUBDIR
+            claimed = await self.off_loop(self._claimed_labels, labels) if trusted else None
             if claimed is None:
                 await self.off_loop(self.remove, container, cgroup)
                 return None
@@ -453,9 +578,10 @@ class DockerBackend(SandboxBackend):
                 else f" (exit code {state.get('ExitCode')})")
         elif self.fast_path and cgroup is None:
             problem = "its cgroup is gone"
+        elif host_dir is not None and socket_dir is None:
+            problem = "its executor's socket is not where this broker puts it"
         if problem is None:
-            host_dir = self.run_dir / socket_dir if self.fast_path else None
-            sandbox = DockerSandbox(self, container, host_dir, cgroup)
+            sandbox = DockerSandbox(self, container, host_dir, cgroup, socket_dir)
             try:
                 await self._wake(sandbox)
                 return leftover.adopted(sandbox)
@@ -470,6 +596,7 @@ class DockerBackend(SandboxBackend):
             sandbox.cgroup.set_frozen(False)
             assert sandbox.socket is not None
             await wait_ready(sandbox.socket, ADOPT_TIMEOUT_S)
+            await self.off_loop(sandbox.seal)
         else:
             if sandbox.container.status == "paused":
                 await self.off_loop(sandbox.container.unpause)

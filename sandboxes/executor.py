@@ -17,8 +17,12 @@ Requests carry "op": "ping", "run" (the default) or "cpus":
   the cpus are remembered and a later run tagged T starts on them instead of its own "cpus".
 
 Modes:
-    python3 executor.py serve --socket PATH [--oom-counter auto|none|FILE]
-    python3 executor.py once BASE64 [--oom-counter auto|none|FILE]   (one request from argv, response on stdout)
+    python3 executor.py serve --socket PATH [--oom-counter auto|none|FILE] [--reap]
+    python3 executor.py once BASE64 [--oom-counter auto|none|FILE] [--reap]   (one request from argv, response on
+                                                                              stdout)
+
+--reap (in a container only, where the executor's PID namespace is the sandbox's): after a run with "reap": true,
+every process left in the sandbox is killed unless another command runs (reap_leftovers).
 """
 
 from __future__ import annotations
@@ -64,6 +68,9 @@ MAX_REMEMBERED_TAGS = 4096
 # A thread or process started during a re-pin pass by a member not re-pinned yet inherits the old mask: sweep
 # again until a pass finds nothing new, at most this many passes.
 PIN_PASSES = 5
+# A reap between commands sweeps the process table until a pass finds nothing left, at most this many passes (a
+# fork bomb forks while it is swept; the sandbox's pids limit bounds what each pass finds).
+REAP_PASSES = 20
 
 _HEADER = struct.Struct(">I")
 
@@ -85,6 +92,8 @@ _children_lock = threading.Lock()
 _children = {}  # type: dict
 _connections = set()  # type: set  # open client sockets, shut down on SIGTERM
 _reaper_enabled = False
+# pids a reap between commands leaves alive besides PID 1 and this executor; None: no reaping (not in a container)
+_reap_keep = None  # type: frozenset | None
 
 
 def _register(proc):
@@ -311,6 +320,66 @@ def _reap_orphans():
                     pass
 
 
+def _started_at(pid):
+    """The process's start time in clock ticks since boot (field 22 of /proc/<pid>/stat), or None when gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+        return int(data[data.rfind(b")") + 2:].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _serving_executor(table):
+    """In once mode: the sandbox's serving executor, the oldest child of PID 1 but this process (None: none)."""
+    me = os.getpid()
+    started = {p: _started_at(p) for p, (_state, ppid, _sid) in table.items() if ppid == 1 and p != me}
+    started = {p: t for p, t in started.items() if t is not None}
+    return min(started, key=lambda p: (started[p], p)) if started else None
+
+
+def _other_once_executors(table):
+    """Other one-shot executors running in the sandbox (concurrent actions on the engine path)."""
+    me = os.getpid()
+    found = []
+    for p in table:
+        if p == me:
+            continue
+        try:
+            with open(f"/proc/{p}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if len(argv) > 2 and argv[1].endswith(b"executor.py") and argv[2] == b"once":
+            found.append(p)
+    return found
+
+
+def reap_leftovers():
+    """SIGKILL every process left in the sandbox (daemons, a fork bomb's survivors) once no command runs: all but
+    PID 1, this executor and _reap_keep. Passes repeat while something forks; returns how many were killed.
+
+    Only in a container (``--reap``), where the executor's PID namespace is the sandbox's own."""
+    if _reap_keep is None:
+        return 0
+    killed = set()
+    with _children_lock:
+        if _children:  # another command runs: what it started is not left over
+            return 0
+        keep = {1, os.getpid()} | _reap_keep
+        for _ in range(REAP_PASSES):
+            table = _proc_table()
+            if _reap_keep and _other_once_executors(table):
+                return len(killed)
+            alive = [p for p, (state, _ppid, _sid) in table.items() if p not in keep and state != "Z"]
+            if not alive:
+                break
+            for p in alive:
+                _kill(p)
+                killed.add(p)
+    return len(killed)
+
+
 def _reaper_loop(stop):
     while not stop.wait(1.0):
         try:
@@ -468,18 +537,12 @@ def _spawn(argv, env, cwd, cpus, memory_bytes):
         except OSError as exc:
             raise RequestError(f"cpus: cannot set affinity to {cpus!r}: {exc.strerror or exc}")
     def start():
-        lock = _children_lock if _reaper_enabled else None  # never held while waiting: the reaper frees pids
-        if lock is not None:
-            lock.acquire()
-        try:
+        with _children_lock:  # never held while waiting: the reapers free pids
             started = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                        stderr=subprocess.PIPE, cwd=cwd, env=full_env, start_new_session=True,
                                        close_fds=True, preexec_fn=preexec)  # noqa: PLW1509 - see docstring
             _register(started)
             return started
-        finally:
-            if lock is not None:
-                lock.release()
 
     try:
         proc = _while_pids_full(start, BlockingIOError)
@@ -576,7 +639,8 @@ def run_command(request, cancel_sock=None, oom_counter=None):
     Request fields: command (str: via /bin/sh -c; list: argv), env (added to the executor's environment),
     cwd, timeout_s (null: none), output_limit (per stream, default 1 MiB), cpus (affinity, null: inherit),
     memory_bytes (RLIMIT_AS, null: none), tag (names the command for the "cpus" op; cpus already sent for the
-    tag replace the request's; a run with the tag of a running command takes the tag over). cancel_sock: the
+    tag replace the request's; a run with the tag of a running command takes the tag over), reap (handled by
+    handle_request after the command: see reap_leftovers). cancel_sock: the
     client's socket; if it closes while the command runs, the tree is killed and ClientGone is raised.
     oom_counter: path of the cgroup file with `oom_kill N`.
     Errors of the executor itself come back in "error" with the other fields empty; it never raises for them.
@@ -695,7 +759,10 @@ def handle_request(request, cancel_sock=None, oom_counter=None):
                 "protocol": PROTOCOL_VERSION}
     if op == "run":
         try:
-            return run_command(request, cancel_sock, oom_counter)
+            response = run_command(request, cancel_sock, oom_counter)
+            if request.get("reap") is True:
+                reap_leftovers()
+            return response
         except ClientGone:
             raise
         except Exception as exc:  # noqa: BLE001 - a bug here must not take the executor down
@@ -798,8 +865,10 @@ def _on_term(signum, frame):
     raise _Shutdown()
 
 
-def serve(socket_path, oom_setting):
-    global _reaper_enabled
+def serve(socket_path, oom_setting, reap=False):
+    global _reaper_enabled, _reap_keep
+    if reap:
+        _reap_keep = frozenset()
     oom_counter = resolve_oom_counter(oom_setting)
     try:
         os.unlink(socket_path)
@@ -873,7 +942,11 @@ def decode_once(argument):
     return json.loads(base64.urlsafe_b64decode(text.encode("ascii")).decode("utf-8"))
 
 
-def once(argument, oom_setting):
+def once(argument, oom_setting, reap=False):
+    global _reap_keep
+    if reap:
+        server = _serving_executor(_proc_table())
+        _reap_keep = frozenset() if server is None else frozenset({server})
     try:
         request = decode_once(argument)
     except (ValueError, binascii.Error, UnicodeError) as exc:
@@ -894,11 +967,14 @@ def main(argv=None):
     p_once = sub.add_parser("once", help="run one base64 JSON request and print the JSON response")
     p_once.add_argument("request")
     p_once.add_argument("--oom-counter", default="none")
+    for mode in (p_serve, p_once):
+        mode.add_argument("--reap", action="store_true",
+                          help="in a container only: after a run asking for it, kill every process left in it")
     args = parser.parse_args(argv)
     if args.mode == "serve":
-        return serve(args.socket, args.oom_counter)
+        return serve(args.socket, args.oom_counter, args.reap)
     if args.mode == "once":
-        return once(args.request, args.oom_counter)
+        return once(args.request, args.oom_counter, args.reap)
     parser.print_help(sys.stderr)
     return 2
 

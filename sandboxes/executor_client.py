@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import os
 import socket
 import struct
 import time
@@ -21,13 +22,13 @@ from typing import Any
 
 import orjson
 
+from sandboxes.executor_answer import BadAnswer, frame_limit
+from sandboxes.untrusted_paths import UntrustedPath, open_socket, via_descriptor
+
 __all__ = ["EXECUTOR_PATH", "ExecutorUnavailable", "call", "encode_once", "ping", "wait_ready"]
 
 EXECUTOR_PATH: str = str(Path(__file__).resolve().with_name("executor.py"))
 """Absolute path of executor.py, for backends that copy it into containers."""
-
-MAX_RESPONSE_BYTES = 256 * 1024 * 1024
-"""Sanity bound on a response frame (outputs are capped by the request's output_limit anyway)."""
 
 _HEADER = struct.Struct(">I")
 
@@ -39,14 +40,19 @@ class ExecutorUnavailable(Exception):
     treats this as a sandbox failure, not as a command result.
     """
 
-    def __init__(self, socket_path: str, reason: str) -> None:
+    def __init__(self, socket_path: str, reason: str, *, final: bool = False) -> None:
+        """``final``: what is at the socket's path will not become the executor by waiting (not a socket)."""
         super().__init__(f"executor at {socket_path} unavailable: {reason}")
         self.socket_path = socket_path
         self.reason = reason
+        self.final = final
 
 
 async def _connect(socket_path: str, timeout: float) -> socket.socket:
     """A connected non-blocking unix socket.
+
+    The socket's directory is the sandbox's to write, so the path's last component is opened without following a
+    link and must be a socket (``sandboxes/untrusted_paths.py``); the connection goes to that inode.
 
     Not asyncio.open_unix_connection(path): on Linux a non-blocking AF_UNIX connect() fails with EAGAIN while
     the listener's backlog is full, and asyncio treats that like TCP's EINPROGRESS, handing back a socket that
@@ -55,10 +61,16 @@ async def _connect(socket_path: str, timeout: float) -> socket.socket:
     deadline = time.monotonic() + timeout
     delay = 0.001
     while True:
+        try:
+            target = open_socket(socket_path)
+        except OSError as exc:
+            raise ExecutorUnavailable(socket_path, f"connect failed: {exc}") from None
+        except UntrustedPath as exc:
+            raise ExecutorUnavailable(socket_path, f"connect refused: {exc}", final=True) from None
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.setblocking(False)
         try:
-            sock.connect(socket_path)
+            sock.connect(via_descriptor(target))
             return sock
         except BlockingIOError:
             sock.close()
@@ -71,6 +83,8 @@ async def _connect(socket_path: str, timeout: float) -> socket.socket:
         except BaseException:
             sock.close()
             raise
+        finally:
+            os.close(target)
         await asyncio.sleep(delay)
         delay = min(delay * 2, 0.05)
 
@@ -84,7 +98,8 @@ async def call(socket_path: str, request: dict[str, Any], *, connect_timeout: fl
     """Send one request and return the executor's response.
 
     Errors the executor reports about the command (bad field, missing cwd, ...) come back in the response's
-    "error"; ExecutorUnavailable means the executor itself could not answer. If the awaiting task is cancelled,
+    "error"; ExecutorUnavailable means the executor itself could not answer; BadAnswer, that it announced a frame
+    larger than the request allows (``sandboxes/executor_answer.py``), which is not read. If the awaiting task is cancelled,
     the connection is aborted at once so the executor kills the running command, and CancelledError propagates.
     """
     sock = await _connect(socket_path, connect_timeout)
@@ -98,8 +113,9 @@ async def call(socket_path: str, request: dict[str, Any], *, connect_timeout: fl
         await writer.drain()
         header = await reader.readexactly(_HEADER.size)
         (length,) = _HEADER.unpack(header)
-        if length > MAX_RESPONSE_BYTES:
-            raise ExecutorUnavailable(socket_path, f"response frame of {length} bytes exceeds the limit")
+        if length > frame_limit(request):
+            raise BadAnswer(f"the executor at {socket_path} answered with a frame of {length} bytes, more than an "
+                            f"executor sends for this request ({frame_limit(request)})")
         body = await reader.readexactly(length)
     except asyncio.IncompleteReadError as exc:
         writer.transport.abort()
@@ -128,6 +144,8 @@ async def ping(socket_path: str, timeout: float = 2.0) -> dict[str, Any]:
             return await call(socket_path, {"op": "ping"}, connect_timeout=timeout)
     except TimeoutError:
         raise ExecutorUnavailable(socket_path, f"no ping answer within {timeout} s") from None
+    except BadAnswer as error:
+        raise ExecutorUnavailable(socket_path, str(error), final=True) from None
 
 
 async def wait_ready(socket_path: str, timeout: float) -> dict[str, Any]:
@@ -142,6 +160,8 @@ async def wait_ready(socket_path: str, timeout: float) -> dict[str, Any]:
         try:
             return await ping(socket_path, timeout=min(left, 2.0))
         except ExecutorUnavailable as exc:
+            if exc.final:
+                raise
             reason = exc.reason
         await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
         delay = min(delay * 2, 0.1)

@@ -30,12 +30,14 @@ from sandboxes.backend import (
     repin_via_executor,
 )
 from sandboxes.executor_client import EXECUTOR_PATH, ExecutorUnavailable, call, wait_ready
+from sandboxes.untrusted_paths import UntrustedPath, read_regular
 
 READY_TIMEOUT_S = 15.0
 ADOPT_TIMEOUT_S = 5.0
 MARKER = "TANGRAM_ENVIRONMENT"
 #: the environment's SandboxSpec labels, so that a restarted broker can adopt it
 LABELS_FILE = "labels.json"
+MAX_LABELS_BYTES = 64 * 1024
 
 
 def _executor_of(env_id: str) -> psutil.Process | None:
@@ -148,10 +150,10 @@ class LocalProcessBackend(SandboxBackend):
             return []
         leftovers = []
         for root in self.run_dir.iterdir():
-            try:
-                labels = orjson.loads((root / LABELS_FILE).read_bytes())
+            try:  # its commands can write there: no link followed, no FIFO waited on, no file of any size
+                labels = orjson.loads(await asyncio.to_thread(read_regular, str(root / LABELS_FILE), MAX_LABELS_BYTES))
                 leftover = Leftover.from_labels(labels)
-            except (OSError, orjson.JSONDecodeError, KeyError, ValueError, TypeError):
+            except (OSError, UntrustedPath, orjson.JSONDecodeError, KeyError, ValueError, TypeError):
                 await self._remove(root)  # not a trajectory environment this version made
                 continue
             if labels.get(LABEL_EPHEMERAL) == "1":

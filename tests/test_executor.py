@@ -746,7 +746,8 @@ async def test_an_executor_older_than_repinning_is_told_apart_from_a_refusal(tmp
         with pytest.raises(SandboxError) as refused:
             await sandbox.set_action_cores("act-1", frozenset({0}))
         assert refused.value.code == "repin_failed" and "older broker" in refused.value.message
-        adopted = DockerSandbox(None, SimpleNamespace(short_id="c0ffee"), root, None)  # type: ignore[arg-type]
+        adopted = DockerSandbox(None, SimpleNamespace(short_id="c0ffee"), root, None,  # type: ignore[arg-type]
+                                socket_dir=root)
         await adopted.set_action_cores("act-1", frozenset({0}))  # the cgroup moves the command: no failure
         assert adopted.old_executor
         started.stop()
