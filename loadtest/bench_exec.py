@@ -90,17 +90,16 @@ async def overhead(engine: str, fast_path: bool, count: int, ray_address: str | 
 
 def ray_cluster() -> Any:
     """A head and a second Ray node carrying node n1's resource, so n1's agent runs in another raylet; with Ray's
-    token authentication, set before Ray is imported (it reads the mode once per process)."""
+    token authentication and on 127.0.0.1 (``one_machine_cluster``), both set before Ray is imported (it reads them
+    once per process)."""
     os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))  # the raylets and broker take it
-    from ray.cluster_utils import Cluster
+    from managers.ray_loopback import keep_ray_on_loopback, one_machine_cluster
 
-    from managers.ray_agents import node_resource
+    keep_ray_on_loopback()  # before managers.ray_cluster imports Ray
+    from managers.ray_cluster import node_resource
 
     small: dict[str, Any] = {"num_cpus": 1, "object_store_memory": 80 << 20}
-    cluster = Cluster(initialize_head=True, head_node_args=small)
-    cluster.add_node(**small, resources={node_resource("n1"): 1})
-    cluster.wait_for_nodes()
-    return cluster
+    return one_machine_cluster(small, {**small, "resources": {node_resource("n1"): 1}})
 
 
 async def pytest_speedup(engine: str, tests: int, sleep_s: float) -> dict[int, float]:
@@ -111,9 +110,9 @@ async def pytest_speedup(engine: str, tests: int, sleep_s: float) -> dict[int, f
         for cores in (1, 2):
             action: dict[str, Any] = {"task": "bench", "trajectory": f"py{cores}", "kind": "exec",
                                       "demand": {"cpu": cores},
-                      "spec": {"command": "pytest -q -p no:cacheprovider test_suite.py", "pytest_parallel": True,
-                               "files": {"test_suite.py": suite}}}
-            await submit(http, url, {**action, "spec": {**action["spec"], "command": "true"}})  # environment
+                      "spec": {"command": "pytest -q -p no:cacheprovider test_suite.py", "pytest_parallel": True}}
+            # the environment, with the suite: files go with the action that makes it, never a later one's
+            await submit(http, url, {**action, "spec": {"command": "true", "files": {"test_suite.py": suite}}})
             record = await submit(http, url, action)
             if record["result"]["exit_code"] != 0:
                 raise RuntimeError(record["result"]["stdout"])

@@ -2,7 +2,9 @@
 
 Ray's cluster is the trust boundary: whoever can reach the cluster can call the agents, as whoever can reach a
 Docker engine's socket can run containers. Run the cluster on a private network with Ray's token authentication;
-the broker refuses to join one without the token unless told the network is trusted (``[ray] auth``).
+the broker refuses to join one without the token, or one that does not enforce it, unless told the network is
+trusted (``[ray] auth``). A cluster of several hosts keeps Ray's own addressing; one whose every raylet runs on the
+broker's host stays on 127.0.0.1 (``ray_loopback.py``).
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ import ray
 from ray.exceptions import ActorDiedError, RayActorError
 
 from managers.agent_replies import Reply, failed
+from managers.ray_auth_probe import enforcement_problem
 from managers.ray_config import RayConfig
+from managers.ray_loopback import LOOPBACK_SWITCH, is_loopback
 
 log = logging.getLogger("tangram.ray")
 
@@ -69,9 +73,17 @@ def token_problem(environ: Mapping[str, str], home: Path) -> str | None:
 def connect(config: RayConfig) -> None:
     """Join the Ray cluster once per process, quietly (the broker's log stays its own). The cluster is the agents'
     trust boundary, so with ``auth = "token"`` (the default) the broker refuses to join without the cluster's
-    token. Raises ``RayUnavailable``."""
+    token, or a cluster that accepts a wrong one (``ray_auth_probe``). A cluster named by a loopback address is
+    joined on loopback only. Raises ``RayUnavailable``."""
     if ray.is_initialized():
         return
+    host = config.address.rpartition(":")[0].strip("[]")
+    advertised = ray.util.get_node_ip_address()
+    if is_loopback(host) and not is_loopback(advertised):
+        raise RayUnavailable("ray_unreachable", f"not joining the Ray cluster at {config.address!r} through "
+                                                f"{advertised}: Ray rewrites a loopback address to this host's "
+                                                f"interface unless the broker (and every node of a cluster on "
+                                                f"this host) starts with {LOOPBACK_SWITCH}=0")
     if config.auth == "token":
         problem = token_problem(os.environ, Path.home())
         if problem is not None:
@@ -89,6 +101,15 @@ def connect(config: RayConfig) -> None:
     except ConnectionError as error:
         raise RayUnavailable("ray_unreachable", f"the Ray cluster at {config.address!r} did not accept the "
                                                 f"broker (down, or another token): {error}") from None
+    if config.auth == "token":
+        problem = enforcement_problem(ray.get_runtime_context().gcs_address)
+        if problem is not None:
+            ray.shutdown()
+            raise RayUnavailable("ray_unauthenticated", f"not joining the Ray cluster at {config.address!r}: it "
+                                                        f"does not enforce token authentication ({problem}): "
+                                                        f"start every node of the cluster with RAY_AUTH_MODE=token "
+                                                        f"and its token, or set [ray] auth = \"none\" on a network "
+                                                        f"you trust")
 
 
 async def call_agent(actor: Any, method: str, args: tuple[Any, ...], agent: str, unavailable: str) -> Reply:

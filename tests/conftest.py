@@ -12,6 +12,7 @@ import pytest
 import pytest_asyncio
 from sqlalchemy.ext.asyncio import create_async_engine
 
+from managers.ray_loopback import keep_ray_on_loopback
 from sandboxes.backend import LABEL_BROKER
 from tangram.store import Base, Store
 from tests.docker_nodes import SESSION_BROKER_PREFIX, configured_engines, labelled_containers
@@ -25,10 +26,12 @@ from tests.docker_nodes import SESSION_BROKER_PREFIX, configured_engines, labell
 PG_URL_ENV = "TANGRAM_TEST_PG_URL"
 
 # Every Ray cluster the suite starts runs Ray's token authentication with this session's token, as a deployment
-# should (the broker refuses a cluster without one: [ray] auth). Ray reads the mode once per process, so it is
-# set here, before any test module imports Ray; raylets and subprocess brokers inherit it.
+# should (the broker refuses a cluster without one: [ray] auth), and stays on 127.0.0.1 (issue 35). Ray reads both
+# once per process, so they are set here, before any test module imports Ray; raylets and subprocess brokers
+# inherit them.
 os.environ["RAY_AUTH_MODE"] = "token"
 os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+keep_ray_on_loopback()
 
 
 @pytest_asyncio.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
