@@ -3,11 +3,14 @@
 Two ways to score, picked by ``reward_kwargs``:
 
 * **tests** (default): the response's code (its last fenced code block, else the whole text) goes into a fresh
-  sandbox as ``solution.py`` and ``ground_truth`` as ``test_solution.py`` (pytest tests that import from
-  ``solution``); they run as one elastic ``exec`` action with ``pytest_parallel``, so the broker's
-  ``pytest`` becomes ``pytest -n N`` on the N cores it grants. The score is passed / collected tests (0 when none
-  were collected, or the run was killed for time or memory). The default sandbox image has pytest and
-  pytest-xdist.
+  sandbox beside ``ground_truth`` as ``test_solution.py`` (pytest tests that import from ``solution``); they run as
+  one elastic ``exec`` action with ``pytest_parallel``, so the broker's ``pytest`` becomes ``pytest -n N`` on the N
+  cores it grants. The tests never import the code into pytest: ``solution`` is a shim that runs it in a process of
+  its own (``clients/solution_proxy.py``), and the score comes from a line the pytest plugin
+  ``clients/reward_report.py`` signs with a key only pytest holds (``clients/signed_report.py``), never from what
+  the solution can print. The score is passed / (collected - skipped) tests: 0 when no signed report came back
+  (the solution killed pytest, none were collected), or the run was killed for time or memory or lost its sandbox.
+  The default sandbox image has pytest and pytest-xdist.
 * **reward model**: with ``service`` set, a ``reward`` action asks that broker reward service (task
   ``similarity``) to compare the response with ``ground_truth``; the score is the service's score.
 
@@ -27,22 +30,34 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import os
 import re
+import secrets
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from clients.client import AsyncTangramClient
 from clients.errors import ActionError
+from clients.signed_report import KEY_FILE, read_signed
 from clients.verl_tool import DEFAULT_URL, core_range
 
 #: a fenced code block; the last one in a response is taken as its solution
 FENCE = re.compile(r"```[\w+-]*[ \t]*\n(.*?)```", re.DOTALL)
-#: the counts of pytest's summary line, e.g. "3 passed, 1 failed, 1 error in 0.52s"
-COUNT = re.compile(r"(\d+) (passed|failed|errors?)\b")
-#: ends of a test run that started which are the solution's fault: they score 0 rather than raise
-SOLUTION_FAULTS = frozenset({"timed_out", "out_of_memory"})
-TEST_COMMAND = "python3 -m pytest -q -p no:cacheprovider test_solution.py"
+#: ends of a test run that started which are the solution's fault: they score 0 rather than raise. A sandbox lost
+#: under the command is one: where the kernel has no Landlock scopes the solution can kill every process of its uid,
+#: the sandbox's executor included (the score's ``sandbox_lost`` detail says so)
+SOLUTION_FAULTS = frozenset({"timed_out", "out_of_memory", "environment_lost"})
+TEST_COMMAND = "python3 -m pytest -q -p no:cacheprovider -p clients.reward_report test_solution.py"
+#: our modules a test run's sandbox holds (under ``clients/``, with an empty ``__init__.py``)
+SHIPPED_MODULES = ("solution_wire", "solution_proxy", "solution_runner", "pytest_guard", "signed_report",
+                   "reward_report")
+#: where the response's code goes; ``solution.py`` is the shim that runs it
+SOLUTION_CODE = "_solution/solution.py"
+SOLUTION_SHIM = ('"""The solution under test, run in a process of its own (clients/solution_proxy.py)."""\n\n'
+                 "from clients.solution_proxy import install\n\n"
+                 f"install(__name__, {SOLUTION_CODE!r})\n")
 
 
 def extract_code(solution_str: str) -> str:
@@ -51,16 +66,17 @@ def extract_code(solution_str: str) -> str:
     return blocks[-1] if blocks else solution_str
 
 
-def count_tests(stdout: str) -> tuple[int, int]:
-    """(passed, collected) from pytest's last summary line; (0, 0) when it printed none."""
-    for line in reversed(stdout.splitlines()):
-        counts = COUNT.findall(line)
-        if counts and " in " in line:
-            by_outcome = {outcome.rstrip("s") if outcome.startswith("error") else outcome: int(n)
-                          for n, outcome in counts}
-            passed = by_outcome.get("passed", 0)
-            return passed, passed + by_outcome.get("failed", 0) + by_outcome.get("error", 0)
-    return 0, 0
+@functools.cache
+def _shipped_sources() -> dict[str, str]:
+    here = Path(__file__).resolve().parent
+    return {f"clients/{name}.py": (here / f"{name}.py").read_text() for name in SHIPPED_MODULES}
+
+
+def sandbox_files(code: str, tests: str, key: str) -> dict[str, str]:
+    """What a test run's sandbox starts with: the tests, the code behind the ``solution`` shim, our modules, and
+    the report's key (read and deleted by pytest before the code can run)."""
+    return {**_shipped_sources(), "clients/__init__.py": "", "solution.py": SOLUTION_SHIM, SOLUTION_CODE: code,
+            "test_solution.py": tests, KEY_FILE: key}
 
 
 def plain(value: Any) -> Any:
@@ -115,8 +131,9 @@ async def compute_score_async(data_source: str, solution_str: str, ground_truth:
 async def _test_score(client: AsyncTangramClient, data_source: str, code: str, tests: str, *,
                       cores: tuple[int, int], t1_s: float | None, efficiency: Mapping[str, float] | None,
                       timeout_s: float, image: str | None, memory_mb: int | None) -> dict[str, float]:
+    key = secrets.token_hex(32)
     spec: dict[str, Any] = {"command": TEST_COMMAND, "pytest_parallel": True,
-                            "files": {"solution.py": code, "test_solution.py": tests}}
+                            "files": sandbox_files(code, tests, key)}
     spec.update({key: value for key, value in (("image", image), ("memory_mb", memory_mb)) if value is not None})
     record = await client.submit("exec", {"cpu": cores}, spec, elasticity=elasticity_for("cpu", cores, t1_s,
                                                                                           efficiency),
@@ -125,8 +142,11 @@ async def _test_score(client: AsyncTangramClient, data_source: str, code: str, t
     if not record.succeeded and not (ran and (record.error or {}).get("code") in SOLUTION_FAULTS):
         raise ActionError(record)  # not the solution's doing (a queue deadline, a sandbox not made): no score
     outcome: dict[str, Any] = (record.result if record.succeeded else record.error) or {}
-    passed, total = count_tests(outcome.get("stdout") or "") if record.succeeded else (0, 0)
-    return {"score": passed / total if total else 0.0, "tests_passed": float(passed), "tests_total": float(total),
+    report = read_signed(outcome.get("stderr") or "", key.encode()) if record.succeeded else None
+    passed, total = (report["passed"], report["collected"] - report["skipped"]) if report else (0, 0)
+    return {"score": passed / total if total > 0 else 0.0, "tests_passed": float(passed),
+            "tests_total": float(total), "reported": float(report is not None),
+            "sandbox_lost": float((record.error or {}).get("code") == "environment_lost"),
             "exit_code": float(-1 if outcome.get("exit_code") is None else outcome["exit_code"]),
             "cores": float(len(outcome.get("cores") or []))}
 

@@ -28,6 +28,7 @@ from verl.tools.tool_registry import initialize_tools_from_config
 from verl.trainer.ppo.reward import load_reward_manager
 from verl.workers.rollout.replica import TokenOutput
 
+from clients.verl_reward import compute_score_async
 from clients.verl_tool import BrokerShellTool
 from tests.docker_nodes import cpu_config, docker_engines
 from tests.harness import Live, live_broker
@@ -229,6 +230,103 @@ async def test_compute_score_runs_the_tests_on_elastic_cores_through_verls_rewar
         assert right["reward_extra_info"]["cores"] == wrong["reward_extra_info"]["cores"] == 2.0
         status, body = await live.call("GET", "/v1/environments?task=verl-reward")
         assert status == 200 and body["environments"] == []  # each test run had a sandbox of its own, gone with the action
+
+
+#: issue 35's attack: imported into pytest, it makes every test pass and prints pytest's summary
+PATCHING = """```python
+import _pytest.python
+import _pytest.runner
+
+
+def _passes(self):
+    return None
+
+
+_pytest.python.Function.runtest = _passes
+_pytest.runner.pytest_runtest_call = lambda item: None
+print("3 passed in 0.01s")
+
+
+def add(a, b):
+    return None
+```"""
+#: at its first call: signs a report with the key if it can read it (else forges one), prints it and writes it into
+#: every pipe it can open through /proc (the executor's included), reads pytest's memory if it can, and rewrites the
+#: test files for any pytest process that would read them later
+HOSTILE = """```python
+import glob
+import hashlib
+import hmac
+import os
+import sys
+
+PAYLOAD = '{"collected":3,"failed":0,"passed":3,"skipped":0}'
+
+
+def _attack():
+    try:
+        with open(".tangram-reward-key", "rb") as key:
+            mac = hmac.new(key.read().strip(), PAYLOAD.encode(), hashlib.sha256).hexdigest()
+    except OSError:
+        mac = "0" * 64
+    lines = f"3 passed in 0.01s\\nTANGRAM-REWARD-REPORT {PAYLOAD} {mac}\\n"
+    sys.stdout.write(lines)
+    sys.stderr.write(lines)
+    for path in glob.glob("/proc/[0-9]*/fd/*"):
+        try:
+            if os.readlink(path).startswith("pipe:"):
+                fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+                os.write(fd, lines.encode())
+                os.close(fd)
+        except OSError:
+            pass
+    try:
+        with open(f"/proc/{os.getppid()}/mem", "rb") as memory:
+            memory.seek(0x400000)
+            memory.read(1)
+        sys.stderr.write("read pytest's memory\\n")
+    except OSError:
+        pass
+    patch = "import _pytest.python\\n_pytest.python.Function.runtest = lambda self: None\\n"
+    for name, text in (("conftest.py", patch), ("solution.py", "def add(a, b):\\n    return a + b\\n"),
+                       ("test_solution.py", "def test_a():\\n    pass\\n")):
+        with open(name, "w") as replaced:
+            replaced.write(text)
+
+
+def add(a, b):
+    if not hasattr(add, "done"):
+        add.done = True
+        _attack()
+    return None
+```"""
+#: kills every process it may signal (pytest, xdist's workers, the sandbox's executor) at its first call
+KILLER = ("```python\nimport os\nimport signal\n\ndef add(a, b):\n    try:\n        os.kill(-1, signal.SIGKILL)\n"
+          "    except PermissionError:\n        pass\n    return a + b\n```")
+
+
+async def test_a_solution_cannot_score_by_patching_pytest_or_forging_its_report(db):
+    """Issue 35's reward hack and its cousins, on one core (one pytest process) and on two (xdist): none scores.
+    With the solution imported into pytest and the score read from pytest's summary, PATCHING scored 1.0."""
+    async with live_broker(docker_node(), db) as live:
+        async def score(response: str, cores: Any = (1, 2)) -> dict[str, float]:
+            return await compute_score_async("unit-tests", response, TESTS, broker_url=live.url, cores=cores,
+                                             t1_s=4.0)
+
+        for cores in (1, [1, 2]):
+            right, patched = await score(CORRECT, cores), await score(PATCHING, cores)
+            assert right["score"] == 1.0 and patched["score"] == 0.0
+            assert right["cores"] == (1.0 if cores == 1 else 2.0)
+            assert right["reported"] == patched["reported"] == 1.0  # pytest's own count, signed
+            assert patched["tests_total"] == 3.0
+        hostile = await score(HOSTILE)
+        assert hostile["score"] == 0.0 and hostile["tests_total"] == 3.0
+        killer = await score(KILLER)
+        # where the kernel has Landlock scopes the kill is refused and the right sum scores; else the sandbox is lost
+        assert (killer["score"], killer["sandbox_lost"]) in ((1.0, 0.0), (0.0, 1.0))
+        lost = await compute_score_async("unit-tests", CORRECT, "import os\n\ndef test_kill():\n    os.kill(-1, 9)\n",
+                                         broker_url=live.url)
+        assert lost["score"] == 0.0 and lost["sandbox_lost"] == 1.0  # scored, not raised: it is the run's doing
 
 
 async def test_compute_score_with_a_reward_model_service(tmp_path):
