@@ -131,6 +131,10 @@ class CpuConfig:
     #: who the executor and the commands of Docker sandboxes run as: "UID:GID" (the image need not name them) or
     #: "root" (the container's root, with no capabilities: the host's root unless the engine remaps users)
     sandbox_user: SandboxUser = DEFAULT_SANDBOX_USER
+    #: the disk a Docker sandbox's writes may take, in MiB (0: no cap), where the engine's storage can cap one (the
+    #: btrfs driver, or overlay2 on XFS with project quotas: the engine's ``--storage-opt size``, which on btrfs
+    #: counts the image too); elsewhere sandboxes run uncapped and the node says so (``disk_capped``)
+    disk_mb: NonNegative = 10_240
     idle_ttl_s: PositiveSeconds = 900.0
     max_environments: Count = 10_000
     #: where the broker keeps executor sockets and local environments' directories
@@ -166,7 +170,8 @@ class CpuConfig:
         """A sandbox of this broker's: the environment's identity, the config's limits and broker label."""
         return SandboxSpec(env_id=env_id, task=task, trajectory=trajectory, image=image, memory_mb=memory_mb,
                            pids_limit=self.pids_limit, broker_id=self.broker_id,
-                           read_only_root=self.read_only_root, user=self.sandbox_user, **more)
+                           read_only_root=self.read_only_root, user=self.sandbox_user, disk_mb=self.disk_mb,
+                           **more)
 
 
 def parse_cpu_config(raw: Any) -> CpuConfig:

@@ -84,6 +84,8 @@ class SandboxSpec:
     #: who the executor and its commands run as in a container: ``UID:GID`` (any ids, whether or not the image
     #: names them) or ``root`` (the container's root: the host's root unless the engine remaps users)
     user: str = DEFAULT_SANDBOX_USER
+    #: the most disk its writes may take, in MiB (0: no cap), where the engine's storage can cap a container
+    disk_mb: int = 0
 
     @property
     def owner(self) -> tuple[int, int]:

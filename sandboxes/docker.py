@@ -35,7 +35,7 @@ import orjson
 import requests.exceptions
 from docker.models.containers import Container
 from docker.tls import TLSConfig
-from docker.types import Mount
+from docker.types import LogConfig, Mount
 
 from sandboxes.backend import (
     LABEL_BROKER,
@@ -81,6 +81,8 @@ CLAIM_FILE = "claimed.json"
 #: the owner of a root sandbox's sealed socket directory (``DockerSandbox.seal``): nobody, so that the container's
 #: root, without capabilities, cannot write there
 SEALED_OWNER_OF_ROOT = 65534
+#: the engine's log of a sandbox (its executor's stderr, and whatever a command writes there): one file, capped
+CONTAINER_LOG = {"max-size": "1m", "max-file": "1"}
 #: a claim file is a few labels; anything larger was not written by a broker
 MAX_CLAIM_BYTES = 64 * 1024
 
@@ -276,18 +278,22 @@ class DockerBackend(SandboxBackend):
 
     def __init__(self, engine: str, *, run_dir: Path, cores: tuple[int, ...], fast_path: bool,
                  tls: TLSConfig | None = None, warm: SandboxSpec | None = None, warm_size: int = 0,
-                 creates_per_s: float = 10.0) -> None:
+                 creates_per_s: float = 10.0, runtime: str | None = None) -> None:
         """On the fast path, ``warm_size`` sandboxes like ``warm`` wait started and frozen for new trajectories
-        (``sandboxes/warm_pool.py``); every create waits its turn under ``creates_per_s``."""
+        (``sandboxes/warm_pool.py``); every create waits its turn under ``creates_per_s``. ``runtime``: the
+        engine's OCI runtime for the sandboxes (e.g. gVisor's ``runsc``; None: the engine's default)."""
         self.engine = engine
         self.run_dir = run_dir
         self.cores = cores
         self.fast_path = fast_path
         self.tls = tls
+        self.runtime = runtime
         self.client: docker.DockerClient | None = None
         self._rate = CreateRate(creates_per_s)
         self._warm = WarmPool(warm, warm_size, self._rate, self._create) \
             if warm is not None and warm_size and fast_path else None
+        #: whether the engine's storage caps a container's disk (None: not asked yet)
+        self.disk_capped: bool | None = None
 
     async def off_loop(self, call: Any, *args: Any) -> Any:
         """``call(*args)`` on a worker thread; an engine that stopped answering (restarting, gone) becomes the
@@ -389,7 +395,8 @@ class DockerBackend(SandboxBackend):
             "network_mode": "none", "security_opt": ["no-new-privileges"], "cap_drop": ["ALL"],
             "pids_limit": spec.pids_limit, "mem_limit": f"{spec.memory_mb}m",
             "memswap_limit": f"{spec.memory_mb}m", "cpuset_cpus": cpu_list(self.cores), "init": True,
-            "working_dir": WORKDIR, "detach": True, "user": f"{uid}:{gid}", "environment": environment}
+            "working_dir": WORKDIR, "detach": True, "user": f"{uid}:{gid}", "environment": environment,
+            "log_config": LogConfig(type="json-file", config=CONTAINER_LOG)}
         if host_dir is not None:
             host_dir.mkdir(mode=0o700, exist_ok=True)
             (host_dir / SOCKET_SUBDIR).mkdir(mode=0o700, exist_ok=True)
@@ -399,8 +406,12 @@ class DockerBackend(SandboxBackend):
             # The engine extracts archives into a read-only-root container only inside its volumes.
             options.update(read_only=True, tmpfs=READ_ONLY_ROOT_TMPFS,
                            mounts=[Mount(WORKDIR, None), Mount(EXECUTOR_DIR, None)])
+        if spec.disk_mb and self.disk_capped is not False:
+            options["storage_opt"] = {"size": f"{spec.disk_mb}M"}
+        if self.runtime is not None:
+            options["runtime"] = self.runtime
         try:
-            container = self.client.containers.create(**options)
+            container = self._create_container(options)
         except docker.errors.ImageNotFound:
             self._forget_dir(host_dir)
             raise SandboxError("image_not_found", f"engine {self.engine} has no image {spec.image!r}; build the "
@@ -408,8 +419,10 @@ class DockerBackend(SandboxBackend):
                 from None
         except docker.errors.APIError as error:
             self._forget_dir(host_dir)
+            hint = (f" ([cpu] disk_mb = {spec.disk_mb} is less than the image takes: this engine's storage counts "
+                    f"the image in a container's disk)") if "qgroup" in str(error.explanation) else ""
             raise SandboxError("sandbox_create_failed", f"engine {self.engine} refused the container: "
-                                                        f"{error.explanation or error}") from None
+                                                        f"{error.explanation or error}{hint}") from None
         try:
             if spec.read_only_root and spec.owner != (0, 0):
                 self._hand_workspace(container, spec.owner)
@@ -425,6 +438,26 @@ class DockerBackend(SandboxBackend):
             raise SandboxError(code, f"container from {spec.image!r} did not start its executor "
                                      f"(the image needs python3): {explanation}") from None
         return DockerSandbox(self, container, host_dir, cgroup)
+
+    def _create_container(self, options: dict[str, Any]) -> Container:
+        """``containers.create``, and again without the disk cap where the engine's storage cannot cap one (said
+        once in the log, and in ``describe``)."""
+        assert self.client is not None
+        try:
+            container = self.client.containers.create(**options)
+        except docker.errors.APIError as error:
+            explanation = str(error.explanation or error).lower()
+            if "storage_opt" not in options or "storage" not in explanation or "supported" not in explanation:
+                raise
+            self.disk_capped = False
+            log.warning("engine %s cannot cap a sandbox's disk (%s): its sandboxes run uncapped; run it with the "
+                        "btrfs storage driver, or overlay2 on XFS with project quotas", self.engine,
+                        error.explanation)
+            container = self.client.containers.create(**{k: v for k, v in options.items() if k != "storage_opt"})
+        else:
+            if "storage_opt" in options:
+                self.disk_capped = True
+        return container
 
     def _hand_workspace(self, container: Container, owner: tuple[int, int]) -> None:
         """Give a read-only-root sandbox's work dir, an anonymous volume the engine makes root's, to its user. An
@@ -619,7 +652,8 @@ class DockerBackend(SandboxBackend):
         return count
 
     def describe(self) -> dict[str, Any]:
-        description: dict[str, Any] = {"backend": "docker", "engine": self.engine, "fast_path": self.fast_path}
+        description: dict[str, Any] = {"backend": "docker", "engine": self.engine, "fast_path": self.fast_path,
+                                       "disk_capped": self.disk_capped}
         if self._warm is not None:
             description["warm_sandboxes"] = len(self._warm)
         return description

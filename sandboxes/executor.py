@@ -880,7 +880,10 @@ def serve(socket_path, oom_setting, reap=False):
         listener.bind(socket_path)
     finally:
         os.umask(old_umask)
-    os.chmod(socket_path, 0o600)
+    try:
+        os.chmod(socket_path, 0o600)
+    except OSError:  # gVisor's host-backed socket refuses it; the umask made it 0600 already
+        pass
     listener.listen(4096)  # the kernel clips to net.core.somaxconn; a burst must not overflow it
     stop = threading.Event()
     if os.getpid() == 1:

@@ -82,9 +82,9 @@ class WarmPool(Generic[S]):
     def fits(self, spec: SandboxSpec) -> bool:
         """A warm sandbox can become ``spec``'s: the same image, limits and broker (files come at the claim)."""
         template = self.template
-        return (spec.image, spec.memory_mb, spec.pids_limit, spec.read_only_root, spec.user, spec.broker_id) == (
-            template.image, template.memory_mb, template.pids_limit, template.read_only_root, template.user,
-            template.broker_id)
+        return (spec.image, spec.memory_mb, spec.pids_limit, spec.read_only_root, spec.user, spec.disk_mb,
+                spec.broker_id) == (template.image, template.memory_mb, template.pids_limit, template.read_only_root,
+                                    template.user, template.disk_mb, template.broker_id)
 
     def claim(self, spec: SandboxSpec) -> S | None:
         """An idle warm sandbox for ``spec`` (the caller gives it its identity), or None."""

@@ -3,7 +3,12 @@
 # the default sandbox image (tangram/sandbox-python:bookworm, built offline with debootstrap) is in both.
 #   node 1: the default engine on unix:///var/run/docker.sock
 #   node 2: a second dockerd on unix:///run/tangram/node2/docker.sock with its own data root, exec root and
-#           containerd, standing for a second node (no bridge network: sandboxes run with network none)
+#           containerd, standing for a second node (no bridge network: sandboxes run with network none); its data
+#           root is a btrfs file system (a sparse file on a loop device) under the btrfs storage driver, whose
+#           quota groups cap each sandbox's disk (storage_opt size), where node 1's overlay2 on ext4 cannot
+# Both engines also know gVisor's runtime, ``runsc`` (Debian's package), for nodes that set ``runtime = "runsc"``:
+# without a network (sandboxes have none) and with host-backed unix sockets, so that the executor's socket is one
+# the host can connect to.
 # Idempotent: installs docker.io and debootstrap only when missing, starts an engine only when it does not answer,
 # builds the image only when an engine lacks it. Prints only the export line the tests read on stdout (progress
 # goes to stderr), so
@@ -17,6 +22,12 @@ export PATH="$PATH:/usr/local/sbin:/usr/sbin:/sbin"
 NODE1=unix:///var/run/docker.sock
 NODE2_DIR=/run/tangram/node2
 NODE2=unix://$NODE2_DIR/docker.sock
+NODE2_DATA=/var/lib/tangram/node2
+NODE2_DISK=/var/lib/tangram/node2.btrfs
+NODE2_DISK_SIZE=32G
+NODE2_CONFIG=/etc/tangram/node2-daemon.json
+#: the runtimes both engines know, as dockerd's config spells them
+RUNTIMES='{"runsc": {"path": "/usr/bin/runsc", "runtimeArgs": ["--network=none", "--host-uds=create"]}}'
 LOG_DIR=/var/log/tangram
 WAIT_S=60
 
@@ -28,6 +39,8 @@ fi
 missing=()
 command -v dockerd >/dev/null || missing+=(docker.io)
 command -v debootstrap >/dev/null || missing+=(debootstrap)
+command -v mkfs.btrfs >/dev/null || missing+=(btrfs-progs)
+command -v runsc >/dev/null || missing+=(runsc)
 if ((${#missing[@]})); then
     echo "installing ${missing[*]} from Debian's packages" >&2
     # </dev/null and 3>&-: should a package script start a daemon, it must not hold our caller's pipe open.
@@ -50,7 +63,7 @@ fi
 grep -qw overlay /proc/filesystems || modprobe overlay 2>/dev/null || \
     echo "warning: no overlay filesystem in this kernel; dockerd will use the slow vfs storage driver" >&2
 
-mkdir -p "$LOG_DIR" "$NODE2_DIR" /var/lib/tangram/node2
+mkdir -p "$LOG_DIR" "$NODE2_DIR" "$NODE2_DATA"
 
 answers() { timeout 10 docker -H "$1" info >/dev/null 2>&1; }
 
@@ -88,6 +101,25 @@ wait_for() {
     return 1
 }
 
+# Node 1 runs on the default config file: add the runtimes to what it says (reloaded on SIGHUP if it runs).
+node1_runtimes() {
+    local config=/etc/docker/daemon.json
+    mkdir -p /etc/docker
+    RUNTIMES="$RUNTIMES" python3 - "$config" <<'PY'
+import json, os, sys
+path = sys.argv[1]
+config = json.load(open(path)) if os.path.exists(path) and os.path.getsize(path) else {}
+wanted = {**config.get("runtimes", {}), **json.loads(os.environ["RUNTIMES"])}
+if config.get("runtimes") != wanted:
+    config["runtimes"] = wanted
+    with open(path, "w") as f:
+        json.dump(config, f, indent=2)
+PY
+    if alive /var/run/docker.pid; then
+        kill -HUP "$(cat /var/run/docker.pid)"
+    fi
+}
+
 start_node1() {
     local log=$LOG_DIR/dockerd-node1.log
     if answers "$NODE1"; then
@@ -118,6 +150,36 @@ start_node1() {
     wait_for "$NODE1" "$log" /var/run/docker.pid
 }
 
+# Node 2's data root on btrfs, for the btrfs storage driver: a per-container size is a btrfs quota group limit
+# (overlay2 needs XFS with project quotas, which this kernel's XFS lacks). Without loop devices or btrfs, node 2
+# runs overlay2 on the host's file system, and the disk-cap tests say why they fail.
+node2_data_root() {
+    if [ "$(findmnt -n -o FSTYPE --mountpoint "$NODE2_DATA" || true)" = btrfs ]; then
+        return 0
+    fi
+    # dockerd bind-mounts its data root onto itself (to make it private); an earlier engine on the host's file
+    # system left that mount behind
+    while mountpoint -q "$NODE2_DATA"; do
+        umount "$NODE2_DATA"
+    done
+    if [ ! -f "$NODE2_DISK" ]; then
+        truncate -s "$NODE2_DISK_SIZE" "$NODE2_DISK"
+        mkfs.btrfs -q "$NODE2_DISK" >/dev/null
+    fi
+    if ! mount -o loop "$NODE2_DISK" "$NODE2_DATA" || ! btrfs quota enable "$NODE2_DATA"; then
+        echo "warning: no btrfs with quotas on $NODE2_DATA: node 2 runs overlay2 without disk caps" >&2
+    fi
+}
+
+# The storage driver of node 2's data root: btrfs where it is one.
+node2_storage() {
+    if [ "$(findmnt -n -o FSTYPE --mountpoint "$NODE2_DATA" || true)" = btrfs ]; then
+        echo btrfs
+    else
+        echo overlay2
+    fi
+}
+
 start_node2() {
     local log=$LOG_DIR/dockerd-node2.log
     if answers "$NODE2"; then
@@ -125,15 +187,20 @@ start_node2() {
         return 0
     fi
     if ! alive "$NODE2_DIR/docker.pid"; then
+        node2_data_root
+        mkdir -p "$(dirname "$NODE2_CONFIG")"
+        echo "{\"runtimes\": $RUNTIMES}" >"$NODE2_CONFIG"
         echo "starting node 2 engine on $NODE2 (log $log)" >&2
         # Its own data root, exec root (hence its own containerd, socket and state) and pidfile; no bridge and no
         # iptables rules, which would collide with node 1's docker0 and NAT chains.
-        detach "$log" dockerd --host "$NODE2" --data-root /var/lib/tangram/node2 --exec-root "$NODE2_DIR/exec" \
-            --pidfile "$NODE2_DIR/docker.pid" --bridge none --iptables=false --ip-masq=false
+        detach "$log" dockerd --host "$NODE2" --data-root "$NODE2_DATA" --exec-root "$NODE2_DIR/exec" \
+            --pidfile "$NODE2_DIR/docker.pid" --bridge none --iptables=false --ip-masq=false \
+            --storage-driver "$(node2_storage)" --config-file "$NODE2_CONFIG"
     fi
     wait_for "$NODE2" "$log" "$NODE2_DIR/docker.pid"
 }
 
+node1_runtimes
 start_node1
 start_node2
 for url in "$NODE1" "$NODE2"; do

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shlex
 from typing import Any
 
@@ -387,3 +388,43 @@ async def test_no_docker_socket_or_host_disk_inside(path, db):
     assert probe["block_devices"] == [] and probe["docker_host"] is None
     assert mounts.splitlines()[0] == "docker_dir=1"
     assert all(line.split("=")[1] != "0" for line in mounts.splitlines()[1:]), mounts
+
+
+# -- disk and log caps ------------------------------------------------------------------------------------------
+
+async def test_a_sandbox_cannot_fill_the_host_disk_where_the_engine_caps_it(db):
+    """On an engine whose storage caps a container's disk (node 2: the btrfs driver), a command that writes past
+    ``cpu.disk_mb`` anywhere it may write stops at the cap (the environment goes on); the node says its sandboxes
+    are capped. Node 1 (overlay2 on ext4) says they are not."""
+    config = config_for("engine", disk_mb=512)
+    async with live_broker(config, db) as live:
+        fill = await run(live, "head -c 1000000000 /dev/zero > /var/tmp/fill; echo $?; du -m /var/tmp/fill")
+        again = await stdout_of(live, "rm /var/tmp/fill; echo alive")
+        _, resources = await live.call("GET", "/v1/resources")
+    [row] = [r for r in resources["resources"] if r["resource"] == "cpu"]
+    status, written = fill["result"]["stdout"].split()[:2]
+    assert status == "1" and "Disk quota exceeded" in fill["result"]["stderr"], fill["result"]
+    assert int(written) < 512, written  # on btrfs the image counts against the cap too
+    assert again == "alive\n"
+    assert row["disk_capped"] is True, row
+    async with live_broker(config_for("fast", disk_mb=512), db) as live:
+        await stdout_of(live, "true")
+        _, resources = await live.call("GET", "/v1/resources")
+    assert [r["disk_capped"] for r in resources["resources"] if r["resource"] == "cpu"] == [False]
+
+
+async def test_what_a_command_writes_to_the_engine_log_is_capped(db):
+    """A command that writes into its container's log (the executor's stderr, through /proc/1/fd/2) fills one
+    file of at most 1 MiB on the host, not the host's disk."""
+    config = config_for("fast")
+    engine, broker_id = config["cpu"]["nodes"]["n1"]["engine"], config["cpu"]["broker_id"]
+    async with live_broker(config, db) as live:
+        await stdout_of(live, "for i in $(seq 50); do head -c 100000 /dev/zero | tr '\\0' x > /proc/1/fd/2; done")
+        client = docker.DockerClient(base_url=engine)
+        try:
+            [container] = client.containers.list(filters={"label": f"{LABEL_BROKER}={broker_id}"})
+            log_path = container.attrs["LogPath"]
+            size = os.path.getsize(log_path)
+        finally:
+            client.close()
+    assert size <= 1.1 * (1 << 20), size
