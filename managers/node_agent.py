@@ -6,9 +6,10 @@ engine's host. A broker elsewhere drives it through ``managers/agent_backend.py`
 like any other: the CPU manager does not know that a node is remote.
 
 Every call answers as ``managers/agent_replies.py`` says, so a sandbox error crosses the process boundary with its
-code intact. The agent checks what reaches it as the REST API
-does (file paths stay inside the working directory, bounded file sets): the cluster is the trust boundary, and a
-caller inside it that skipped the API must not escape a sandbox either.
+code intact, and comes through ``FencedAgent.call``, so a deposed leader's call is refused before it has any effect
+(a new leader's first call, at its start, raises the agent's epoch). The agent checks what reaches it as the REST
+API does (file paths stay inside the working directory, bounded file sets): the cluster is the trust boundary, and
+a caller inside it that skipped the API must not escape a sandbox either.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from managers.agent_replies import replying
+from managers.agent_replies import FencedAgent, replying
 from managers.exec_spec import ExecLimits, check_files
 from sandboxes.backend import Executed, Leftover, NodeHardware, Sandbox, SandboxBackend, SandboxError, SandboxSpec
 from tangram.core.errors import RequestError
@@ -26,7 +27,7 @@ from tangram.core.errors import RequestError
 log = logging.getLogger("tangram.agent")
 
 
-class NodeAgent:
+class NodeAgent(FencedAgent):
     """One node's sandboxes, by environment id."""
 
     def __init__(self, open_backend: Callable[[], Awaitable[SandboxBackend]], limits: ExecLimits,

@@ -2,8 +2,9 @@
 carries the custom resource ``tangram_node_<name>`` (``ray start --resources '{"tangram_node_n2": 1}'``), restarted
 by Ray when it dies (the restarted agent takes its sandboxes back by their labels). The agent is detached from the
 broker's process, so a broker that crashes finds it again under its name when it comes back and adopts through it;
-a broker that stops lets it go. Only a config with such a node imports this module, so a one-machine broker needs
-no Ray. ``ray_cluster.py`` joins the cluster, under its token.
+a broker that stops lets it go. Every call carries the broker's leader epoch (``managers/agent_replies.py``), so
+after a failover the agent obeys only the new leader. Only a config with such a node imports this module, so a
+one-machine broker needs no Ray. ``ray_cluster.py`` joins the cluster, under its token.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 import ray
 
 from managers.agent_backend import AgentBackend
-from managers.agent_replies import Reply
+from managers.agent_replies import Reply, fenced
 from managers.cpu_config import CpuConfig, CpuNodeConfig, on_this_host
 from managers.node_agent import NodeAgent
 from managers.ray_cluster import PLACEMENT_TIMEOUT_S, RayUnavailable, call_agent, connect, node_resource
@@ -52,8 +53,11 @@ async def open_agent_backend(node: CpuNodeConfig, config: CpuConfig) -> AgentBac
         name=f"tangram-agent-{config.broker_id}-{node.name}", get_if_exists=True, lifetime="detached", num_cpus=0,
         resources={node_resource(node.name): 0.001}, max_restarts=-1, max_concurrency=1000).remote(node, config)
 
+    agent = f"node {node.name}'s agent"
+
     async def call(method: str, *args: Any) -> Reply:
-        return await call_agent(actor, method, args, f"node {node.name}'s agent", NODE_UNAVAILABLE)
+        return await fenced(agent, lambda epoch: call_agent(actor, "call", (epoch, method, *args), agent,
+                                                            NODE_UNAVAILABLE))
 
     async def release() -> None:
         ray.kill(actor, no_restart=True)

@@ -3,8 +3,10 @@ serves, placed on the Ray node that carries the custom resource ``tangram_gpu_no
 (``ray start --resources '{"tangram_gpu_node_g1": 1}'``). An agent takes no Ray GPU: the GPU manager decides which
 of the node's GPUs an instance uses, by index, as it does on its own host, so Ray is told not to narrow the agent's
 ``CUDA_VISIBLE_DEVICES``. Ray restarts a dead agent (its instances are made afresh); the agent is owned by the
-broker's process and goes with it, since a new broker prepares its services anew. Only a config with such a node
-imports this module.
+broker's process and goes with it, since a new broker prepares its services anew. Every call carries the broker's
+leader epoch (``managers/agent_replies.py``) as a node agent's does; but since a new leader makes agents of its own,
+it never calls the old leader's, so these are fenced only by the old leader's own checks (``tangram/core/fencing.py``)
+and go when it stops. Only a config with such a node imports this module.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 import ray
 from ray.exceptions import RayError
 
-from managers.agent_replies import Reply, failed, replying
+from managers.agent_replies import Reply, failed, fenced, replying
 from managers.gpu_config import GpuConfig, GpuNodeConfig, node_on_this_host
 from managers.ray_cluster import PLACEMENT_TIMEOUT_S, RayUnavailable, call_agent, connect, gpu_node_resource
 from managers.service_agent import ServiceAgent
@@ -87,7 +89,9 @@ class RayServiceLink:
             actor = self._actor or await self._placed()
         except ServiceError as error:
             return failed(error.code, error.message)
-        return await call_agent(actor, method, args, f"GPU node {self.node}'s service agent", "service_unavailable")
+        agent = f"GPU node {self.node}'s service agent"
+        return await fenced(agent, lambda epoch: call_agent(actor, "call", (epoch, method, *args), agent,
+                                                            "service_unavailable"))
 
     async def release(self) -> None:
         actor, self._actor = self._actor, None

@@ -6,10 +6,11 @@ GPUs without crossing the network. A broker elsewhere drives it through ``manage
 ``ServiceBackend`` like any other: the GPU manager's chunks, admission and LRU residency do not know the node is
 remote.
 
-Every call answers as ``managers/agent_replies.py`` says. The agent checks a request as the REST API does (the
-same parser and limits): the cluster is the trust boundary, and a caller inside it that skipped the API must not
-hand a model an oversized request either. An agent that Ray restarted holds no instances: calls for the old ones
-answer ``service_unavailable``, and the GPU manager makes them afresh (its path for a broken instance).
+Every call answers as ``managers/agent_replies.py`` says, and comes through ``FencedAgent.call`` with its broker's
+epoch. The agent checks a request as the REST API does (the same parser and limits): the cluster is the trust
+boundary, and a caller inside it that skipped the API must not hand a model an oversized request either. An agent
+that Ray restarted holds no instances: calls for the old ones answer ``service_unavailable``, and the GPU manager
+makes them afresh (its path for a broken instance).
 """
 
 from __future__ import annotations
@@ -18,13 +19,13 @@ import contextlib
 from collections.abc import Callable
 from typing import Any
 
-from managers.agent_replies import replying
+from managers.agent_replies import FencedAgent, replying
 from reward_services.backend import ServiceBackend, ServiceError, ServiceInstance, ServiceSpec
 from reward_services.requests import RewardLimits, parse_reward_input
 from tangram.core.errors import RequestError
 
 
-class ServiceAgent:
+class ServiceAgent(FencedAgent):
     """One node's instances of one backend kind, by the ids their broker gave them."""
 
     def __init__(self, make_backend: Callable[[], ServiceBackend], limits: RewardLimits) -> None:

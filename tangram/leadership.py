@@ -13,6 +13,10 @@ store is fenced too: each leader takes the next *epoch* in the leader's row as i
 transaction of the store first reads that row ``FOR SHARE`` and is refused (``Deposed``) unless the epoch is still
 its own. The row lock orders the two: a new leader's epoch waits for the old one's write in flight to commit, and
 every later write of the old one sees the new epoch.
+
+Beyond the store, the leader's ``fencing`` (``tangram/core/fencing.py``) carries the epoch to the node agents,
+which refuse an older one, and is deposed by whichever learns first of the loss (the lock's check, the store's
+fence, an agent's refusal), so nothing more goes to a sandbox or an upstream either.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from tangram.core.fencing import Fencing
 from tangram.store import Deposed, Fence
 
 log = logging.getLogger("tangram")
@@ -44,12 +49,17 @@ EPOCH_COLUMN = "ALTER TABLE tangram_leader ADD COLUMN IF NOT EXISTS epoch BIGINT
 _CURRENT_EPOCH = text("SELECT epoch FROM tangram_leader WHERE lock_key = :key FOR SHARE")
 
 
-def fence(epoch: int) -> Fence:
-    """The store's fence for the leader of ``epoch``: a write goes through only while no later leader took over."""
+def fence(epoch: int, fencing: Fencing | None = None) -> Fence:
+    """The store's fence for the leader of ``epoch``: a write goes through only while no later leader took over.
+    A refusal deposes ``fencing`` too, before the write fails."""
     async def check(conn: AsyncConnection) -> None:
         current = (await conn.execute(_CURRENT_EPOCH, {"key": LOCK_KEY})).scalar()
         if current != epoch:
-            raise Deposed(f"this broker led as epoch {epoch}; another broker leads the store now (epoch {current})")
+            refusal = Deposed(f"this broker led as epoch {epoch}; another broker leads the store now "
+                              f"(epoch {current})")
+            if fencing is not None:
+                fencing.depose(str(refusal))
+            raise refusal
     return check
 
 
@@ -68,6 +78,8 @@ class Leadership:
         self.leader_url: str | None = None
         #: this broker's epoch once it leads (each leader's is one more than the one before)
         self.epoch: int | None = None
+        #: what the broker sends beyond its store reads (the epoch, once it leads; deposed once the lock is lost)
+        self.fencing = Fencing()
 
     @classmethod
     async def open(cls, store_url: str, url: str) -> Leadership:
@@ -90,17 +102,21 @@ class Leadership:
             "ON CONFLICT (lock_key) DO UPDATE SET url = EXCLUDED.url, since = EXCLUDED.since, "
             "epoch = tangram_leader.epoch + 1 RETURNING epoch",
             LOCK_KEY, self.url, time.time())
+        self.fencing.epoch = self.epoch
         log.info("leading the brokers of this store as epoch %d; clients reach the leader at %s", self.epoch,
                  self.url)
 
     async def lost(self) -> str:
-        """Return (with the reason) once the lock's connection fails: this broker may no longer lead."""
+        """Return (with the reason, having deposed ``fencing``) once the lock's connection fails: this broker may no
+        longer lead."""
         while True:
             await asyncio.sleep(POLL_S)
             try:
                 await asyncio.wait_for(self._connection.fetchval("SELECT 1"), CHECK_TIMEOUT_S)
             except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as error:
-                return f"the connection that holds the leader's lock failed ({error!r})"
+                reason = f"the connection that holds the leader's lock failed ({error!r})"
+                self.fencing.depose(reason)
+                return reason
 
     async def close(self) -> None:
         """Let the lock go (a standby takes over now rather than when the connection times out)."""
