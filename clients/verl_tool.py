@@ -221,7 +221,8 @@ class BrokerShellTool(BaseTool):
         trajectory = getattr(kwargs.get("agent_data"), "request_id", None)
         spec: dict[str, Any] = {"command": command, **self.command_spec}
         if trajectory is None or trajectory not in self._environments:
-            # the sandbox is made by this command: send what it starts with (ignored by a sandbox that exists)
+            # the sandbox is made by this command: send what it starts with (the broker refuses files for a
+            # sandbox that exists, rather than dropping them)
             spec.update(self.sandbox_spec)
             files = self._files.get(instance_id)
             if files:

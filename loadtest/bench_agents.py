@@ -92,7 +92,8 @@ async def agent_backend(node: CpuNodeConfig, config: CpuConfig) -> SandboxBacken
 
 
 def broker_config(port: int, db: str) -> dict[str, Any]:
-    nodes = {f"n{i}": {"backend": "local", "cores": f"0-{CORES - 1}", "memory_mb": 1 << 20} for i in range(NODES)}
+    nodes = {f"n{i}": {"backend": "local", "unsandboxed": True, "cores": f"0-{CORES - 1}", "memory_mb": 1 << 20}
+             for i in range(NODES)}
     return {"server": {"port": port, "max_batch": 2000}, "store": {"url": f"sqlite+aiosqlite:///{db}"},
             "cpu": {"nodes": nodes, "default_memory_mb": 64, "max_environments": 1_000_000}}
 

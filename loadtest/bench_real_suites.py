@@ -73,7 +73,8 @@ def broker_config(cores: str, db: Path, engine: str, broker_id: str | None = Non
                   worker_overhead: float | None = None, memory_mb: int = NODE_MEMORY_MB) -> dict[str, Any]:
     """``engine`` "local": the node runs its sandboxes as local processes (a machine without Docker)."""
     overhead = {} if worker_overhead is None else {"worker_overhead": worker_overhead}
-    backend = {"backend": "local"} if engine == "local" else {"backend": "docker", "engine": engine}
+    backend = ({"backend": "local", "unsandboxed": True} if engine == "local"
+               else {"backend": "docker", "engine": engine})
     return {"store": {"url": f"sqlite+aiosqlite:///{db}"}, "gpu": {"enabled": False},
             "cpu": {"broker_id": broker_id or f"bench-{uuid.uuid4().hex[:8]}", **overhead,
                     "nodes": {"n1": {**backend, "cores": cores, "memory_mb": memory_mb}}}}

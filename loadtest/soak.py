@@ -337,7 +337,7 @@ class Soak:
         another trajectory's sandbox shows. A lost sandbox is deleted and the next command gets a fresh one."""
         name = f"traj-{self.run_id}-{worker}-{rng.getrandbits(32):08x}"
         seed = f"seed-{rng.getrandbits(32):08x}"
-        files = {"seed.txt": seed + "\n"}  # sent with every command; only a new sandbox takes them
+        files = {"seed.txt": seed + "\n"}  # sent while the trajectory has no sandbox: only a new one takes files
         submitted = False
         try:
             for _ in range(rng.randint(2, 6)):
@@ -349,7 +349,9 @@ class Soak:
                 overruns = fault is None and rng.random() < self.options.deadline_rate
                 elastic = not overruns and self.cpu_max > 1 and rng.random() < 0.3
                 sleep_s = self._command_sleep(rng, fault)
-                spec: dict[str, Any] = {"files": files, "memory_mb": SANDBOX_MEMORY_MB}
+                spec: dict[str, Any] = {"memory_mb": SANDBOX_MEMORY_MB}
+                if not await self._has_environment(name):
+                    spec["files"] = files
                 demand: dict[str, Any] = {"cpu": 1}
                 elasticity = None
                 check = stdout_is(f"{seed}\n{token}\n")
@@ -518,6 +520,16 @@ class Soak:
             await self.client.delete_environment(environment)
         except TangramError as error:
             self.ledger.problem("unexpected_http_errors", f"DELETE /v1/environments/{environment}: {error}")
+
+    async def _has_environment(self, trajectory: str) -> bool:
+        """Whether the trajectory has its sandbox now (its commands run one after another, so nothing makes one
+        meanwhile); a listing that fails counts as a problem, and as a sandbox (files then are not sent twice)."""
+        try:
+            environments = await self.client.environments()
+        except TangramError as error:
+            self.ledger.problem("unexpected_http_errors", f"GET /v1/environments: {error}")
+            return True
+        return any(environment.get("trajectory") == trajectory for environment in environments)
 
     async def _delete_trajectory_environments(self, trajectory: str) -> None:
         """What a client does when its trajectory ends: delete the sandbox, found by the trajectory's name."""

@@ -29,6 +29,7 @@ from managers.sandbox_backends import SandboxFactory, open_sandbox_backend
 from sandboxes.backend import NODE_UNAVAILABLE, Leftover, SandboxBackend, SandboxError
 from tangram.core.action import Action, Kind
 from tangram.core.errors import ActionFailed, Conflict, NotFound, Unprocessable
+from tangram.core.fencing import current
 from tangram.core.malleable import WorkerCost, workers_for
 from tangram.core.seam import Allocation, Fit, Outcome, PoolStatus, ResourceManager
 
@@ -293,8 +294,13 @@ class CpuManager(ResourceManager[CpuHandle]):
                                                    f"and create another")
             return
         self.environments.check_memory(spec.memory_mb, "spec.memory_mb")
-        if self.environment_of(action) is None:
+        existing = self.environment_of(action)
+        if existing is None:
             self.environments.check_room("spec")
+        elif spec.files:
+            raise Unprocessable("spec.files", f"trajectory {action.trajectory!r} has its environment {existing.id} "
+                                              f"already, and files are written only when an environment is "
+                                              f"created: write them with a command, or delete the environment")
 
     def allocate(self, action: Action, units: Mapping[str, int], pools: Mapping[str, str]) -> Allocation[CpuHandle]:
         node = self.nodes[pools[RESOURCE]]
@@ -306,7 +312,8 @@ class CpuManager(ResourceManager[CpuHandle]):
         if env is None:
             env = self.environments.reserve(action.task, action.trajectory, node,
                                             spec.image or self.config.default_image, self.memory_for(action),
-                                            dict(spec.files), ephemeral=action.trajectory is None)
+                                            dict(spec.files), ephemeral=action.trajectory is None,
+                                            reserved_by=action.id)
         elif env.node != node.name:
             raise RuntimeError(f"environment {env.id} lives on {env.node}, not {node.name}")
         cores = node.cores.take(units[RESOURCE])
@@ -378,6 +385,13 @@ class CpuManager(ResourceManager[CpuHandle]):
         if env is None:
             raise ActionFailed("environment_destroyed", f"environment {self.exec_spec(action).environment} was "
                                                         f"deleted after this action was submitted")
+        if self.exec_spec(action).files and env.reserved_by != action.id:
+            # its trajectory's environment was made after this action was submitted (by an action before it, or
+            # taken over at a restart): its files would be silently left out, so nothing runs
+            raise ActionFailed("files_not_written", f"spec.files: environment {env.id} of trajectory "
+                                                    f"{action.trajectory!r} was made before this action started, and "
+                                                    f"files are written only when an environment is created; the "
+                                                    f"command did not run", environment=env.id)
         try:
             return await self._execute_in(env, action, allocation)
         except ActionFailed as failure:
@@ -399,6 +413,7 @@ class CpuManager(ResourceManager[CpuHandle]):
                                        workers=workers, tag=action.id)
             env.running.add(action.id)
             try:
+                current().check()  # a deposed leader runs no more commands (tangram/core/fencing.py)
                 executed = await sandbox.execute(action.id, request)
             except SandboxError as error:
                 if error.lost:

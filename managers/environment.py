@@ -27,6 +27,9 @@ class Environment:
     image: str
     memory_mb: int
     files: dict[str, bytes] = field(default_factory=dict, repr=False)
+    #: the action whose allocation reserved it, and whose ``files`` it is created with (None: made through
+    #: ``POST /v1/environments``, or taken over after a restart)
+    reserved_by: str | None = None
     #: made for one action without a trajectory: destroyed when that action ends
     ephemeral: bool = False
     state: EnvState = EnvState.PENDING

@@ -63,10 +63,11 @@ class Environments(Mapping[str, Environment]):
     # -- reserving and forgetting -----------------------------------------------------------------------------
 
     def reserve(self, task: str, trajectory: str | None, node: CpuNode, image: str, memory_mb: int,
-                files: dict[str, bytes], *, ephemeral: bool) -> Environment:
-        """A new environment on ``node``, its memory reserved now and its sandbox created by ``sandbox``."""
+                files: dict[str, bytes], *, ephemeral: bool, reserved_by: str | None = None) -> Environment:
+        """A new environment on ``node``, its memory reserved now and its sandbox created by ``sandbox``;
+        ``reserved_by``: the action it is made for."""
         env = Environment(id="env-" + new_action_id(), task=task, trajectory=trajectory, node=node.name,
-                          image=image, memory_mb=memory_mb, files=files, ephemeral=ephemeral)
+                          image=image, memory_mb=memory_mb, files=files, ephemeral=ephemeral, reserved_by=reserved_by)
         self._register(env)
         return env
 
@@ -190,14 +191,17 @@ class Environments(Mapping[str, Environment]):
 
     # -- the environments API ---------------------------------------------------------------------------------
 
+    def largest_memory_mb(self) -> int | None:
+        """The memory of the largest node in service (None while none is): the most one environment may reserve."""
+        return max((node.memory_mb for node in self.nodes.values() if node.lost is None), default=None)
+
     def check_memory(self, memory_mb: int | None, field: str) -> int:
         """The memory a new environment reserves; 422 when no node could ever hold it."""
         memory = memory_mb or self.config.default_memory_mb
-        serving = [node.memory_mb for node in self.nodes.values() if node.lost is None]
-        if not serving:
+        largest = self.largest_memory_mb()
+        if largest is None:
             raise Unavailable(field, "no CPU node is in service now (nodes join from the Ray cluster)",
                               retry_after_s=NO_NODE_RETRY_S)
-        largest = max(serving)
         if memory > largest:
             raise Unprocessable(field, f"{memory} MiB is more than any node offers ({largest} MiB)")
         return memory

@@ -38,10 +38,16 @@ class ExecLimits:
     max_output_limit: Count = 16 << 20
 
 
+#: canonical base64: groups of four, padded with "=" (what the document can state, and the server then refuses the
+#: rest rather than finding it undecodable after the schema took it)
+BASE64 = re.compile(r"^(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?\Z")
+
+
 class Base64File(Schema):
     """A file's bytes, base64-encoded (for content that is not text)."""
 
-    base64: str
+    base64: str = Field(pattern=explained(json_pattern(BASE64), "must be base64: A-Z, a-z, 0-9, + and / in groups "
+                                                                "of four, the last padded with ="))
 
 
 def _command_form(value: Any) -> str | None:
@@ -57,18 +63,25 @@ Command = Annotated[Annotated[str, Field(pattern=explained(r"\S", COMMAND_FORMS)
                     Discriminator(_command_form, custom_error_type="command_form", custom_error_message=COMMAND_FORMS)]
 FileContent = Annotated[Annotated[str, Tag(tag("text"))] | Annotated[Base64File, Tag(tag("base64"))],
                         Discriminator(_file_form, custom_error_type="file_form", custom_error_message=FILE_FORMS)]
-Files = dict[str, FileContent]
+#: what the document can state of a file's path: relative, without NUL (that it stays inside the working directory
+#: once normalised, "a/../b" being inside, is checked by ``inside_workdir``: 422)
+FilePath = Annotated[str, Field(pattern=explained("^[^/\x00][^\x00]*$", "must be a relative path (not starting "
+                                                                        "with '/'), without NUL"))]
+Files = dict[FilePath, FileContent]
 #: a Docker image reference as the engine parses one (distribution's grammar): ``[host[:port]/]path[:tag][@digest]``,
-#: the path's components lower-case; refused here, it never reaches the engine
+#: a host only where it has a dot or a port (or is localhost), the path's components lower-case, a digest of an
+#: algorithm the engine knows. A bad one is refused here and never reaches the engine, which would answer an error
+#: of its own (a 503 "sandbox_create_failed"), not "no such image"
 _DOMAIN = r"(?:[A-Za-z0-9]|[A-Za-z0-9][A-Za-z0-9-]*[A-Za-z0-9])"
 _COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
 IMAGE_REFERENCE = re.compile(
-    rf"^(?:(?:{_DOMAIN}(?:\.{_DOMAIN})*|\[[0-9A-Fa-f:]+\])(?::[0-9]+)?/)?{_COMPONENT}(?:/{_COMPONENT})*"
+    rf"^(?:(?:{_DOMAIN}(?:\.{_DOMAIN})+(?::[0-9]+)?|{_DOMAIN}:[0-9]+|localhost)/)?{_COMPONENT}(?:/{_COMPONENT})*"
     r"(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?"
-    r"(?:@[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9A-Fa-f]{32,})?\Z")
+    r"(?:@(?:sha256:[0-9a-f]{64}|sha384:[0-9a-f]{96}|sha512:[0-9a-f]{128}))?\Z")
 IMAGE_REASON = "must be a Docker image reference: [host[:port]/]name[:tag][@digest], lower-case name"
-#: at most 255 characters, Docker's bound on a reference's name
-Image = Annotated[str, Field(min_length=1, max_length=255,
+#: the engine refuses a name past 255 characters as it completes it (``docker.io/library/NAME``): 237 always fits
+MAX_IMAGE_CHARS = 255 - len("docker.io/library/")
+Image = Annotated[str, Field(min_length=1, max_length=MAX_IMAGE_CHARS,
                              pattern=explained(json_pattern(IMAGE_REFERENCE), IMAGE_REASON),
                              description="an image the node's engine has, as a Docker reference")]
 MemoryMb = Annotated[int, Field(ge=16), WHOLE]
@@ -84,7 +97,9 @@ class ExecSpecBody(Schema):
     environment: Name | None = Field(default=None, description="an environment id")
     image: Image | None = None
     memory_mb: MemoryMb | None = None
-    files: Files | None = Field(default=None, description='relative path -> text or {"base64": "..."}')
+    files: Files | None = Field(default=None, description='relative path -> text or {"base64": "..."}; written when '
+                                                          'the environment is made, so only with its first action '
+                                                          '(422 for a trajectory that has one)')
     pytest_parallel: bool | None = None
     output_limit: NonNegativeInteger | None = Field(default=None, description="bytes of output kept")
 

@@ -1,7 +1,9 @@
-"""Which sandbox backend a CPU node runs: its Docker engine (local socket or TLS), or local processes when the
-engine is missing or lacks the image and the node's backend is "auto"; or, for a node with ``agent = true``,
-that node's agent (``managers/ray_agents.py``), which opens one of these on its node. The CPU manager takes this as
-its default factory; a caller that makes sandboxes otherwise (the simulator, a node agent) passes its own."""
+"""Which sandbox backend a CPU node runs: its Docker engine (local socket or TLS), which must answer and have the
+default image when the node starts; or, only where the config says so in so many words (``backend = "local"`` and
+``unsandboxed = true``), this host's processes, in no sandbox. Exec never falls back to them: a node without its
+engine or image does not start, and the error names the fix. For a node with ``agent = true``, that node's agent
+(``managers/ray_agents.py``) opens one of these on its node. The CPU manager takes this as its default factory; a
+caller that makes sandboxes otherwise (the simulator, a node agent) passes its own."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from pathlib import Path
 from docker.tls import TLSConfig
 
 from managers.cpu_config import CpuConfig, CpuNodeConfig
+from managers.run_dir import trusted_run_dir
 from sandboxes.backend import SandboxBackend, SandboxError, SandboxSpec
 from sandboxes.docker import DockerBackend
 from sandboxes.local import LocalProcessBackend
@@ -28,34 +31,43 @@ def warm_template(config: CpuConfig) -> SandboxSpec:
     return config.sandbox_spec("warm", "warm", None, config.default_image, config.default_memory_mb)
 
 
+def _fixes(node: CpuNodeConfig, image: str) -> str:
+    return (f"start the engine and build the image (tangram image build --name {image}), or run this node's "
+            f"commands as unsandboxed local processes ([cpu.nodes.{node.name}] backend = \"local\" and unsandboxed "
+            f"= true; scripts/serve.sh does this where Docker is missing), or turn the CPU manager off ([cpu] "
+            f"enabled = false)")
+
+
 async def open_sandbox_backend(node: CpuNodeConfig, config: CpuConfig) -> SandboxBackend:
     if node.agent:
         from managers.ray_agents import open_agent_backend  # Ray is imported only for a node behind an agent
 
         return await open_agent_backend(node, config)
     run_dir = Path(config.run_dir) / config.broker_id / node.name
-    if node.backend in ("docker", "auto"):
-        tls = None
-        if node.tls_ca or node.tls_cert:
-            cert = (node.tls_cert, node.tls_key) if node.tls_cert and node.tls_key else None
-            tls = TLSConfig(client_cert=cert, ca_cert=node.tls_ca, verify=bool(node.tls_ca))
-        docker_backend = DockerBackend(node.engine, run_dir=run_dir, cores=node.cores,
-                                       fast_path=bool(node.fast_path), tls=tls, warm=warm_template(config),
-                                       warm_size=config.warm_sandboxes, creates_per_s=config.creates_per_s)
-        try:
-            await docker_backend.start()
-            if node.backend == "docker":
-                return docker_backend
-            if await asyncio.to_thread(docker_backend.has_image, config.default_image):
-                log.info("node %s: Docker engine %s", node.name, node.engine)
-                return docker_backend
-            reason = f"it has no image {config.default_image!r} (build it: tangram image build)"
-            await docker_backend.close()
-        except SandboxError as error:
-            if node.backend == "docker":
-                raise
-            reason = error.message
-        log.warning("node %s: local processes instead of Docker (%s); isolation is weak", node.name, reason)
-    local = LocalProcessBackend(run_dir)
-    await local.start()
-    return local
+    if node.backend == "local":
+        log.warning("node %s: exec runs as UNSANDBOXED local processes (backend = \"local\", unsandboxed = true): "
+                    "commands run as this broker's user, with its environment and files", node.name)
+        local = LocalProcessBackend(run_dir)
+        await local.start()
+        return local
+    if node.fast_path:
+        await asyncio.to_thread(trusted_run_dir, run_dir)
+    tls = None
+    if node.tls_ca or node.tls_cert:
+        cert = (node.tls_cert, node.tls_key) if node.tls_cert and node.tls_key else None
+        tls = TLSConfig(client_cert=cert, ca_cert=node.tls_ca, verify=bool(node.tls_ca))
+    backend = DockerBackend(node.engine, run_dir=run_dir, cores=node.cores, fast_path=bool(node.fast_path), tls=tls,
+                            warm=warm_template(config), warm_size=config.warm_sandboxes,
+                            creates_per_s=config.creates_per_s)
+    try:
+        await backend.start()
+    except SandboxError as error:
+        raise SandboxError(error.code, f"node {node.name}: {error.message}; {_fixes(node, config.default_image)}") \
+            from None
+    if not await asyncio.to_thread(backend.has_image, config.default_image):
+        await backend.close()
+        raise SandboxError("image_not_found", f"node {node.name}: Docker engine {node.engine} has no image "
+                                              f"{config.default_image!r} (cpu.default_image); "
+                                              f"{_fixes(node, config.default_image)}")
+    log.info("node %s: Docker engine %s", node.name, node.engine)
+    return backend

@@ -3,6 +3,8 @@
 Requests are authenticated by ``tangram.auth`` (bearer tokens, when auth is on): a task's token sees and changes
 only its task's actions, leases and environments (another task's ids are 404, as if they did not exist); the
 admin's sees everything and alone may drain the broker, reload its tokens and caps, and plan the tasks' SLOs.
+Before that, ``tangram.request_guard`` refuses bodies not declared JSON and, while auth is off, requests from
+other hosts' names or pages, and bounds how long a request may take to arrive.
 """
 
 from __future__ import annotations
@@ -19,11 +21,12 @@ from tangram.broker import Broker
 from tangram.config import AccessConfig, ServerConfig, load_config
 from tangram.core.action import Action
 from tangram.core.errors import BadRequest, ConfigError, Conflict, RequestError, TooLarge, Unprocessable
-from tangram.environments_api import add_environment_routes
+from tangram.environments_api import add_environment_routes, largest_node_memory
 from tangram.http_errors import headers_of, status_of
 from tangram.openapi import openapi_document
 from tangram.parse import FLAGS, Limits, parse_action_json, parse_batch_json, to_action
 from tangram.profiles_api import add_profile_routes
+from tangram.request_guard import body_in_time, guard_requests
 from tangram.services_api import add_service_routes, catalog_of
 from tangram.slo_api import SLO, add_slo_routes
 from tangram.status_page import add_status_routes
@@ -160,7 +163,8 @@ async def openapi(request: web.Request) -> web.Response:
     specs = {kind.value: manager.spec_types[kind] for kind, manager in broker.executor.items()
              if kind in manager.spec_types}
     return json_response(openapi_document(request.app[SERVER], request.app[LIMITS], list(broker.owner), specs,
-                                          secured=auth.enabled, public_status=auth.access.auth.public_status))
+                                          secured=auth.enabled, public_status=auth.access.auth.public_status,
+                                          max_memory_mb=largest_node_memory(broker)))
 
 
 async def _optional_json(request: web.Request) -> dict[str, Any]:
@@ -236,7 +240,8 @@ def build_app(broker: Broker, server: ServerConfig, limits: Limits,
               access: AccessConfig | None = None) -> web.Application:
     """The REST app; ``access`` (tokens and per-task caps) defaults to none: open, no caps."""
     access = access or AccessConfig()
-    app = web.Application(middlewares=[errors_as_json, authenticate], client_max_size=server.max_body_bytes)
+    app = web.Application(middlewares=[errors_as_json, guard_requests, authenticate, body_in_time],
+                          client_max_size=server.max_body_bytes)
     app[BROKER] = broker
     app[SERVER] = server
     app[LIMITS] = limits

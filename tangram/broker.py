@@ -189,8 +189,6 @@ class Broker:
         """Queue actions (all or none are validated first). Returns each record and whether it is new."""
         if self.draining:
             raise Unavailable("actions", "the broker is shutting down; submit again in a moment (to its successor)")
-        for index, action in enumerate(actions):
-            self._validate(action, f"actions[{index}]." if len(actions) > 1 else "")
         if len(self.queue) + len(actions) > self.max_queue:
             raise Unavailable("actions", f"the queue is full ({self.max_queue} actions); retry later")
         try:
@@ -199,6 +197,12 @@ class Broker:
             log.error("idempotency lookup failed: %r", error)
             raise Unavailable("store", "the database is unavailable, so this broker cannot tell whether these "
                                        "idempotency keys were used before; retry with the same keys") from None
+        self.idempotency.check_replays(actions, stored, self.actions)
+        for index, action in enumerate(actions):
+            # a replay was checked when it came first; checked again now, it could be refused for what it did
+            # since (its trajectory's environment, which it made, now exists)
+            if self.idempotency.existing(action, stored, self.actions) is None:
+                self._validate(action, f"actions[{index}]." if len(actions) > 1 else "")
         if self.ledger.tenancy.limited:  # after the last await: nothing is queued between the check and the pushes
             self._check_caps(actions, stored)
         results: list[tuple[Action, bool]] = []

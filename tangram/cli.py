@@ -28,6 +28,7 @@ from tangram.sim.commands import add_commands as add_simulation_commands
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from sandboxes.backend import SandboxError
     from tangram.service import run
 
     config = load_config(args.config)
@@ -38,9 +39,12 @@ def _serve(args: argparse.Namespace) -> int:
         config = with_ray(config, dataclasses.replace(config.cpu.ray, address=args.ray))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        run(config)
+        run(config, insecure=args.insecure)
     except KeyboardInterrupt:
         pass
+    except SandboxError as error:  # a CPU node that cannot start: its engine, image or run directory
+        print(f"tangram: {error.message}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -312,6 +316,9 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--port", type=int)
     serve.add_argument("--ray", metavar="ADDRESS", help="the Ray cluster of the nodes behind agents and of joining "
                                                        "nodes ([ray] address); this host must be one of its nodes")
+    serve.add_argument("--insecure", action="store_true", help="listen on a non-loopback --host even though the "
+                       "config says [auth] required = false (refused otherwise; without that line the first start "
+                       "there makes an admin token and prints it once)")
     serve.set_defaults(func=_serve)
     status = commands.add_parser("status", help="show resources, queues and recent ACT of a running broker")
     status.add_argument("--url", default="http://127.0.0.1:8300")

@@ -103,6 +103,12 @@ class ServerConfig:
     drain_s: Seconds = 30.0
     #: where clients reach this broker (a standby tells them the leader's); default http://host:port
     advertise_url: Text | None = None
+    #: a connection must send a request's whole header within this many seconds of opening, or of its last
+    #: answer (so an idle keep-alive connection is closed after it, too); a half-sent header is dropped then
+    header_timeout_s: PositiveSeconds = 60.0
+    #: a request's body (``Content-Length`` or chunked) must arrive within this many seconds of its header, or the
+    #: broker answers 408 and closes the connection (after aiohttp's lingering read, at most 10 s more)
+    body_timeout_s: PositiveSeconds = 60.0
 
     def url(self) -> str:
         return self.advertise_url or f"http://{self.host}:{self.port}"

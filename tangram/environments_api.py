@@ -13,6 +13,7 @@ from managers.environments import Environments
 from managers.exec_spec import ExecLimits, Files, Image, MemoryMb, decode_files
 from tangram.api_common import BROKER, json_response, read_body
 from tangram.auth import listed_task, own_task, principal_of
+from tangram.broker import Broker
 from tangram.core.action import Kind
 from tangram.core.errors import BadRequest, NotFound, Unprocessable
 from tangram.core.names import Name
@@ -51,6 +52,13 @@ def _manager(request: web.Request) -> EnvironmentManager:
     if not isinstance(manager, EnvironmentManager):
         raise Unprocessable("path", "this broker has no CPU manager (enable [cpu] in its config)")
     return manager
+
+
+def largest_node_memory(broker: Broker) -> int | None:
+    """The most memory (MiB) one environment may reserve now: the largest CPU node's in service; None without
+    a CPU manager or a node."""
+    manager = broker.executor.get(Kind.EXEC)
+    return manager.environments.largest_memory_mb() if isinstance(manager, EnvironmentManager) else None
 
 
 async def create_environment(request: web.Request) -> web.Response:

@@ -16,12 +16,13 @@ from tangram.core.errors import (
     Unauthorized,
     Unavailable,
     Unprocessable,
+    UnsupportedMediaType,
 )
 
 #: the most specific class first; ``RequestError`` itself is a plain 400
 STATUS: tuple[tuple[type[RequestError], int], ...] = (
     (BadRequest, 400), (Unauthorized, 401), (Forbidden, 403), (NotFound, 404), (Conflict, 409), (TooLarge, 413),
-    (Unprocessable, 422), (TooMany, 429), (Unavailable, 503), (RequestError, 400))
+    (UnsupportedMediaType, 415), (Unprocessable, 422), (TooMany, 429), (Unavailable, 503), (RequestError, 400))
 
 
 def status_of(error: RequestError) -> int:

@@ -130,6 +130,20 @@ def _tagged_by_kind(action: dict[str, Any], specs: Mapping[str, type[BaseModel]]
     return schemas
 
 
+def _memory_bound(schemas: dict[str, Any], max_memory_mb: int | None) -> str:
+    """State the largest node's memory as the maximum of every ``memory_mb`` a request may give (a sandbox must fit
+    one node); returns the sentence the operations add to their 422. The bound is the nodes' of the moment: nodes
+    that join or leave (Ray) change it."""
+    if max_memory_mb is None:
+        return "memory_mb beyond any node's"
+    for name in ("ExecSpecBody", "EnvironmentRequest"):
+        field = schemas.get(name, {}).get("properties", {}).get("memory_mb")
+        for form in field["anyOf"] if field is not None else ():
+            if form.get("type") == "integer":
+                form["maximum"] = max_memory_mb
+    return f"memory_mb beyond the largest node's {max_memory_mb} MiB (its maximum in the schema)"
+
+
 def _error(description: str) -> dict[str, Any]:
     return _json(_ref("Error"), description)
 
@@ -161,6 +175,19 @@ def _secure(paths: dict[str, Any], public_status: bool) -> None:
                 operation["responses"]["403"] = _error("needs an admin token")
             elif (path, method) in forbidden:
                 operation["responses"]["403"] = _error(forbidden[(path, method)])
+
+
+def _guarded(paths: dict[str, Any], secured: bool) -> None:
+    """The answers of ``tangram.request_guard``: 415 for a body not declared JSON wherever a body is taken; while
+    auth is off, 403 for a request addressed to a name, or sent from a page, that is not loopback."""
+    for operations in paths.values():
+        for operation in operations.values():
+            responses = operation["responses"]
+            if "requestBody" in operation:
+                responses["415"] = _error("a body without Content-Type: application/json")
+            if not secured:
+                responses.setdefault("403", _error("auth is off, and Host or Origin names another host than "
+                                                   "localhost, 127.0.0.1 or [::1]"))
 
 
 def _admin_paths(server: ServerConfig) -> dict[str, Any]:
@@ -228,10 +255,11 @@ STATUS_PATHS = {"/", "/ui", "/v1/status/history", "/v1/resources", "/metrics"}
 
 def openapi_document(server: ServerConfig, limits: Limits, resources: Sequence[str] = (),
                      specs: Mapping[str, type[BaseModel]] | None = None, *, secured: bool = False,
-                     public_status: bool = True) -> dict[str, Any]:
+                     public_status: bool = True, max_memory_mb: int | None = None) -> dict[str, Any]:
     """``resources``: the names this broker has; a demand naming another is a 400, so the document lists them.
     ``specs``: the spec type of each kind this broker executes (its managers' ``spec_types``); an action is then
-    one of those kinds, tagged by ``kind``.
+    one of those kinds, tagged by ``kind``. ``max_memory_mb``: the largest CPU node's memory, the most a sandbox
+    may reserve.
     ``secured``: auth is on, so the document has bearer auth, its 401/403 answers and the admin endpoints."""
     id_param = {"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}
     wait_params = [
@@ -253,6 +281,7 @@ def openapi_document(server: ServerConfig, limits: Limits, resources: Sequence[s
         **{model.__name__: _generated(model, schemas_out) for model in RESPONSES},
     }
     schemas.update(schemas_out)
+    too_much_memory = _memory_bound(schemas, max_memory_mb)
     record = _json(_ref("ActionRecord"), "the action record")
     examples = {name: example for name, example in ACTION_EXAMPLES.items()
                 if set(example["value"]["demand"]) <= set(resources)}
@@ -262,10 +291,12 @@ def openapi_document(server: ServerConfig, limits: Limits, resources: Sequence[s
         "task": "demo", "trajectory": "traj-2", "files": {"notes.txt": "hello"}}}} if "cpu" in resources else {}
     submit_errors = {"400": _error("does not match the schemas"),
                      "404": _error("unknown spec.environment or reward service"),
-                     "409": _error("spec.environment is lost"), "413": _error("body, command or files too large"),
-                     "422": _error("matches the schemas but breaks a rule they cannot state (min <= max, the "
-                                   "elasticity resource in the demand, an exec demands cpu, an api path stays on "
-                                   "its upstream, a reward input fits the service's task), or can never run here"),
+                     "409": _error("spec.environment is lost, or idempotency_key was used for another request "
+                                   "(the body names the action it holds)"), "413": _error("body, command or files too large"),
+                     "422": _error(f"matches the schemas but breaks a rule they cannot state (min <= max, the "
+                                   f"elasticity resource in the demand, an exec demands cpu, a reward input fits the "
+                                   f"service's task, spec.files for a trajectory that has its environment), or can "
+                                   f"never run here ({too_much_memory}, more units than any pool has)"),
                      "429": _over_cap("the task is at a cap (max_queued, max_environments, max_memory_mb; the "
                                       "body's cap names it), or a new sandbox would exceed cpu.max_environments"),
                      "503": _error("queue full, or the broker is shutting down")}
@@ -311,7 +342,7 @@ def openapi_document(server: ServerConfig, limits: Limits, resources: Sequence[s
                          "responses": {"201": _json(_ref("EnvironmentRecord"), "created", ENVIRONMENT_LINKS),
                                        "400": _error("invalid request"), "409": _error("trajectory has one"),
                                        "413": _error("files too large"),
-                                       "422": _error("unknown image, memory beyond any node, no CPU manager"),
+                                       "422": _error(f"unknown image, {too_much_memory}, no CPU manager"),
                                        "429": _over_cap("too many environments: the task's max_environments "
                                                         "or max_memory_mb (named by cap), or cpu.max_environments; "
                                                         "or no node has the memory unreserved now"),
@@ -379,4 +410,5 @@ def openapi_document(server: ServerConfig, limits: Limits, resources: Sequence[s
         document["components"]["securitySchemes"] = {"bearer": {
             "type": "http", "scheme": "bearer", "description": "a task's or the admin's token (tangram token create)"}}
         document["security"] = [{"bearer": []}]
+    _guarded(document["paths"], secured)
     return document

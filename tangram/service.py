@@ -7,6 +7,7 @@ import gc
 import logging
 import os
 import signal
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -20,10 +21,14 @@ from managers.cpu import CpuManager
 from managers.gpu import GpuManager
 from managers.gpu_config import wanted
 from tangram.api import build_app
+from tangram.auth import AUTH
+from tangram.bind_auth import check_bind, token_for_bind
 from tangram.broker import Broker
 from tangram.config import Config
+from tangram.core.fencing import Fencing, leading
 from tangram.core.seam import ResourceManager
 from tangram.leadership import Leadership, fence
+from tangram.request_guard import http_settings
 from tangram.standby import stand_by
 from tangram.store import Fence, Store
 
@@ -69,8 +74,10 @@ async def running_broker(config: Config, managers: list[ResourceManager] | None 
             await store.close()
 
 
-async def serve(config: Config) -> None:
-    """Serve until SIGTERM or SIGINT. With ``[store] leader_election``, first stand by until this broker leads."""
+async def serve(config: Config, insecure: bool = False) -> None:
+    """Serve until SIGTERM or SIGINT. With ``[store] leader_election``, first stand by until this broker leads.
+    ``insecure``: listen on a non-loopback address even with ``[auth] required = false`` (``tangram.bind_auth``)."""
+    check_bind(config.server.host, config.access.auth.required, insecure=insecure)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -90,10 +97,13 @@ async def serve(config: Config) -> None:
 
 async def lead(config: Config, stop: asyncio.Event, leadership: Leadership | None) -> None:
     """Run the broker until ``stop``; a leader that may have lost its lock exits at once instead (another broker
-    may lead the store by then: nothing more of this one's may reach it)."""
-    fenced = fence(leadership.epoch) if leadership is not None and leadership.epoch is not None else None
-    async with running_broker(config, fenced_by=fenced) as (broker, app):
-        runner = web.AppRunner(app, access_log=None)
+    may lead the store by then: nothing more of this one's may reach it, nor its agents, sandboxes and upstreams:
+    ``tangram/core/fencing.py``)."""
+    fencing = leadership.fencing if leadership is not None else Fencing()
+    fenced = fence(leadership.epoch, fencing) if leadership is not None and leadership.epoch is not None else None
+    async with leading(fencing), running_broker(config, fenced_by=fenced) as (broker, app):
+        token = await token_for_bind(app[AUTH], config.server.host)
+        runner = web.AppRunner(app, access_log=None, **http_settings(config.server))
         await runner.setup()
         site = web.TCPSite(runner, config.server.host, config.server.port)
         await site.start()
@@ -101,17 +111,21 @@ async def lead(config: Config, stop: asyncio.Event, leadership: Leadership | Non
         # keep it out of the full collections that the actions' records trigger as they accumulate
         gc.collect()
         gc.freeze()
+        if token is not None:  # on stderr, not in the log, which may be kept
+            print(f"tangram: {config.server.host!r} is not a loopback address and no API token existed, so auth is "
+                  f"on now with this admin token (shown only now; the store keeps its SHA-256):\n{token}\n"
+                  f"Make tokens for tasks with it (POST /v1/admin/tokens) or `tangram token create TASK`.",
+                  file=sys.stderr, flush=True)
         log.info("ARL-Tangram broker listening on http://%s:%d (store %s)", config.server.host,
                  config.server.port, make_url(config.store.url).render_as_string(hide_password=True))
         lost = asyncio.create_task(leadership.lost()) if leadership is not None else None
-        deposed = asyncio.create_task(broker.store.deposed.wait())
+        deposed = asyncio.create_task(fencing.deposed.wait())  # by the store's fence, the lock's check or an agent
         stopping = asyncio.create_task(stop.wait())
         try:
             await asyncio.wait({stopping, deposed} | ({lost} if lost else set()),
                                return_when=asyncio.FIRST_COMPLETED)
             if (lost is not None and lost.done()) or deposed.done():
-                log.critical("stopping at once: %s", lost.result() if lost is not None and lost.done()
-                             else broker.store.deposed_by)
+                log.critical("stopping at once: %s", fencing.deposed_by)
                 logging.shutdown()
                 os._exit(LOST_LEADERSHIP_EXIT)
             # drain while still serving, so clients waiting on running actions get their results; then stop
@@ -125,5 +139,5 @@ async def lead(config: Config, stop: asyncio.Event, leadership: Leadership | Non
             await runner.cleanup()
 
 
-def run(config: Config) -> None:
-    uvloop.run(serve(config))
+def run(config: Config, insecure: bool = False) -> None:
+    uvloop.run(serve(config, insecure))

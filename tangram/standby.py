@@ -15,6 +15,7 @@ from tangram.config import ServerConfig
 from tangram.core.errors import Unavailable
 from tangram.http_errors import headers_of
 from tangram.leadership import Leadership
+from tangram.request_guard import http_settings
 
 log = logging.getLogger("tangram")
 
@@ -37,7 +38,7 @@ def standby_app(leadership: Leadership) -> web.Application:
 async def stand_by(server: ServerConfig, leadership: Leadership, stop: asyncio.Event) -> bool:
     """Serve the standby's answers on the broker's address until this broker leads (True) or ``stop`` is set
     (False)."""
-    runner = web.AppRunner(standby_app(leadership), access_log=None)
+    runner = web.AppRunner(standby_app(leadership), access_log=None, **http_settings(server))
     await runner.setup()
     await web.TCPSite(runner, server.host, server.port).start()
     log.info("standing by on http://%s:%d: another broker leads this store", server.host, server.port)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import operator
+import os
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
@@ -212,6 +213,16 @@ class _Batch:
         return bool(self.actions or self.transitions or self.profiles or self.speedups or self.waiters)
 
 
+def _create_private(database: str) -> None:
+    """Create the SQLite file 0600 before SQLite does (its default is 0644 less the umask): it holds every action's
+    spec and result and the tokens' hashes. SQLite gives its journal and WAL files the database file's mode. An
+    existing file keeps its mode."""
+    try:
+        os.close(os.open(database, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+    except FileExistsError:
+        pass
+
+
 class Store:
     """Write-behind, group-committing persistence of actions, transitions and duration profiles.
 
@@ -268,6 +279,7 @@ class Store:
                 options["poolclass"] = StaticPool  # every connection would otherwise see its own empty database
             elif not database.startswith("file:"):
                 Path(database).parent.mkdir(parents=True, exist_ok=True)
+                _create_private(database)
         elif backend != "postgresql":
             raise ValueError(f"unsupported database {backend!r}: use sqlite+aiosqlite or postgresql+asyncpg")
         engine = create_async_engine(parsed, **options)

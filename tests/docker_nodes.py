@@ -52,7 +52,8 @@ def local_cpu(run_dir: str) -> dict[str, Any]:
     """A ``[cpu]`` section on local processes with one core and small environments, so environments exist (and
     one exec runs at a time) without Docker. ``run_dir`` must be short: executor socket paths fit in 107 bytes."""
     return {"broker_id": new_broker_id(), "run_dir": run_dir, "default_memory_mb": 64,
-            "nodes": {"here": {"backend": "local", "cores": [min(os.sched_getaffinity(0))], "memory_mb": 4096}}}
+            "nodes": {"here": {"backend": "local", "unsandboxed": True, "cores": [min(os.sched_getaffinity(0))],
+                               "memory_mb": 4096}}}
 
 
 def labelled_containers(engine: str, broker_id: str | None = None) -> list[Any]:

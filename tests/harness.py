@@ -18,6 +18,7 @@ from aiohttp.test_utils import TestServer
 from tangram.broker import Broker
 from tangram.config import Config, load_config, parse_config
 from tangram.core.seam import ResourceManager
+from tangram.request_guard import http_settings
 from tangram.service import running_broker
 from tests.docker_nodes import new_broker_id
 
@@ -41,9 +42,10 @@ async def live_broker(raw: dict[str, Any], db_path: str, store_url: str | None =
     raw = {**raw, "store": {"url": store_url or f"sqlite+aiosqlite:///{db_path}"}}
     # the default CPU manager adopts its broker id's sandboxes at start: never a developer's running broker's
     raw.setdefault("cpu", {"broker_id": new_broker_id()})
-    async with running_broker(parse_config(raw)) as (broker, app):
+    config = parse_config(raw)
+    async with running_broker(config) as (broker, app):
         server = TestServer(app, host="127.0.0.1")
-        await server.start_server()
+        await server.start_server(**http_settings(config.server))
         try:
             async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=200)) as http:
                 yield Live(broker, str(server.make_url("")).rstrip("/"), http)
@@ -59,7 +61,7 @@ async def broker_from_file(path: Path, managers: Callable[[Config], list[Resourc
     config = load_config(path)
     async with running_broker(config, None if managers is None else managers(config)) as (broker, app):
         server = TestServer(app, host="127.0.0.1")
-        await server.start_server()
+        await server.start_server(**http_settings(config.server))
         try:
             async with aiohttp.ClientSession() as http:
                 yield Live(broker, str(server.make_url("")).rstrip("/"), http)

@@ -18,6 +18,10 @@ def lease(**extra):
     return {"task": "t1", "kind": "lease", "demand": {"lease.gpu-quota": 1}, **extra}
 
 
+#: raw bytes are sent as what they claim to be: JSON (aiohttp would label them application/octet-stream)
+AS_JSON = {"Content-Type": "application/json"}
+
+
 @pytest.fixture
 def db(tmp_path):
     return str(tmp_path / "tangram.db")
@@ -49,7 +53,7 @@ BAD = [
 @pytest.mark.parametrize("body,field,status", BAD)
 async def test_bad_input_gets_4xx_naming_the_field(db, body, field, status):
     async with live_broker(LEASES, db) as live:
-        code, reply = await live.call("POST", "/v1/actions", data=body)
+        code, reply = await live.call("POST", "/v1/actions", data=body, headers=AS_JSON)
         assert (code, reply["error"]["field"]) == (status, field), reply
         assert reply["error"]["reason"]
         assert len(live.broker.queue) == 0
@@ -57,7 +61,7 @@ async def test_bad_input_gets_4xx_naming_the_field(db, body, field, status):
 
 async def test_limits_on_size_batch_and_ids(db):
     async with live_broker({**LEASES, "server": {"max_body_bytes": 4096, "max_batch": 3}}, db) as live:
-        code, reply = await live.call("POST", "/v1/actions", data=b'{"task": "' + b"x" * 5000 + b'"}')
+        code, reply = await live.call("POST", "/v1/actions", data=b'{"task": "' + b"x" * 5000 + b'"}', headers=AS_JSON)
         assert (code, reply["error"]["field"]) == (413, "body")
         code, reply = await live.call("POST", "/v1/actions:batch", json={"actions": [lease()] * 4})
         assert (code, reply["error"]["field"]) == (413, "actions")
@@ -194,6 +198,33 @@ async def test_idempotency_within_a_batch_and_after_memory_forgets(db):
         assert (code, replay["id"], replay["state"]) == (200, first, "succeeded")
         code, reply = await live.call("POST", "/v1/actions", json=lease(idempotency_key="bad\u0000key"))
         assert (code, reply["error"]["field"]) == (400, "idempotency_key")
+
+
+async def test_a_key_reused_for_another_request_is_a_409(db):
+    """A key names one request: the earlier action's record would be a wrong answer to a different body, whether
+    that action is in memory, only in the store, or earlier in the same batch. The same body still replays."""
+    async with live_broker({**LEASES, "scheduler": {"retain_s": 0.0}}, db) as live:
+        code, first = await live.call("POST", "/v1/actions", json=lease(idempotency_key="k", timeout_s=60))
+        assert code == 201
+        for other in (lease(idempotency_key="k", timeout_s=61), lease(idempotency_key="k", timeout_s=60,
+                                                                     demand={"lease.gpu-quota": 2})):
+            code, reply = await live.call("POST", "/v1/actions", json=other)
+            assert (code, reply["error"]["field"], reply["error"]["action"]) == (409, "idempotency_key", first["id"])
+            assert "another request" in reply["error"]["reason"]
+        code, replay = await live.call("POST", "/v1/actions", json=lease(idempotency_key="k", timeout_s=60.0))
+        assert (code, replay["id"]) == (200, first["id"])
+        await live.call("DELETE", f"/v1/leases/{first['id']}")
+        await live.broker.store.flush()
+        live.broker.tick()  # retain_s = 0: the record leaves memory; the store answers for the key
+        assert first["id"] not in live.broker.actions
+        code, reply = await live.call("POST", "/v1/actions", json=lease(idempotency_key="k", signature="other"))
+        assert (code, reply["error"]["field"]) == (409, "idempotency_key") and "signature" in reply["error"]["reason"]
+        code, replay = await live.call("POST", "/v1/actions", json=lease(idempotency_key="k", timeout_s=60))
+        assert (code, replay["id"]) == (200, first["id"])
+        batch = [lease(idempotency_key="b"), lease(), lease(idempotency_key="b", trajectory="t-2")]
+        code, reply = await live.call("POST", "/v1/actions:batch", json={"actions": batch})
+        assert (code, reply["error"]["field"]) == (409, "actions[2].idempotency_key"), reply
+        assert len(live.broker.queue) == 0 and list(live.broker.actions) == []  # nothing of the batch was queued
 
 
 async def test_running_api_action_is_cancelled_or_timed_out_and_frees_its_unit(db):

@@ -78,9 +78,12 @@ def test_executor_request_substitutes_parallelism():
     ({"command": "ls", "cwd": "relative"}, "spec.cwd", BadRequest),
     ({"command": "ls", "memory_mb": 1}, "spec.memory_mb", BadRequest),
     ({"command": "ls", "output_limit": -1}, "spec.output_limit", BadRequest),
+    ({"command": "ls", "files": {"a": {"base64": "!!"}}}, "spec.files.a.base64", BadRequest),
+    ({"command": "ls", "files": {"a": {"base64": "QQ"}}}, "spec.files.a.base64", BadRequest),  # unpadded
+    ({"command": "ls", "files": {"/etc/passwd": "x"}}, "spec.files./etc/passwd", BadRequest),
+    ({"command": "ls", "files": {"": "x"}}, "spec.files.", BadRequest),
     # what the document's schema allows but the broker refuses is unprocessable (422), not malformed (400)
-    ({"command": "ls", "files": {"/etc/passwd": "x"}}, "spec.files./etc/passwd", Unprocessable),
-    ({"command": "ls", "files": {"a": {"base64": "!!"}}}, "spec.files.a", Unprocessable),
+    ({"command": "ls", "files": {"a/../../etc/passwd": "x"}}, "spec.files.a/../../etc/passwd", Unprocessable),
     ({"command": "ls", "environment": "env-1", "image": "x"}, "spec.environment", Unprocessable),
 ])
 def test_bad_exec_specs_name_the_field(spec, field, refusal):
@@ -177,7 +180,8 @@ def test_placed_trajectory_stays_on_its_node_across_passes():
 
 
 def _local(**extra):
-    return cpu_config({"here": {"backend": "local", "cores": sorted(os.sched_getaffinity(0))[:2]}}, **extra)
+    return cpu_config({"here": {"backend": "local", "unsandboxed": True, "cores": sorted(os.sched_getaffinity(0))[:2]}},
+                      **extra)
 
 
 async def test_local_process_backend_pins_times_out_and_cleans_up(tmp_path):
@@ -205,7 +209,8 @@ async def test_local_process_backend_pins_times_out_and_cleans_up(tmp_path):
 
 
 async def test_environment_deleted_while_an_action_waits_for_it_fails_that_action(tmp_path):
-    config = cpu_config({"here": {"backend": "local", "cores": sorted(os.sched_getaffinity(0))[:1]}})
+    config = cpu_config({"here": {"backend": "local", "unsandboxed": True,
+                                  "cores": sorted(os.sched_getaffinity(0))[:1]}})
     async with live_broker(config, str(tmp_path / "t.db")) as live:
         status, env = await live.call("POST", "/v1/environments", json={"task": "t"})
         assert status == 201, env

@@ -34,7 +34,7 @@ def broker_config(path: Path, store_url: str, broker_id: str, run_dir: str, port
     path.write_text(f'[store]\nurl = "{store_url}"\nleader_election = true\n'
                     f'[server]\nadvertise_url = "http://127.0.0.1:{port}"\n'
                     f'[cpu]\nbroker_id = "{broker_id}"\nrun_dir = "{run_dir}"\ndefault_memory_mb = 64\n'
-                    f'[cpu.nodes.here]\nbackend = "local"\ncores = "0-1"\nmemory_mb = 8192\n')
+                    f'[cpu.nodes.here]\nbackend = "local"\nunsandboxed = true\ncores = "0-1"\nmemory_mb = 8192\n')
     return path
 
 

@@ -19,7 +19,8 @@ SERVICE_LAYER = frozenset({"tangram.broker", "tangram.leases", "tangram.recovery
                            "tangram.api_common", "tangram.environments_api", "tangram.profiles_api",
                            "tangram.services_api", "tangram.status_page", "tangram.auth", "tangram.store",
                            "tangram.config", "tangram.parse", "tangram.records", "tangram.openapi", "tangram.service",
-                           "tangram.cli", "tangram.slo_api", "tangram.slo_admission"})
+                           "tangram.cli", "tangram.slo_api", "tangram.slo_admission", "tangram.request_guard",
+                           "tangram.bind_auth"})
 #: the scheduling algorithms above the floor: pure Python, numpy and SciPy over the core
 ALGORITHMS = ("tangram.estimate", "tangram.speedup", "tangram.durations", "tangram.backoff", "tangram.queue",
               "tangram.arrivals", "tangram.scheduler", "tangram.dispatch", "tangram.slo_plan",

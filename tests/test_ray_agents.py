@@ -297,7 +297,8 @@ async def test_a_test_run_behind_an_agent_shrinks_for_a_tool_call_and_grows_back
 async def test_a_broker_of_joining_nodes_only_serves_on_the_nodes_that_joined(ray_cluster: Cluster,
                                                                               tmp_path) -> None:
     """No ``[cpu.nodes]`` at all: both Ray nodes join at start (``[cpu.join]``), each reporting its hardware."""
-    raw = {**cpu_config({}, default_memory_mb=256, join={"backend": "local"}), "ray": {"address": ray_cluster.address}}
+    raw = {**cpu_config({}, default_memory_mb=256, join={"backend": "local", "unsandboxed": True}),
+           "ray": {"address": ray_cluster.address}}
     raw["cpu"].pop("nodes")
     async with live_broker(raw, str(tmp_path / "t.db")) as live:
         _, resources = await live.call("GET", "/v1/resources")

@@ -374,8 +374,8 @@ async def test_local_sandboxes_are_adopted_or_reported_lost(tmp_path, run_dir):
     config = tmp_path / "tangram.toml"
     config.write_text(f'[store]\nurl = "sqlite+aiosqlite:///{db}"\n'
                       f'[cpu]\nbroker_id = "{new_broker_id()}"\nrun_dir = "{run_dir}"\ndefault_memory_mb = 64\n'
-                      f'[cpu.nodes.here]\nbackend = "local"\ncores = [{min(os.sched_getaffinity(0))}]\n'
-                      'memory_mb = 4096\n')
+                      f'[cpu.nodes.here]\nbackend = "local"\nunsandboxed = true\n'
+                      f'cores = [{min(os.sched_getaffinity(0))}]\nmemory_mb = 4096\n')
     async with broker_process(config) as broker:
         envs = {}
         for trajectory in ("kept", "doomed"):

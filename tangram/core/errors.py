@@ -39,6 +39,10 @@ class Conflict(RequestError):
     """Refused in the state the object is in (already finished, already has an environment)."""
 
 
+class UnsupportedMediaType(RequestError):
+    """A body in a format the broker does not read: not declared ``application/json``."""
+
+
 class Unprocessable(RequestError):
     """Well-formed but impossible, e.g. a demand no node could ever satisfy."""
 

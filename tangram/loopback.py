@@ -1,0 +1,41 @@
+"""Which names and addresses stay on this host: the bind address that needs auth, and the ``Host`` and ``Origin``
+headers a broker without auth answers (so that a web page elsewhere, or one that rebinds its name to this host's
+address, cannot drive it through the visitor's browser)."""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from urllib.parse import urlsplit
+
+#: the only name taken for loopback: other names may resolve anywhere, and a page can make its own resolve here
+LOOPBACK_NAME = "localhost"
+#: a ``Host`` header: a name or IPv4 address, or an IPv6 address in brackets, then an optional port
+HOST_HEADER = re.compile(r"^(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<name>[^:\[\]/@\s]+))(?::(?P<port>[0-9]{1,5}))?\Z")
+
+
+def is_loopback(host: str) -> bool:
+    """``host`` (a name or an address, IPv6 with or without brackets, no port) is this host only: ``localhost``,
+    127.0.0.0/8 or ::1. An empty host, ``0.0.0.0`` and ``::`` mean every interface: not loopback."""
+    name = host.strip().lower().removeprefix("[").removesuffix("]")
+    if name in (LOOPBACK_NAME, LOOPBACK_NAME + "."):
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def host_header_is_loopback(value: str) -> bool:
+    """A ``Host`` header (``name[:port]``, ``[v6][:port]``) that names this host only."""
+    match = HOST_HEADER.match(value.strip())
+    return match is not None and is_loopback(match["v6"] or match["name"])
+
+
+def origin_is_loopback(value: str) -> bool:
+    """An ``Origin`` header (``scheme://host[:port]``) of a page served from this host; ``null`` (a sandboxed
+    frame, a file) is not."""
+    parts = urlsplit(value.strip())
+    if parts.scheme not in ("http", "https") or parts.path or parts.query or parts.fragment:
+        return False
+    return host_header_is_loopback(parts.netloc)

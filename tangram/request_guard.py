@@ -1,0 +1,76 @@
+"""What a request must be before any handler sees it, and how long the broker waits for it.
+
+* A body is JSON and says so: a request with a body (any method) must carry ``Content-Type: application/json``
+  (415 otherwise). A web page can send ``text/plain`` or a form to any address without asking first; it cannot
+  send ``application/json`` elsewhere without a CORS preflight, which this API never grants. A request without a
+  body (``DELETE /v1/leases/{id}``, ``POST /v1/admin/drain`` with no options) needs no ``Content-Type``.
+* While auth is off, the broker answers only requests addressed to this host by a loopback name (``Host``) and,
+  when a browser says where the request comes from (``Origin``), only pages of this host (403 otherwise): a page
+  that rebinds its own name to this host's address, or one of another site, cannot drive the broker through its
+  visitor's browser. With auth on every route but the open ones needs a bearer token, which no browser adds.
+* A header must arrive within ``[server] header_timeout_s`` (aiohttp's keep-alive timer, set by
+  ``http_settings``); a body within ``body_timeout_s`` of its header, or the answer is a 408 and the connection is
+  closed (once aiohttp's lingering read of what is left of the body, at most 10 s, lets the client see the 408): a
+  client that sends half a request no longer holds a connection forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import hdrs, web
+
+from tangram.api_common import SERVER, json_response
+from tangram.auth import AUTH
+from tangram.config import ServerConfig
+from tangram.core.errors import Forbidden, UnsupportedMediaType
+from tangram.loopback import host_header_is_loopback, origin_is_loopback
+
+JSON = "application/json"
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+TURN_AUTH_ON = ("to serve other hosts or pages, turn auth on ([auth] required = true with a token: `tangram token "
+                "create --admin`; a start on a non-loopback address does it by itself)")
+
+
+def http_settings(server: ServerConfig) -> dict[str, Any]:
+    """The settings of aiohttp's connection handler for ``server``: its keep-alive timer closes a connection that
+    has not sent a whole header ``header_timeout_s`` after it opened or after its last answer."""
+    return {"keepalive_timeout": server.header_timeout_s}
+
+
+@web.middleware
+async def guard_requests(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """415 for a body not declared JSON; 403 for a non-loopback ``Host`` or ``Origin`` while auth is off."""
+    if request.body_exists and request.content_type != JSON:
+        declared = request.headers.get(hdrs.CONTENT_TYPE)
+        raise UnsupportedMediaType("content-type", f"must be {JSON} for a request with a body (got "
+                                                   f"{'none' if declared is None else repr(declared)})")
+    if not request.app[AUTH].enabled:
+        host = request.headers.get(hdrs.HOST)
+        if host is not None and not host_header_is_loopback(host):
+            raise Forbidden("host", f"this broker runs without auth, so it answers only requests addressed to "
+                                    f"localhost, 127.0.0.1 or [::1] (Host was {host!r}); {TURN_AUTH_ON}")
+        origin = request.headers.get(hdrs.ORIGIN)
+        if origin is not None and not origin_is_loopback(origin):
+            raise Forbidden("origin", f"this broker runs without auth, so it answers no web page of another host "
+                                      f"(Origin was {origin!r}); {TURN_AUTH_ON}")
+    return await handler(request)
+
+
+@web.middleware
+async def body_in_time(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Read the whole body (bounded by ``client_max_size``) within ``body_timeout_s``; handlers then read it from
+    memory. Past the bound: 408, and the connection is closed (what is left of the body is never read)."""
+    if request.body_exists:
+        timeout = request.app[SERVER].body_timeout_s
+        try:
+            async with asyncio.timeout(timeout):
+                await request.read()
+        except TimeoutError:
+            response = json_response({"error": {"field": "body", "reason": f"not received within {timeout:g} s of "
+                                                                           f"the request's header"}}, status=408)
+            response.force_close()
+            return response
+    return await handler(request)
