@@ -131,9 +131,10 @@ class CpuConfig:
     #: who the executor and the commands of Docker sandboxes run as: "UID:GID" (the image need not name them) or
     #: "root" (the container's root, with no capabilities: the host's root unless the engine remaps users)
     sandbox_user: SandboxUser = DEFAULT_SANDBOX_USER
-    #: the disk a Docker sandbox's writes may take, in MiB (0: no cap), where the engine's storage can cap one (the
-    #: btrfs driver, or overlay2 on XFS with project quotas: the engine's ``--storage-opt size``, which on btrfs
-    #: counts the image too); elsewhere sandboxes run uncapped and the node says so (``disk_capped``)
+    #: the disk a Docker sandbox's writes may take, in MiB (0: no cap), where the engine's storage can cap one: the
+    #: engine's ``--storage-opt size`` on the btrfs driver (with simple quotas; full quota groups also count the
+    #: image, and stop enforcing once a deleted container leaves them inconsistent) or overlay2 on XFS with project
+    #: quotas; elsewhere sandboxes run uncapped and the node says so (``disk_capped``)
     disk_mb: NonNegative = 10_240
     idle_ttl_s: PositiveSeconds = 900.0
     max_environments: Count = 10_000

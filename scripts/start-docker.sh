@@ -5,7 +5,7 @@
 #   node 2: a second dockerd on unix:///run/tangram/node2/docker.sock with its own data root, exec root and
 #           containerd, standing for a second node (no bridge network: sandboxes run with network none); its data
 #           root is a btrfs file system (a sparse file on a loop device) under the btrfs storage driver, whose
-#           quota groups cap each sandbox's disk (storage_opt size), where node 1's overlay2 on ext4 cannot
+#           simple quotas cap each sandbox's disk (storage_opt size), where node 1's overlay2 on ext4 cannot
 # Both engines also know gVisor's runtime, ``runsc`` (Debian's package), for nodes that set ``runtime = "runsc"``:
 # without a network (sandboxes have none) and with host-backed unix sockets, so that the executor's socket is one
 # the host can connect to.
@@ -166,9 +166,23 @@ node2_data_root() {
         truncate -s "$NODE2_DISK_SIZE" "$NODE2_DISK"
         mkfs.btrfs -q "$NODE2_DISK" >/dev/null
     fi
-    if ! mount -o loop "$NODE2_DISK" "$NODE2_DATA" || ! btrfs quota enable "$NODE2_DATA"; then
-        echo "warning: no btrfs with quotas on $NODE2_DATA: node 2 runs overlay2 without disk caps" >&2
+    if ! mount -o loop "$NODE2_DISK" "$NODE2_DATA" || ! simple_quotas "$NODE2_DATA"; then
+        echo "warning: no btrfs with simple quotas on $NODE2_DATA: node 2 runs without disk caps" >&2
     fi
+}
+
+# Simple quotas (Linux >= 6.7): a subvolume's limit counts the extents written in it, and stays enforced when
+# subvolumes are deleted, where full quota groups turn inconsistent at the first container removed and stop
+# enforcing until a rescan. btrfs-progs before 6.7 cannot ask for them, so this asks the kernel itself
+# (BTRFS_IOC_QUOTA_CTL, BTRFS_QUOTA_CTL_ENABLE_SIMPLE_QUOTA).
+simple_quotas() {
+    python3 - "$1" <<'PY'
+import fcntl, os, struct, sys
+BTRFS_IOC_QUOTA_CTL = 0xC0109428
+ENABLE_SIMPLE_QUOTA = 4
+fd = os.open(sys.argv[1], os.O_RDONLY)
+fcntl.ioctl(fd, BTRFS_IOC_QUOTA_CTL, bytearray(struct.pack("QQ", ENABLE_SIMPLE_QUOTA, 0)))
+PY
 }
 
 # The storage driver of node 2's data root: btrfs where it is one.
