@@ -91,6 +91,10 @@ class CpuNodeConfig:
     #: run this node's sandboxes through its node agent: a Ray actor on the Ray node that carries the custom
     #: resource ``tangram_node_<name>``, opening the engine above there (so a unix:// engine is that node's own)
     agent: Flag = False
+    #: the engine's OCI runtime for this node's sandboxes, by the name the engine knows it under (e.g. "runsc":
+    #: gVisor, a kernel of its own between the sandbox and the host's, at a cost: docs/SECURITY.md); default: the
+    #: engine's own (runc)
+    runtime: Text | None = None
 
     @property
     def local(self) -> bool:
@@ -225,6 +229,8 @@ def _check_node(node: CpuNodeConfig, where: str) -> None:
             raise ConfigError(f"{where}.fast_path", "needs the engine on this host (a unix:// address)")
     if node.numa and node.cores and sorted(c for g in node.numa for c in g) != list(node.cores):
         raise ConfigError(f"{where}.numa", f"must partition the node's cores {list(node.cores)} exactly")
+    if node.runtime is not None and node.backend != "docker":
+        raise ConfigError(f"{where}.runtime", 'is the Docker engine\'s runtime: only for backend = "docker"')
 
 
 def on_this_host(node: CpuNodeConfig) -> CpuNodeConfig:

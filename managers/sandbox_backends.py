@@ -58,12 +58,12 @@ async def open_sandbox_backend(node: CpuNodeConfig, config: CpuConfig) -> Sandbo
         tls = TLSConfig(client_cert=cert, ca_cert=node.tls_ca, verify=bool(node.tls_ca))
     backend = DockerBackend(node.engine, run_dir=run_dir, cores=node.cores, fast_path=bool(node.fast_path), tls=tls,
                             warm=warm_template(config), warm_size=config.warm_sandboxes,
-                            creates_per_s=config.creates_per_s)
+                            creates_per_s=config.creates_per_s, runtime=node.runtime)
     try:
         await backend.start()
     except SandboxError as error:
-        raise SandboxError(error.code, f"node {node.name}: {error.message}; {_fixes(node, config.default_image)}") \
-            from None
+        fixes = "" if error.code == "runtime_unknown" else f"; {_fixes(node, config.default_image)}"
+        raise SandboxError(error.code, f"node {node.name}: {error.message}{fixes}") from None
     if not await asyncio.to_thread(backend.has_image, config.default_image):
         await backend.close()
         raise SandboxError("image_not_found", f"node {node.name}: Docker engine {node.engine} has no image "

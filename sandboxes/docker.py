@@ -312,10 +312,17 @@ class DockerBackend(SandboxBackend):
             client.ping()
             return client
         try:
-            self.client = await asyncio.to_thread(connect)
+            self.client = client = await asyncio.to_thread(connect)
         except Exception as error:  # noqa: BLE001 - the SDK raises several families for an unreachable engine
             raise SandboxError("engine_unavailable", f"Docker engine {self.engine} does not answer: {error}") \
                 from None
+        if self.runtime is not None:
+            known = (await asyncio.to_thread(client.info)).get("Runtimes", {})
+            if self.runtime not in known:
+                raise SandboxError("runtime_unknown", f"Docker engine {self.engine} has no runtime {self.runtime!r} "
+                                                      f"(it has {sorted(known)}): register it in the engine's "
+                                                      f"config (\"runtimes\" in daemon.json; scripts/start-docker.sh "
+                                                      f"shows runsc's)")
         if self.fast_path:
             self.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
 

@@ -19,7 +19,7 @@ import docker
 import psutil
 import pytest
 
-from sandboxes.backend import LABEL_BROKER, LABEL_TRAJECTORY
+from sandboxes.backend import LABEL_BROKER, LABEL_TRAJECTORY, SandboxError
 from tangram.config import parse_config
 from tangram.core.errors import ConfigError
 from tests.docker_nodes import cpu_config, docker_engines
@@ -428,3 +428,25 @@ async def test_what_a_command_writes_to_the_engine_log_is_capped(db):
         finally:
             client.close()
     assert size <= 1.1 * (1 << 20), size
+
+
+# -- gVisor -----------------------------------------------------------------------------------------------------
+
+async def test_a_gvisor_node_runs_its_commands_under_gvisor(db):
+    """``runtime = "runsc"``: the sandbox's commands see gVisor's kernel, not the host's, and the rest holds there
+    too (the sandbox user, a socket directory it cannot write, its leftovers reaped); an engine that does not know
+    the runtime stops the node's start, naming it."""
+    config = config_for("fast")
+    config["cpu"]["nodes"]["n1"]["runtime"] = "runsc"
+    async with live_broker(config, db) as live:
+        seen = await stdout_of(live, "uname -r; id -u; touch /run/tangram/x 2>/dev/null; echo write=$?; "
+                                     "sleep 1000 & echo started")
+        left = await stdout_of(live, python("import os; print(sum(p.isdigit() for p in os.listdir('/proc')))"))
+    release, uid, write, started = seen.split()
+    assert release != os.uname().release and uid == "1000" and write == "write=1" and started == "started", seen
+    assert int(left) <= 4, left  # init, the executor, the shell and python3: the sleep is gone
+    unknown = config_for("engine")
+    unknown["cpu"]["nodes"]["n1"]["runtime"] = "no-such-runtime"
+    with pytest.raises(SandboxError, match="no runtime 'no-such-runtime'"):
+        async with live_broker(unknown, db):
+            pass
