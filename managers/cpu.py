@@ -301,6 +301,10 @@ class CpuManager(ResourceManager[CpuHandle]):
             raise Unprocessable("spec.files", f"trajectory {action.trajectory!r} has its environment {existing.id} "
                                               f"already, and files are written only when an environment is "
                                               f"created: write them with a command, or delete the environment")
+        elif spec.sandbox_user is not None and spec.sandbox_user != existing.sandbox_user:
+            raise Unprocessable("spec.sandbox_user", f"trajectory {action.trajectory!r} has its environment "
+                                                     f"{existing.id} already, running as {existing.sandbox_user}: a "
+                                                     f"user is chosen when an environment is created")
 
     def allocate(self, action: Action, units: Mapping[str, int], pools: Mapping[str, str]) -> Allocation[CpuHandle]:
         node = self.nodes[pools[RESOURCE]]
@@ -313,7 +317,7 @@ class CpuManager(ResourceManager[CpuHandle]):
             env = self.environments.reserve(action.task, action.trajectory, node,
                                             spec.image or self.config.default_image, self.memory_for(action),
                                             dict(spec.files), ephemeral=action.trajectory is None,
-                                            reserved_by=action.id)
+                                            reserved_by=action.id, sandbox_user=spec.sandbox_user)
         elif env.node != node.name:
             raise RuntimeError(f"environment {env.id} lives on {env.node}, not {node.name}")
         cores = node.cores.take(units[RESOURCE])

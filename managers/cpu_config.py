@@ -10,17 +10,13 @@ import psutil
 from pydantic import AfterValidator, BeforeValidator, Field, Strict
 
 from managers.cores import host_numa_nodes
-from managers.exec_spec import ExecLimits
+from managers.exec_spec import ExecLimits, SandboxUser
 from managers.ray_config import RayConfig, check_no_ray_keys
-from sandboxes.backend import DEFAULT_SANDBOX_USER, SANDBOX_USER, SandboxSpec
+from sandboxes.backend import DEFAULT_SANDBOX_USER, SandboxSpec
 from sandboxes.cgroup import parse_cpu_list
 from sandboxes.image import DEFAULT_IMAGE
 from tangram.core.config_tables import TABLE, Count, Flag, NonNegative, PositiveSeconds, Text, named_tables, table
 from tangram.core.errors import ConfigError
-from tangram.core.schema import explained
-
-SandboxUser = Annotated[str, Strict(), Field(pattern=explained(SANDBOX_USER.pattern.removesuffix(r"\Z") + "$",
-                                                                 'must be "UID:GID" or "root"'))]
 
 UNIX_PATH_MAX = 107
 LOCAL_ENGINE = "unix:///var/run/docker.sock"
@@ -134,7 +130,7 @@ class CpuConfig:
     pids_limit: Count = 1024
     #: who the executor and the commands of Docker sandboxes run as: "UID:GID" (the image need not name them) or
     #: "root" (the container's root, with no capabilities: the host's root unless the engine remaps users)
-    sandbox_user: SandboxUser = DEFAULT_SANDBOX_USER
+    sandbox_user: Annotated[SandboxUser, Strict()] = DEFAULT_SANDBOX_USER
     #: the disk a Docker sandbox's writes may take, in MiB (0: no cap), where the engine's storage can cap one: the
     #: engine's ``--storage-opt size`` on the btrfs driver (with simple quotas; full quota groups also count the
     #: image, and stop enforcing once a deleted container leaves them inconsistent) or overlay2 on XFS with project
@@ -172,11 +168,12 @@ class CpuConfig:
 
     def sandbox_spec(self, env_id: str, task: str, trajectory: str | None, image: str, memory_mb: int,
                      **more: Any) -> SandboxSpec:
-        """A sandbox of this broker's: the environment's identity, the config's limits and broker label."""
+        """A sandbox of this broker's: the environment's identity, the config's limits and broker label, and its
+        user (``sandbox_user`` unless ``more`` names another)."""
         return SandboxSpec(env_id=env_id, task=task, trajectory=trajectory, image=image, memory_mb=memory_mb,
                            pids_limit=self.pids_limit, broker_id=self.broker_id,
-                           read_only_root=self.read_only_root, user=self.sandbox_user, disk_mb=self.disk_mb,
-                           **more)
+                           read_only_root=self.read_only_root, disk_mb=self.disk_mb,
+                           **{"user": self.sandbox_user, **more})
 
 
 def parse_cpu_config(raw: Any) -> CpuConfig:

@@ -27,6 +27,9 @@ class Environment:
     image: str
     memory_mb: int
     files: dict[str, bytes] = field(default_factory=dict, repr=False)
+    #: who its executor and commands run as ("UID:GID" or "root"; None: not known, an environment taken over
+    #: after a restart)
+    sandbox_user: str | None = None
     #: the action whose allocation reserved it, and whose ``files`` it is created with (None: made through
     #: ``POST /v1/environments``, or taken over after a restart)
     reserved_by: str | None = None
@@ -43,6 +46,7 @@ class Environment:
 
     def to_json(self) -> dict[str, Any]:
         return {"id": self.id, "task": self.task, "trajectory": self.trajectory, "node": self.node,
-                "image": self.image, "memory_mb": self.memory_mb, "state": self.state.value,
+                "image": self.image, "memory_mb": self.memory_mb, "sandbox_user": self.sandbox_user,
+                "state": self.state.value,
                 "created_at": self.created_at, "last_used": self.last_used, "running_actions": len(self.running),
                 "lost_reason": self.lost_reason, "sandbox": self.sandbox.describe() if self.sandbox else None}

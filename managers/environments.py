@@ -63,11 +63,14 @@ class Environments(Mapping[str, Environment]):
     # -- reserving and forgetting -----------------------------------------------------------------------------
 
     def reserve(self, task: str, trajectory: str | None, node: CpuNode, image: str, memory_mb: int,
-                files: dict[str, bytes], *, ephemeral: bool, reserved_by: str | None = None) -> Environment:
+                files: dict[str, bytes], *, ephemeral: bool, reserved_by: str | None = None,
+                sandbox_user: str | None = None) -> Environment:
         """A new environment on ``node``, its memory reserved now and its sandbox created by ``sandbox``;
-        ``reserved_by``: the action it is made for."""
+        ``reserved_by``: the action it is made for; ``sandbox_user``: who runs in it (None: ``[cpu]
+        sandbox_user``)."""
         env = Environment(id="env-" + new_action_id(), task=task, trajectory=trajectory, node=node.name,
-                          image=image, memory_mb=memory_mb, files=files, ephemeral=ephemeral, reserved_by=reserved_by)
+                          image=image, memory_mb=memory_mb, files=files, ephemeral=ephemeral, reserved_by=reserved_by,
+                          sandbox_user=sandbox_user or self.config.sandbox_user)
         self._register(env)
         return env
 
@@ -173,7 +176,8 @@ class Environments(Mapping[str, Environment]):
     async def _create(self, env: Environment) -> Sandbox:
         node = self.nodes[env.node]
         spec = self.config.sandbox_spec(env.id, env.task, env.trajectory, env.image, env.memory_mb, files=env.files,
-                                        ephemeral=env.ephemeral, created_at=env.created_at)
+                                        ephemeral=env.ephemeral, created_at=env.created_at,
+                                        user=env.sandbox_user or self.config.sandbox_user)
         try:
             sandbox = await node.backend.create(spec)
         except BaseException:
@@ -212,7 +216,8 @@ class Environments(Mapping[str, Environment]):
                                  f"wait for their TTL")
 
     async def create(self, task: str, trajectory: str | None, image: str | None, memory_mb: int | None,
-                     files: dict[str, bytes], admit: Callable[[int], None] | None = None) -> Environment:
+                     files: dict[str, bytes], admit: Callable[[int], None] | None = None,
+                     sandbox_user: str | None = None) -> Environment:
         """``POST /v1/environments``: place by memory load, create the sandbox now, report errors as 4xx.
         ``admit(memory_mb)`` may refuse (raise) once the request is known to be valid, before anything is reserved
         (the per-task caps)."""
@@ -230,7 +235,7 @@ class Environments(Mapping[str, Environment]):
                                        f"retry later")
         node = min(fitting, key=lambda n: (n.memory_load_after(memory), -len(n.cores.free)))
         env = self.reserve(task, trajectory, node, image or self.config.default_image, memory, files,
-                           ephemeral=False)
+                           ephemeral=False, sandbox_user=sandbox_user)
         try:
             await self.sandbox(env)
         except ActionFailed as failure:

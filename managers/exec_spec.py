@@ -12,6 +12,7 @@ from typing import Annotated, Any
 
 from pydantic import Discriminator, Field, Tag, TypeAdapter
 
+from sandboxes.backend import SANDBOX_USER
 from tangram.core.config_tables import TABLE, Count
 from tangram.core.errors import BadRequest, TooLarge, Unprocessable
 from tangram.core.names import Name, json_pattern
@@ -85,6 +86,12 @@ Image = Annotated[str, Field(min_length=1, max_length=MAX_IMAGE_CHARS,
                              pattern=explained(json_pattern(IMAGE_REFERENCE), IMAGE_REASON),
                              description="an image the node's engine has, as a Docker reference")]
 MemoryMb = Annotated[int, Field(ge=16), WHOLE]
+SANDBOX_USER_REASON = 'must be "UID:GID" or "root"'
+#: who an environment's executor and commands run as (``sandboxes/backend.py``): any ids, or the container's root
+SandboxUser = Annotated[str, Field(pattern=explained(json_pattern(SANDBOX_USER), SANDBOX_USER_REASON),
+                                   description='"UID:GID" (the image need not name them) or "root" (weaker: the '
+                                               'host\'s root unless the engine remaps users); default: [cpu] '
+                                               'sandbox_user (1000:1000)')]
 
 
 class ExecSpecBody(Schema):
@@ -97,6 +104,7 @@ class ExecSpecBody(Schema):
     environment: Name | None = Field(default=None, description="an environment id")
     image: Image | None = None
     memory_mb: MemoryMb | None = None
+    sandbox_user: SandboxUser | None = None
     files: Files | None = Field(default=None, description='relative path -> text or {"base64": "..."}; written when '
                                                           'the environment is made, so only with its first action '
                                                           '(422 for a trajectory that has one)')
@@ -117,6 +125,7 @@ class ExecSpec:
     environment: str | None = None
     image: str | None = None
     memory_mb: int | None = None
+    sandbox_user: str | None = None
     files: Mapping[str, bytes] = field(default_factory=dict)
     pytest_parallel: bool = False
     output_limit: int = 1 << 20
@@ -133,11 +142,13 @@ def parse_exec_spec(spec: Mapping[str, Any], limits: ExecLimits, where: str = "s
     output = limits.default_output_limit if body.output_limit is None else body.output_limit
     if output > limits.max_output_limit:
         raise Unprocessable(f"{where}.output_limit", f"must be an integer of bytes in [0, {limits.max_output_limit}]")
-    if body.environment is not None and (body.image is not None or body.memory_mb is not None or body.files):
-        raise Unprocessable(f"{where}.environment", "an existing environment already has its image, memory "
-                                                    "and files; drop image, memory_mb and files")
+    if body.environment is not None and (body.image is not None or body.memory_mb is not None or body.files
+                                         or body.sandbox_user is not None):
+        raise Unprocessable(f"{where}.environment", "an existing environment already has its image, memory, user "
+                                                    "and files; drop image, memory_mb, sandbox_user and files")
     return ExecSpec(command=command, env=env, cwd=body.cwd, environment=body.environment, image=body.image,
-                    memory_mb=body.memory_mb, files=decode_files(body.files or {}, f"{where}.files", limits),
+                    memory_mb=body.memory_mb, sandbox_user=body.sandbox_user,
+                    files=decode_files(body.files or {}, f"{where}.files", limits),
                     pytest_parallel=bool(body.pytest_parallel), output_limit=output)
 
 

@@ -10,7 +10,7 @@ from pydantic import Field, TypeAdapter
 
 from managers.environment import Environment
 from managers.environments import Environments
-from managers.exec_spec import ExecLimits, Files, Image, MemoryMb, decode_files
+from managers.exec_spec import ExecLimits, Files, Image, MemoryMb, SandboxUser, decode_files
 from tangram.api_common import BROKER, json_response, read_body
 from tangram.auth import listed_task, own_task, principal_of
 from tangram.broker import Broker
@@ -28,6 +28,7 @@ class EnvironmentRequest(Schema):
     trajectory: Name | None = None
     image: Image | None = None
     memory_mb: MemoryMb | None = None
+    sandbox_user: SandboxUser | None = None
     files: Files | None = Field(default=None, description='relative path -> text or {"base64": "..."}')
 
 
@@ -71,7 +72,8 @@ async def create_environment(request: web.Request) -> web.Response:
     files = decode_files(body.files or {}, "files", manager.config.limits)
     ledger = request.app[BROKER].ledger
     env = await manager.environments.create(task, trajectory, image, memory, files,
-                                            admit=lambda mb: ledger.check_environment(task, trajectory, mb, manager))
+                                            admit=lambda mb: ledger.check_environment(task, trajectory, mb, manager),
+                                            sandbox_user=body.sandbox_user)
     return json_response(env.to_json(), status=201, headers={"Location": f"/v1/environments/{env.id}"})
 
 

@@ -450,3 +450,22 @@ async def test_a_gvisor_node_runs_its_commands_under_gvisor(db):
     with pytest.raises(SandboxError, match="no runtime 'no-such-runtime'"):
         async with live_broker(unknown, db):
             pass
+
+
+# -- the sandbox user per environment ---------------------------------------------------------------------------
+
+async def test_an_environment_chooses_its_sandbox_user(db):
+    """``sandbox_user`` with an environment's first action (or ``POST /v1/environments``) sets who runs there, its
+    work dir theirs; a later action cannot change it, and a malformed one is a 400 naming the field."""
+    async with live_broker(config_for("fast"), db) as live:
+        as_root = await stdout_of(live, "id -u; stat -c %u .", sandbox_user="root")
+        status, env = await live.call("POST", "/v1/environments", json={
+            "task": "hardening", "trajectory": "other", "sandbox_user": "2000:3000", "files": {"a": "x"}})
+        assert status == 201 and env["sandbox_user"] == "2000:3000", env
+        other = await stdout_of(live, "id -u; id -g; stat -c %u:%g . a", trajectory="other")
+        changed = await live.call("POST", "/v1/actions", json=exec_body("true", sandbox_user="1000:1000"))
+        malformed = await live.call("POST", "/v1/actions", json=exec_body("true", "t2", sandbox_user="nobody"))
+    assert as_root.split() == ["0", "0"]
+    assert other.split() == ["2000", "3000", "2000:3000", "2000:3000"]
+    for (status, refused), code in ((changed, 422), (malformed, 400)):
+        assert status == code and refused["error"]["field"] == "spec.sandbox_user", refused
