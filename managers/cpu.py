@@ -44,18 +44,21 @@ DEADLINE_MARGIN_S = 0.25  # the executor kills at the deadline minus this, so pa
 
 
 class CpuFit(Fit):
-    """Free cores and memory per node for one scheduling pass, plus the nodes it chose for new trajectories."""
+    """Free cores, memory and sandbox room per node for one scheduling pass, plus the nodes it chose for new
+    trajectories."""
 
     def __init__(self, manager: CpuManager) -> None:
         self.manager = manager
         self.before = {name: len(node.cores.free) for name, node in manager.nodes.items()}
         self.free = dict(self.before)
         self.memory_free = {name: node.memory_mb - node.memory_reserved for name, node in manager.nodes.items()}
+        #: environments each node's pids budget still holds (None: no budget)
+        self.sandbox_room = {name: node.sandbox_room for name, node in manager.nodes.items()}
         #: nodes that may take new environments (a lost node's cores serve only the actions that fail there)
         self.serving = tuple(name for name, node in manager.nodes.items() if node.lost is None)
         self.new_trajectories: dict[tuple[str, str], str] = {}
         self.placed: dict[str, tuple[str, int, int]] = {}
-        self.short_of_memory: set[str] = set()  # refused new environments that only lacked memory
+        self.short_of_memory: set[str] = set()  # refused new environments that only lacked memory or pids
 
     def try_add(self, action: Action, units: Mapping[str, int]) -> bool:
         n = units.get(RESOURCE, 0)
@@ -64,7 +67,8 @@ class CpuFit(Fit):
         memory = 0
         if node is None:
             memory = self.manager.memory_for(action)
-            candidates = [name for name in self.serving if self.free[name] >= n and self.memory_free[name] >= memory]
+            candidates = [name for name in self.serving if self.free[name] >= n and self.memory_free[name] >= memory
+                          and self._room_for_one(name)]
             if not candidates:
                 if any(free >= n for free in self.free.values()):
                     self.short_of_memory.add(action.id)
@@ -76,12 +80,23 @@ class CpuFit(Fit):
             return False
         self.free[node] -= n
         self.memory_free[node] -= memory
+        self._take_room(node, 1 if memory else 0)
         self.placed[action.id] = (node, n, memory)
         return True
 
+    def _room_for_one(self, node: str) -> bool:
+        room = self.sandbox_room[node]
+        return room is None or room > 0
+
+    def _take_room(self, node: str, environments: int) -> None:
+        room = self.sandbox_room[node]
+        if room is not None:
+            self.sandbox_room[node] = room - environments
+
     def holds_back(self, action: Action) -> bool:
-        """A new trajectory waiting only for memory does not hold back actions of trajectories that have their
-        environment: memory comes back when trajectories end, and holding them back would keep theirs from ending."""
+        """A new trajectory waiting only for memory (or sandbox room) does not hold back actions of trajectories
+        that have their environment: both come back when trajectories end, and holding them back would keep theirs
+        from ending."""
         return action.id not in self.short_of_memory
 
     def memory_load_after(self, node: str, memory_mb: int) -> float:
@@ -93,6 +108,7 @@ class CpuFit(Fit):
         node, n, memory = self.placed.pop(action.id)
         self.free[node] += n
         self.memory_free[node] += memory
+        self._take_room(node, -1 if memory else 0)
         key = self.manager.trajectory_key(action)
         if memory and key and self.new_trajectories.get(key) == node:
             del self.new_trajectories[key]
@@ -156,8 +172,8 @@ class CpuManager(ResourceManager[CpuHandle]):
         hardware = backend.hardware
         if hardware is not None:
             node_config = replace(node_config, cores=hardware.cores, memory_mb=hardware.memory_mb,
-                                  numa=hardware.numa)
-        node = CpuNode(node_config, backend)
+                                  numa=hardware.numa, pids=node_config.pids or hardware.pids)
+        node = CpuNode(node_config, backend, self.sandbox_budget(node_config))
         self.add_node(node)
         for leftover in leftovers:
             await self.environments.take_over(node, leftover)
@@ -166,6 +182,17 @@ class CpuManager(ResourceManager[CpuHandle]):
             log.warning("node %s: took over %d environment(s) a previous run of broker %r left (%d of them "
                         "lost)", node.name, len(leftovers), self.config.broker_id, lost)
         return node
+
+    def sandbox_budget(self, node: CpuNodeConfig) -> int | None:
+        """The environments ``node``'s pids budget holds, each reserving ``pids_limit``, after its warm sandboxes
+        (None: no budget)."""
+        if not node.pids:
+            return None
+        budget = (node.pids - self.config.warm_sandboxes * self.config.pids_limit) // self.config.pids_limit
+        if budget < 1:
+            log.warning("node %s: its pids budget (%d) holds no sandbox of pids_limit %d beside %d warm ones",
+                        node.name, node.pids, self.config.pids_limit, self.config.warm_sandboxes)
+        return max(budget, 0)
 
     def add_node(self, node: CpuNode) -> None:
         """Put a node in service (``start`` does it for every configured node; the simulator, directly)."""
@@ -379,7 +406,7 @@ class CpuManager(ResourceManager[CpuHandle]):
                                    extra={**node.backend.describe(), "numa": [list(g) for g in node.cores.numa],
                                           "free_cores": sorted(node.cores.free), "lost": node.lost}))
             rows.append(PoolStatus("memory_mb", node.name, node.memory_mb, node.memory_reserved,
-                                   extra={"environments": len(envs)}))
+                                   extra={"environments": len(envs), "sandbox_room": node.sandbox_room}))
         return rows
 
     # -- execution ------------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import psutil
@@ -82,6 +83,11 @@ class CpuNodeConfig:
     numa: tuple[CoreList, ...] = ()
     #: memory (MiB) environments may reserve on this node; default (0): 80% of its host's memory, read at start
     memory_mb: NonNegative = 0
+    #: processes (threads) this node's sandboxes may hold in all: each reserves its ``pids_limit`` for its life,
+    #: warm ones too, so that full sandboxes cannot empty the host's process table; default (0): 80% of its host's
+    #: kernel limit (the lower of kernel.pid_max and kernel.threads-max), read at start on a local engine or by
+    #: the node's agent, and no budget for a remote engine
+    pids: NonNegative = 0
     #: unix-socket executor + direct cgroup writes; needs the engine on this host. Default: on for unix://
     fast_path: Flag | None = None
     #: run this node's sandboxes through its node agent: a Ray actor on the Ray node that carries the custom
@@ -230,15 +236,27 @@ def _check_node(node: CpuNodeConfig, where: str) -> None:
         raise ConfigError(f"{where}.runtime", 'is the Docker engine\'s runtime: only for backend = "docker"')
 
 
+def host_pids_budget() -> int:
+    """80% of this host's kernel limit on processes and threads: the lower of kernel.pid_max and threads-max."""
+    limits = []
+    for name in ("pid_max", "threads-max"):
+        try:
+            limits.append(int(Path(f"/proc/sys/kernel/{name}").read_text()))
+        except (OSError, ValueError):
+            continue
+    return int(min(limits) * 0.8) if limits else 0
+
+
 def on_this_host(node: CpuNodeConfig) -> CpuNodeConfig:
     """``node`` with the defaults read from this host where the config left them out: every core this process may
-    run on, 80% of its memory, its NUMA layout, the fast path for a local engine. The manager calls it at start
+    run on, 80% of its memory, its NUMA layout, the fast path and the pids budget for a local engine. The manager calls it at start
     for its own nodes, a node agent on its host for its node; a node behind an agent is left to its agent."""
     if node.agent:
         return node
     cores = node.cores or tuple(sorted(os.sched_getaffinity(0)))
     numa = node.numa or (tuple(tuple(group) for group in host_numa_nodes(cores)) if node.local else (cores,))
     node = replace(node, cores=cores, memory_mb=node.memory_mb or int(psutil.virtual_memory().total * 0.8) >> 20,
-                   numa=numa, fast_path=node.local if node.fast_path is None else node.fast_path)
+                   numa=numa, fast_path=node.local if node.fast_path is None else node.fast_path,
+                   pids=node.pids or (host_pids_budget() if node.local else 0))
     _check_node(node, f"cpu.nodes.{node.name}")
     return node

@@ -1,5 +1,5 @@
-"""One CPU node as the CPU manager holds it: its cores, its memory budget, its sandbox backend, and whether it is
-still in service."""
+"""One CPU node as the CPU manager holds it: its cores, its memory and sandbox budgets, its sandbox backend, and
+whether it is still in service."""
 
 from __future__ import annotations
 
@@ -10,10 +10,11 @@ from sandboxes.backend import SandboxBackend
 
 
 class CpuNode(NodeStanding):
-    """One node's cores, memory budget and sandbox backend."""
+    """One node's cores, memory budget, sandbox budget and sandbox backend."""
 
-    def __init__(self, config: CpuNodeConfig, backend: SandboxBackend) -> None:
-        """``config`` as resolved on the node's host: its cores, memory and NUMA groups (one group if none)."""
+    def __init__(self, config: CpuNodeConfig, backend: SandboxBackend, sandboxes: int | None = None) -> None:
+        """``config`` as resolved on the node's host: its cores, memory and NUMA groups (one group if none);
+        ``sandboxes``: the environments its pids budget holds (None: no budget)."""
         super().__init__()
         self.name = config.name
         self.config = config
@@ -21,6 +22,8 @@ class CpuNode(NodeStanding):
         self.cores = CorePool(config.numa or (config.cores,))
         self.memory_mb = config.memory_mb
         self.memory_reserved = 0
+        self.sandboxes = sandboxes
+        self.environments = 0
 
     def come_back(self, backend: SandboxBackend) -> None:
         self.backend = backend
@@ -28,3 +31,8 @@ class CpuNode(NodeStanding):
 
     def memory_load_after(self, memory_mb: int) -> float:
         return (self.memory_reserved + memory_mb) / self.memory_mb
+
+    @property
+    def sandbox_room(self) -> int | None:
+        """How many more environments its pids budget holds (None: no budget)."""
+        return None if self.sandboxes is None else self.sandboxes - self.environments

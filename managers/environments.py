@@ -76,6 +76,7 @@ class Environments(Mapping[str, Environment]):
 
     def _register(self, env: Environment) -> None:
         self.nodes[env.node].memory_reserved += env.memory_mb
+        self.nodes[env.node].environments += 1
         self._by_id[env.id] = env
         self._task_count[env.task] += 1
         self._task_memory_mb[env.task] += env.memory_mb
@@ -92,6 +93,7 @@ class Environments(Mapping[str, Environment]):
         if env.trajectory is not None and self._by_trajectory.get((env.task, env.trajectory)) is env:
             del self._by_trajectory[(env.task, env.trajectory)]
         self.nodes[env.node].memory_reserved -= env.memory_mb
+        self.nodes[env.node].environments -= 1
         self._task_count[env.task] -= 1
         self._task_memory_mb[env.task] -= env.memory_mb
         if not self._task_count[env.task]:
@@ -229,10 +231,11 @@ class Environments(Mapping[str, Environment]):
         memory = self.check_memory(memory_mb, "memory_mb")
         if admit is not None:
             admit(memory)
-        fitting = [n for n in self.nodes.values() if n.lost is None and n.memory_reserved + memory <= n.memory_mb]
+        fitting = [n for n in self.nodes.values() if n.lost is None and n.memory_reserved + memory <= n.memory_mb
+                   and (n.sandbox_room is None or n.sandbox_room > 0)]
         if not fitting:
-            raise TooMany("memory_mb", f"no node has {memory} MiB unreserved now; delete idle environments or "
-                                       f"retry later")
+            raise TooMany("memory_mb", f"no node has {memory} MiB unreserved and room for another sandbox in its "
+                                       f"pids budget now; delete idle environments or retry later")
         node = min(fitting, key=lambda n: (n.memory_load_after(memory), -len(n.cores.free)))
         env = self.reserve(task, trajectory, node, image or self.config.default_image, memory, files,
                            ephemeral=False, sandbox_user=sandbox_user)

@@ -34,7 +34,7 @@ class RayNodeAgent(NodeAgent):
         local = on_this_host(replace(node, agent=False))  # the defaults of the agent's own host
         restarted = ray.get_runtime_context().was_current_actor_reconstructed
         super().__init__(lambda: open_sandbox_backend(local, config), config.limits,
-                         NodeHardware(local.cores, local.memory_mb, local.numa),
+                         NodeHardware(local.cores, local.memory_mb, local.numa, local.pids),
                          restarted_for=config.broker_id if restarted else None)
 
 

@@ -241,11 +241,13 @@ async def repin_via_executor(socket_path: str, tag: str, cores: frozenset[int]) 
 
 @dataclass(frozen=True)
 class NodeHardware:
-    """A node's cores, the memory its environments may reserve and its NUMA groups, as read on the node itself."""
+    """A node's cores, the memory its environments may reserve, its NUMA groups and the processes its sandboxes may
+    hold in all (0: no budget), as read on the node itself."""
 
     cores: tuple[int, ...]
     memory_mb: int
     numa: tuple[tuple[int, ...], ...]
+    pids: int = 0
 
 
 class SandboxBackend(abc.ABC):

@@ -469,3 +469,26 @@ async def test_an_environment_chooses_its_sandbox_user(db):
     assert other.split() == ["2000", "3000", "2000:3000", "2000:3000"]
     for (status, refused), code in ((changed, 422), (malformed, 400)):
         assert status == code and refused["error"]["field"] == "spec.sandbox_user", refused
+
+
+async def test_a_node_holds_no_more_sandboxes_than_its_pids_budget(db):
+    """A node's pids budget over ``pids_limit`` is how many sandboxes it holds: a trajectory beyond waits in the
+    queue (and ``POST /v1/environments`` is 429) until one is deleted, then runs there; the room is shown."""
+    config = config_for("fast", pids_limit=PIDS_LIMIT)
+    config["cpu"]["nodes"]["n1"]["pids"] = 2 * PIDS_LIMIT + PIDS_LIMIT // 2
+    async with live_broker(config, db) as live:
+        first = await run(live, "true", trajectory="a", memory_mb=64)
+        await run(live, "true", trajectory="b", memory_mb=64)
+        status, waiting = await live.call("POST", "/v1/actions", json={**exec_body("echo c", "c", memory_mb=64),
+                                                                       "timeout_s": 60})
+        assert status == 201, waiting
+        status, refused = await live.call("POST", "/v1/environments", json={"task": "hardening", "memory_mb": 64})
+        _, resources = await live.call("GET", "/v1/resources")
+        await asyncio.sleep(1)
+        _, still = await live.call("GET", f"/v1/actions/{waiting['id']}")
+        assert (await live.call("DELETE", f"/v1/environments/{first['result']['environment']}"))[0] == 200
+        _, ran = await live.call("GET", f"/v1/actions/{waiting['id']}?wait=true")
+    assert status == 429 and refused["error"]["field"] == "memory_mb", refused
+    assert [r["sandbox_room"] for r in resources["resources"] if r["resource"] == "memory_mb"] == [0]
+    assert still["state"] == "queued", still
+    assert ran["state"] == "succeeded" and ran["result"]["stdout"] == "c\n", ran
