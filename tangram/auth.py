@@ -292,7 +292,8 @@ async def revoke_token(request: web.Request) -> web.Response:
 
 def add_auth(app: web.Application, access: AccessConfig) -> None:
     """Check tokens on ``app`` (whose middlewares include ``authenticate``) and serve token management."""
-    app[AUTH] = Authenticator(access, app[BROKER].store)
+    app[AUTH] = authenticator = Authenticator(access, app[BROKER].store)
+    app[BROKER].ledger.authenticated = lambda: authenticator.enabled  # tenants that need not trust each other
     app.cleanup_ctx.append(refreshing)
     app.router.add_post("/v1/admin/tokens", create_token)
     app.router.add_get("/v1/admin/tokens", list_tokens)

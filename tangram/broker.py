@@ -203,7 +203,7 @@ class Broker:
             # since (its trajectory's environment, which it made, now exists)
             if self.idempotency.existing(action, stored, self.actions) is None:
                 self._validate(action, f"actions[{index}]." if len(actions) > 1 else "")
-        if self.ledger.tenancy.limited:  # after the last await: nothing is queued between the check and the pushes
+        if self.ledger.limited:  # after the last await: nothing is queued between the check and the pushes
             self._check_caps(actions, stored)
         results: list[tuple[Action, bool]] = []
         fresh: list[Action] = []
@@ -384,7 +384,7 @@ class Broker:
         started = time.perf_counter()
         now = time.time()
         queue: Iterable[Action] = (self.ledger.admissible(self.queue, self.environment_host)
-                                   if self.ledger.tenancy.limited else self.queue)
+                                   if self.ledger.limited else self.queue)
         if self.backoff:
             queue = [action for action in queue if not self.backoff.waiting(action.id, now)]
         if self.setup_order is not None:

@@ -297,7 +297,8 @@ def openapi_document(server: ServerConfig, limits: Limits, resources: Sequence[s
                                    f"elasticity resource in the demand, an exec demands cpu, a reward input fits the "
                                    f"service's task, spec.files for a trajectory that has its environment), or can "
                                    f"never run here ({too_much_memory}, more units than any pool has)"),
-                     "429": _over_cap("the task is at a cap (max_queued, max_environments, max_memory_mb; the "
+                     "429": _over_cap("the task is at a cap (max_queued, max_queued_bytes, max_environments, "
+                                      "max_memory_mb; the "
                                       "body's cap names it), or a new sandbox would exceed cpu.max_environments"),
                      "503": _error("queue full, or the broker is shutting down")}
     document: dict[str, Any] = {

@@ -1,11 +1,13 @@
 """Per-task caps, so that one RL task's burst cannot starve the others sharing the broker.
 
-Four caps, each unlimited unless configured (``[tasks]`` for every task, ``[tasks.NAME]`` for one):
+Five caps, each unlimited unless configured (``[tasks]`` for every task, ``[tasks.NAME]`` for one) or, while
+auth is on (tenants then need not trust each other), ``AUTHENTICATED_DEFAULTS`` where the config sets none:
 
 * ``max_running``: actions of the task holding resources at once (executing, or a granted lease not yet returned).
   Enforced by the scheduling pass: the task's actions beyond the cap are left out of the pass, so they stay
   queued in their order and block nothing that other tasks' later actions need.
 * ``max_queued``: actions of the task waiting in the queue; a submit beyond gets 429 with ``Retry-After``.
+* ``max_queued_bytes``: the bytes of their specs (files and commands the broker holds for them), the same way.
 * ``max_environments`` / ``max_memory_mb``: sandboxes of the task and the memory they reserve, counting those its
   queued actions will create; a submit or ``POST /v1/environments`` that needs one more beyond gets 429, and the
   scheduling pass starts no action that would create one beyond (another request may have taken the room since).
@@ -20,6 +22,8 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Protocol, runtime_checkable
+
+import orjson
 
 from tangram.core.action import Action
 from tangram.core.config_tables import TABLE, NonNegative
@@ -40,6 +44,7 @@ class TaskCaps:
 
     max_running: NonNegative | None = None
     max_queued: NonNegative | None = None
+    max_queued_bytes: NonNegative | None = None
     max_environments: NonNegative | None = None
     max_memory_mb: NonNegative | None = None
 
@@ -58,6 +63,8 @@ class TaskCaps:
 
 
 CAP_NAMES = tuple(f.name for f in fields(TaskCaps))
+#: a task's caps while auth is on, where the config sets none: one tenant's queue cannot fill the broker's memory
+AUTHENTICATED_DEFAULTS = TaskCaps(max_queued=50_000, max_queued_bytes=1 << 30)
 
 
 @dataclass(frozen=True)
@@ -98,6 +105,11 @@ class EnvironmentHost(Protocol):
         """Whether the trajectory still has its environment (it has not ended): its next action is to come."""
 
 
+def spec_bytes(action: Action) -> int:
+    """What the broker holds for a queued action: its spec, as JSON."""
+    return len(orjson.dumps(action.spec))
+
+
 def _new_environments(actions: Iterable[Action], host: EnvironmentHost,
                       seen: set[object] | None = None) -> list[int]:
     """MiB of each environment ``actions`` would create, one per trajectory (``seen`` holds trajectories already
@@ -128,13 +140,28 @@ class TaskLedger:
 
     def __init__(self, tenancy: Tenancy = Tenancy()) -> None:
         self.tenancy = tenancy
+        #: whether auth is on now (the API sets it): then ``AUTHENTICATED_DEFAULTS`` stand where the config is silent
+        self.authenticated: Callable[[], bool] = lambda: False
         self.queued: dict[str, dict[str, Action]] = {}
+        self.queued_bytes: Counter[str] = Counter()
+        self._spec_bytes: dict[str, int] = {}
         self.holding: Counter[str] = Counter()
+
+    def caps(self, task: str) -> TaskCaps:
+        caps = self.tenancy.caps(task)
+        return caps.over(AUTHENTICATED_DEFAULTS) if self.authenticated() else caps
+
+    @property
+    def limited(self) -> bool:
+        """Whether any cap can hold anything back (none configured and auth off: the checks are skipped)."""
+        return self.tenancy.limited or self.authenticated()
 
     # -- bookkeeping ----------------------------------------------------------------------------------------
 
     def queue(self, action: Action) -> None:
         self.queued.setdefault(action.task, {})[action.id] = action
+        size = self._spec_bytes[action.id] = spec_bytes(action)
+        self.queued_bytes[action.task] += size
 
     def unqueue(self, action: Action) -> None:
         waiting = self.queued.get(action.task)
@@ -142,6 +169,11 @@ class TaskLedger:
             waiting.pop(action.id, None)
             if not waiting:
                 del self.queued[action.task]
+        size = self._spec_bytes.pop(action.id, None)
+        if size is not None:
+            self.queued_bytes[action.task] -= size
+            if self.queued_bytes[action.task] <= 0:
+                del self.queued_bytes[action.task]
 
     def hold(self, action: Action) -> None:
         self.holding[action.task] += 1
@@ -156,13 +188,21 @@ class TaskLedger:
     def check_submit(self, actions: Sequence[Action], host: EnvironmentHost | None,
                      retry_after_s: Callable[[str], int]) -> None:
         """Raise ``OverCap`` if queueing ``actions`` (new ones, not idempotent replays) would take any task over its
-        queued, environment or memory cap; nothing is counted here, so a batch is all or nothing.
+        queued, queued-bytes, environment or memory cap; nothing is counted here, so a batch is all or nothing.
         ``retry_after_s(task)`` estimates when a full queue of the task will have room."""
         by_task: dict[str, list[Action]] = {}
         for action in actions:
             by_task.setdefault(action.task, []).append(action)
         for task, mine in by_task.items():
-            caps = self.tenancy.caps(task)
+            caps = self.caps(task)
+            if caps.max_queued_bytes is not None:
+                queued_bytes = self.queued_bytes.get(task, 0)
+                wanted = sum(map(spec_bytes, mine))
+                if queued_bytes + wanted > caps.max_queued_bytes:
+                    raise OverCap(task, "max_queued_bytes", caps.max_queued_bytes,
+                                  f"task {task!r} has {queued_bytes} bytes of specs queued and its cap "
+                                  f"max_queued_bytes is {caps.max_queued_bytes}; {wanted} more do not fit",
+                                  retry_after_s(task))
             if caps.max_queued is not None:
                 queued = len(self.queued.get(task, ()))
                 if queued + len(mine) > caps.max_queued:
@@ -175,7 +215,7 @@ class TaskLedger:
     def check_environment(self, task: str, trajectory: str | None, memory_mb: int, host: EnvironmentHost) -> None:
         """``POST /v1/environments``: room for one more environment of ``memory_mb`` MiB, or ``OverCap``. Queued
         actions of ``trajectory`` would have created it: it is not counted twice."""
-        caps = self.tenancy.caps(task)
+        caps = self.caps(task)
         if caps.limits_environments:
             seen: set[object] = set() if trajectory is None else {(task, trajectory)}
             pending = _new_environments(self.queued.get(task, {}).values(), host, seen)
@@ -239,7 +279,7 @@ class TaskLedger:
             yield action
 
     def _budget(self, task: str, host: EnvironmentHost | None) -> _PassBudget | None:
-        caps = self.tenancy.caps(task)
+        caps = self.caps(task)
         if caps.max_running is None and not (host is not None and caps.limits_environments):
             return None
         running = math.inf if caps.max_running is None else caps.max_running - self.holding.get(task, 0)

@@ -5,13 +5,14 @@ it in the FCFS queue; a full per-task queue, or a task out of environments or me
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from typing import Any
 
 import pytest
 
 from clients import AsyncTangramClient
 from clients.errors import OverloadedError
-from tangram.tenants import TaskCaps, Tenancy
+from tangram.tenants import AUTHENTICATED_DEFAULTS, TaskCaps, Tenancy
 from tests.docker_nodes import local_cpu
 from tests.harness import Live, live_broker, live_upstream
 
@@ -113,6 +114,38 @@ async def test_a_full_task_queue_answers_429_with_retry_after_and_batches_are_al
             with pytest.raises(OverloadedError) as error:
                 await client.submit("lease", {"lease.x": 1}, {"ttl_s": 60})
             assert (error.value.status, error.value.field, error.value.attempts) == (429, "task", 2)
+
+
+async def test_the_bytes_of_a_tasks_queued_specs_are_capped(db, run_dir):
+    """``max_queued_bytes``: a submit whose spec would take the task's queued specs past the cap gets 429 naming it;
+    the bytes come back as its queued actions leave the queue."""
+    config = {"cpu": local_cpu(run_dir), "tasks": {"a": {"max_queued_bytes": 2000}}}
+    padded = "true # " + "x" * 900
+    async with live_broker(config, db) as live:
+        busy = (await live.call("POST", "/v1/actions", json=exec_action("a", "sleep 30")))[1]
+        await until_state(live, busy["id"], "running")
+        first = await live.call("POST", "/v1/actions", json=exec_action("a", padded))
+        second = await live.call("POST", "/v1/actions", json=exec_action("a", padded))
+        third = await live.call("POST", "/v1/actions", json=exec_action("a", padded))
+        assert (await live.call("DELETE", f"/v1/actions/{first[1]['id']}"))[0] == 200
+        fourth = await live.call("POST", "/v1/actions", json=exec_action("a", padded))
+        assert (await live.call("DELETE", f"/v1/actions/{busy['id']}"))[0] == 200
+    assert [first[0], second[0], fourth[0]] == [201, 201, 201]
+    assert third[0] == 429 and (third[1]["error"]["cap"], third[1]["error"]["limit"]) == ("max_queued_bytes", 2000)
+
+
+async def test_auth_on_caps_every_task_where_the_config_is_silent(db):
+    """Tenants behind tokens need not trust each other: with auth on, a task without caps of its own gets
+    ``AUTHENTICATED_DEFAULTS`` (a configured cap still wins); with auth off, none."""
+    admin = "a" * 64
+    digest = hashlib.sha256(admin.encode()).hexdigest()
+    config = {"cpu": {"enabled": False}, "auth": {"admin_token_sha256": [digest]}, "tasks": {"b": {"max_queued": 7}}}
+    async with live_broker(config, db) as live:
+        ledger = live.broker.ledger
+        assert ledger.limited and ledger.caps("a") == AUTHENTICATED_DEFAULTS
+        assert (ledger.caps("b").max_queued, ledger.caps("b").max_queued_bytes) == (7, 1 << 30)
+    async with live_broker({"cpu": {"enabled": False}}, db) as live:
+        assert not live.broker.ledger.limited and live.broker.ledger.caps("a") == TaskCaps()
 
 
 # -- max_environments and max_memory_mb -----------------------------------------------------------------------
