@@ -21,7 +21,8 @@ from ray.exceptions import ActorDiedError, RayActorError
 from managers.agent_replies import Reply, failed
 from managers.ray_auth_probe import enforcement_problem
 from managers.ray_config import RayConfig
-from managers.ray_loopback import LOOPBACK_SWITCH, is_loopback
+from managers.ray_loopback import LOOPBACK_SWITCH
+from tangram.core.loopback import is_loopback
 
 log = logging.getLogger("tangram.ray")
 

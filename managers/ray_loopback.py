@@ -16,11 +16,12 @@ the others (and ``ray start --address`` refuses to start a worker node under it)
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
+
+from tangram.core.loopback import is_loopback
 
 if TYPE_CHECKING:
     from ray.cluster_utils import Cluster
@@ -30,18 +31,6 @@ LOOPBACK_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 LOOPBACK_IP = "127.0.0.1"
 #: the node argument of ``ray.cluster_utils.Cluster`` that names a raylet's address, for each node it starts
 LOOPBACK_NODE: dict[str, Any] = {"node_ip_address": LOOPBACK_IP}
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` (an IP address, IPv4-mapped IPv6 included, or ``localhost``) is on 127.0.0.0/8 or ::1."""
-    if host == "localhost":
-        return True
-    try:
-        address = ipaddress.ip_address(host.split("%")[0])
-    except ValueError:
-        return False
-    mapped = address.ipv4_mapped if isinstance(address, ipaddress.IPv6Address) else None
-    return (mapped or address).is_loopback
 
 
 def keep_ray_on_loopback() -> None:

@@ -15,7 +15,7 @@ import logging
 
 from tangram.auth import Authenticator
 from tangram.core.errors import ConfigError
-from tangram.loopback import is_loopback
+from tangram.core.loopback import is_loopback
 
 log = logging.getLogger("tangram.auth")
 

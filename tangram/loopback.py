@@ -4,26 +4,13 @@ address, cannot drive it through the visitor's browser)."""
 
 from __future__ import annotations
 
-import ipaddress
 import re
 from urllib.parse import urlsplit
 
-#: the only name taken for loopback: other names may resolve anywhere, and a page can make its own resolve here
-LOOPBACK_NAME = "localhost"
+from tangram.core.loopback import is_loopback
+
 #: a ``Host`` header: a name or IPv4 address, or an IPv6 address in brackets, then an optional port
 HOST_HEADER = re.compile(r"^(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<name>[^:\[\]/@\s]+))(?::(?P<port>[0-9]{1,5}))?\Z")
-
-
-def is_loopback(host: str) -> bool:
-    """``host`` (a name or an address, IPv6 with or without brackets, no port) is this host only: ``localhost``,
-    127.0.0.0/8 or ::1. An empty host, ``0.0.0.0`` and ``::`` mean every interface: not loopback."""
-    name = host.strip().lower().removeprefix("[").removesuffix("]")
-    if name in (LOOPBACK_NAME, LOOPBACK_NAME + "."):
-        return True
-    try:
-        return ipaddress.ip_address(name).is_loopback
-    except ValueError:
-        return False
 
 
 def host_header_is_loopback(value: str) -> bool:

@@ -13,8 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
-import sys
-import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
@@ -42,7 +40,7 @@ from tangram.store import Deposed, Store
 from tests.docker_nodes import local_cpu, new_broker_id
 from tests.harness import live_broker, live_upstream
 from tests.ray_clusters import two_node_cluster
-from tests.test_recovery import free_port
+from tests.test_recovery import free_port, start_broker
 from tests.test_store import make_action
 
 
@@ -245,26 +243,6 @@ async def partition_to(store_url: str) -> AsyncIterator[tuple[Partition, str]]:
         relay.close()
 
 
-async def serving(config: Path, port: int, log: Path, timeout_s: float) -> asyncio.subprocess.Process:
-    """``tangram serve`` in a subprocess, its log in ``log``, once its /healthz answers."""
-    with log.open("wb") as sink:
-        process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "tangram.cli", "serve", "--config", str(config), "--port", str(port),
-            stdout=asyncio.subprocess.DEVNULL, stderr=sink)
-    deadline = time.monotonic() + timeout_s
-    async with aiohttp.ClientSession() as http:
-        while time.monotonic() < deadline and process.returncode is None:
-            try:
-                async with http.get(f"http://127.0.0.1:{port}/healthz") as response:
-                    if response.status == 200:
-                        return process
-            except aiohttp.ClientConnectionError:
-                await asyncio.sleep(0.05)
-    if process.returncode is None:
-        process.kill()
-    raise AssertionError(f"the broker did not start: {log.read_text()[-2000:]}")
-
-
 async def ready(url: str) -> None:
     async with aiohttp.ClientSession() as http:
         while True:
@@ -298,8 +276,8 @@ async def test_a_leader_cut_off_from_its_store_is_stopped_by_its_agent(ray_clust
                             f'cores = "0-1"\nmemory_mb = 2048\n')
             configs.append(path)
         logs = [tmp_path / "leader.log", tmp_path / "standby.log"]
-        leader = await serving(configs[0], ports[0], logs[0], timeout_s=120)
-        standby = await serving(configs[1], ports[1], logs[1], timeout_s=60)
+        leader = await start_broker(configs[0], ports[0], timeout_s=120, log=logs[0])
+        standby = await start_broker(configs[1], ports[1], timeout_s=60, log=logs[1])
         try:
             await ready(urls[0])
             async with AsyncTangramClient(urls[0], task="t") as client:

@@ -20,7 +20,8 @@ from ray.cluster_utils import Cluster
 
 from managers.ray_cluster import connect, node_resource
 from managers.ray_config import RayConfig
-from managers.ray_loopback import LOOPBACK_SWITCH, is_loopback
+from managers.ray_loopback import LOOPBACK_SWITCH
+from tangram.core.loopback import is_loopback
 from tests.docker_nodes import docker_engines, new_broker_id
 from tests.ray_clusters import NODE, two_node_cluster
 from tests.test_recovery import free_port

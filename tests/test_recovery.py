@@ -32,10 +32,13 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-async def start_broker(config: Path, port: int, timeout_s: float = 10.0) -> asyncio.subprocess.Process:
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "tangram.cli", "serve", "--config", str(config), "--port", str(port),
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+async def start_broker(config: Path, port: int, timeout_s: float = 10.0,
+                       log: Path | None = None) -> asyncio.subprocess.Process:
+    """``tangram serve`` on ``port``, once its /healthz answers; its stderr into ``log`` (None: dropped)."""
+    with log.open("wb") if log is not None else contextlib.nullcontext() as sink:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "tangram.cli", "serve", "--config", str(config), "--port", str(port),
+            stdout=asyncio.subprocess.DEVNULL, stderr=sink if log is not None else asyncio.subprocess.DEVNULL)
     deadline = time.monotonic() + timeout_s
     async with aiohttp.ClientSession() as http:
         while time.monotonic() < deadline and process.returncode is None:
@@ -47,7 +50,7 @@ async def start_broker(config: Path, port: int, timeout_s: float = 10.0) -> asyn
                 await asyncio.sleep(0.05)
     if process.returncode is None:
         process.kill()
-    raise AssertionError("the broker did not start")
+    raise AssertionError("the broker did not start" + (f": {log.read_text()[-2000:]}" if log is not None else ""))
 
 
 def stored_state(db: Path, action_id: str) -> str | None:
