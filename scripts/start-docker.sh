@@ -166,23 +166,36 @@ node2_data_root() {
         truncate -s "$NODE2_DISK_SIZE" "$NODE2_DISK"
         mkfs.btrfs -q "$NODE2_DISK" >/dev/null
     fi
-    if ! mount -o loop "$NODE2_DISK" "$NODE2_DATA" || ! simple_quotas "$NODE2_DATA"; then
-        echo "warning: no btrfs with simple quotas on $NODE2_DATA: node 2 runs without disk caps" >&2
+    if ! mount -o loop "$NODE2_DISK" "$NODE2_DATA"; then
+        echo "warning: could not mount $NODE2_DISK (btrfs) on $NODE2_DATA: node 2 runs without disk caps" >&2
     fi
 }
 
-# Simple quotas (Linux >= 6.7): a subvolume's limit counts the extents written in it, and stays enforced when
-# subvolumes are deleted, where full quota groups turn inconsistent at the first container removed and stop
-# enforcing until a rescan. btrfs-progs before 6.7 cannot ask for them, so this asks the kernel itself
-# (BTRFS_IOC_QUOTA_CTL, BTRFS_QUOTA_CTL_ENABLE_SIMPLE_QUOTA).
+# Simple quotas (Linux >= 6.7) on node 2's btrfs, before each start of its engine: a subvolume's limit counts the
+# extents written in it, and stays enforced when subvolumes are deleted, where full quota groups turn inconsistent
+# at the first container removed and stop enforcing until a rescan. btrfs-progs before 6.7 cannot ask for them, so
+# this asks the kernel itself (BTRFS_IOC_QUOTA_CTL). Each start, because the engine's btrfs driver turns quotas off
+# when it stops and would turn full ones on again at its first capped container.
 simple_quotas() {
-    python3 - "$1" <<'PY'
+    local uuid mode=none
+    [ "$(findmnt -n -o FSTYPE --mountpoint "$NODE2_DATA" || true)" = btrfs ] || return 0
+    uuid=$(findmnt -n -o UUID --mountpoint "$NODE2_DATA")
+    if [ -r "/sys/fs/btrfs/$uuid/qgroups/mode" ]; then
+        mode=$(cat "/sys/fs/btrfs/$uuid/qgroups/mode")
+    fi
+    [ "$mode" = squota ] && return 0
+    if ! python3 - "$NODE2_DATA" "$mode" <<'PY'
 import fcntl, os, struct, sys
 BTRFS_IOC_QUOTA_CTL = 0xC0109428
-ENABLE_SIMPLE_QUOTA = 4
+DISABLE, ENABLE_SIMPLE_QUOTA = 2, 4
 fd = os.open(sys.argv[1], os.O_RDONLY)
+if sys.argv[2] != "none":
+    fcntl.ioctl(fd, BTRFS_IOC_QUOTA_CTL, bytearray(struct.pack("QQ", DISABLE, 0)))
 fcntl.ioctl(fd, BTRFS_IOC_QUOTA_CTL, bytearray(struct.pack("QQ", ENABLE_SIMPLE_QUOTA, 0)))
 PY
+    then
+        echo "warning: no simple quotas on $NODE2_DATA (Linux >= 6.7 has them): node 2 runs without disk caps" >&2
+    fi
 }
 
 # The storage driver of node 2's data root: btrfs where it is one.
@@ -202,6 +215,7 @@ start_node2() {
     fi
     if ! alive "$NODE2_DIR/docker.pid"; then
         node2_data_root
+        simple_quotas
         mkdir -p "$(dirname "$NODE2_CONFIG")"
         echo "{\"runtimes\": $RUNTIMES}" >"$NODE2_CONFIG"
         echo "starting node 2 engine on $NODE2 (log $log)" >&2
