@@ -355,28 +355,32 @@ def _other_once_executors(table):
     return found
 
 
+def wants_reap(request):
+    """A run that asked for what it leaves running to be killed after it (and the executor may: ``--reap``)."""
+    return (_reap_keep is not None and isinstance(request, dict) and request.get("op", "run") == "run"
+            and request.get("reap") is True)
+
+
 def reap_leftovers():
-    """SIGKILL every process left in the sandbox (daemons, a fork bomb's survivors) once no command runs: all but
-    PID 1, this executor and _reap_keep. Passes repeat while something forks; returns how many were killed.
+    """SIGKILL every process left in the sandbox (daemons, a fork bomb's survivors) unless a command runs: all but
+    PID 1, this executor and _reap_keep. Passes repeat while something forks; returns how many were killed. The
+    caller holds _children_lock, so that no command starts meanwhile.
 
     Only in a container (``--reap``), where the executor's PID namespace is the sandbox's own."""
-    if _reap_keep is None:
+    if _reap_keep is None or _children:  # another command runs: what it started is not left over
         return 0
     killed = set()
-    with _children_lock:
-        if _children:  # another command runs: what it started is not left over
-            return 0
-        keep = {1, os.getpid()} | _reap_keep
-        for _ in range(REAP_PASSES):
-            table = _proc_table()
-            if _reap_keep and _other_once_executors(table):
-                return len(killed)
-            alive = [p for p, (state, _ppid, _sid) in table.items() if p not in keep and state != "Z"]
-            if not alive:
-                break
-            for p in alive:
-                _kill(p)
-                killed.add(p)
+    keep = {1, os.getpid()} | _reap_keep
+    for _ in range(REAP_PASSES):
+        table = _proc_table()
+        if _reap_keep and _other_once_executors(table):
+            return len(killed)
+        alive = [p for p, (state, _ppid, _sid) in table.items() if p not in keep and state != "Z"]
+        if not alive:
+            break
+        for p in alive:
+            _kill(p)
+            killed.add(p)
     return len(killed)
 
 
@@ -639,8 +643,8 @@ def run_command(request, cancel_sock=None, oom_counter=None):
     Request fields: command (str: via /bin/sh -c; list: argv), env (added to the executor's environment),
     cwd, timeout_s (null: none), output_limit (per stream, default 1 MiB), cpus (affinity, null: inherit),
     memory_bytes (RLIMIT_AS, null: none), tag (names the command for the "cpus" op; cpus already sent for the
-    tag replace the request's; a run with the tag of a running command takes the tag over), reap (handled by
-    handle_request after the command: see reap_leftovers). cancel_sock: the
+    tag replace the request's; a run with the tag of a running command takes the tag over), reap (what the command
+    left running is killed once its answer is sent: wants_reap, reap_leftovers). cancel_sock: the
     client's socket; if it closes while the command runs, the tree is killed and ClientGone is raised.
     oom_counter: path of the cgroup file with `oom_kill N`.
     Errors of the executor itself come back in "error" with the other fields empty; it never raises for them.
@@ -759,10 +763,7 @@ def handle_request(request, cancel_sock=None, oom_counter=None):
                 "protocol": PROTOCOL_VERSION}
     if op == "run":
         try:
-            response = run_command(request, cancel_sock, oom_counter)
-            if request.get("reap") is True:
-                reap_leftovers()
-            return response
+            return run_command(request, cancel_sock, oom_counter)
         except ClientGone:
             raise
         except Exception as exc:  # noqa: BLE001 - a bug here must not take the executor down
@@ -830,6 +831,11 @@ def _serve_connection(conn, oom_counter):
                     response = handle_request(request, conn, oom_counter)
                 except ClientGone:
                     return
+                if wants_reap(request):
+                    with _children_lock:  # the answer goes out first; no command starts before the sweep is done
+                        _send(conn, response)
+                        reap_leftovers()
+                    continue
             _send(conn, response)
     except OSError:
         return  # the client went away mid-response; nothing to tell anyone
@@ -950,6 +956,7 @@ def once(argument, oom_setting, reap=False):
     if reap:
         server = _serving_executor(_proc_table())
         _reap_keep = frozenset() if server is None else frozenset({server})
+    request = None
     try:
         request = decode_once(argument)
     except (ValueError, binascii.Error, UnicodeError) as exc:
@@ -958,6 +965,9 @@ def once(argument, oom_setting, reap=False):
         response = handle_request(request, None, resolve_oom_counter(oom_setting))
     sys.stdout.buffer.write(_encode(response) + b"\n")  # bytes: stdout's encoding may be ASCII in an image
     sys.stdout.flush()
+    if wants_reap(request):
+        with _children_lock:
+            reap_leftovers()
     return 0
 
 
