@@ -43,7 +43,11 @@ RUN_DIR = "/run/tangram/test-sandboxes"
 #: python in the sandbox: stop the serving executor (SIGSTOP), so that it takes connections and never answers
 STOP_EXECUTOR = ("import os, signal\n"
                  "for p in filter(str.isdigit, os.listdir('/proc')):\n"
-                 "    if b'executor.py\\0serve' in open(f'/proc/{p}/cmdline', 'rb').read():\n"
+                 "    try:\n"
+                 "        line = open(f'/proc/{p}/cmdline', 'rb').read()\n"
+                 "    except OSError:\n"
+                 "        continue  # gone since the listing\n"
+                 "    if b'executor.py\\0serve' in line:\n"
                  "        os.kill(int(p), signal.SIGSTOP)\n")
 
 
@@ -319,8 +323,12 @@ async def test_an_image_that_links_its_socket_elsewhere_reaches_nothing(target, 
 
 #: python in the sandbox: how many ``sleep`` processes run (the marker split, so that its own command line misses)
 LEFT = ("import os\n"
-        "print(sum(b'sle' b'ep' in open(f'/proc/{p}/cmdline', 'rb').read() for p in os.listdir('/proc')"
-        " if p.isdigit()))")
+        "def line(p):\n"
+        "    try:\n"
+        "        return open(f'/proc/{p}/cmdline', 'rb').read()\n"
+        "    except OSError:\n"
+        "        return b''  # gone since the listing\n"
+        "print(sum(b'sle' b'ep' in line(p) for p in os.listdir('/proc') if p.isdigit()))")
 
 
 @pytest.mark.parametrize("path", ["fast", "engine"])
