@@ -85,6 +85,8 @@ class EnvironmentRecord(Schema):
     node: str
     image: str
     memory_mb: int
+    sandbox_user: str | None = Field(description='who runs in it: "UID:GID" or "root" (null: taken over after a '
+                                                 'restart, not known)')
     state: EnvState
     created_at: float
     last_used: float
