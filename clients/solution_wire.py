@@ -42,8 +42,8 @@ MAX_FRAME_BYTES = 256 << 20
 _HEADER = struct.Struct(">I")
 _SMALL_INT = 1 << 63
 #: mutable containers by exact type, and their tags
-_MUTABLE: dict[type, str] = {list: "l", dict: "d", set: "s", bytearray: "y", collections.deque: "q", collections.Counter: "C",
-            collections.OrderedDict: "O", collections.defaultdict: "d"}
+_MUTABLE: dict[type, str] = {list: "l", dict: "d", set: "s", bytearray: "y", collections.deque: "q",
+                             collections.Counter: "C", collections.OrderedDict: "O", collections.defaultdict: "d"}
 _NEW = {"l": list, "d": dict, "s": set, "C": collections.Counter, "O": collections.OrderedDict}
 _PAIRS = frozenset("dCO")
 

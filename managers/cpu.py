@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from types import MappingProxyType
@@ -52,8 +53,8 @@ class CpuFit(Fit):
         self.before = {name: len(node.cores.free) for name, node in manager.nodes.items()}
         self.free = dict(self.before)
         self.memory_free = {name: node.memory_mb - node.memory_reserved for name, node in manager.nodes.items()}
-        #: environments each node's pids budget still holds (None: no budget)
-        self.sandbox_room = {name: node.sandbox_room for name, node in manager.nodes.items()}
+        #: environments this pass places on each node, against its pids budget
+        self.new_environments: Counter[str] = Counter()
         #: nodes that may take new environments (a lost node's cores serve only the actions that fail there)
         self.serving = tuple(name for name, node in manager.nodes.items() if node.lost is None)
         self.new_trajectories: dict[tuple[str, str], str] = {}
@@ -68,7 +69,7 @@ class CpuFit(Fit):
         if node is None:
             memory = self.manager.memory_for(action)
             candidates = [name for name in self.serving if self.free[name] >= n and self.memory_free[name] >= memory
-                          and self._room_for_one(name)]
+                          and self.manager.nodes[name].has_room_for(self.new_environments[name] + 1)]
             if not candidates:
                 if any(free >= n for free in self.free.values()):
                     self.short_of_memory.add(action.id)
@@ -80,18 +81,9 @@ class CpuFit(Fit):
             return False
         self.free[node] -= n
         self.memory_free[node] -= memory
-        self._take_room(node, 1 if memory else 0)
+        self.new_environments[node] += 1 if memory else 0
         self.placed[action.id] = (node, n, memory)
         return True
-
-    def _room_for_one(self, node: str) -> bool:
-        room = self.sandbox_room[node]
-        return room is None or room > 0
-
-    def _take_room(self, node: str, environments: int) -> None:
-        room = self.sandbox_room[node]
-        if room is not None:
-            self.sandbox_room[node] = room - environments
 
     def holds_back(self, action: Action) -> bool:
         """A new trajectory waiting only for memory (or sandbox room) does not hold back actions of trajectories
@@ -108,7 +100,7 @@ class CpuFit(Fit):
         node, n, memory = self.placed.pop(action.id)
         self.free[node] += n
         self.memory_free[node] += memory
-        self._take_room(node, -1 if memory else 0)
+        self.new_environments[node] -= 1 if memory else 0
         key = self.manager.trajectory_key(action)
         if memory and key and self.new_trajectories.get(key) == node:
             del self.new_trajectories[key]

@@ -249,8 +249,9 @@ def host_pids_budget() -> int:
 
 def on_this_host(node: CpuNodeConfig) -> CpuNodeConfig:
     """``node`` with the defaults read from this host where the config left them out: every core this process may
-    run on, 80% of its memory, its NUMA layout, the fast path and the pids budget for a local engine. The manager calls it at start
-    for its own nodes, a node agent on its host for its node; a node behind an agent is left to its agent."""
+    run on, 80% of its memory, its NUMA layout, the fast path and the pids budget for a local engine. The manager
+    calls it at start for its own nodes, a node agent on its host for its node; a node behind an agent is left to
+    its agent."""
     if node.agent:
         return node
     cores = node.cores or tuple(sorted(os.sched_getaffinity(0)))

@@ -36,3 +36,7 @@ class CpuNode(NodeStanding):
     def sandbox_room(self) -> int | None:
         """How many more environments its pids budget holds (None: no budget)."""
         return None if self.sandboxes is None else self.sandboxes - self.environments
+
+    def has_room_for(self, environments: int = 1) -> bool:
+        """Whether its pids budget holds ``environments`` more."""
+        return self.sandboxes is None or self.environments + environments <= self.sandboxes

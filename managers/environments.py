@@ -232,7 +232,7 @@ class Environments(Mapping[str, Environment]):
         if admit is not None:
             admit(memory)
         fitting = [n for n in self.nodes.values() if n.lost is None and n.memory_reserved + memory <= n.memory_mb
-                   and (n.sandbox_room is None or n.sandbox_room > 0)]
+                   and n.has_room_for()]
         if not fitting:
             raise TooMany("memory_mb", f"no node has {memory} MiB unreserved and room for another sandbox in its "
                                        f"pids budget now; delete idle environments or retry later")

@@ -31,6 +31,9 @@ LABEL_CREATED = "org.arl-tangram.created-at"
 LABEL_EPHEMERAL = "org.arl-tangram.ephemeral"
 #: a warm sandbox: made ahead of any trajectory; once claimed, its identity lives beside it (``sandboxes/docker.py``)
 LABEL_WARM = "org.arl-tangram.warm"
+#: a file of labels a broker wrote (a claimed warm sandbox's, a local environment's) is a few of them: anything larger
+#: is not read
+MAX_LABELS_BYTES = 64 * 1024
 
 
 #: who runs in a sandbox unless its environment says otherwise: not root, so that a command owns nothing of the

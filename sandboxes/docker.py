@@ -43,6 +43,7 @@ from sandboxes.backend import (
     LABEL_EPHEMERAL,
     LABEL_MANAGED,
     LABEL_WARM,
+    MAX_LABELS_BYTES,
     Leftover,
     Sandbox,
     SandboxBackend,
@@ -83,8 +84,6 @@ CLAIM_FILE = "claimed.json"
 SEALED_OWNER_OF_ROOT = 65534
 #: the engine's log of a sandbox (its executor's stderr, and whatever a command writes there): one file, capped
 CONTAINER_LOG = {"max-size": "1m", "max-file": "1"}
-#: a claim file is a few labels; anything larger was not written by a broker
-MAX_CLAIM_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -125,6 +124,14 @@ def _parents(path: str) -> list[str]:
     """The directories ``path`` (relative) is in, below its top: ``a/b/c`` -> ``a``, ``a/b``."""
     parts = path.split("/")[:-1]
     return ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
+
+
+def _mount_source(container: Container, destination: str) -> Path | None:
+    """Where on the engine's host the container's mount at ``destination`` comes from, as the engine says."""
+    for mount in container.attrs.get("Mounts", []):
+        if mount.get("Destination") == destination and mount.get("Source"):
+            return Path(mount["Source"])
+    return None
 
 
 class DockerSandbox(Sandbox):
@@ -470,9 +477,9 @@ class DockerBackend(SandboxBackend):
         """Give a read-only-root sandbox's work dir, an anonymous volume the engine makes root's, to its user. An
         archive cannot (the engine extracts no entry for the directory it extracts into), so the volume's directory
         is changed on the engine's host: this one (``_start_container`` checked)."""
-        for mount in container.attrs.get("Mounts", []):
-            if mount.get("Destination") == WORKDIR:
-                os.chown(mount["Source"], *owner)
+        source = _mount_source(container, WORKDIR)
+        if source is not None:
+            os.chown(source, *owner)
 
     @staticmethod
     def _copy_in(container: Container, spec: SandboxSpec) -> None:
@@ -566,7 +573,7 @@ class DockerBackend(SandboxBackend):
     def _claimed_labels(self, labels: dict[str, str]) -> dict[str, str] | None:
         """The labels of the environment a warm sandbox became (None: never claimed, or no claim a broker wrote)."""
         try:
-            claimed = orjson.loads(read_regular(str(self.run_dir / labels[LABEL_ENV] / CLAIM_FILE), MAX_CLAIM_BYTES))
+            claimed = orjson.loads(read_regular(str(self.run_dir / labels[LABEL_ENV] / CLAIM_FILE), MAX_LABELS_BYTES))
         except (KeyError, OSError, UntrustedPath, orjson.JSONDecodeError) as error:
             if not isinstance(error, FileNotFoundError):
                 log.warning("warm sandbox %s: its claim is unreadable (%s)", labels.get(LABEL_ENV), error)
@@ -580,11 +587,8 @@ class DockerBackend(SandboxBackend):
         """Where the adopted container's executor socket is on the host, as its engine reports the mount: the
         shared subdirectory of ``host_dir``, or ``host_dir`` itself for a sandbox made before the subdirectory was
         (whose claim, written in the shared directory, is not trusted); None for anything else."""
-        for mount in container.attrs.get("Mounts", []):
-            if mount.get("Destination") == SOCKET_DIR_IN_CONTAINER:
-                source = Path(mount.get("Source", ""))
-                return source if source in (host_dir / SOCKET_SUBDIR, host_dir) else None
-        return None
+        source = _mount_source(container, SOCKET_DIR_IN_CONTAINER)
+        return source if source in (host_dir / SOCKET_SUBDIR, host_dir) else None
 
     async def _adopt(self, container: Container) -> Leftover | None:
         """The container as the same environment, idle; lost (and removed) if it stopped or its executor does not

@@ -99,8 +99,9 @@ async def call(socket_path: str, request: dict[str, Any], *, connect_timeout: fl
 
     Errors the executor reports about the command (bad field, missing cwd, ...) come back in the response's
     "error"; ExecutorUnavailable means the executor itself could not answer; BadAnswer, that it announced a frame
-    larger than the request allows (``sandboxes/executor_answer.py``), which is not read. If the awaiting task is cancelled,
-    the connection is aborted at once so the executor kills the running command, and CancelledError propagates.
+    larger than the request allows (``sandboxes/executor_answer.py``), which is not read. If the awaiting task is
+    cancelled, the connection is aborted at once so the executor kills the running command, and CancelledError
+    propagates.
     """
     sock = await _connect(socket_path, connect_timeout)
     try:
@@ -113,9 +114,10 @@ async def call(socket_path: str, request: dict[str, Any], *, connect_timeout: fl
         await writer.drain()
         header = await reader.readexactly(_HEADER.size)
         (length,) = _HEADER.unpack(header)
-        if length > frame_limit(request):
+        limit = frame_limit(request)
+        if length > limit:
             raise BadAnswer(f"the executor at {socket_path} answered with a frame of {length} bytes, more than an "
-                            f"executor sends for this request ({frame_limit(request)})")
+                            f"executor sends for this request ({limit})")
         body = await reader.readexactly(length)
     except asyncio.IncompleteReadError as exc:
         writer.transport.abort()

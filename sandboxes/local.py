@@ -22,6 +22,7 @@ import psutil
 
 from sandboxes.backend import (
     LABEL_EPHEMERAL,
+    MAX_LABELS_BYTES,
     Leftover,
     Sandbox,
     SandboxBackend,
@@ -37,7 +38,6 @@ ADOPT_TIMEOUT_S = 5.0
 MARKER = "TANGRAM_ENVIRONMENT"
 #: the environment's SandboxSpec labels, so that a restarted broker can adopt it
 LABELS_FILE = "labels.json"
-MAX_LABELS_BYTES = 64 * 1024
 
 
 def _executor_of(env_id: str) -> psutil.Process | None:

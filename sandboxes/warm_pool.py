@@ -51,6 +51,11 @@ class CreateRate:
             self._tokens -= 1
 
 
+def _kind(spec: SandboxSpec) -> tuple[object, ...]:
+    """What a warm sandbox must share with a spec to become its sandbox: all but its identity and files."""
+    return (spec.image, spec.memory_mb, spec.pids_limit, spec.read_only_root, spec.user, spec.disk_mb, spec.broker_id)
+
+
 class WarmPool(Generic[S]):
     """Up to ``size`` idle sandboxes made from ``template``, refilled in the background as they are claimed."""
 
@@ -81,10 +86,7 @@ class WarmPool(Generic[S]):
 
     def fits(self, spec: SandboxSpec) -> bool:
         """A warm sandbox can become ``spec``'s: the same image, limits and broker (files come at the claim)."""
-        template = self.template
-        return (spec.image, spec.memory_mb, spec.pids_limit, spec.read_only_root, spec.user, spec.disk_mb,
-                spec.broker_id) == (template.image, template.memory_mb, template.pids_limit, template.read_only_root,
-                                    template.user, template.disk_mb, template.broker_id)
+        return _kind(spec) == _kind(self.template)
 
     def claim(self, spec: SandboxSpec) -> S | None:
         """An idle warm sandbox for ``spec`` (the caller gives it its identity), or None."""

@@ -197,14 +197,14 @@ class Broker:
             log.error("idempotency lookup failed: %r", error)
             raise Unavailable("store", "the database is unavailable, so this broker cannot tell whether these "
                                        "idempotency keys were used before; retry with the same keys") from None
-        self.idempotency.check_replays(actions, stored, self.actions)
-        for index, action in enumerate(actions):
+        replayed = self.idempotency.check_replays(actions, stored, self.actions)
+        for index, (action, earlier) in enumerate(zip(actions, replayed, strict=True)):
             # a replay was checked when it came first; checked again now, it could be refused for what it did
             # since (its trajectory's environment, which it made, now exists)
-            if self.idempotency.existing(action, stored, self.actions) is None:
+            if earlier is None:
                 self._validate(action, f"actions[{index}]." if len(actions) > 1 else "")
         if self.ledger.limited:  # after the last await: nothing is queued between the check and the pushes
-            self._check_caps(actions, stored)
+            self._check_caps(actions, replayed)
         results: list[tuple[Action, bool]] = []
         fresh: list[Action] = []
         for action in actions:
@@ -234,13 +234,13 @@ class Broker:
                                            "the same idempotency_key to learn its fate") from None
         return results
 
-    def _check_caps(self, actions: Sequence[Action], stored: dict[tuple[str, str], Action]) -> None:
-        """The per-task caps on what this submit would newly queue (idempotent replays and repeated keys within
-        the submit count once); raises ``OverCap`` (429) before anything is queued."""
+    def _check_caps(self, actions: Sequence[Action], replayed: Sequence[Action | None]) -> None:
+        """The per-task caps on what this submit would newly queue (idempotent replays, ``replayed``, and repeated
+        keys within the submit count once); raises ``OverCap`` (429) before anything is queued."""
         fresh: list[Action] = []
         keys: set[tuple[str, str]] = set()
-        for action in actions:
-            if self.idempotency.existing(action, stored, self.actions) is not None:
+        for action, earlier in zip(actions, replayed, strict=True):
+            if earlier is not None:
                 continue
             if action.idempotency_key is not None:
                 if (action.task, action.idempotency_key) in keys:

@@ -61,15 +61,16 @@ class IdempotencyIndex:
         return stored.get(ident)
 
     def check_replays(self, actions: Sequence[Action], stored: Mapping[Ident, Action],
-                      in_memory: Mapping[str, Action]) -> None:
-        """409 (``Conflict`` on ``idempotency_key``) if any of ``actions`` reuses a key, earlier or within this
-        submit, for a different request; nothing is queued then."""
+                      in_memory: Mapping[str, Action]) -> list[Action | None]:
+        """The action each of ``actions`` replays (``existing``; None for a new one), or 409 (``Conflict`` on
+        ``idempotency_key``) if any reuses a key, earlier or within this submit, for a different request; nothing
+        is queued then."""
         first: dict[Ident, Action] = {}
-        for index, action in enumerate(actions):
+        replayed = [self.existing(action, stored, in_memory) for action in actions]
+        for index, (action, existing) in enumerate(zip(actions, replayed, strict=True)):
             if action.idempotency_key is None:
                 continue
             ident = (action.task, action.idempotency_key)
-            existing = self.existing(action, stored, in_memory)
             earlier = existing or first.setdefault(ident, action)
             asked = request_of(earlier)
             differs = [name for name, value in request_of(action).items() if asked[name] != value]
@@ -80,6 +81,7 @@ class IdempotencyIndex:
                                f"was used for another request of task {action.task!r} ({holder}, which differs in "
                                f"{', '.join(differs)}); a key names one request: send a new key for a new one",
                                action=None if existing is None else existing.id)
+        return replayed
 
 
 def request_of(action: Action) -> dict[str, Any]:

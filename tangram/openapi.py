@@ -292,7 +292,8 @@ def openapi_document(server: ServerConfig, limits: Limits, resources: Sequence[s
     submit_errors = {"400": _error("does not match the schemas"),
                      "404": _error("unknown spec.environment or reward service"),
                      "409": _error("spec.environment is lost, or idempotency_key was used for another request "
-                                   "(the body names the action it holds)"), "413": _error("body, command or files too large"),
+                                   "(the body names the action it holds)"),
+                     "413": _error("body, command or files too large"),
                      "422": _error(f"matches the schemas but breaks a rule they cannot state (min <= max, the "
                                    f"elasticity resource in the demand, an exec demands cpu, a reward input fits the "
                                    f"service's task, spec.files for a trajectory that has its environment), or can "

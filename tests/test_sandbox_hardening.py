@@ -2,9 +2,9 @@
 
 Commands run as an unprivileged user (uid 1000 unless ``cpu.sandbox_user`` says otherwise), with every capability
 dropped, ``no-new-privileges``, no network, a pids limit and a memory limit; as root of the container (the option
-``sandbox_user = "root"``) they are no better off, so what root could do elsewhere fails here. Where the per-action path could
-change what a command gets (the executor socket on a local engine vs ``docker exec`` of the executor), a test runs on
-both: ``fast`` is engine 0 with the fast path, ``engine`` is engine 1 without it.
+``sandbox_user = "root"``) they are no better off, so what root could do elsewhere fails here. Where the per-action
+path could change what a command gets (the executor socket on a local engine vs ``docker exec`` of the executor), a
+test runs on both: ``fast`` is engine 0 with the fast path, ``engine`` is engine 1 without it.
 """
 
 from __future__ import annotations
