@@ -54,6 +54,7 @@ from sandboxes.backend import (
 from sandboxes.cgroup import CFS_PERIOD_US, ContainerCgroup, cpu_list
 from sandboxes.executor_answer import BadAnswer, frame_limit
 from sandboxes.executor_client import EXECUTOR_PATH, ExecutorUnavailable, call, encode_once, wait_ready
+from sandboxes.id_mapping import IdMapping
 from sandboxes.untrusted_paths import UntrustedPath, read_regular
 from sandboxes.warm_pool import CreateRate, WarmPool
 
@@ -301,6 +302,8 @@ class DockerBackend(SandboxBackend):
             if warm is not None and warm_size and fast_path else None
         #: whether the engine's storage caps a container's disk (None: not asked yet)
         self.disk_capped: bool | None = None
+        #: the host ids of the sandboxes' ids (``start`` asks the engine)
+        self.ids = IdMapping()
 
     async def off_loop(self, call: Any, *args: Any) -> Any:
         """``call(*args)`` on a worker thread; an engine that stopped answering (restarting, gone) becomes the
@@ -323,8 +326,10 @@ class DockerBackend(SandboxBackend):
         except Exception as error:  # noqa: BLE001 - the SDK raises several families for an unreachable engine
             raise SandboxError("engine_unavailable", f"Docker engine {self.engine} does not answer: {error}") \
                 from None
+        info = await asyncio.to_thread(client.info)
+        self.ids = IdMapping.of_engine(self.engine, info)
         if self.runtime is not None:
-            known = (await asyncio.to_thread(client.info)).get("Runtimes", {})
+            known = info.get("Runtimes", {})
             if self.runtime not in known:
                 raise SandboxError("runtime_unknown", f"Docker engine {self.engine} has no runtime {self.runtime!r} "
                                                       f"(it has {sorted(known)}): register it in the engine's "
@@ -414,7 +419,7 @@ class DockerBackend(SandboxBackend):
         if host_dir is not None:
             host_dir.mkdir(mode=0o700, exist_ok=True)
             (host_dir / SOCKET_SUBDIR).mkdir(mode=0o700, exist_ok=True)
-            os.chown(host_dir / SOCKET_SUBDIR, uid, gid)  # the executor makes its socket there
+            os.chown(host_dir / SOCKET_SUBDIR, *self.ids.on_host(spec.owner))  # the executor makes its socket there
             options["volumes"] = {str(host_dir / SOCKET_SUBDIR): {"bind": SOCKET_DIR_IN_CONTAINER, "mode": "rw"}}
         if spec.read_only_root:
             # The engine extracts archives into a read-only-root container only inside its volumes.
@@ -479,7 +484,7 @@ class DockerBackend(SandboxBackend):
         is changed on the engine's host: this one (``_start_container`` checked)."""
         source = _mount_source(container, WORKDIR)
         if source is not None:
-            os.chown(source, *owner)
+            os.chown(source, *self.ids.on_host(owner))
 
     @staticmethod
     def _copy_in(container: Container, spec: SandboxSpec) -> None:
@@ -664,7 +669,7 @@ class DockerBackend(SandboxBackend):
 
     def describe(self) -> dict[str, Any]:
         description: dict[str, Any] = {"backend": "docker", "engine": self.engine, "fast_path": self.fast_path,
-                                       "disk_capped": self.disk_capped}
+                                       "disk_capped": self.disk_capped, "userns_remap": self.ids.remaps}
         if self._warm is not None:
             description["warm_sandboxes"] = len(self._warm)
         return description

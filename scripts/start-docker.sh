@@ -1,19 +1,22 @@
 #!/usr/bin/env bash
-# Bring up the two Docker engines the sandbox tests run against, on a fresh Debian machine, as root, and make sure
-# the default sandbox image (tangram/sandbox-python:bookworm, built offline with debootstrap) is in both.
+# Bring up the Docker engines the sandbox tests run against, on a fresh Debian machine, as root, and make sure the
+# default sandbox image (tangram/sandbox-python:bookworm, built offline with debootstrap) is in each.
 #   node 1: the default engine on unix:///var/run/docker.sock
 #   node 2: a second dockerd on unix:///run/tangram/node2/docker.sock with its own data root, exec root and
 #           containerd, standing for a second node (no bridge network: sandboxes run with network none); its data
 #           root is a btrfs file system (a sparse file on a loop device) under the btrfs storage driver, whose
 #           simple quotas cap each sandbox's disk (storage_opt size), where node 1's overlay2 on ext4 cannot
-# Both engines also know gVisor's runtime, ``runsc`` (Debian's package), for nodes that set ``runtime = "runsc"``:
+#   node 3: a third dockerd on unix:///run/tangram/node3/docker.sock, like node 2 but on overlay2 under the host's
+#           file system, run with user-namespace remapping (--userns-remap default: the engine makes the dockremap
+#           user and its /etc/subuid range), for the tests of sandboxes whose root is nobody on the host
+# Nodes 1 and 2 also know gVisor's runtime, ``runsc`` (Debian's package), for nodes that set ``runtime = "runsc"``:
 # without a network (sandboxes have none) and with host-backed unix sockets, so that the executor's socket is one
 # the host can connect to.
 # Idempotent: installs docker.io and debootstrap only when missing, starts an engine only when it does not answer,
 # builds the image only when an engine lacks it. Prints only the export line the tests read on stdout (progress
 # goes to stderr), so
 #   eval "$(bash scripts/start-docker.sh)"
-# sets TANGRAM_TEST_DOCKER_NODES in the calling shell.
+# sets TANGRAM_TEST_DOCKER_NODES (nodes 1 and 2) and TANGRAM_TEST_USERNS_ENGINE (node 3) in the calling shell.
 set -euo pipefail
 exec 3>&1 1>&2
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -26,6 +29,10 @@ NODE2_DATA=/var/lib/tangram/node2
 NODE2_DISK=/var/lib/tangram/node2.btrfs
 NODE2_DISK_SIZE=32G
 NODE2_CONFIG=/etc/tangram/node2-daemon.json
+NODE3_DIR=/run/tangram/node3
+NODE3=unix://$NODE3_DIR/docker.sock
+NODE3_DATA=/var/lib/tangram/node3
+NODE3_CONFIG=/etc/tangram/node3-daemon.json
 #: the runtimes both engines know, as dockerd's config spells them
 RUNTIMES='{"runsc": {"path": "/usr/bin/runsc", "runtimeArgs": ["--network=none", "--host-uds=create"]}}'
 LOG_DIR=/var/log/tangram
@@ -63,7 +70,7 @@ fi
 grep -qw overlay /proc/filesystems || modprobe overlay 2>/dev/null || \
     echo "warning: no overlay filesystem in this kernel; dockerd will use the slow vfs storage driver" >&2
 
-mkdir -p "$LOG_DIR" "$NODE2_DIR" "$NODE2_DATA"
+mkdir -p "$LOG_DIR" "$NODE2_DIR" "$NODE2_DATA" "$NODE3_DIR" "$NODE3_DATA"
 
 answers() { timeout 10 docker -H "$1" info >/dev/null 2>&1; }
 
@@ -228,14 +235,32 @@ start_node2() {
     wait_for "$NODE2" "$log" "$NODE2_DIR/docker.pid"
 }
 
+start_node3() {
+    local log=$LOG_DIR/dockerd-node3.log
+    if answers "$NODE3"; then
+        echo "node 3 engine already answers on $NODE3" >&2
+        return 0
+    fi
+    if ! alive "$NODE3_DIR/docker.pid"; then
+        mkdir -p "$(dirname "$NODE3_CONFIG")"
+        echo '{}' >"$NODE3_CONFIG"  # its own (empty) config: node 1's daemon.json is not its
+        echo "starting node 3 engine (user-namespace remapping) on $NODE3 (log $log)" >&2
+        detach "$log" dockerd --host "$NODE3" --data-root "$NODE3_DATA" --exec-root "$NODE3_DIR/exec" \
+            --pidfile "$NODE3_DIR/docker.pid" --bridge none --iptables=false --ip-masq=false \
+            --userns-remap default --config-file "$NODE3_CONFIG"
+    fi
+    wait_for "$NODE3" "$log" "$NODE3_DIR/docker.pid"
+}
+
 node1_runtimes
 start_node1
 start_node2
-for url in "$NODE1" "$NODE2"; do
+start_node3
+for url in "$NODE1" "$NODE2" "$NODE3"; do
     echo "$url: $(docker -H "$url" info --format 'Docker {{.ServerVersion}}, storage {{.Driver}}, cgroup v{{.CgroupVersion}} ({{.CgroupDriver}})' 2>/dev/null)" >&2
 done
 
-# The default sandbox image in both engines: debootstrap runs only when neither the engines nor the cache have it.
+# The default sandbox image in every engine: debootstrap runs only when neither the engines nor the cache have it.
 if [ -n "${VIRTUAL_ENV:-}" ] && [ -x "$VIRTUAL_ENV/bin/python" ]; then
     python=$VIRTUAL_ENV/bin/python
 elif [ -x "$root/.venv/bin/python" ]; then
@@ -243,6 +268,7 @@ elif [ -x "$root/.venv/bin/python" ]; then
 else
     python=python3
 fi
-(cd "$root" && "$python" -m tangram.cli image build --engine "$NODE1" --engine "$NODE2" </dev/null 3>&-)
+(cd "$root" && "$python" -m tangram.cli image build --engine "$NODE1" --engine "$NODE2" --engine "$NODE3" \
+    </dev/null 3>&-)
 
-echo "export TANGRAM_TEST_DOCKER_NODES=$NODE1,$NODE2" >&3
+echo "export TANGRAM_TEST_DOCKER_NODES=$NODE1,$NODE2 TANGRAM_TEST_USERNS_ENGINE=$NODE3" >&3

@@ -15,7 +15,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from managers.ray_loopback import keep_ray_on_loopback
 from sandboxes.backend import LABEL_BROKER
 from tangram.store import Base, Store
-from tests.docker_nodes import SESSION_BROKER_PREFIX, configured_engines, labelled_containers
+from tests.docker_nodes import SESSION_BROKER_PREFIX, USERNS_ENV, configured_engines, labelled_containers
 
 # ---------------------------------------------------------------------------------------------------------------
 # Store fixtures: every store test runs on real SQLite (a file under tmp_path) and on real PostgreSQL.
@@ -95,7 +95,7 @@ def no_sandbox_outlives_the_suite() -> Iterator[None]:
     session's, on shared engines, is left alone)."""
     yield
     leftovers: dict[str, list[str]] = {}
-    for engine in configured_engines():
+    for engine in [*configured_engines(), *filter(None, [os.environ.get(USERNS_ENV)])]:
         for container in labelled_containers(engine):
             if container.labels.get(LABEL_BROKER, "").startswith(SESSION_BROKER_PREFIX):
                 leftovers.setdefault(engine, []).append(container.name)

@@ -1,8 +1,9 @@
 """The real Docker engines the sandbox tests run on, and broker configs that use them.
 
 ``eval "$(bash scripts/start-docker.sh)"`` (run by scripts/test.sh) starts two engines on this machine, standing for
-two nodes, imports the default sandbox image into both and exports TANGRAM_TEST_DOCKER_NODES. Without it these
-tests fail: they must not silently skip.
+two nodes, and a third that remaps user namespaces, imports the default sandbox image into all three and exports
+TANGRAM_TEST_DOCKER_NODES (the two nodes) and TANGRAM_TEST_USERNS_ENGINE (the third). Without it these tests fail:
+they must not silently skip.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import pytest
 from sandboxes.backend import LABEL_BROKER, LABEL_MANAGED
 
 NODES_ENV = "TANGRAM_TEST_DOCKER_NODES"
+#: a third engine, run with user-namespace remapping (``--userns-remap default``)
+USERNS_ENV = "TANGRAM_TEST_USERNS_ENGINE"
 
 
 def configured_engines() -> list[str]:
@@ -31,6 +34,15 @@ def docker_engines() -> list[str]:
         pytest.fail(f"{NODES_ENV} must list two Docker engines: run `eval \"$(bash scripts/start-docker.sh)\"` as "
                     f"root (scripts/test.sh does)")
     return engines
+
+
+def userns_engine() -> str:
+    """The test engine that remaps user namespaces; fails the test when the test command did not start it."""
+    engine = os.environ.get(USERNS_ENV, "").strip()
+    if not engine:
+        pytest.fail(f"{USERNS_ENV} must name the Docker engine with user-namespace remapping: run "
+                    f"`eval \"$(bash scripts/start-docker.sh)\"` as root (scripts/test.sh does)")
+    return engine
 
 
 #: every broker id this pytest process makes starts with it, so the end-of-suite check looks at this session's
