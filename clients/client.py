@@ -243,7 +243,8 @@ class AsyncTangramClient:
         record: ``result`` has ``exit_code``, ``stdout``, ``stderr``, ``environment``. A non-zero exit code is a
         succeeded action; timeouts, lost sandboxes and memory kills raise ``ActionError``. Other keyword
         arguments are spec fields (``files``, ``env``, ``cwd``, ``memory_mb``, ``image``, ``pytest_parallel``,
-        ``output_limit``, ``environment``)."""
+        ``output_limit``, ``environment``, ``sandbox_user``; ``background=True`` answers at once with
+        ``result["pid"]``)."""
         command = command if isinstance(command, str) else list(command)
         return await self.run("exec", {"cpu": cores}, {"command": command, **spec}, task=task,
                               trajectory=trajectory, elasticity=elasticity, timeout_s=timeout_s,

@@ -304,6 +304,8 @@ class CpuManager(ResourceManager[CpuHandle]):
         if RESOURCE not in action.demands:
             raise Unprocessable("demand.cpu", 'exec actions run on cores: add "cpu": 1 (or a range) to demand')
         spec = self.exec_spec(action)
+        if spec.background:
+            self._check_background(action, spec)
         if spec.environment is not None:
             env = self.environments.get(spec.environment)
             if env is None or env.task != action.task:
@@ -324,6 +326,16 @@ class CpuManager(ResourceManager[CpuHandle]):
             raise Unprocessable("spec.sandbox_user", f"trajectory {action.trajectory!r} has its environment "
                                                      f"{existing.id} already, running as {existing.sandbox_user}: a "
                                                      f"user is chosen when an environment is created")
+
+    def _check_background(self, action: Action, spec: ExecSpec) -> None:
+        """A background command lives in an environment that outlives its action, in a container that can end it
+        with the environment (the executor refuses one elsewhere; this says so at submit where no node could)."""
+        if action.trajectory is None and spec.environment is None:
+            raise Unprocessable("spec.background", "needs a trajectory or an environment: the environment of a "
+                                                   "one-off action goes when the action ends")
+        if all(node.config.backend == "local" for node in self.nodes.values()):
+            raise Unprocessable("spec.background", "needs Docker sandboxes: on local processes a background "
+                                                   "command would outlive its environment")
 
     def allocate(self, action: Action, units: Mapping[str, int], pools: Mapping[str, str]) -> Allocation[CpuHandle]:
         node = self.nodes[pools[RESOURCE]]
@@ -457,6 +469,8 @@ class CpuManager(ResourceManager[CpuHandle]):
         output = {k: response.get(k) for k in ("exit_code", "signal", "stdout", "stderr", "stdout_bytes",
                                                "stderr_bytes", "stdout_truncated", "stderr_truncated",
                                                "duration_s")}
+        if response.get("pid") is not None:  # a background command's
+            output["pid"] = response["pid"]
         where = {"environment": env.id, "node": env.node, "cores": list(cores), "setup_s": round(setup_s, 6)}
         if response.get("error"):
             raise ActionFailed("exec_error", response["error"], **where)

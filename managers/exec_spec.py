@@ -110,6 +110,12 @@ class ExecSpecBody(Schema):
                                                           '(422 for a trajectory that has one)')
     pytest_parallel: bool | None = None
     output_limit: NonNegativeInteger | None = Field(default=None, description="bytes of output kept")
+    background: bool | None = Field(default=None, description=(
+        "start the command and answer at once with its pid (result.pid, in the sandbox): it keeps running, its "
+        "output discarded (redirect it to a file), until it ends, a later command kills it or the environment "
+        "goes; the reap after each command spares it. It runs only while an action of its trajectory runs (an "
+        "idle sandbox is frozen and holds no core), and counts against the sandbox's pids limit and memory. Needs "
+        "a trajectory or an environment, on Docker sandboxes"))
 
 
 EXEC_SPEC = TypeAdapter(ExecSpecBody)
@@ -129,6 +135,7 @@ class ExecSpec:
     files: Mapping[str, bytes] = field(default_factory=dict)
     pytest_parallel: bool = False
     output_limit: int = 1 << 20
+    background: bool = False
 
 
 def parse_exec_spec(spec: Mapping[str, Any], limits: ExecLimits, where: str = "spec") -> ExecSpec:
@@ -149,7 +156,8 @@ def parse_exec_spec(spec: Mapping[str, Any], limits: ExecLimits, where: str = "s
     return ExecSpec(command=command, env=env, cwd=body.cwd, environment=body.environment, image=body.image,
                     memory_mb=body.memory_mb, sandbox_user=body.sandbox_user,
                     files=decode_files(body.files or {}, f"{where}.files", limits),
-                    pytest_parallel=bool(body.pytest_parallel), output_limit=output)
+                    pytest_parallel=bool(body.pytest_parallel), output_limit=output,
+                    background=bool(body.background))
 
 
 def decode_files(files: Files, where: str, limits: ExecLimits) -> dict[str, bytes]:
@@ -229,4 +237,6 @@ def executor_request(spec: ExecSpec, cores: tuple[int, ...], timeout_s: float, w
                "output_limit": spec.output_limit, "cpus": list(cores), "reap": True}
     if tag is not None:
         request["tag"] = tag
+    if spec.background:
+        request["background"] = True
     return request

@@ -22,7 +22,8 @@ Modes:
                                                                               stdout)
 
 --reap (in a container only, where the executor's PID namespace is the sandbox's): after a run with "reap": true,
-every process left in the sandbox is killed unless another command runs (reap_leftovers).
+every process left in the sandbox is killed unless another command runs (reap_leftovers), but those of background
+runs ("background": true, start_background), which live as long as the sandbox.
 """
 
 from __future__ import annotations
@@ -71,6 +72,11 @@ PIN_PASSES = 5
 # A reap between commands sweeps the process table until a pass finds nothing left, at most this many passes (a
 # fork bomb forks while it is swept; the sandbox's pids limit bounds what each pass finds).
 REAP_PASSES = 20
+# In the environment of a background run's processes, inherited by what they start (unless they clear their
+# environment): the reap between commands spares them. A command could set it itself, and so keep only its own
+# processes, under the sandbox's pids limit.
+BACKGROUND_VARIABLE = "TANGRAM_BACKGROUND"
+BACKGROUND_MARK = BACKGROUND_VARIABLE.encode() + b"=1"
 
 _HEADER = struct.Struct(">I")
 
@@ -94,6 +100,7 @@ _connections = set()  # type: set  # open client sockets, shut down on SIGTERM
 _reaper_enabled = False
 # pids a reap between commands leaves alive besides PID 1 and this executor; None: no reaping (not in a container)
 _reap_keep = None  # type: frozenset | None
+_background = []  # type: list  # background runs started by this executor, waited for once they end
 
 
 def _register(proc):
@@ -361,21 +368,33 @@ def wants_reap(request):
             and request.get("reap") is True)
 
 
+def _in_background_run(pid):
+    """Whether the process belongs to a background run: its environment carries BACKGROUND_MARK."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return BACKGROUND_MARK in f.read().split(b"\0")
+    except OSError:
+        return False  # gone since the listing
+
+
 def reap_leftovers():
     """SIGKILL every process left in the sandbox (daemons, a fork bomb's survivors) unless a command runs: all but
-    PID 1, this executor and _reap_keep. Passes repeat while something forks; returns how many were killed. The
+    PID 1, this executor, _reap_keep and the processes of background runs. Passes repeat while something forks; returns how many were killed. The
     caller holds _children_lock, so that no command starts meanwhile.
 
     Only in a container (``--reap``), where the executor's PID namespace is the sandbox's own."""
+    _background[:] = [proc for proc in _background if proc.poll() is None]  # ended ones are waited for
     if _reap_keep is None or _children:  # another command runs: what it started is not left over
         return 0
     killed = set()
-    keep = {1, os.getpid()} | _reap_keep
+    # a background run just started may not have exec'd yet: until it does, its environment is still ours
+    keep = {1, os.getpid()} | _reap_keep | {proc.pid for proc in _background}
     for _ in range(REAP_PASSES):
         table = _proc_table()
         if _reap_keep and _other_once_executors(table):
             return len(killed)
-        alive = [p for p, (state, _ppid, _sid) in table.items() if p not in keep and state != "Z"]
+        alive = [p for p, (state, _ppid, _sid) in table.items()
+                 if p not in keep and state != "Z" and not _in_background_run(p)]
         if not alive:
             break
         for p in alive:
@@ -517,8 +536,8 @@ def _while_pids_full(start, exceptions):
             time.sleep(POLL_INTERVAL_S)
 
 
-def _spawn(argv, env, cwd, cpus, memory_bytes):
-    """Start the child in a new session with stdin=/dev/null and piped stdout/stderr.
+def _spawn(argv, env, cwd, cpus, memory_bytes, output=subprocess.PIPE):
+    """Start the child in a new session with stdin=/dev/null and stdout/stderr to ``output`` (piped).
 
     CPU affinity: Linux affinity is per thread and a forked child inherits the forking thread's mask, so this
     thread narrows its own mask around Popen and restores it after. That keeps subprocess on its fast vfork
@@ -542,8 +561,7 @@ def _spawn(argv, env, cwd, cpus, memory_bytes):
             raise RequestError(f"cpus: cannot set affinity to {cpus!r}: {exc.strerror or exc}")
     def start():
         with _children_lock:  # never held while waiting: the reapers free pids
-            started = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                       stderr=subprocess.PIPE, cwd=cwd, env=full_env, start_new_session=True,
+            started = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=output, stderr=output, cwd=cwd, env=full_env, start_new_session=True,
                                        close_fds=True, preexec_fn=preexec)  # noqa: PLW1509 - see docstring
             _register(started)
             return started
@@ -642,7 +660,7 @@ def run_command(request, cancel_sock=None, oom_counter=None):
 
     Request fields: command (str: via /bin/sh -c; list: argv), env (added to the executor's environment),
     cwd, timeout_s (null: none), output_limit (per stream, default 1 MiB), cpus (affinity, null: inherit),
-    memory_bytes (RLIMIT_AS, null: none), tag (names the command for the "cpus" op; cpus already sent for the
+    memory_bytes (RLIMIT_AS, null: none), background (start_background), tag (names the command for the "cpus" op; cpus already sent for the
     tag replace the request's; a run with the tag of a running command takes the tag over), reap (what the command
     left running is killed once its answer is sent: wants_reap, reap_leftovers). cancel_sock: the
     client's socket; if it closes while the command runs, the tree is killed and ClientGone is raised.
@@ -652,6 +670,8 @@ def run_command(request, cancel_sock=None, oom_counter=None):
     start = time.monotonic()
     try:
         argv, env, cwd, timeout_s, output_limit, cpus, memory_bytes, tag = _validate(request)
+        if request.get("background", False) is not False:
+            return start_background(request, argv, env, cwd, cpus, memory_bytes, start)
     except RequestError as exc:
         return _empty_response(str(exc))
     try:
@@ -750,6 +770,26 @@ def run_command(request, cancel_sock=None, oom_counter=None):
         stderr_truncated=err.total > len(err.kept),
         duration_s=time.monotonic() - start,
     )
+    return response
+
+
+def start_background(request, argv, env, cwd, cpus, memory_bytes, start):
+    """Start a run with "background": true and answer at once with its pid (in the sandbox; also its process
+    group's and session's, so killing that group ends it with what it started): it keeps running, its output discarded,
+    until it ends, a later command kills it, or the sandbox goes. Only where a reap can end it with the sandbox
+    (--reap): elsewhere (local processes) it would outlive its environment."""
+    if request["background"] is not True:
+        raise RequestError(f"background: must be true or false, got {request['background']!r}")
+    if _reap_keep is None:
+        raise RequestError("background: needs a container sandbox; on local processes it would outlive its "
+                           "environment")
+    if cwd is not None and not os.path.isdir(cwd):
+        raise RequestError(f"cwd: directory does not exist: {cwd}")
+    proc = _spawn(argv, {**env, BACKGROUND_VARIABLE: "1"}, cwd, cpus, memory_bytes, subprocess.DEVNULL)
+    _unregister(proc.pid)  # not a running command: the reap after each command spares it by its mark
+    _background.append(proc)
+    response = _empty_response()
+    response.update(exit_code=0, pid=proc.pid, duration_s=time.monotonic() - start)
     return response
 
 

@@ -21,7 +21,7 @@ JSON_BYTES_PER_BYTE = 6
 MAX_ERROR_CHARS = 4096
 
 _STREAMS = ("stdout", "stderr")
-_INTEGERS = ("exit_code", "signal")
+_INTEGERS = ("exit_code", "signal", "pid")  # pid: a background run's
 _FLAGS = ("timed_out", "oom_killed")
 
 

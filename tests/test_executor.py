@@ -232,6 +232,17 @@ async def test_missing_cwd_is_an_error_and_creates_nothing(executor: Executor, t
     assert (await run(executor, command="echo alive"))["stdout"] == "alive\n"
 
 
+async def test_background_runs_only_where_a_reap_ends_them(executor: Executor) -> None:
+    """Outside a container (no --reap) nothing would end a background command with its environment: refused,
+    starting nothing; a malformed flag is refused too."""
+    mark = marker()
+    refused = await run(executor, command=f"sleep {mark}", background=True)
+    malformed = await run(executor, command="true", background="yes")
+    assert refused["error"] is not None and "needs a container sandbox" in refused["error"], refused
+    assert refused["exit_code"] is None and not pids_with(mark)
+    assert malformed["error"] is not None and "background: must be true or false" in malformed["error"], malformed
+
+
 async def test_missing_argv0_is_an_error_and_executor_survives(executor: Executor) -> None:
     result = await run(executor, command=["/nonexistent/tangram-no-such-binary", "x"])
     assert result["error"] is not None and "not found" in result["error"]

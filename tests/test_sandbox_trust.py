@@ -343,3 +343,37 @@ async def test_processes_a_command_leaves_behind_are_killed_before_the_next(path
         again = await exec_in(live, "t", "a", "echo alive")
     assert after["result"]["stdout"] == "0\n", after
     assert again["result"]["stdout"] == "alive\n"
+
+
+#: python in the sandbox: the arguments of the sleep processes running there, sorted
+SLEEPING = ("import os\n"
+            "def argv(p):\n"
+            "    try:\n"
+            "        return open(f'/proc/{p}/cmdline', 'rb').read().split(b'\\0')\n"
+            "    except OSError:\n"
+            "        return []  # gone since the listing\n"
+            "print(*sorted(a[1].decode() for a in map(argv, os.listdir('/proc')) if a[:1] == [b'sleep']))")
+
+
+@pytest.mark.parametrize("path", ["fast", "engine"])
+async def test_a_background_command_outlives_its_action_and_is_spared_by_the_reap(path, tmp_path):
+    """``background: true`` answers at once with the command's pid; it and what it starts survive the reap after
+    each later command (whose own leftovers do not), a later command can find it and end its process group, and
+    it is refused where its environment would end with the action."""
+    engine = docker_engines()[0 if path == "fast" else 1]
+    async with live_broker(node(engine), str(tmp_path / "t.db")) as live:
+        started = await exec_in(live, "t", "a", "sh -c 'sleep 1003 & sleep 1002'", background=True)
+        later = await exec_in(live, "t", "a", "sleep 1001 & echo later")
+        seen = await exec_in(live, "t", "a", shell_python(SLEEPING) + "; "
+                                             f"kill -0 {started['result'].get('pid')} && echo running")
+        await exec_in(live, "t", "a", shell_python(f"import os; os.killpg({started['result'].get('pid')}, 9)"))
+        after = await exec_in(live, "t", "a", shell_python(SLEEPING))
+        status, one_off = await live.call("POST", "/v1/actions", json={
+            "task": "t", "kind": "exec", "demand": {"cpu": 1}, "spec": {"command": "true", "background": True}})
+    assert started["state"] == "succeeded" and started["result"]["exit_code"] == 0, started
+    assert isinstance(started["result"]["pid"], int) and started["result"]["stdout"] == "", started
+    assert later["result"]["stdout"] == "later\n", later
+    assert seen["result"]["stdout"] == "1002 1003\nrunning\n", seen  # kept; the later command's 1001 reaped
+    assert after["result"]["stdout"] == "\n", after  # its process group killed, with what it started
+    assert status == 422 and one_off["error"]["field"] == "spec.background", one_off
+
