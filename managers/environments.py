@@ -21,6 +21,7 @@ from managers.environment import Environment, EnvState
 from sandboxes.backend import Leftover, Sandbox, SandboxError
 from tangram.core.action import new_action_id
 from tangram.core.errors import ActionFailed, Conflict, NotFound, TooMany, Unavailable, Unprocessable
+from tangram.core.fencing import current
 
 log = logging.getLogger("tangram.cpu")
 
@@ -104,7 +105,10 @@ class Environments(Mapping[str, Environment]):
         """Forget the environment (its memory and cores return at once) and remove its sandbox. A sandbox the
         engine cannot remove now (the engine is down) is logged; the next start's reaping removes it."""
         sandbox = self.detach(env)
-        if sandbox is not None:
+        if sandbox is not None and current().deposed_by is not None:
+            # the new leader took this sandbox over (or will reap it): a deposed broker removes nothing
+            log.warning("environment %s: sandbox left to the broker that leads now", env.id)
+        elif sandbox is not None:
             try:
                 await sandbox.destroy()
             except SandboxError as error:
@@ -181,6 +185,7 @@ class Environments(Mapping[str, Environment]):
                                         ephemeral=env.ephemeral, created_at=env.created_at,
                                         user=env.sandbox_user or self.config.sandbox_user)
         try:
+            current().check()  # a deposed leader makes no more sandboxes (tangram/core/fencing.py)
             sandbox = await node.backend.create(spec)
         except BaseException:
             await self.destroy(env)  # frees the memory; the next action of the trajectory may try again

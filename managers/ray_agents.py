@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -36,6 +37,13 @@ class RayNodeAgent(NodeAgent):
         super().__init__(lambda: open_sandbox_backend(local, config), config.limits,
                          NodeHardware(local.cores, local.memory_mb, local.numa, local.pids),
                          restarted_for=config.broker_id if restarted else None)
+        self.remember_epochs_in(agent_epoch_file(node, config))
+
+
+def agent_epoch_file(node: CpuNodeConfig, config: CpuConfig) -> Path:
+    """Where node ``node``'s agent keeps its epoch on its node: beside (not in) the node's run directory, which the
+    backend's reaping empties."""
+    return Path(config.run_dir) / config.broker_id / f"{node.name}.agent-epoch"
 
 
 _RemoteAgent: Any = ray.remote(RayNodeAgent)

@@ -22,6 +22,7 @@ from typing import Any
 import aiohttp
 import asyncpg
 import pytest
+import ray
 from ray.cluster_utils import Cluster
 from sqlalchemy.engine import make_url
 
@@ -62,7 +63,8 @@ def agent_config(cluster: Cluster, run_dir: str, broker_id: str) -> dict[str, An
 async def test_a_node_agent_refuses_an_older_epoch_and_that_broker_stops_sending(ray_cluster: Cluster,
                                                                                   run_dir: str) -> None:
     """Two brokers of one broker id reach the same agent, as an old and a new leader do: once epoch 2 has called
-    (its start), epoch 1's next call does nothing and deposes epoch 1; epoch 2 goes on."""
+    (its start), epoch 1's next call does nothing and deposes epoch 1; epoch 2 goes on. Ray restarting the agent
+    does not open the gate again: it starts from the epoch it kept on its node."""
     cpu = parse_config(agent_config(ray_cluster, run_dir, new_broker_id())).cpu
     [node] = cpu.nodes
 
@@ -93,6 +95,19 @@ async def test_a_node_agent_refuses_an_older_epoch_and_that_broker_stops_sending
                                                         "output_limit": 1024, "cpus": [0], "reap": True})
             assert executed.response["stdout"] == "fine\n", executed
             await sandbox.destroy()
+        agent = ray.get_actor(f"tangram-agent-{cpu.broker_id}-n1")
+        ray.kill(agent, no_restart=False)  # Ray starts it again
+        while True:  # until it answers a call without an epoch (which moves no gate)
+            with contextlib.suppress(ray.exceptions.RayActorError):
+                if "ok" in await agent.call.remote(None, "describe"):
+                    break
+            await asyncio.sleep(0.1)
+        stale = Fencing(epoch=1)  # epoch 1 again, not yet told it lost: its first call reaches the new agent
+        async with leading(stale):
+            with pytest.raises(SandboxError) as after_restart:
+                await old_backend.create(spec("env-after-restart"))
+        assert after_restart.value.code == DEPOSED and "epoch 2" in after_restart.value.message
+        assert (Path(run_dir) / cpu.broker_id / "n1.agent-epoch").read_text() == "2"
     finally:
         async with leading(new):
             await new_backend.close()
@@ -173,19 +188,31 @@ async def test_a_deposed_broker_sends_no_upstream_call() -> None:
         assert upstream.seen == [{"n": 1}]  # the deposed broker's call never left it
 
 
-async def test_a_deposed_broker_runs_no_command_in_a_local_sandbox(run_dir: str, tmp_path: Path) -> None:
-    """A sandbox without an agent cannot check an epoch either: the broker checks itself before the command."""
+async def test_a_deposed_broker_runs_makes_and_removes_nothing_in_agentless_sandboxes(run_dir: str,
+                                                                                     tmp_path: Path) -> None:
+    """A sandbox without an agent cannot check an epoch either: the broker checks itself before a command, before
+    making a sandbox, and removes none (the new leader has taken them over), even when asked to."""
     ran = tmp_path / "ran"
     fencing = Fencing(epoch=7)
-    async with leading(fencing), live_broker({"cpu": local_cpu(run_dir)}, str(tmp_path / "t.db")) as live:
-        body = {"task": "t", "trajectory": "a", "kind": "exec", "demand": {"cpu": 1},
-                "spec": {"command": f"echo ran >> {ran}"}}
-        _, record = await live.call("POST", "/v1/actions?wait=true", json=body)
+    cpu = local_cpu(run_dir)
+    sandboxes = Path(run_dir) / cpu["broker_id"] / "here"
+    async with leading(fencing), live_broker({"cpu": cpu}, str(tmp_path / "t.db")) as live:
+        def body(trajectory: str) -> dict[str, Any]:
+            return {"task": "t", "trajectory": trajectory, "kind": "exec", "demand": {"cpu": 1},
+                    "spec": {"command": f"echo ran >> {ran}"}}
+
+        _, record = await live.call("POST", "/v1/actions?wait=true", json=body("a"))
         assert record["state"] == "succeeded" and ran.read_text() == "ran\n", record
+        env = record["result"]["environment"]
         fencing.depose("another broker leads the store now (epoch 8)")
-        _, record = await live.call("POST", "/v1/actions?wait=true", json=body)
-    assert record["state"] == "failed" and record["error"]["code"] == DEPOSED, record
-    assert ran.read_text() == "ran\n"  # the deposed broker's command never ran
+        _, in_old = await live.call("POST", "/v1/actions?wait=true", json=body("a"))
+        _, in_new = await live.call("POST", "/v1/actions?wait=true", json=body("b"))
+        deleted, _ = await live.call("DELETE", f"/v1/environments/{env}")
+        left = sorted(path.name for path in sandboxes.iterdir())
+    for record in (in_old, in_new):
+        assert record["state"] == "failed" and record["error"]["code"] == DEPOSED, record
+    assert ran.read_text() == "ran\n"  # the deposed broker's commands never ran
+    assert deleted == 200 and left == [env]  # b's sandbox never made; a's forgotten, not removed
 
 
 class Partition:
