@@ -1,0 +1,247 @@
+"""The elastic pytest runner (``sandboxes/pytest_runner/tangram_runner.py``, issue 36): a run's outcome is plain
+pytest's, its workers follow the cores, and nothing outlives it.
+
+A small suite made here covers what a runner can get wrong (session fixtures per worker, a failure, a skip, an
+xfail, a warning, a test that kills its worker, ``-x``, junit XML); it runs under this venv's pytest, its process
+tree re-pinned by ``os.sched_setaffinity`` as the executor re-pins a command's. Real suites (pinned PyPI sdists,
+``loadtest/suites.py``) run in the default sandbox image, whose pytest is older, plain and through the runner.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tarfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from xml.etree import ElementTree
+
+import docker
+import psutil
+import pytest
+
+from loadtest.suites import DEFAULT_CACHE_DIR, SUITES, fetch
+from sandboxes.image import DEFAULT_IMAGE
+from tests.docker_nodes import docker_engines
+
+RUNNER_DIR = Path(__file__).resolve().parent.parent / "sandboxes" / "pytest_runner"
+#: the counts of pytest's last line, without warnings and time (which may differ)
+COUNTS = re.compile(r"(\d+) (passed|failed|skipped|xfailed|xpassed|errors?|deselected)\b")
+
+SUITE = '''
+import os, time, warnings
+import pytest
+
+@pytest.fixture(scope="session")
+def session_setup(tmp_path_factory):
+    mark = tmp_path_factory.getbasetemp() / f"session-{os.getpid()}"
+    mark.write_text("up")
+    yield
+    mark.write_text("torn down")
+
+@pytest.mark.parametrize("i", range(30))
+def test_work(i, session_setup, tmp_path):
+    (tmp_path / "out").write_text(str(i))
+    time.sleep(0.01)
+
+def test_fails():
+    assert 1 == 2
+
+@pytest.mark.skip(reason="not here")
+def test_skipped():
+    pass
+
+@pytest.mark.xfail
+def test_expected_to_fail():
+    assert 0
+
+def test_warns():
+    warnings.warn("careful", DeprecationWarning)
+
+def test_kills_its_process():
+    if os.environ.get("KILL_WORKER"):
+        os._exit(3)
+'''
+
+
+@pytest.fixture
+def suite(tmp_path: Path) -> Path:
+    (tmp_path / "test_suite.py").write_text(SUITE)
+    return tmp_path
+
+
+def pytest_run(where: Path, *args: str, env: dict[str, str] | None = None,
+               basetemp: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """``python -m pytest`` in ``where`` with the runner importable."""
+    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-W", "ignore::pytest.PytestWarning",
+               "--basetemp", str(basetemp or where / "tmp"), *args]
+    full_env = {**os.environ, "PYTHONPATH": str(RUNNER_DIR), **(env or {})}
+    return subprocess.run(command, check=False, cwd=where, env=full_env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def counts(output: str) -> dict[str, int]:
+    last = output.strip().splitlines()[-1]
+    return {kind.rstrip("s") if kind.startswith("error") else kind: int(n) for n, kind in COUNTS.findall(last)}
+
+
+def runner(workers: int, *extra: str) -> tuple[str, ...]:
+    return ("-p", "tangram_runner", f"--tangram-workers={workers}", *extra)
+
+
+def test_two_workers_report_what_plain_pytest_reports(suite: Path) -> None:
+    """Counts, exit code, failure text, warnings summary and junit XML match plain pytest's; each worker set up
+    and tore down its own session fixture in a basetemp of its own."""
+    plain = pytest_run(suite, "-q", "--junitxml=plain.xml", basetemp=suite / "plain")
+    forked = pytest_run(suite, "-q", "--junitxml=forked.xml", *runner(2), basetemp=suite / "forked")
+    assert forked.returncode == plain.returncode == 1, forked.stdout + forked.stderr
+    assert counts(forked.stdout) == counts(plain.stdout) == {"failed": 1, "passed": 32, "skipped": 1,
+                                                              "xfailed": 1}, forked.stdout
+    assert "tangram-runner: 2 worker(s) forked after one collection" in forked.stdout
+    for text in ("assert 1 == 2", "DeprecationWarning: careful", "FAILED test_suite.py::test_fails"):
+        assert text in forked.stdout and text in plain.stdout, text
+
+    def junit(name: str) -> dict[str, str]:
+        root = ElementTree.parse(suite / name).getroot()
+        suite_element = root if root.tag == "testsuite" else root[0]
+        return {key: suite_element.get(key, "") for key in ("tests", "failures", "errors", "skipped")}
+
+    assert junit("forked.xml") == junit("plain.xml")
+    marks = sorted((suite / "forked").glob("worker*/session-*"))
+    assert len(marks) == 2 and all(mark.read_text() == "torn down" for mark in marks), marks
+
+
+def test_a_worker_that_dies_fails_its_test_and_is_replaced(suite: Path) -> None:
+    """``os._exit`` in a test: that test fails naming the dead worker, the rest of the suite still runs."""
+    forked = pytest_run(suite, "-q", *runner(2), env={"KILL_WORKER": "1"})
+    assert forked.returncode == 1
+    assert counts(forked.stdout) == {"failed": 2, "passed": 31, "skipped": 1, "xfailed": 1}, forked.stdout
+    assert re.search(r"test_kills_its_process - worker \d+ \(pid \d+\) died running this test \(exit status 3\)",
+                     forked.stdout), forked.stdout
+    assert "1 died" in forked.stdout
+
+
+def test_exitfirst_stops_the_run(suite: Path) -> None:
+    """``-x``: the run stops at the first failure with plain pytest's exit code and message; tests already running
+    in other workers may finish, as under xdist."""
+    forked = pytest_run(suite, "-q", "-x", *runner(2))
+    assert forked.returncode == 1 and "stopping after 1 failures" in forked.stdout, forked.stdout
+    assert counts(forked.stdout)["failed"] == 1
+
+
+def test_collection_errors_stop_before_any_worker(tmp_path: Path) -> None:
+    (tmp_path / "test_broken.py").write_text("import no_such_module_here\n")
+    (tmp_path / "test_fine.py").write_text("def test_fine():\n    pass\n")
+    plain = pytest_run(tmp_path, "-q")
+    forked = pytest_run(tmp_path, "-q", *runner(2))
+    assert forked.returncode == plain.returncode == 2
+    assert "tangram-runner" not in forked.stdout and "1 error" in forked.stdout
+
+
+def test_a_thread_alive_after_collection_runs_plain_pytest_and_says_why(suite: Path) -> None:
+    (suite / "conftest.py").write_text("import threading, time\n"
+                                       "def pytest_collection_finish(session):\n"
+                                       "    threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n")
+    forked = pytest_run(suite, "-q", *runner(2))
+    assert "tangram-runner: plain pytest (1 thread(s) alive after collection would not survive a fork)" \
+        in forked.stdout, forked.stdout
+    assert counts(forked.stdout) == {"failed": 1, "passed": 32, "skipped": 1, "xfailed": 1}
+
+
+def tree_of(pid: int) -> list[psutil.Process]:
+    try:
+        process = psutil.Process(pid)
+        return [process, *process.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def repin(pid: int, cores: set[int]) -> None:
+    """What the executor does on a resize: every thread of every process of the command's tree."""
+    for process in tree_of(pid):
+        for thread in process.threads():
+            try:
+                os.sched_setaffinity(thread.id, cores)
+            except OSError:
+                pass  # gone since the listing
+
+
+def wait_for_progress(log: Path, process: subprocess.Popen[str]) -> None:
+    """Until the run has reported a few tests (the workers run)."""
+    deadline = time.monotonic() + 120
+    while "....." not in log.read_text():
+        assert process.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("change", ["grow", "shrink"])
+def test_the_workers_follow_the_cores(tmp_path: Path, change: str) -> None:
+    """Re-pinned onto two cores from one, the coordinator forks a second worker; onto one from two, a worker hands
+    its tests back and exits. Every test runs once either way, and no process of the run is left."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.fail("this test needs two cores")
+    (tmp_path / "test_long.py").write_text(
+        "import time, pytest\n"
+        "@pytest.mark.parametrize('i', range(80))\n"
+        "def test_busy(i):\n"
+        "    end = time.monotonic() + 0.03\n"
+        "    while time.monotonic() < end:\n"
+        "        pass\n")
+    start, end = ({cores[0]}, set(cores[:2])) if change == "grow" else (set(cores[:2]), {cores[0]})
+    log = tmp_path / "out.log"
+    with open(log, "w") as out:
+        process = subprocess.Popen(
+            ["taskset", "-c", ",".join(map(str, sorted(start))), sys.executable, "-m", "pytest", "-q", "-p",
+             "no:cacheprovider", "-W", "ignore::pytest.PytestWarning",
+             *runner(len(start), f"--tangram-launch-cores={len(start)}")],
+            cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(RUNNER_DIR)}, stdout=out, stderr=subprocess.STDOUT,
+            text=True)
+        try:
+            wait_for_progress(log, process)
+            repin(process.pid, end)
+            process.wait(timeout=120)
+        finally:
+            if process.poll() is None:
+                process.kill()
+    output = log.read_text()
+    assert process.returncode == 0 and counts(output) == {"passed": 80}, output
+    assert f"2 worker(s) forked after one collection, following the cores: {len(start)} -> {len(end)}" in output, \
+        output
+    assert not tree_of(process.pid)
+
+
+# -- real suites in the sandbox image ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def image_engine() -> Iterator[docker.DockerClient]:
+    client = docker.DockerClient(base_url=docker_engines()[0])
+    yield client
+    client.close()
+
+
+@pytest.mark.parametrize("name", ["pyflakes", "lark"])
+def test_real_suites_count_the_same_in_the_sandbox_image(name: str, image_engine: docker.DockerClient,
+                                                          tmp_path: Path) -> None:
+    """A real project's suite, in the image's own pytest, plain and through the runner on two workers: the same
+    counts and exit code."""
+    suite = next(s for s in SUITES if s.name == name)
+    fetched = fetch(suite, DEFAULT_CACHE_DIR)
+    with tarfile.open(DEFAULT_CACHE_DIR / suite.sdist) as tar:
+        tar.extractall(tmp_path, filter="data")
+    outcomes = {}
+    for label, extra in (("plain", ""), ("runner", "-p tangram_runner --tangram-workers=2")):
+        command = (f"cd /suite && PYTHONPATH=/runner python3 -m pytest -q -p no:cacheprovider {extra} "
+                   f"{suite.test_args}; echo exit=$?")
+        output = image_engine.containers.run(
+            DEFAULT_IMAGE, ["sh", "-c", command], network_mode="none", remove=True, cpuset_cpus="0,1",
+            volumes={str(tmp_path / fetched.root): {"bind": "/suite", "mode": "rw"},
+                     str(RUNNER_DIR): {"bind": "/runner", "mode": "ro"}}).decode()
+        lines = output.strip().splitlines()
+        outcomes[label] = (counts("\n".join(lines[:-1])), lines[-1])
+        if label == "runner":
+            assert "tangram-runner: 2 worker(s) forked after one collection" in output, output[-2000:]
+    assert outcomes["runner"] == outcomes["plain"], outcomes
