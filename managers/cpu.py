@@ -25,7 +25,7 @@ from managers.cpu_config import CpuConfig, CpuNodeConfig, on_this_host
 from managers.cpu_node import CpuNode
 from managers.environment import Environment, EnvState
 from managers.environments import Environments
-from managers.exec_spec import ExecSpec, ExecSpecBody, executor_request, parse_exec_spec
+from managers.exec_spec import ExecSpec, ExecSpecBody, executor_request, parse_exec_spec, runner_report
 from managers.sandbox_backends import SandboxFactory, open_sandbox_backend
 from sandboxes.backend import NODE_UNAVAILABLE, Leftover, SandboxBackend, SandboxError
 from tangram.core.action import Action, Kind
@@ -443,9 +443,11 @@ class CpuManager(ResourceManager[CpuHandle]):
             remaining = action.submitted_at + action.timeout_s - time.time() - DEADLINE_MARGIN_S
             cores = allocation.held()[2]  # as resized while the sandbox was being created
             workers = action.malleable.workers if action.malleable is not None else None
+            # an executor adopted from an older broker has no runner beside it
+            runner = "xdist" if getattr(sandbox, "old_executor", False) else self.config.pytest_runner
             request = executor_request(spec, cores, max(remaining, 0.001), sandbox.workdir,
                                        {"TANGRAM_ACTION_ID": action.id, "TANGRAM_ENVIRONMENT": env.id},
-                                       workers=workers, tag=action.id)
+                                       workers=workers, tag=action.id, runner=runner)
             env.running.add(action.id)
             try:
                 current().check()  # a deposed leader runs no more commands (tangram/core/fencing.py)
@@ -462,7 +464,10 @@ class CpuManager(ResourceManager[CpuHandle]):
         finally:
             if env.ephemeral and not env.running:
                 await self.environments.destroy(env)
-        return Outcome(self._result(executed.response, env, allocation.held()[2], setup_s))
+        result = self._result(executed.response, env, allocation.held()[2], setup_s)
+        if request.get("pytest_runner"):
+            result["pytest_runner"] = runner_report(result.get("stdout") or "")
+        return Outcome(result)
 
     def _result(self, response: dict[str, Any], env: Environment, cores: tuple[int, ...],
                 setup_s: float) -> dict[str, Any]:

@@ -11,7 +11,7 @@ import psutil
 from pydantic import AfterValidator, BeforeValidator, Field, Strict
 
 from managers.cores import host_numa_nodes
-from managers.exec_spec import ExecLimits, SandboxUser
+from managers.exec_spec import ExecLimits, PytestRunner, SandboxUser
 from managers.ray_config import RayConfig, check_no_ray_keys
 from sandboxes.backend import DEFAULT_SANDBOX_USER, SandboxSpec
 from sandboxes.cgroup import parse_cpu_list
@@ -171,6 +171,9 @@ class CpuConfig:
     #: duration there (docs/SCHEDULING.md); 0: as many workers as the cores it starts on, since real suites' workers
     #: cost up to ~7 CPU seconds each (every worker collects the whole suite) and extra ones gained <1% simulated
     worker_overhead: NonNegativeCost = 0.0
+    #: what an elastic ``pytest`` (``pytest_parallel``) runs on: ``tangram``, the runner shipped with the executor
+    #: (one collection, forked workers that follow the cores), or ``xdist`` (``pytest -n N``, which the image needs)
+    pytest_runner: PytestRunner = "tangram"
 
     def sandbox_spec(self, env_id: str, task: str, trajectory: str | None, image: str, memory_mb: int,
                      **more: Any) -> SandboxSpec:

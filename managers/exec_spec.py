@@ -8,7 +8,7 @@ import posixpath
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag, TypeAdapter
 
@@ -22,6 +22,13 @@ ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}\Z")  # \Z: "$" would let a
 #: a plain pytest invocation at the start of a command or after a shell separator, not already given -n
 PYTEST = re.compile(r"(^|[;&|(]\s*|\s)((?:python3?\s+-m\s+)?pytest)(?=\s|$)(?![^;&|]*\s-n\s)")
 COMMAND_FORMS = "must be a non-empty shell string or a non-empty list of argument strings"
+#: how an elastic pytest run uses its cores: ``tangram``, the runner the executor ships (``sandboxes/pytest_runner``:
+#: one collection, forked workers that follow the cores), or ``xdist`` (``pytest -n N``, fixed at launch)
+PytestRunner = Literal["tangram", "xdist"]
+#: the runner's plugin module, importable from the directory the executor puts on PYTHONPATH for it
+RUNNER_PLUGIN = "tangram_runner"
+#: how the runner's line in a run's output starts (its BANNER)
+RUNNER_BANNER = "tangram-runner:"
 FILE_FORMS = 'must be text or {"base64": "..."}'
 
 
@@ -211,30 +218,59 @@ def _check_command(command: str | tuple[str, ...], where: str, limits: ExecLimit
         raise BadRequest(where, "must not contain NUL")
 
 
-def rewrite_pytest(command: str, n: int) -> str:
-    """``pytest ...`` -> ``pytest -n N ...`` (§5.2): test runs scale with the cores the scheduler gives them."""
-    return PYTEST.sub(lambda m: f"{m.group(1)}{m.group(2)} -n {n}", command)
+def rewrite_pytest(command: str, flags: list[str]) -> str:
+    """``pytest ...`` -> ``pytest FLAGS ...`` (§5.2): test runs scale with the cores the scheduler gives them."""
+    return PYTEST.sub(lambda m: f"{m.group(1)}{m.group(2)} {' '.join(flags)}", command)
+
+
+def pytest_flags(runner: PytestRunner, workers: int, cores: int) -> list[str]:
+    """What an elastic ``pytest`` gets (none: it runs plain). Only for more than one worker: under xdist one
+    worker costs a controller process and ~0.25 s more than plain pytest on the same core, under the runner a few
+    percent; and a malleable run never holds more cores than the workers it started with (``Malleable.workers``),
+    so a run started on one worker cannot grow."""
+    if workers <= 1:
+        return []
+    if runner == "xdist":
+        return ["-n", str(workers)]
+    return ["-p", RUNNER_PLUGIN, f"--tangram-workers={workers}", f"--tangram-launch-cores={cores}"]
+
+
+def runner_report(stdout: str) -> dict[str, str | None]:
+    """Which runner ran a rewritten ``pytest`` and what it said (its workers, or why it fell back to plain pytest),
+    from its line in the output: ``runner`` is ``tangram``, ``plain`` or ``unknown`` (no such line: the run stopped
+    before its tests, or the line was cut off by ``output_limit``)."""
+    said = [line for line in stdout.splitlines() if RUNNER_BANNER in line]
+    if not said:
+        return {"runner": "unknown", "detail": None}
+    detail = said[-1].split(RUNNER_BANNER, 1)[1].strip()
+    return {"runner": "plain" if detail.startswith("plain pytest") else "tangram", "detail": detail}
 
 
 def executor_request(spec: ExecSpec, cores: tuple[int, ...], timeout_s: float, workdir: str,
-                     extra_env: Mapping[str, str], *, workers: int | None = None, tag: str | None = None
-                     ) -> dict[str, Any]:
+                     extra_env: Mapping[str, str], *, workers: int | None = None, tag: str | None = None,
+                     runner: PytestRunner = "tangram") -> dict[str, Any]:
     """Elasticity at run time: ``{parallel_num}`` and ``TANGRAM_NUM_CPUS`` become the worker count (the granted
-    core count unless the action is malleable and started with more workers than cores). ``pytest`` becomes
-    ``pytest -n N`` only for N > 1: one worker under xdist costs a controller process and ~0.25 s more than plain
-    pytest on the same core. ``tag`` names the command for a later re-pin (``op: cpus``)."""
+    core count unless the action is malleable, ``workers``, and started with more workers than cores); with
+    ``pytest_parallel``, ``pytest`` runs on that many workers (``pytest_flags``), and the executor puts the
+    runner's directory on PYTHONPATH where it is asked to. ``tag`` names the command for a later re-pin (``op:
+    cpus``)."""
     n = workers or len(cores)
+    flags = pytest_flags(runner, n, len(cores)) if spec.pytest_parallel else []
+    rewritten = False
     if isinstance(spec.command, str):
         text = spec.command.replace("{parallel_num}", str(n))
-        command: str | list[str] = rewrite_pytest(text, n) if spec.pytest_parallel and n > 1 else text
+        command: str | list[str] = rewrite_pytest(text, flags) if flags else text
+        rewritten = command != text
     else:
         command = [p.replace("{parallel_num}", str(n)) for p in spec.command]
-        if spec.pytest_parallel and n > 1 and command and posixpath.basename(command[0]) == "pytest" \
-                and "-n" not in command:
-            command[1:1] = ["-n", str(n)]
+        if flags and command and posixpath.basename(command[0]) == "pytest" and "-n" not in command:
+            command[1:1] = flags
+            rewritten = True
     env = {**spec.env, **extra_env, "TANGRAM_NUM_CPUS": str(n)}
     request = {"op": "run", "command": command, "env": env, "cwd": spec.cwd or workdir, "timeout_s": timeout_s,
                "output_limit": spec.output_limit, "cpus": list(cores), "reap": True}
+    if rewritten and runner == "tangram":
+        request["pytest_runner"] = True
     if tag is not None:
         request["tag"] = tag
     if spec.background:

@@ -83,6 +83,8 @@ CLAIM_FILE = "claimed.json"
 #: the owner of a root sandbox's sealed socket directory (``DockerSandbox.seal``): nobody, so that the container's
 #: root, without capabilities, cannot write there
 SEALED_OWNER_OF_ROOT = 65534
+#: the elastic pytest runner, beside the executor in the sandbox as in this package (the executor finds it there)
+RUNNER_IN_EXECUTOR_DIR = "pytest_runner/tangram_runner.py"
 #: the engine's log of a sandbox (its executor's stderr, and whatever a command writes there): one file, capped
 CONTAINER_LOG = {"max-size": "1m", "max-file": "1"}
 
@@ -489,7 +491,9 @@ class DockerBackend(SandboxBackend):
     @staticmethod
     def _copy_in(container: Container, spec: SandboxSpec) -> None:
         """Put the executor and the spec's files in the created container, before it starts."""
-        executor = _Tree(".", {"executor.py": Path(EXECUTOR_PATH).read_bytes()}, (0, 0), "executor.py")
+        executor = _Tree(".", {"executor.py": Path(EXECUTOR_PATH).read_bytes(),
+                               RUNNER_IN_EXECUTOR_DIR: (Path(EXECUTOR_PATH).parent / RUNNER_IN_EXECUTOR_DIR)
+                               .read_bytes()}, (0, 0), "executor.py")
         workspace = _Tree(".", spec.files, spec.owner)
         if spec.read_only_root:  # one archive per volume: the root itself refuses them
             container.put_archive(EXECUTOR_DIR, _archive(executor))

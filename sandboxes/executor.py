@@ -10,7 +10,8 @@ It is copied into arbitrary user images, so it is a single stdlib-only file that
 Wire protocol (both directions): 4-byte big-endian unsigned length, then that many bytes of UTF-8 JSON.
 Requests carry "op": "ping", "run" (the default) or "cpus":
 
-* run: see run_command for the fields and the response. An optional "tag" names the command for "cpus".
+* run: see run_command for the fields and the response. An optional "tag" names the command for "cpus";
+  "pytest_runner": true puts the elastic pytest runner shipped beside this file on the command's PYTHONPATH.
 * cpus: {"op": "cpus", "tag": T, "cpus": [ints]} moves the running command tagged T, every thread of every
   process in its tree, onto those cpus (a malleable action whose cores grow or shrink while it runs); answers
   {"ok": true, "processes": N re-pinned} or {"ok": false, "error": "..."}. When no command tagged T runs yet,
@@ -79,6 +80,8 @@ BACKGROUND_VARIABLE = "TANGRAM_BACKGROUND"
 BACKGROUND_MARK = BACKGROUND_VARIABLE.encode() + b"=1"
 
 _HEADER = struct.Struct(">I")
+# the elastic pytest runner's directory, shipped beside this file (sandboxes/pytest_runner)
+RUNNER_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pytest_runner")
 
 
 class ClientGone(Exception):
@@ -521,7 +524,16 @@ def _validate(request):
     if memory_bytes is not None and (not _is_int(memory_bytes) or memory_bytes <= 0):
         raise RequestError(f"memory_bytes: must be a positive integer or null, got {memory_bytes!r}")
     tag = _check_tag(request.get("tag"), required=False)
+    if request.get("pytest_runner") is True:
+        env = _with_runner(env)
     return argv, env, cwd, timeout_s, output_limit, cpus, memory_bytes, tag
+
+
+def _with_runner(env):
+    """The command's environment with the elastic pytest runner importable (its directory, shipped beside this
+    file, first on PYTHONPATH): the broker rewrote its ``pytest`` to ``pytest -p tangram_runner``."""
+    inherited = env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+    return {**env, "PYTHONPATH": RUNNER_DIR + (os.pathsep + inherited if inherited else "")}
 
 
 def _while_pids_full(start, exceptions):

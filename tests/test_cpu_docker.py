@@ -101,7 +101,31 @@ async def test_pytest_runs_in_parallel_on_the_granted_cores(db):
         assert record["state"] == "succeeded", record
         out = record["result"]["stdout"]
         assert record["result"]["exit_code"] == 0, out
-        assert "4 passed" in out and "[gw0]" in out and "[gw1]" in out  # -n 2: two xdist workers ran them
+        assert "4 passed" in out and record["result"]["pytest_runner"] == {
+            "runner": "tangram", "detail": "2 worker(s) forked after one collection"}, out  # the runner, on 2
+
+
+async def test_a_malleable_test_runs_workers_follow_its_cores(db):
+    """An elastic pytest run on both cores gives one back to a command that arrives (its workers go down to one)
+    and takes it again when that command ends (the runner forks a second worker at once); the record says so."""
+    engine = docker_engines()[0]
+    suite = ("import time, pytest\n@pytest.mark.parametrize('i', range(200))\ndef test_busy(i):\n"
+             "    end = time.monotonic() + 0.04\n    while time.monotonic() < end:\n        pass\n")
+    async with live_broker(one_node(engine), db) as live:
+        _, elastic = await live.call("POST", "/v1/actions", json={
+            **exec_action("python3 -m pytest -q -p no:cacheprovider test_busy.py", cpu={"min": 1, "max": 2},
+                          pytest_parallel=True, files={"test_busy.py": suite}),
+            "elasticity": {"resource": "cpu", "t1": 8.0, "efficiency": {"1": 1.0, "2": 0.95}}})
+        while (await live.call("GET", f"/v1/actions/{elastic['id']}"))[1]["state"] != "running":
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(1.5)  # its sandbox made and its workers forked
+        holder = await run(live, exec_action("sleep 1", trajectory="holder"))
+        _, record = await live.call("GET", f"/v1/actions/{elastic['id']}?wait=true")
+    assert holder["state"] == "succeeded"
+    assert record["state"] == "succeeded" and "200 passed" in record["result"]["stdout"], record
+    assert record["allocation"]["malleable"]["resizes"] >= 2, record["allocation"]
+    assert record["result"]["pytest_runner"]["runner"] == "tangram", record["result"]["stdout"][-500:]
+    assert "following the cores: 2 -> 1 -> 2" in record["result"]["pytest_runner"]["detail"], record["result"]
 
 
 async def test_timeout_kills_the_whole_tree_and_the_environment_survives(db):

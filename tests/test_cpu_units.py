@@ -12,7 +12,7 @@ from managers.cores import CorePool
 from managers.cpu import CpuManager
 from managers.cpu_config import CpuNodeConfig, on_this_host, parse_cpu_config
 from managers.cpu_node import CpuNode
-from managers.exec_spec import ExecLimits, executor_request, parse_exec_spec, rewrite_pytest
+from managers.exec_spec import ExecLimits, executor_request, parse_exec_spec, rewrite_pytest, runner_report
 from sandboxes.cgroup import cpu_list, parse_cpu_list
 from tangram.core.action import Action, Demand, Kind
 from tangram.core.errors import BadRequest, ConfigError, Unavailable, Unprocessable
@@ -46,27 +46,47 @@ def test_cores_stay_inside_one_numa_node_when_they_fit():
 
 
 def test_pytest_rewrite_only_touches_plain_invocations():
-    assert rewrite_pytest("pytest tests/", 4) == "pytest -n 4 tests/"
-    assert rewrite_pytest("cd repo && python -m pytest -q", 2) == "cd repo && python -m pytest -n 2 -q"
-    assert rewrite_pytest("pytest -n 8 tests/", 4) == "pytest -n 8 tests/"
-    assert rewrite_pytest("pip install pytest-xdist", 4) == "pip install pytest-xdist"
-    assert rewrite_pytest("echo pytest_plugins", 4) == "echo pytest_plugins"
+    assert rewrite_pytest("pytest tests/", ["-n", "4"]) == "pytest -n 4 tests/"
+    assert rewrite_pytest("cd repo && python -m pytest -q", ["-n", "2"]) == "cd repo && python -m pytest -n 2 -q"
+    assert rewrite_pytest("pytest -n 8 tests/", ["-n", "4"]) == "pytest -n 8 tests/"
+    assert rewrite_pytest("pip install pytest-xdist", ["-n", "4"]) == "pip install pytest-xdist"
+    assert rewrite_pytest("echo pytest_plugins", ["-n", "4"]) == "echo pytest_plugins"
 
 
 def test_executor_request_substitutes_parallelism():
+    """The runner by default, for more than one worker (its count, and the cores it started on, which its workers
+    follow); the executor is asked to make it importable. xdist on request; plain pytest for one worker."""
     spec = parse_exec_spec({"command": "make -j{parallel_num} && pytest", "pytest_parallel": True,
                             "env": {"A": "1"}}, ExecLimits())
     request = executor_request(spec, (2, 3), 10.0, "/workspace", {"TANGRAM_ACTION_ID": "x"})
-    assert request["command"] == "make -j2 && pytest -n 2"
+    assert request["command"] == "make -j2 && pytest -p tangram_runner --tangram-workers=2 --tangram-launch-cores=2"
+    assert request["pytest_runner"] is True
     assert request["cpus"] == [2, 3] and request["cwd"] == "/workspace"
     assert request["env"] == {"A": "1", "TANGRAM_ACTION_ID": "x", "TANGRAM_NUM_CPUS": "2"}
+    xdist = executor_request(spec, (2, 3), 10.0, "/workspace", {}, runner="xdist")
+    assert xdist["command"] == "make -j2 && pytest -n 2" and "pytest_runner" not in xdist
     argv = parse_exec_spec({"command": ["pytest", "-q"], "pytest_parallel": True}, ExecLimits())
-    assert executor_request(argv, (0,), 1.0, "/w", {})["command"] == ["pytest", "-q"]  # one core: plain pytest
+    plain = executor_request(argv, (0,), 1.0, "/w", {})
+    assert plain["command"] == ["pytest", "-q"] and "pytest_runner" not in plain  # one core, fixed: plain pytest
     one = parse_exec_spec({"command": "pytest -q", "pytest_parallel": True}, ExecLimits())
     assert executor_request(one, (5,), 1.0, "/w", {})["command"] == "pytest -q"
+    assert executor_request(one, (5,), 1.0, "/w", {}, runner="xdist")["command"] == "pytest -q"
     malleable = executor_request(argv, (0,), 1.0, "/w", {}, workers=4, tag="act_1")
-    assert malleable["command"] == ["pytest", "-n", "4", "-q"] and malleable["cpus"] == [0]
+    assert malleable["command"] == ["pytest", "-p", "tangram_runner", "--tangram-workers=4",
+                                    "--tangram-launch-cores=1", "-q"] and malleable["cpus"] == [0]
     assert malleable["env"]["TANGRAM_NUM_CPUS"] == "4" and malleable["tag"] == "act_1"
+    assert executor_request(one, (0,), 1.0, "/w", {}, workers=1)["command"] == "pytest -q"
+    assert executor_request(argv, (0,), 1.0, "/w", {}, workers=4, runner="xdist")["command"] == \
+        ["pytest", "-n", "4", "-q"]
+    no_pytest = parse_exec_spec({"command": "make test", "pytest_parallel": True}, ExecLimits())
+    assert "pytest_runner" not in executor_request(no_pytest, (0, 1), 1.0, "/w", {})
+
+
+def test_the_runners_line_says_which_ran():
+    assert runner_report("....\ntangram-runner: 2 worker(s) forked after one collection\n4 passed") == \
+        {"runner": "tangram", "detail": "2 worker(s) forked after one collection"}
+    assert runner_report("tangram-runner: plain pytest (xdist was asked for too)\n")["runner"] == "plain"
+    assert runner_report("4 passed") == {"runner": "unknown", "detail": None}
 
 
 @pytest.mark.parametrize("spec, field, refusal", [

@@ -232,6 +232,18 @@ async def test_missing_cwd_is_an_error_and_creates_nothing(executor: Executor, t
     assert (await run(executor, command="echo alive"))["stdout"] == "alive\n"
 
 
+async def test_the_runner_is_importable_where_the_broker_asks_for_it(executor: Executor) -> None:
+    """``pytest_runner``: the runner's directory, beside the executor, comes first on PYTHONPATH, before what the
+    command's environment had; without it nothing changes."""
+    probe = "import tangram_runner, sys; print(sys.path[1] if sys.path[0] == '' else sys.path[0])"
+    asked = await run(executor, command=[sys.executable, "-c", probe], pytest_runner=True,
+                      env={"PYTHONPATH": "/elsewhere"})
+    plain = await run(executor, command=[sys.executable, "-c", "import tangram_runner"])
+    assert asked["exit_code"] == 0 and asked["stdout"].strip() == ex.RUNNER_DIR, asked
+    assert ex.RUNNER_DIR.endswith("sandboxes/pytest_runner")
+    assert plain["exit_code"] == 1 and "No module named 'tangram_runner'" in plain["stderr"]
+
+
 async def test_background_runs_only_where_a_reap_ends_them(executor: Executor) -> None:
     """Outside a container (no --reap) nothing would end a background command with its environment: refused,
     starting nothing; a malformed flag is refused too."""

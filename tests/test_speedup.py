@@ -270,8 +270,10 @@ MINI_SUITE = {"tests/test_mini.py": "import pytest\n\n\n@pytest.mark.parametrize
 
 async def test_a_real_short_suite_settles_at_one_core_within_three_runs(tmp_path) -> None:
     """On a real Docker engine, with no profile declared: the first run on one core, the second on two (explored),
-    and from the third on one core, because two really were slower; ``GET /v1/profiles`` shows why."""
-    raw = cpu_config({"n1": {"backend": "docker", "engine": docker_engines()[0], "cores": "0-1", "memory_mb": 2048}})
+    and from the third on one core, because two really were slower; ``GET /v1/profiles`` shows why. On xdist,
+    whose workers each import and collect the suite again (on the runner, two cores cost this suite nothing)."""
+    raw = cpu_config({"n1": {"backend": "docker", "engine": docker_engines()[0], "cores": "0-1", "memory_mb": 2048}},
+                     pytest_runner="xdist")
     async with live_broker(raw, str(tmp_path / "t.db")) as live:
         base: dict[str, Any] = {"task": "t", "trajectory": "suite", "kind": "exec", "timeout_s": 120}
         warm = {**base, "demand": {"cpu": 1},

@@ -97,6 +97,9 @@ def _cannot_fork(config):
 def _say(config, text):
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
+        writer = getattr(reporter, "_tw", None)
+        if writer is not None and writer.width_of_current_line:  # after -q's progress, on a line of its own
+            writer.line()
         reporter.write_line(f"{BANNER} {text}")
 
 
