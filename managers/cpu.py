@@ -21,6 +21,8 @@ from dataclasses import replace
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
+from prometheus_client import Counter as MetricCounter
+
 from managers.cpu_config import CpuConfig, CpuNodeConfig, on_this_host
 from managers.cpu_node import CpuNode
 from managers.environment import Environment, EnvState
@@ -32,7 +34,7 @@ from tangram.core.action import Action, Kind
 from tangram.core.errors import ActionFailed, Conflict, NotFound, Unprocessable
 from tangram.core.fencing import current
 from tangram.core.malleable import WorkerCost, workers_for
-from tangram.core.seam import Allocation, Fit, Outcome, PoolStatus, ResourceManager
+from tangram.core.seam import Allocation, Fit, MetricsRegistry, Outcome, PoolStatus, ResourceManager
 
 if TYPE_CHECKING:
     from managers.ray_membership import RayMembership
@@ -142,6 +144,10 @@ class CpuManager(ResourceManager[CpuHandle]):
         self.nodes: dict[str, CpuNode] = {}
         self.environments = Environments(self.config, self.nodes)
         self._membership: RayMembership | None = None
+        self.pytest_runs = MetricCounter("tangram_pytest_runs", "Elastic pytest runs rewritten to the runner, by what "
+                                         "ran: tangram (forked workers), plain (its fallback, with its reason in the "
+                                         "record) or unknown (its line missing from the output)", ["runner"],
+                                         registry=None)
 
     # -- lifecycle ------------------------------------------------------------------------------------------
 
@@ -467,7 +473,11 @@ class CpuManager(ResourceManager[CpuHandle]):
         result = self._result(executed.response, env, allocation.held()[2], setup_s)
         if request.get("pytest_runner"):
             result["pytest_runner"] = runner_report(result.get("stdout") or "")
+            self.pytest_runs.labels(result["pytest_runner"]["runner"]).inc()
         return Outcome(result)
+
+    def register_metrics(self, registry: MetricsRegistry) -> None:
+        registry.register(self.pytest_runs)
 
     def _result(self, response: dict[str, Any], env: Environment, cores: tuple[int, ...],
                 setup_s: float) -> dict[str, Any]:

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from sandboxes.backend import SandboxSpec
@@ -105,6 +106,15 @@ async def test_pytest_runs_in_parallel_on_the_granted_cores(db):
             "runner": "tangram", "detail": "2 worker(s) forked after one collection"}, out  # the runner, on 2
 
 
+def runner_processes() -> list[psutil.Process]:
+    """The processes of an elastic pytest run on the runner with two workers, seen from the host."""
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        if "--tangram-workers=2" in (process.info["cmdline"] or []):
+            found.append(process)
+    return found
+
+
 async def test_a_malleable_test_runs_workers_follow_its_cores(db):
     """An elastic pytest run on both cores gives one back to a command that arrives (its workers go down to one)
     and takes it again when that command ends (the runner forks a second worker at once); the record says so."""
@@ -116,11 +126,14 @@ async def test_a_malleable_test_runs_workers_follow_its_cores(db):
             **exec_action("python3 -m pytest -q -p no:cacheprovider test_busy.py", cpu={"min": 1, "max": 2},
                           pytest_parallel=True, files={"test_busy.py": suite}),
             "elasticity": {"resource": "cpu", "t1": 8.0, "efficiency": {"1": 1.0, "2": 0.95}}})
-        while (await live.call("GET", f"/v1/actions/{elastic['id']}"))[1]["state"] != "running":
+        deadline = time.monotonic() + 60
+        while len(runner_processes()) < 3:  # its coordinator and two workers: it runs on both cores
+            assert time.monotonic() < deadline, "the runner never forked its two workers"
             await asyncio.sleep(0.05)
-        await asyncio.sleep(1.5)  # its sandbox made and its workers forked
         holder = await run(live, exec_action("sleep 1", trajectory="holder"))
         _, record = await live.call("GET", f"/v1/actions/{elastic['id']}?wait=true")
+        _, metrics = await live.call("GET", "/metrics")
+    assert 'tangram_pytest_runs_total{runner="tangram"} 1.0' in metrics
     assert holder["state"] == "succeeded"
     assert record["state"] == "succeeded" and "200 passed" in record["result"]["stdout"], record
     assert record["allocation"]["malleable"]["resizes"] >= 2, record["allocation"]
