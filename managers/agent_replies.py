@@ -85,7 +85,6 @@ class FencedAgent:
         reply: Reply = await getattr(self, method)(*args)
         return reply
 
-
     def _save_epoch(self) -> None:
         """Write the epoch to its file, replaced whole (a restart reads an old epoch or the new one, never part)."""
         if self._epoch_file is None:

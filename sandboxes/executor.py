@@ -382,8 +382,8 @@ def _in_background_run(pid):
 
 def reap_leftovers():
     """SIGKILL every process left in the sandbox (daemons, a fork bomb's survivors) unless a command runs: all but
-    PID 1, this executor, _reap_keep and the processes of background runs. Passes repeat while something forks; returns how many were killed. The
-    caller holds _children_lock, so that no command starts meanwhile.
+    PID 1, this executor, _reap_keep and the processes of background runs. Passes repeat while something forks;
+    returns how many were killed. The caller holds _children_lock, so that no command starts meanwhile.
 
     Only in a container (``--reap``), where the executor's PID namespace is the sandbox's own."""
     _background[:] = [proc for proc in _background if proc.poll() is None]  # ended ones are waited for
@@ -573,8 +573,9 @@ def _spawn(argv, env, cwd, cpus, memory_bytes, output=subprocess.PIPE):
             raise RequestError(f"cpus: cannot set affinity to {cpus!r}: {exc.strerror or exc}")
     def start():
         with _children_lock:  # never held while waiting: the reapers free pids
-            started = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=output, stderr=output, cwd=cwd, env=full_env, start_new_session=True,
-                                       close_fds=True, preexec_fn=preexec)  # noqa: PLW1509 - see docstring
+            started = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=output, stderr=output, cwd=cwd,
+                                       env=full_env, start_new_session=True, close_fds=True,
+                                       preexec_fn=preexec)  # noqa: PLW1509 - see docstring
             _register(started)
             return started
 
@@ -672,11 +673,11 @@ def run_command(request, cancel_sock=None, oom_counter=None):
 
     Request fields: command (str: via /bin/sh -c; list: argv), env (added to the executor's environment),
     cwd, timeout_s (null: none), output_limit (per stream, default 1 MiB), cpus (affinity, null: inherit),
-    memory_bytes (RLIMIT_AS, null: none), background (start_background), tag (names the command for the "cpus" op; cpus already sent for the
-    tag replace the request's; a run with the tag of a running command takes the tag over), reap (what the command
-    left running is killed once its answer is sent: wants_reap, reap_leftovers). cancel_sock: the
-    client's socket; if it closes while the command runs, the tree is killed and ClientGone is raised.
-    oom_counter: path of the cgroup file with `oom_kill N`.
+    memory_bytes (RLIMIT_AS, null: none), background (start_background), tag (names the command for the "cpus"
+    op; cpus already sent for the tag replace the request's; a run with the tag of a running command takes the tag
+    over), reap (what the command left running is killed once its answer is sent: wants_reap, reap_leftovers),
+    pytest_runner (_with_runner). cancel_sock: the client's socket; if it closes while the command runs, the tree
+    is killed and ClientGone is raised. oom_counter: path of the cgroup file with `oom_kill N`.
     Errors of the executor itself come back in "error" with the other fields empty; it never raises for them.
     """
     start = time.monotonic()

@@ -6,8 +6,9 @@ same way: every call carries the caller's epoch and an agent refuses an epoch be
 (``managers/agent_replies.py``), so a new leader's first calls (adoption, at its start) shut the old one out of
 every agent it reaches; the refusal deposes the old one. Sandboxes without an agent and upstream APIs cannot
 compare epochs, so the broker calls ``Fencing.check`` right before each such side effect (a command, a new
-sandbox, an HTTP attempt; a deposed broker removes no sandbox): it fails once anything told this broker it was deposed (the store's fence refused a write, the lock's
-check failed, an agent refused its epoch), and the service stops the broker at once.
+sandbox, an HTTP attempt; a deposed broker removes no sandbox): it fails once anything told this broker it was
+deposed (the store's fence refused a write, the lock's check failed, an agent refused its epoch), and the service
+stops the broker at once.
 
 The window that remains for those is the time between a new leader taking the lock and the old one learning that
 it lost it: at most ``POLL_S`` once the database has ended the old leader's session, and at most ``POLL_S`` plus
