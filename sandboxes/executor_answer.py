@@ -21,7 +21,7 @@ JSON_BYTES_PER_BYTE = 6
 MAX_ERROR_CHARS = 4096
 
 _STREAMS = ("stdout", "stderr")
-_INTEGERS = ("exit_code", "signal", "pid")  # pid: a background run's
+_INTEGERS = ("exit_code", "signal")
 _FLAGS = ("timed_out", "oom_killed")
 
 
@@ -67,6 +67,11 @@ def bounded_run_answer(answer: dict[str, Any], output_limit: int) -> dict[str, A
         if not isinstance(value, bool):
             raise BadAnswer(f"{key}: {value!r} is not a boolean")
         bounded[key] = value
+    pid = answer.get("pid")  # a background run's
+    if pid is not None:
+        if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+            raise BadAnswer(f"pid: {pid!r} is not a process id")
+        bounded["pid"] = pid
     duration = answer.get("duration_s", 0.0)
     if not isinstance(duration, (int, float)) or isinstance(duration, bool) or not 0 <= duration < float("inf"):
         raise BadAnswer(f"duration_s: {duration!r} is not a duration")

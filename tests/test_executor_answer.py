@@ -28,6 +28,10 @@ def test_an_honest_answer_is_kept_as_it_is() -> None:
     assert bounded_run_answer(honest, 10) == honest
 
 
+def test_a_background_runs_pid_is_kept() -> None:
+    assert bounded_run_answer(answer(pid=42), 10) == answer(pid=42)
+
+
 def test_a_stream_over_the_limit_is_cut_at_a_character_and_marked() -> None:
     bounded = bounded_run_answer(answer(stdout="é" * 6, stdout_bytes=3), 5)  # 12 bytes of UTF-8
     assert bounded["stdout"] == "éé" and bounded["stdout_truncated"] is True
@@ -41,7 +45,7 @@ def test_unknown_fields_are_dropped_and_the_error_is_capped() -> None:
 
 @pytest.mark.parametrize("fields", [{"exit_code": "0"}, {"exit_code": True}, {"stdout": ["x"]},
                                     {"timed_out": 1}, {"stdout_bytes": -1}, {"duration_s": float("nan")},
-                                    {"stderr_truncated": "no"}, {"error": 7}])
+                                    {"stderr_truncated": "no"}, {"error": 7}, {"pid": 0}, {"pid": "1"}])
 def test_fields_of_the_wrong_type_are_refused(fields: dict[str, Any]) -> None:
     with pytest.raises(BadAnswer):
         bounded_run_answer(answer(**fields), 10)

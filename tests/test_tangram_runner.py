@@ -119,8 +119,9 @@ def test_a_worker_that_dies_fails_its_test_and_is_replaced(suite: Path) -> None:
     forked = pytest_run(suite, "-q", *runner(2), env={"KILL_WORKER": "1"})
     assert forked.returncode == 1
     assert counts(forked.stdout) == {"failed": 2, "passed": 31, "skipped": 1, "xfailed": 1}, forked.stdout
-    assert re.search(r"test_kills_its_process - worker \d+ \(pid \d+\) died running this test \(exit status 3\)",
-                     forked.stdout), forked.stdout
+    assert "FAILED test_suite.py::test_kills_its_process" in forked.stdout
+    assert re.search(r"worker \d+ \(pid \d+\) died running this test \(exit status 3\)", forked.stdout), \
+        forked.stdout
     assert "1 died" in forked.stdout
 
 

@@ -45,6 +45,7 @@ BANNER = "tangram-runner:"
 
 _HEADER = struct.Struct(">I")
 _LAUNCH_CORES = pytest.StashKey[int]()
+_SAID = pytest.StashKey[str]()
 
 
 def pytest_addoption(parser):
@@ -95,12 +96,14 @@ def _cannot_fork(config):
 
 
 def _say(config, text):
-    reporter = config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None:
-        writer = getattr(reporter, "_tw", None)
-        if writer is not None and writer.width_of_current_line:  # after -q's progress, on a line of its own
-            writer.line()
-        reporter.write_line(f"{BANNER} {text}")
+    """What the run's summary will say of the runner (``pytest_terminal_summary``)."""
+    config.stash[_SAID] = text
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    said = config.stash.get(_SAID, None)
+    if said is not None:
+        terminalreporter.write_line(f"{BANNER} {said}")
 
 
 def _cores():
