@@ -21,6 +21,7 @@ on python3 >= 3.8 with pytest >= 7. Used as ``pytest -p tangram_runner --tangram
 from __future__ import annotations
 
 import collections
+import gc
 import json
 import os
 import select
@@ -29,12 +30,18 @@ import socket
 import struct
 import sys
 import threading
+import time
 import warnings
 
 import pytest
 
 #: how often the coordinator looks at its cores while it waits for workers
 CORES_POLL_S = 0.05
+#: how often the coordinator reads the workers' progress (test starts, reports): batched so that a worker sharing
+#: a core with it is not interrupted after every test; a worker's requests, failures and end are read at once
+BATCH_S = 0.02
+#: each worker's buffer for the progress it sends between two reads
+PROGRESS_BUFFER_BYTES = 1 << 20
 #: workers that died and were replaced, at most this many times per worker slot
 MAX_RESTARTS = 4
 #: a worker pulls about this share of the tests left per worker at a time (small slices: a shrink takes effect
@@ -115,10 +122,34 @@ def _cores():
 
 
 # -- the wire between coordinator and workers: 4-byte length, then JSON -------------------------------------------
+#
+# Each worker has two socket pairs to the coordinator. Its progress (a test started, its reports, its warnings, its
+# end) goes on the first, buffered by the kernel and read every BATCH_S. Its requests for tests, the tests it hands
+# back and its failures go on the second, which the coordinator answers at once, after reading the worker's
+# progress so far; the coordinator's answers and stops come back on it too. A worker that dies closes both: what
+# it sent before is read first, so the test it died in is known.
+
+def _frame(message):
+    body = json.dumps(message, default=repr).encode()
+    return _HEADER.pack(len(body)) + body
+
 
 def _send(sock, message):
-    body = json.dumps(message, default=repr).encode()
-    sock.sendall(_HEADER.pack(len(body)) + body)
+    sock.sendall(_frame(message))
+
+
+def _frames(buffer):
+    """The complete messages at the front of ``buffer`` (a bytearray), removed from it."""
+    messages = []
+    start = 0
+    while len(buffer) - start >= _HEADER.size:
+        size = _HEADER.unpack_from(buffer, start)[0]
+        if len(buffer) - start - _HEADER.size < size:
+            break
+        messages.append(json.loads(bytes(buffer[start + _HEADER.size:start + _HEADER.size + size])))
+        start += _HEADER.size + size
+    del buffer[:start]
+    return messages
 
 
 def _recv(sock):
@@ -147,10 +178,12 @@ def _recv_exact(sock, size):
 # -- the coordinator --------------------------------------------------------------------------------------------
 
 class _Worker:
-    def __init__(self, slot, pid, sock):
+    def __init__(self, slot, pid, sock, progress):
         self.slot = slot
         self.pid = pid
-        self.sock = sock
+        self.sock = sock  # requests and answers
+        self.progress = progress  # what it reports, read in batches
+        self.unread = bytearray()
         self.assigned = collections.deque()  # indices sent and not finished, in order
         self.running = None  # the index it started and did not finish
         self.stopping = False
@@ -200,17 +233,38 @@ class _Coordinator:
         factory = getattr(self.config, "_tmp_path_factory", None)
         if factory is not None:
             factory.getbasetemp()  # made once here; each worker takes a directory inside it
+        gc.freeze()  # what collection made stays shared: the workers' collections do not copy its pages
         self._adjust()
+        read_at = time.monotonic() + BATCH_S
         while self.workers:
-            ready, _, _ = select.select([w.sock for w in self.workers.values()], [], [], CORES_POLL_S)
+            wait = min(CORES_POLL_S, max(0.0, read_at - time.monotonic()))
+            ready, _, _ = select.select([w.sock for w in self.workers.values()], [], [], wait)
             for sock in ready:
                 worker = next(w for w in self.workers.values() if w.sock is sock)
+                self._read_progress(worker)  # what it sent before this request comes first
                 message = _recv(sock)
                 if message is None:
                     self._lost(worker)
                 else:
                     self._handle(worker, message)
+            if time.monotonic() >= read_at:
+                for worker in list(self.workers.values()):
+                    self._read_progress(worker)
+                read_at = time.monotonic() + BATCH_S
             self._adjust()
+
+    def _read_progress(self, worker):
+        """Handle every complete message the worker's progress channel holds now, without waiting."""
+        while True:
+            try:
+                chunk = worker.progress.recv(PROGRESS_BUFFER_BYTES)
+            except OSError:  # nothing more now (BlockingIOError), or the worker is gone
+                break
+            if not chunk:
+                break
+            worker.unread += chunk
+        for message in _frames(worker.unread):
+            self._handle(worker, message)
 
     def _adjust(self):
         """Fork workers up to the target while tests are left; ask the surplus to stop."""
@@ -244,16 +298,21 @@ class _Coordinator:
         slot = self.next_slot
         self.next_slot += 1
         mine, theirs = socket.socketpair()
+        progress_in, progress_out = socket.socketpair()
+        progress_out.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, PROGRESS_BUFFER_BYTES)
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:  # the worker: never returns
             mine.close()
+            progress_in.close()
             for other in self.workers.values():
                 other.sock.close()
+                other.progress.close()
             code = 1
+            channel = _Channel(theirs, progress_out)
             try:
-                code = _WorkerLoop(self.session, theirs, slot).run()
+                code = _WorkerLoop(self.session, channel, slot).run()
             except OSError:
                 pass  # the coordinator is gone (its end of the socket closed): nobody to report to
             except BaseException:  # noqa: BLE001 - a worker must never run the coordinator's code after fork
@@ -261,11 +320,17 @@ class _Coordinator:
 
                 traceback.print_exc()
             finally:
+                try:
+                    channel.flush()  # what it kept (a test's end) if it stopped on an error
+                except OSError:
+                    pass
                 sys.stdout.flush()
                 sys.stderr.flush()
                 os._exit(code)
         theirs.close()
-        worker = _Worker(slot, pid, mine)
+        progress_out.close()
+        progress_in.setblocking(False)
+        worker = _Worker(slot, pid, mine, progress_in)
         self.workers[pid] = worker
         self.started += 1
         return worker
@@ -324,7 +389,9 @@ class _Coordinator:
 
     def _lost(self, worker):
         """A worker's stream ended: it exited (its work done or handed back) or died mid-test."""
+        self._read_progress(worker)
         worker.sock.close()
+        worker.progress.close()
         del self.workers[worker.pid]
         _, status = os.waitpid(worker.pid, 0)
         if worker.running is not None and not self.draining:
@@ -355,22 +422,48 @@ class _Coordinator:
 
 # -- a worker ---------------------------------------------------------------------------------------------------
 
+class _Channel:
+    """A worker's two channels to the coordinator: progress is kept and sent once per test (``flush``), requests
+    and failures go at once (after the progress before them)."""
+
+    def __init__(self, sock, progress):
+        self.sock = sock
+        self.progress = progress
+        self.kept = []
+
+    def post(self, message):
+        self.kept.append(_frame(message))
+
+    def flush(self):
+        if self.kept:
+            self.progress.sendall(b"".join(self.kept))
+            self.kept = []
+
+    def send(self, message):
+        self.flush()
+        _send(self.sock, message)
+
+
 class _Forward:
     """In a worker: what pytest reports goes to the coordinator, not to a terminal."""
 
-    def __init__(self, config, sock):
+    def __init__(self, config, channel):
         self.config = config
-        self.sock = sock
+        self.channel = channel
 
     def pytest_runtest_logreport(self, report):
         data = self.config.hook.pytest_report_to_serializable(config=self.config, report=report)
-        _send(self.sock, {"t": "report", "r": data})
+        if report.failed:  # the coordinator may have to stop the run (-x, --maxfail) now
+            self.channel.send({"t": "report", "r": data})
+        else:
+            self.channel.post({"t": "report", "r": data})
 
     def pytest_warning_recorded(self, warning_message, when, nodeid, location):
-        _send(self.sock, {"t": "warning", "message": str(warning_message.message),
-                          "category": f"{warning_message.category.__module__}:{warning_message.category.__qualname__}",
-                          "filename": warning_message.filename, "lineno": warning_message.lineno, "when": when,
-                          "nodeid": nodeid, "location": location})
+        self.channel.post({"t": "warning", "message": str(warning_message.message),
+                           "category": f"{warning_message.category.__module__}:"
+                                       f"{warning_message.category.__qualname__}",
+                           "filename": warning_message.filename, "lineno": warning_message.lineno,
+                           "when": when, "nodeid": nodeid, "location": location})
 
 
 def _tuples_back(data):
@@ -395,10 +488,11 @@ def _warning_from(message):
 class _WorkerLoop:
     """One forked worker: runs the slices it is handed, one test at a time, until told to stop or none are left."""
 
-    def __init__(self, session, sock, slot):
+    def __init__(self, session, channel, slot):
         self.session = session
         self.config = session.config
-        self.sock = sock
+        self.channel = channel
+        self.sock = channel.sock
         self.slot = slot
         self.stop = False
 
@@ -409,7 +503,7 @@ class _WorkerLoop:
         reporter = manager.get_plugin("terminalreporter")
         if reporter is not None:
             manager.unregister(reporter)
-        manager.register(_Forward(self.config, self.sock), "tangram-forward")
+        manager.register(_Forward(self.config, self.channel), "tangram-forward")
         items = self.session.items
         queue = collections.deque(self._ask())
         ran_any = False
@@ -422,14 +516,15 @@ class _WorkerLoop:
                 queue.appendleft(index)
                 break
             nextitem = items[queue[0]] if queue else None
-            _send(self.sock, {"t": "start", "i": index})
+            self.channel.post({"t": "start", "i": index})
+            self.channel.flush()  # the coordinator must know which test this is if the worker dies in it
             self.config.hook.pytest_runtest_protocol(item=items[index], nextitem=nextitem)
             ran_any = True
-            _send(self.sock, {"t": "finish", "i": index})
+            self.channel.post({"t": "finish", "i": index})
             if self.session.shouldfail or self.session.shouldstop:
                 self.stop = True
         if queue:
-            _send(self.sock, {"t": "returned", "items": list(queue)})
+            self.channel.send({"t": "returned", "items": list(queue)})
         if ran_any and (queue or self.stop):
             self._tear_down()  # the last test ran with a next one in view: its fixtures are still set up
         return 0
@@ -450,7 +545,7 @@ class _WorkerLoop:
 
     def _ask(self):
         """The next slice from the coordinator (empty: none left, or this worker is to stop)."""
-        _send(self.sock, {"t": "next"})
+        self.channel.send({"t": "next"})
         while True:
             message = _recv(self.sock)
             if message is None:  # the coordinator is gone
