@@ -3,8 +3,10 @@
 ``bench_real_dop`` burns CPU for a trace's durations; here the work is real: each trajectory unpacks a pinned sdist
 (``loadtest.suites``) in its sandbox, makes a few short tool calls with think time between them, and ends with the
 project's own test suite as one ``exec``. Policies differ only in that last action: ``tangram`` asks for 1-2 cores,
-malleable, with ``pytest_parallel`` and a declared elasticity; ``dop1`` for one core and plain pytest; ``dop2`` for
-two cores and ``pytest -n 2``. The declared ``t1`` is each suite's single-core time from a profiling pass the bench
+malleable, with a declared elasticity; ``dop1`` for one core; ``dop2`` for two. Every policy's test run asks for
+``pytest_parallel``, so the broker runs each on the same runner (``--runner``: the elastic runner by default, whose
+workers follow a malleable run's cores; fixed at 2 for DoP 2, plain pytest on one core), or on xdist (``pytest -n
+2`` for DoP 2): the elastic policy is never given a cheaper worker than the fixed ones. The declared ``t1`` is each suite's single-core time from a profiling pass the bench
 runs first (the paper profiles in advance, §6.1); the efficiency table is one generic guess for every suite,
 {1: 1.0, 2: 0.9}, not measured per suite (the profiling pass prints what -n 2 really gave, to set beside it).
 
@@ -23,6 +25,7 @@ profiling, or the bench says so and fails.
 
     python -m loadtest.bench_real_suites [--rounds 3] [--trajectories 6] [--stagger 2] [--think 0.5] [--cores 0-1]
                                          [--no-profiles [--no-profiling]] [--engine URL|local]
+                                         [--runner tangram|xdist]
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from aiohttp import web
 from clients import AsyncTangramClient
 from clients.records import ActionRecord
 from loadtest.suites import DEFAULT_CACHE_DIR, SUITES, Fetched, fetch
+from managers.exec_spec import PytestRunner
 from tangram.config import ServerConfig, parse_config
 from tangram.core.action import Elasticity
 from tangram.service import running_broker
@@ -70,25 +74,30 @@ SUMMARY = re.compile(r"\d+ (passed|failed|error)")
 
 
 def broker_config(cores: str, db: Path, engine: str, broker_id: str | None = None,
-                  worker_overhead: float | None = None, memory_mb: int = NODE_MEMORY_MB) -> dict[str, Any]:
+                  worker_overhead: float | None = None, memory_mb: int = NODE_MEMORY_MB,
+                  runner: PytestRunner = "tangram") -> dict[str, Any]:
     """``engine`` "local": the node runs its sandboxes as local processes (a machine without Docker)."""
-    overhead = {} if worker_overhead is None else {"worker_overhead": worker_overhead}
+    tuned: dict[str, Any] = {"pytest_runner": runner}
+    if worker_overhead is not None:
+        tuned["worker_overhead"] = worker_overhead
     backend = ({"backend": "local", "unsandboxed": True} if engine == "local"
                else {"backend": "docker", "engine": engine})
     return {"store": {"url": f"sqlite+aiosqlite:///{db}"}, "gpu": {"enabled": False},
-            "cpu": {"broker_id": broker_id or f"bench-{uuid.uuid4().hex[:8]}", **overhead,
+            "cpu": {"broker_id": broker_id or f"bench-{uuid.uuid4().hex[:8]}", **tuned,
                     "nodes": {"n1": {**backend, "cores": cores, "memory_mb": memory_mb}}}}
 
 
 @asynccontextmanager
 async def fresh_broker(cores: str, engine: str, store: Path | None = None, worker_overhead: float | None = None,
-                       memory_mb: int = NODE_MEMORY_MB) -> AsyncIterator[str]:
+                       memory_mb: int = NODE_MEMORY_MB, pytest_runner: PytestRunner = "tangram"
+                       ) -> AsyncIterator[str]:
     """A fresh broker on a free loopback port. With no ``store``, it has its own store for one run only: no learned
     durations or sandboxes carry over from one policy's run to the next. With ``store`` (a SQLite file), it loads
     what the brokers before it on that file learned and leaves what it learns there. Yields its URL."""
     with tempfile.TemporaryDirectory() as directory:
         db, broker_id = (Path(directory) / "bench.db", None) if store is None else (store, "bench-learned")
-        config = parse_config(broker_config(cores, db, engine, broker_id, worker_overhead, memory_mb))
+        config = parse_config(broker_config(cores, db, engine, broker_id, worker_overhead, memory_mb,
+                                            pytest_runner))
         async with running_broker(config) as (_, app):
             runner = web.AppRunner(app, access_log=None)
             await runner.setup()
@@ -170,9 +179,9 @@ def tool_steps(fetched: Fetched) -> list[Step]:
 
 
 def test_step(fetched: Fetched, policy: str, t1_s: float | None) -> Step:
-    """The trajectory's test run under ``policy``: elastic (the broker rewrites ``pytest`` to ``pytest -n W`` for
-    W > 1) or fixed at 1 core (plain) or 2 (``-n 2``). An elastic run declares ``t1_s`` and ``EFFICIENCY``, or, with
-    ``t1_s`` None, no profile at all (the broker learns it per suite: the signature is ``test|<suite>``)."""
+    """The trajectory's test run under ``policy``: elastic or fixed at 1 or 2 cores, each rewritten by the broker
+    for its runner. An elastic run declares ``t1_s`` and ``EFFICIENCY``, or, with ``t1_s`` None, no profile at all
+    (the broker learns it per suite: the signature is ``test|<suite>``)."""
     suite = fetched.suite
     dop = POLICIES[policy]
     where = f"cd {fetched.root} && "
@@ -182,8 +191,8 @@ def test_step(fetched: Fetched, policy: str, t1_s: float | None) -> Step:
             elasticity.update(t1=t1_s, efficiency=EFFICIENCY)
         return Step("test", exec_body(suite.name, "test", f"{where}{PYTEST} {suite.test_args}",
                                       {"min": 1, "max": ELASTIC_MAX}, pytest_parallel=True, elasticity=elasticity))
-    workers = f" -n {dop}" if dop > 1 else ""
-    return Step("test", exec_body(suite.name, "test", f"{where}{PYTEST}{workers} {suite.test_args}", dop))
+    return Step("test", exec_body(suite.name, "test", f"{where}{PYTEST} {suite.test_args}", dop,
+                                  pytest_parallel=True))
 
 
 def outcome_of(record: ActionRecord, suite: str, kind: str) -> Outcome:
@@ -387,7 +396,7 @@ async def bench(args: argparse.Namespace) -> int:
     largest = max(body_size(unpack_step(item, args.memory_mb)) for item in fetched)
     node = "local-process node" if args.engine == "local" else "Docker node"
     print(f"suites: {', '.join(f'{f.suite.name} {f.suite.version}' for f in fetched)}; {node} on cores "
-          f"{args.cores}; {args.trajectories} trajectories staggered {args.stagger:g} s, think {args.think:g} s; "
+          f"{args.cores}; test runs on {args.runner}; {args.trajectories} trajectories staggered {args.stagger:g} s, think {args.think:g} s; "
           f"{declares}; largest action body "
           f"{largest / 2**20:.2f} MiB (limit {ServerConfig.max_body_bytes / 2**20:g})", flush=True)
     exit_codes: dict[str, dict[str, set[int | None]]] = defaultdict(lambda: defaultdict(set))
@@ -409,7 +418,8 @@ async def bench(args: argparse.Namespace) -> int:
                                 args.memory_mb)
                 # --no-profiles: the elastic policy's brokers share one store, cold in round 1, learning across rounds
                 store = Path(learned_dir) / "learned.db" if args.no_profiles and policy == "tangram" else None
-                async with fresh_broker(args.cores, args.engine, store, args.worker_overhead, node_mb) as url:
+                async with fresh_broker(args.cores, args.engine, store, args.worker_overhead, node_mb,
+                                        args.runner) as url:
                     result = await run_trajectories(url, plan, args.think)
                     learned = await learned_profiles(url) if store is not None else None
                 if result.failures():
@@ -456,6 +466,8 @@ def main() -> int:
     parser.add_argument("--cache-dir", default=str(DEFAULT_CACHE_DIR), help="where sdists are kept")
     parser.add_argument("--worker-overhead", type=float, help="the brokers' cpu.worker_overhead (default: the "
                                                                   "service's)")
+    parser.add_argument("--runner", choices=["tangram", "xdist"], default="tangram",
+                        help="what every policy's test runs run on (the brokers' cpu.pytest_runner)")
     parser.add_argument("--no-profiles", action="store_true",
                         help="elastic test runs declare no t1 or efficiency (the broker learns them per suite); the "
                              "elastic policy keeps one store across rounds, cold in the first")

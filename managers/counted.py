@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 
 from tangram.core.action import Action
 from tangram.core.errors import Unprocessable
-from tangram.core.malleable import WorkerCost
+from tangram.core.malleable import WorkerCost, Workers
 from tangram.core.seam import Allocation, Fit, PoolStatus, ResourceManager
 
 
@@ -102,12 +102,12 @@ class CountedUnitsManager(ResourceManager[None]):
         return resource in self._resizable
 
     def workers(self, action: Action, resource: str, units: int, expected_s: float,
-                learned: WorkerCost | None = None) -> int:
+                learned: WorkerCost | None = None) -> Workers:
         # Counted units have no worker start-up cost to weigh (the CPU manager's ``workers_for``), so a malleable
         # action may grow to its largest demand, within one pool (its units never span pools).
         if not self.resizable(resource):
-            return units
-        return max(units, min(action.demands[resource].max, self.largest_pool(resource)))
+            return Workers(units)
+        return Workers(max(units, min(action.demands[resource].max, self.largest_pool(resource))))
 
     def resize(self, allocation: Allocation[None], resource: str, units: int) -> None:
         if not self.resizable(resource):

@@ -27,13 +27,13 @@ from managers.cpu_config import CpuConfig, CpuNodeConfig, on_this_host
 from managers.cpu_node import CpuNode
 from managers.environment import Environment, EnvState
 from managers.environments import Environments
-from managers.exec_spec import ExecSpec, ExecSpecBody, executor_request, parse_exec_spec, runner_report
+from managers.exec_spec import ExecSpec, ExecSpecBody, executor_request, parse_exec_spec, runner_report, runs_pytest
 from managers.sandbox_backends import SandboxFactory, open_sandbox_backend
 from sandboxes.backend import NODE_UNAVAILABLE, Leftover, SandboxBackend, SandboxError
 from tangram.core.action import Action, Kind
 from tangram.core.errors import ActionFailed, Conflict, NotFound, Unprocessable
 from tangram.core.fencing import current
-from tangram.core.malleable import WorkerCost, workers_for
+from tangram.core.malleable import WorkerCost, Workers, workers_for
 from tangram.core.seam import Allocation, Fit, MetricsRegistry, Outcome, PoolStatus, ResourceManager
 
 if TYPE_CHECKING:
@@ -367,12 +367,15 @@ class CpuManager(ResourceManager[CpuHandle]):
         return resource == RESOURCE and self.config.malleable
 
     def workers(self, action: Action, resource: str, units: int, expected_s: float,
-                learned: WorkerCost | None = None) -> int:
-        """``workers_for`` at the learned worker cost, else at ``worker_start_s`` of CPU per worker, shared by the
-        starting cores."""
+                learned: WorkerCost | None = None) -> Workers:
+        """A pytest run the elastic runner takes follows its cores up to the action's maximum (the runner forks a
+        worker for each core added: none is started ahead). Any other command gets ``workers_for`` at the learned
+        worker cost, else at ``worker_start_s`` of CPU per worker, shared by the starting cores."""
         cap = min(action.demands[resource].max, self.largest_pool(resource))
+        if self.config.pytest_runner == "tangram" and runs_pytest(self.exec_spec(action)):
+            return Workers(max(units, cap), follows=True)
         cost = learned or WorkerCost(self.config.worker_start_s / units)
-        return workers_for(units, cap, expected_s, cost, self.config.worker_overhead)
+        return Workers(workers_for(units, cap, expected_s, cost, self.config.worker_overhead))
 
     def resize(self, allocation: Allocation[CpuHandle], resource: str, units: int) -> None:
         if allocation.released:
@@ -448,12 +451,13 @@ class CpuManager(ResourceManager[CpuHandle]):
             setup_s = time.perf_counter() - setup_started
             remaining = action.submitted_at + action.timeout_s - time.time() - DEADLINE_MARGIN_S
             cores = allocation.held()[2]  # as resized while the sandbox was being created
-            workers = action.malleable.workers if action.malleable is not None else None
-            # an executor adopted from an older broker has no runner beside it
+            held = action.malleable
+            # an executor adopted from an older broker has no runner beside it: xdist on the cores it starts on
             runner = "xdist" if getattr(sandbox, "old_executor", False) else self.config.pytest_runner
             request = executor_request(spec, cores, max(remaining, 0.001), sandbox.workdir,
                                        {"TANGRAM_ACTION_ID": action.id, "TANGRAM_ENVIRONMENT": env.id},
-                                       workers=workers, tag=action.id, runner=runner)
+                                       workers=held.workers if held is not None else None,
+                                       follows=held is not None and held.follows, tag=action.id, runner=runner)
             env.running.add(action.id)
             try:
                 current().check()  # a deposed leader runs no more commands (tangram/core/fencing.py)

@@ -223,11 +223,22 @@ def rewrite_pytest(command: str, flags: list[str]) -> str:
     return PYTEST.sub(lambda m: f"{m.group(1)}{m.group(2)} {' '.join(flags)}", command)
 
 
-def pytest_flags(runner: PytestRunner, workers: int, cores: int) -> list[str]:
-    """What an elastic ``pytest`` gets (none: it runs plain). Only for more than one worker: under xdist one
-    worker costs a controller process and ~0.25 s more than plain pytest on the same core, under the runner a few
-    percent; and a malleable run never holds more cores than the workers it started with (``Malleable.workers``),
-    so a run started on one worker cannot grow."""
+def runs_pytest(spec: ExecSpec) -> bool:
+    """Whether ``pytest_parallel`` has a pytest invocation to give workers to in this command."""
+    if not spec.pytest_parallel:
+        return False
+    if isinstance(spec.command, str):
+        return PYTEST.search(spec.command) is not None
+    return bool(spec.command) and posixpath.basename(spec.command[0]) == "pytest" and "-n" not in spec.command
+
+
+def pytest_flags(runner: PytestRunner, workers: int, cores: int, follows: bool = False) -> list[str]:
+    """What an elastic ``pytest`` gets (none: it runs plain). A run whose workers follow its cores
+    (``Workers.follows``) starts the runner with one worker per core, on one core too, so that it can grow. Any
+    other run gets workers only for more than one: under xdist one worker costs a controller process and ~0.25 s
+    more than plain pytest on the same core."""
+    if runner == "tangram" and follows:
+        return ["-p", RUNNER_PLUGIN, f"--tangram-workers={cores}", f"--tangram-launch-cores={cores}"]
     if workers <= 1:
         return []
     if runner == "xdist":
@@ -247,25 +258,22 @@ def runner_report(stdout: str) -> dict[str, str | None]:
 
 
 def executor_request(spec: ExecSpec, cores: tuple[int, ...], timeout_s: float, workdir: str,
-                     extra_env: Mapping[str, str], *, workers: int | None = None, tag: str | None = None,
-                     runner: PytestRunner = "tangram") -> dict[str, Any]:
+                     extra_env: Mapping[str, str], *, workers: int | None = None, follows: bool = False,
+                     tag: str | None = None, runner: PytestRunner = "tangram") -> dict[str, Any]:
     """Elasticity at run time: ``{parallel_num}`` and ``TANGRAM_NUM_CPUS`` become the worker count (the granted
-    core count unless the action is malleable, ``workers``, and started with more workers than cores); with
-    ``pytest_parallel``, ``pytest`` runs on that many workers (``pytest_flags``), and the executor puts the
-    runner's directory on PYTHONPATH where it is asked to. ``tag`` names the command for a later re-pin (``op:
-    cpus``)."""
-    n = workers or len(cores)
-    flags = pytest_flags(runner, n, len(cores)) if spec.pytest_parallel else []
-    rewritten = False
+    core count unless the action is malleable, ``workers``, and started with more workers than cores, and its
+    workers do not follow its cores); with ``pytest_parallel``, ``pytest`` runs on workers (``pytest_flags``), and
+    the executor puts the runner's directory on PYTHONPATH where it is asked to. ``tag`` names the command for a
+    later re-pin (``op: cpus``)."""
+    n = len(cores) if follows or not workers else workers
+    flags = pytest_flags(runner, n, len(cores), follows) if runs_pytest(spec) else []
+    rewritten = bool(flags)
     if isinstance(spec.command, str):
         text = spec.command.replace("{parallel_num}", str(n))
         command: str | list[str] = rewrite_pytest(text, flags) if flags else text
-        rewritten = command != text
     else:
         command = [p.replace("{parallel_num}", str(n)) for p in spec.command]
-        if flags and command and posixpath.basename(command[0]) == "pytest" and "-n" not in command:
-            command[1:1] = flags
-            rewritten = True
+        command[1:1] = flags
     env = {**spec.env, **extra_env, "TANGRAM_NUM_CPUS": str(n)}
     request = {"op": "run", "command": command, "env": env, "cwd": spec.cwd or workdir, "timeout_s": timeout_s,
                "output_limit": spec.output_limit, "cpus": list(cores), "reap": True}

@@ -24,15 +24,17 @@ def start(owner: dict[str, ResourceManager], durations: DurationModel, placement
     action.units = dict(placement.units)
     action.placement = {k: v for _, a in allocations for k, v in a.placement.items()}
     key = action.key_resource
-    action.expected_duration_s = durations.duration(action, placement.units.get(key) if key else None,
-                                                    placement.workers)
-    if placement.workers is not None and key is not None:
-        units, workers = placement.units[key], placement.workers
+    workers = placement.workers
+    modelled = None if workers is None or workers.follows else workers.count  # None: as many as units
+    action.expected_duration_s = durations.duration(action, placement.units.get(key) if key else None, modelled)
+    if workers is not None and key is not None:
+        units = placement.units[key]
         action.malleable = Malleable(resource=key, pool=placement.pools[key], floor=action.demands[key].min,
-                                     workers=workers, units=units, since=now,
-                                     t1_s=durations.t1(action, workers) or durations.default_s,
-                                     profile=durations.profile(action, action.demands[key].up_to(workers), workers),
-                                     history=[(now, units)])
+                                     workers=workers.count, units=units, since=now,
+                                     t1_s=durations.t1(action, modelled) or durations.default_s,
+                                     profile=durations.profile(action, action.demands[key].up_to(workers.count),
+                                                               modelled),
+                                     history=[(now, units)], follows=workers.follows)
     return allocations
 
 

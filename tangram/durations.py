@@ -142,7 +142,7 @@ class DurationModel:
         held = action.malleable
         if held is not None and action.started_at is not None:
             units = held.unit_seconds_at(action.started_at + seconds) / seconds
-            workers = held.workers
+            workers = max(1, round(units)) if held.follows else held.workers
         else:
             units = workers = action.units[action.key_resource]  # type: ignore[index]
         if units <= 0:

@@ -21,7 +21,10 @@ class MalleableSummary(Schema):
 
     resource: str
     floor: int
-    workers: int
+    workers: int = Field(description="the most units it can use: the workers it started with, or its cap where "
+                                     "its workers follow its units")
+    workers_follow_units: bool = Field(False, description="its workers follow its units (the elastic pytest "
+                                                          "runner forks one for each core added)")
     resizes: int
     unit_seconds: float
     history: list[tuple[float, int]] = Field(description="[time, units] at each change")

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from tangram.arrivals import Expected
 from tangram.core.action import Action
 from tangram.core.dparrange import DPTable, dp_arrange
-from tangram.core.malleable import Claimant, Malleable, share
+from tangram.core.malleable import Claimant, Malleable, Workers, share
 from tangram.core.seam import Allocation, Fit, ResourceManager
 from tangram.durations import DurationModel
 from tangram.estimate import INF, CompletionHeap, Waiting, estimate
@@ -42,12 +42,12 @@ IMPROVEMENT = 1e-9
 @dataclass(slots=True)
 class Placement:
     """A scheduling decision: start ``action`` now with these units, in these pools (``workers``: it starts
-    malleable on its key resource, with this many workers)."""
+    malleable on its key resource, with these workers)."""
 
     action: Action
     units: dict[str, int]
     pools: dict[str, str]
-    workers: int | None = None
+    workers: Workers | None = None
 
 
 @dataclass(slots=True)

@@ -141,6 +141,33 @@ async def test_a_malleable_test_runs_workers_follow_its_cores(db):
     assert "following the cores: 2 -> 1 -> 2" in record["result"]["pytest_runner"]["detail"], record["result"]
 
 
+async def test_a_test_run_started_on_one_core_grows_when_the_other_frees(db):
+    """A pytest run the runner takes, started on the one free core (a command holds the other), takes the second
+    core when that command ends: its workers follow its cores up to its maximum, so the scheduler grows it and the
+    runner forks a second worker at once."""
+    engine = docker_engines()[0]
+    suite = ("import time, pytest\n@pytest.mark.parametrize('i', range(150))\ndef test_busy(i):\n"
+             "    end = time.monotonic() + 0.04\n    while time.monotonic() < end:\n        pass\n")
+    async with live_broker(one_node(engine), db) as live:
+        _, holder = await live.call("POST", "/v1/actions", json=exec_action("sleep 3", trajectory="holder"))
+        deadline = time.monotonic() + 60
+        while (await live.call("GET", f"/v1/actions/{holder['id']}"))[1]["state"] != "running":
+            assert time.monotonic() < deadline, "the holder never started"
+            await asyncio.sleep(0.05)
+        _, elastic = await live.call("POST", "/v1/actions", json={
+            **exec_action("python3 -m pytest -q -p no:cacheprovider test_busy.py", cpu={"min": 1, "max": 2},
+                          pytest_parallel=True, files={"test_busy.py": suite}),
+            "elasticity": {"resource": "cpu", "t1": 6.0, "efficiency": {"1": 1.0, "2": 0.95}}})
+        _, record = await live.call("GET", f"/v1/actions/{elastic['id']}?wait=true")
+        _, held = await live.call("GET", f"/v1/actions/{holder['id']}?wait=true")
+    assert held["state"] == "succeeded" and record["state"] == "succeeded", record
+    assert "150 passed" in record["result"]["stdout"], record["result"]["stdout"][-500:]
+    malleable = record["allocation"]["malleable"]
+    assert malleable["workers_follow_units"] is True and malleable["workers"] == 2, malleable
+    assert [units for _, units in malleable["history"]][:2] == [1, 2], malleable
+    assert "following the cores: 1 -> 2" in record["result"]["pytest_runner"]["detail"], record["result"]
+
+
 async def test_timeout_kills_the_whole_tree_and_the_environment_survives(db):
     engine = docker_engines()[0]
     async with live_broker(one_node(engine), db) as live:

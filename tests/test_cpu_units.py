@@ -82,6 +82,23 @@ def test_executor_request_substitutes_parallelism():
     assert "pytest_runner" not in executor_request(no_pytest, (0, 1), 1.0, "/w", {})
 
 
+def test_a_run_whose_workers_follow_its_cores_starts_one_per_core_on_one_core_too():
+    """Capped at 8 and started on one core, it runs the runner with one worker (so that it can grow), and its
+    command sees one; under xdist (an adopted older executor) it starts on its cores and runs plain on one."""
+    argv = parse_exec_spec({"command": ["pytest", "-q"], "pytest_parallel": True}, ExecLimits())
+    one = executor_request(argv, (3,), 1.0, "/w", {}, workers=8, follows=True)
+    assert one["command"] == ["pytest", "-p", "tangram_runner", "--tangram-workers=1", "--tangram-launch-cores=1",
+                              "-q"] and one["pytest_runner"] is True
+    assert one["env"]["TANGRAM_NUM_CPUS"] == "1"
+    two = parse_exec_spec({"command": "cd r && python3 -m pytest -x", "pytest_parallel": True}, ExecLimits())
+    assert executor_request(two, (0, 1), 1.0, "/w", {}, workers=8, follows=True)["command"] == \
+        "cd r && python3 -m pytest -p tangram_runner --tangram-workers=2 --tangram-launch-cores=2 -x"
+    assert executor_request(two, (0, 1), 1.0, "/w", {}, workers=8, follows=True, runner="xdist")["command"] == \
+        "cd r && python3 -m pytest -n 2 -x"
+    assert executor_request(argv, (3,), 1.0, "/w", {}, workers=8, follows=True, runner="xdist")["command"] == \
+        ["pytest", "-q"]
+
+
 def test_the_runners_line_says_which_ran():
     assert runner_report("....\ntangram-runner: 2 worker(s) forked after one collection\n4 passed") == \
         {"runner": "tangram", "detail": "2 worker(s) forked after one collection"}

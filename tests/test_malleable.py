@@ -20,7 +20,16 @@ from managers.cpu_config import CpuConfig, CpuNodeConfig
 from managers.cpu_node import CpuNode
 from sandboxes.docker import DockerSandbox
 from tangram.core.action import Action, Demand, Elasticity, Kind
-from tangram.core.malleable import Claimant, Malleable, Profile, WorkerCost, profile_of_curve, share, workers_for
+from tangram.core.malleable import (
+    Claimant,
+    Malleable,
+    Profile,
+    WorkerCost,
+    Workers,
+    profile_of_curve,
+    share,
+    workers_for,
+)
 from tangram.records import ActionRecord
 from tangram.sim.broker_station import NoSandboxes
 from tests.docker_nodes import cpu_config, docker_engines
@@ -223,11 +232,31 @@ async def wait_output(live: Live, action_id: str, text: str, timeout_s: float = 
 
 def test_workers_stay_within_the_actions_maximum() -> None:
     action = elastic(0)  # 1-8 cores
-    assert manager().workers(action, "cpu", 2, expected_s=10.0) == 2  # the default: one worker per starting core
+    assert manager().workers(action, "cpu", 2, expected_s=10.0) == Workers(2)  # one worker per starting core
     cpu = CpuManager(CpuConfig(nodes=manager().config.nodes, worker_overhead=0.5, worker_start_s=0.25))
     cpu.add_node(CpuNode(cpu.config.nodes[0], NoSandboxes()))
-    assert cpu.workers(action, "cpu", 2, expected_s=0.25) == 3  # 50% of 0.25 s on 2 cores pays one 0.25 s worker
-    assert cpu.workers(action, "cpu", 2, expected_s=100.0) == 8  # a long run: the action's maximum, not the node's
+    assert cpu.workers(action, "cpu", 2, expected_s=0.25) == Workers(3)  # 50% of 0.25 s on 2 cores pays one worker
+    assert cpu.workers(action, "cpu", 2, expected_s=100.0) == Workers(8)  # a long run: its maximum, not the node's
+
+
+@pytest.mark.parametrize("command", ["cd repo && python3 -m pytest -q", ["pytest", "-q"]])
+def test_a_pytest_run_the_runner_takes_may_grow_to_its_maximum(command: str | list[str]) -> None:
+    """Under the elastic runner a pytest run's workers follow its cores: it may grow from the core it starts on to
+    its maximum (within the node), with none started ahead. Under xdist, or for a command the runner does not take
+    (no pytest in it, or pytest_parallel off), the workers are fixed at the start as before."""
+    def run(spec: dict[str, Any], cores: int = 1) -> Action:
+        return Action(task="t", kind=Kind.EXEC, demands={"cpu": Demand.range(1, cores)}, trajectory="t",
+                      elasticity=Elasticity("cpu", t1=10.0), spec=spec, id="a")
+
+    test_run = {"command": command, "pytest_parallel": True}
+    assert manager().workers(run(test_run, 4), "cpu", 1, expected_s=10.0) == Workers(4, follows=True)
+    assert manager(2).workers(run(test_run, 4), "cpu", 1, expected_s=10.0) == Workers(2, follows=True)
+    assert manager().workers(run({"command": command}, 4), "cpu", 1, expected_s=10.0) == Workers(1)
+    assert manager().workers(run({"command": "make test", "pytest_parallel": True}, 4), "cpu", 1,
+                             expected_s=10.0) == Workers(1)
+    xdist = CpuManager(CpuConfig(nodes=manager().config.nodes, pytest_runner="xdist"))
+    xdist.add_node(CpuNode(xdist.config.nodes[0], NoSandboxes()))
+    assert xdist.workers(run(test_run, 4), "cpu", 1, expected_s=10.0) == Workers(1)
 
 
 @pytest.mark.parametrize("path", ["fast", "engine"])

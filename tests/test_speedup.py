@@ -20,6 +20,7 @@ from managers.cpu_node import CpuNode
 from tangram import dispatch
 from tangram.cli import status_view
 from tangram.core.action import Action, Demand, Elasticity, Kind
+from tangram.core.malleable import Workers
 from tangram.core.seam import ResourceManager
 from tangram.durations import DurationModel
 from tangram.records import Profiles, Resources
@@ -218,7 +219,7 @@ def test_learned_worker_costs_decide_who_may_grow_from_one_core() -> None:
         cost = bench.durations.worker_cost(action, 1)
         assert cost is not None and cost.harness_s > 0
         [placement] = bench.scheduler.schedule([action], [busy], bench.now).placements
-        assert (placement.units["cpu"], placement.workers) == (1, workers), (suite, cost)
+        assert (placement.units["cpu"], placement.workers) == (1, Workers(workers)), (suite, cost)
     dispatch.release(allocations)
     only_moldable = bench.action(Demand.range(1, 2), signature="long")
     bench.runs(2, Demand.range(1, 2), long_suite, signature="long")  # one worker per core: 1, then 2
@@ -230,7 +231,7 @@ def test_a_malleable_run_is_observed_at_its_mean_units() -> None:
     bench = Bench(malleable(8))
     action = bench.action(Demand.range(1, 8), Elasticity("cpu", t1=40.0))
     [placement] = bench.scheduler.schedule([action], [], 0.0).placements
-    placement.units["cpu"], placement.workers = 4, 4
+    placement.units["cpu"], placement.workers = 4, Workers(4)
     dispatch.start(bench.owner, bench.durations, placement, 0.0)
     assert action.malleable is not None
     action.malleable.resize(2, 5.0)
@@ -238,7 +239,26 @@ def test_a_malleable_run_is_observed_at_its_mean_units() -> None:
     dispatch.ended(bench.durations, None, action, 10.0, True)
     [run] = bench.durations.speedups[("t", "test|suite")].runs
     assert (run.units, run.workers, run.seconds) == (pytest.approx(3.0), 4, 10.0)
-    assert run.basis == pytest.approx(40.0 / 3)
+
+
+def test_a_run_whose_workers_follow_its_cores_is_modelled_and_observed_with_one_worker_per_core() -> None:
+    """Under the runner a run capped at 8 cores starts on 1 with one worker, not 8: its expected duration is the
+    model's for one core and one worker. Held on 1 core for half its time and 3 for the other half, it ran on 2
+    cores with 2 workers (one forked per core added)."""
+    bench = Bench(malleable(8))
+    bench.runs(2, Demand.range(1, 8), long_suite, signature="long")  # learned: workers cost time
+    action = bench.action(Demand.range(1, 8), signature="long")
+    [placement] = bench.scheduler.schedule([action], [], 0.0).placements
+    placement.units["cpu"], placement.workers = 1, Workers(8, follows=True)
+    dispatch.start(bench.owner, bench.durations, placement, 0.0)
+    assert action.malleable is not None and action.malleable.follows and action.malleable.workers == 8
+    assert action.expected_duration_s == pytest.approx(bench.durations.duration(action, 1, 1))
+    assert bench.durations.duration(action, 1, 8) != pytest.approx(action.expected_duration_s)
+    action.malleable.resize(3, 5.0)
+    action.execution_s = 10.0
+    dispatch.ended(bench.durations, None, action, 10.0, True)
+    run = bench.durations.speedups[("t", "long")].runs[-1]
+    assert (run.units, run.workers, run.seconds) == (pytest.approx(2.0), 2, 10.0)
 
 
 async def test_learned_models_survive_a_restart(tmp_path) -> None:

@@ -2,7 +2,8 @@
 
 The paper fixes an action's units when it starts (moldable). Where a manager can resize a running allocation (the
 CPU manager rewrites a sandbox's cpuset in ~0.01 ms), an elastic action is *malleable* between its minimum (the
-floor, never taken away) and its worker count (cores past its workers are useless). Every scheduling pass then
+floor, never taken away) and its worker count (cores past its workers are useless), or its maximum where its
+workers follow its cores (the elastic pytest runner, ``Workers``). Every scheduling pass then
 
 1. lends the cores running malleable actions hold above their floors to the queue: queued actions are placed at
    their minimum as if those cores were free, so a short tool call never waits behind a long test run's extra
@@ -60,7 +61,7 @@ class Malleable:
     resource: str
     pool: str
     floor: int
-    workers: int  # the cap: started with this many workers, more cores would idle
+    workers: int  # the cap: started with this many workers, more cores would idle (unless ``follows``)
     units: int
     since: float  # when ``units`` last changed
     t1_s: float  # estimated work on one unit (the duration model's T1)
@@ -69,9 +70,11 @@ class Malleable:
     unit_seconds: float = 0.0  # units held x time, up to ``since``
     resizes: int = 0
     history: list[tuple[float, int]] = field(default_factory=list)
+    follows: bool = False  # its workers follow its units (``Workers.follows``)
 
     def rate(self) -> float:
         return self.profile.speedup(min(self.units, self.workers))
+
     def work_done(self, now: float) -> float:
         """Single-unit work done by ``now``, at the estimated speed-up of the units held over time."""
         return self.done_s + max(0.0, now - self.since) * self.rate()
@@ -95,7 +98,8 @@ class Malleable:
 
     def summary(self, now: float) -> dict[str, Any]:
         """What the action's record shows: its bounds, resizes, unit-seconds and units over time."""
-        return {"resource": self.resource, "floor": self.floor, "workers": self.workers, "resizes": self.resizes,
+        return {"resource": self.resource, "floor": self.floor, "workers": self.workers,
+                "workers_follow_units": self.follows, "resizes": self.resizes,
                 "unit_seconds": round(self.unit_seconds_at(now), 6),
                 "history": [[round(t, 6), units] for t, units in self.history]}
 
@@ -143,6 +147,17 @@ def share(spare: int, claimants: Sequence[Claimant], by_remaining: bool = False)
         counts = claimant.profile.counts
         units.append(counts[bisect.bisect_right(counts, floor + more) - 1])
     return units
+
+
+@dataclass(frozen=True, slots=True)
+class Workers:
+    """What a malleable action starts with: ``count`` workers, the most units it can use. With ``follows`` its
+    workers follow its units instead (the elastic pytest runner forks a worker for each core it is given and lets
+    one go for each taken): ``count`` is then only the cap, and it runs, and is modelled, with as many workers as
+    units."""
+
+    count: int
+    follows: bool = False
 
 
 @dataclass(frozen=True, slots=True)

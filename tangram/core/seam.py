@@ -21,7 +21,7 @@ from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 from tangram.core.action import Action, Kind
 from tangram.core.dparrange import BasicOperator, DPOperator
-from tangram.core.malleable import WorkerCost
+from tangram.core.malleable import WorkerCost, Workers
 
 
 class MetricsRegistry(Protocol):
@@ -160,10 +160,11 @@ class ResourceManager(abc.ABC, Generic[Handle]):
         return False
 
     def workers(self, action: Action, resource: str, units: int, expected_s: float,
-                learned: WorkerCost | None = None) -> int:
-        """How many workers a malleable action started on ``units`` gets (the most units it can later use);
-        ``learned``: what its workers were seen to cost, when its signature has run with several."""
-        return units
+                learned: WorkerCost | None = None) -> Workers:
+        """The workers a malleable action started on ``units`` gets (the most units it can later use, or the cap
+        of workers that follow its units); ``learned``: what its workers were seen to cost, when its signature has
+        run with several."""
+        return Workers(units)
 
     def resize(self, allocation: Allocation[Handle], resource: str, units: int) -> None:
         """Change a running allocation to ``units`` of ``resource`` in the same pool, in the books at once: units

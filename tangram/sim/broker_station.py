@@ -32,6 +32,7 @@ from sandboxes.backend import Leftover, Sandbox, SandboxBackend, SandboxSpec
 from tangram import dispatch
 from tangram.arrivals import ArrivalModel, Expected
 from tangram.core.action import Action, Demand, Kind
+from tangram.core.malleable import Workers
 from tangram.core.seam import Allocation, ResourceManager
 from tangram.durations import DurationModel
 from tangram.queue import FCFSQueue
@@ -342,7 +343,7 @@ class BrokerStation:
         heapq.heappush(self.finishing, (finish, action.seq, action.id, execution.version))
 
     def _execute(self, run: CallRun, action: Action, allocations: list[tuple[ResourceManager, Allocation]],
-                 workers: int | None, now: float) -> float:
+                 workers: Workers | None, now: float) -> float:
         """Model the call's execution from ``now``; returns when it finishes (CPU calls: until re-timed)."""
         call = run.call
         if call.kind in ("tool", "test"):
@@ -352,7 +353,9 @@ class BrokerStation:
                 self.sandboxes.add(run.trajectory.id)
                 run.overhead_s += self.costs.env_create_s
             run.pool = next(a for m, a in allocations if m is self.cpu).pools["cpu"]
-            count = workers or run.units  # a test run starts pytest -n count (plain pytest for one)
+            # a test run starts pytest -n count (plain pytest for one): the simulator models xdist, so its test
+            # runs (spec "true") are never the runner's, whose workers would follow the cores
+            count = workers.count if workers is not None else run.units
             startup = xdist_cpu_s(self.costs, count, call.work_s) if call.kind == "test" else 0.0
             execution = Execution(call, count, run.units, now, now, run.overhead_s, startup, call.work_s)
             self.executions[action.id] = execution
