@@ -6,9 +6,10 @@ project's own test suite as one ``exec``. Policies differ only in that last acti
 malleable, with a declared elasticity; ``dop1`` for one core; ``dop2`` for two. Every policy's test run asks for
 ``pytest_parallel``, so the broker runs each on the same runner (``--runner``: the elastic runner by default, whose
 workers follow a malleable run's cores; fixed at 2 for DoP 2, plain pytest on one core), or on xdist (``pytest -n
-2`` for DoP 2): the elastic policy is never given a cheaper worker than the fixed ones. The declared ``t1`` is each suite's single-core time from a profiling pass the bench
-runs first (the paper profiles in advance, §6.1); the efficiency table is one generic guess for every suite,
-{1: 1.0, 2: 0.9}, not measured per suite (the profiling pass prints what -n 2 really gave, to set beside it).
+2`` for DoP 2): the elastic policy is never given a cheaper worker than the fixed ones. The declared ``t1`` is each
+suite's single-core time from a profiling pass the bench runs first (the paper profiles in advance, §6.1); the
+efficiency table is one generic guess for every suite, {1: 1.0, 2: 0.9}, not measured per suite (the profiling pass
+prints what -n 2 really gave, to set beside it).
 
 With ``--no-profiles`` the elastic runs declare nothing but ``{"resource": "cpu"}`` (no ``t1``, no efficiency): the
 broker learns each suite's speed-up from its runs (``tangram.speedup``, per signature ``test|<suite>``), so its first
@@ -396,8 +397,8 @@ async def bench(args: argparse.Namespace) -> int:
     largest = max(body_size(unpack_step(item, args.memory_mb)) for item in fetched)
     node = "local-process node" if args.engine == "local" else "Docker node"
     print(f"suites: {', '.join(f'{f.suite.name} {f.suite.version}' for f in fetched)}; {node} on cores "
-          f"{args.cores}; test runs on {args.runner}; {args.trajectories} trajectories staggered {args.stagger:g} s, think {args.think:g} s; "
-          f"{declares}; largest action body "
+          f"{args.cores}; test runs on {args.runner}; {args.trajectories} trajectories staggered {args.stagger:g} s, "
+          f"think {args.think:g} s; {declares}; largest action body "
           f"{largest / 2**20:.2f} MiB (limit {ServerConfig.max_body_bytes / 2**20:g})", flush=True)
     exit_codes: dict[str, dict[str, set[int | None]]] = defaultdict(lambda: defaultdict(set))
     t1 = None

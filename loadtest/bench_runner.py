@@ -194,7 +194,8 @@ def bench(args: argparse.Namespace) -> int:
     check = affinity_check(cpus)
     print(f"cores {args.cores} ({len(cpus)}); {os.uname().release}; suites' python {args.python}: "
           f"{(version.stdout + version.stderr).strip()}; two busy processes on one core take "
-          f"{check['two_on_one_core_over_one']:.2f}x one's time (affinity {'honoured' if check['honoured'] else 'NOT honoured'}); "
+          f"{check['two_on_one_core_over_one']:.2f}x one's time "
+          f"(affinity {'honoured' if check['honoured'] else 'NOT honoured'}); "
           f"SMT siblings {check['smt_siblings']}", flush=True)
     deadline = time.perf_counter() + args.budget_s
     times: dict[str, dict[Config, list[Ran]]] = {item.suite.name: defaultdict(list) for item in fetched}
