@@ -7,8 +7,8 @@ root, with the process pinned to a set of cores, under every configuration of ``
 - ``runner 1c/1w`` and ``1c/2w``, ``xdist 1c/2w``: what one worker, or two squeezed onto one core, cost;
 - ``xdist`` and ``runner`` with W = c workers on c = 2, 4, 8, ... cores up to the cores given;
 - ``grown a->b``: the runner started on ``a`` cores with ``a`` workers and moved onto ``b`` cores (every thread of
-  its process tree re-pinned, as the executor does) a third of the way through the plain run's time: the
-  coordinator must fork the workers the new cores allow. Against it, staying on ``a`` cores (``runner a``).
+  its process tree re-pinned by the executor's own ``pin_tree``) a third of the way through the plain run's time:
+  the coordinator must fork the workers the new cores allow. Against it, staying on ``a`` cores (``runner a``).
 
 Every run's counts (passed, failed, skipped, ...) and exit code must equal plain pytest's (parity), and every
 runner run must say it forked its workers (its ``tangram-runner:`` line). Rounds alternate the order of the
@@ -39,7 +39,7 @@ from typing import Any
 
 from loadtest.suites import DEFAULT_CACHE_DIR, SUITES, Fetched, fetch
 from sandboxes.cgroup import parse_cpu_list
-from sandboxes.executor import RUNNER_DIR
+from sandboxes.executor import RUNNER_DIR, pin_tree
 
 #: pytest's closing line, e.g. "8 failed, 1799 passed, 12 skipped in 21.95s"
 COUNT = re.compile(r"(\d+) (passed|failed|skipped|xfailed|xpassed|errors?|deselected)\b")
@@ -100,32 +100,6 @@ def counts_of(output: str) -> dict[str, int]:
     return {("errors" if kind.startswith("error") else kind): int(n) for n, kind in COUNT.findall(lines[-1])}
 
 
-def tree_of(pid: int) -> list[int]:
-    """``pid`` and every descendant, from /proc (children lists of every thread)."""
-    found, frontier = [pid], [pid]
-    while frontier:
-        parent = frontier.pop()
-        for task in Path(f"/proc/{parent}/task").glob("*"):
-            try:
-                children = (task / "children").read_text().split()
-            except OSError:
-                continue
-            for child in map(int, children):
-                found.append(child)
-                frontier.append(child)
-    return found
-
-
-def repin(pid: int, cpus: set[int]) -> None:
-    """Every thread of ``pid``'s process tree onto ``cpus`` (threads that end meanwhile are skipped)."""
-    for process in tree_of(pid):
-        for task in Path(f"/proc/{process}/task").glob("*"):
-            try:
-                os.sched_setaffinity(int(task.name), cpus)
-            except (ProcessLookupError, PermissionError, OSError):
-                continue
-
-
 def run_once(python: str, fetched: Fetched, workdir: Path, config: Config, cpus: list[int], grow_after_s: float
              ) -> Ran:
     flags: list[str] = []
@@ -145,7 +119,7 @@ def run_once(python: str, fetched: Fetched, workdir: Path, config: Config, cpus:
     # other thread runs here: a grown run's timer starts after this
     timer = None
     if config.grow_to:
-        timer = threading.Timer(grow_after_s, repin, (process.pid, set(cpus[:config.grow_to])))
+        timer = threading.Timer(grow_after_s, pin_tree, (process.pid, set(cpus[:config.grow_to])))
         timer.start()
     output, _ = process.communicate()
     seconds = time.perf_counter() - started
@@ -169,8 +143,8 @@ def affinity_check(cpus: list[int]) -> dict[str, Any]:
         return time.perf_counter() - started
 
     ratio = wall(2) / wall(1)
-    siblings = sorted({Path(f"/sys/devices/system/cpu/cpu{c}/topology/thread_siblings_list").read_text().strip()
-                       for c in cpus if Path(f"/sys/devices/system/cpu/cpu{c}/topology/thread_siblings_list").exists()})
+    lists = (Path(f"/sys/devices/system/cpu/cpu{c}/topology/thread_siblings_list") for c in cpus)
+    siblings = sorted({path.read_text().strip() for path in lists if path.exists()})
     return {"two_on_one_core_over_one": ratio, "honoured": ratio > 1.6, "smt_siblings": siblings}
 
 

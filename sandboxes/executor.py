@@ -236,7 +236,7 @@ def kill_tree(pid):
             _kill(p)
 
 
-def _pin_tree(pid, cpus):
+def pin_tree(pid, cpus):
     """Set the affinity of every thread of every process in the command's tree (see _tree) to `cpus`; returns
     how many processes were re-pinned.
 
@@ -287,7 +287,7 @@ def _follow(tag, pid, pinned):
             latest = _tag_cpus.get(tag)
             if latest is None or latest == pinned:
                 return count
-            count = _pin_tree(pid, latest)
+            count = pin_tree(pid, latest)
         pinned = latest
 
 

@@ -492,7 +492,6 @@ class _WorkerLoop:
         self.session = session
         self.config = session.config
         self.channel = channel
-        self.sock = channel.sock
         self.slot = slot
         self.stop = False
 
@@ -547,7 +546,7 @@ class _WorkerLoop:
         """The next slice from the coordinator (empty: none left, or this worker is to stop)."""
         self.channel.send({"t": "next"})
         while True:
-            message = _recv(self.sock)
+            message = _recv(self.channel.sock)
             if message is None:  # the coordinator is gone
                 self.stop = True
                 return []
@@ -558,8 +557,8 @@ class _WorkerLoop:
 
     def _poll(self):
         """Take a stop the coordinator sent since the last test, without waiting."""
-        while select.select([self.sock], [], [], 0)[0]:
-            message = _recv(self.sock)
+        while select.select([self.channel.sock], [], [], 0)[0]:
+            message = _recv(self.channel.sock)
             if message is None or message["t"] == "stop":
                 self.stop = True
                 return
