@@ -14,4 +14,4 @@ eval "$(bash scripts/install-prometheus.sh)"
 export HF_HUB_OFFLINE=1  # the reward model comes from a Python package; nothing is downloaded
 python -m ruff check .
 python -m mypy
-python -m pytest -q "$@"
+python -m pytest -q --durations=30 "$@"  # the slowest tests in CI's log: the suite has a 30-min budget

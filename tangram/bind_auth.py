@@ -42,7 +42,7 @@ async def token_for_bind(auth: Authenticator, host: str) -> str | None:
     if auth.enabled:
         return None
     if auth.access.auth.required is False:  # allowed by --insecure (check_bind refused it otherwise)
-        log.warning("listening on %r with auth off (--insecure): only requests addressed to a loopback name are "
+        log.warning("binding %r with auth off (--insecure): only requests addressed to a loopback name are "
                     "answered", host)
         return None
     _, token = await auth.create(None, MINTED_NOTE)

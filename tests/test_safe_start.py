@@ -142,7 +142,7 @@ def serving(config: Path, port: int, *extra: str) -> Iterator[tuple[subprocess.P
     reader.start()
     deadline = time.monotonic() + 60
     try:
-        while not any("listening on" in line for line in lines):
+        while not any("broker listening on" in line for line in lines):
             assert process.poll() is None and time.monotonic() < deadline, "".join(lines)
             time.sleep(0.1)
         yield process, lines
