@@ -44,6 +44,8 @@ from sandboxes.executor import RUNNER_DIR, pin_tree
 #: pytest's closing line, e.g. "8 failed, 1799 passed, 12 skipped in 21.95s"
 COUNT = re.compile(r"(\d+) (passed|failed|skipped|xfailed|xpassed|errors?|deselected)\b")
 RUNNER_LINE = "tangram-runner:"
+#: a line of pytest's short summary (-rfE): "FAILED tests/test_a.py::test_b - AssertionError"
+SHORT_SUMMARY = re.compile(r"^(?:FAILED|ERROR) (\S+)", re.MULTILINE)
 #: the re-pin of a grown run, as a share of the plain run's time
 GROW_AT = 1 / 3
 
@@ -72,6 +74,8 @@ class Ran:
     exit_code: int
     counts: dict[str, int]
     runner_line: str
+    #: the node ids pytest's short summary names as failed or in error
+    failed: frozenset[str] = frozenset()
 
 
 def plan(cores: int, grows: list[tuple[int, int]], one_core: bool = True) -> list[Config]:
@@ -110,7 +114,7 @@ def run_once(python: str, fetched: Fetched, workdir: Path, config: Config, cpus:
         flags = ["-p", "tangram_runner", f"--tangram-workers={config.workers}",
                  f"--tangram-launch-cores={config.cores}"]
         env["PYTHONPATH"] = RUNNER_DIR
-    command = [python, "-m", "pytest", "-p", "no:cacheprovider", *flags, *fetched.suite.test_args.split()]
+    command = [python, "-m", "pytest", "-p", "no:cacheprovider", "-rfE", *flags, *fetched.suite.test_args.split()]
     start_cpus = set(cpus[:config.cores])
     started = time.perf_counter()
     process = subprocess.Popen(command, cwd=workdir / fetched.root, env=env, stdout=subprocess.PIPE,
@@ -126,7 +130,8 @@ def run_once(python: str, fetched: Fetched, workdir: Path, config: Config, cpus:
     if timer is not None:
         timer.cancel()
     said = [line for line in output.splitlines() if RUNNER_LINE in line]
-    return Ran(seconds, process.returncode, counts_of(output), said[-1].strip() if said else "")
+    return Ran(seconds, process.returncode, counts_of(output), said[-1].strip() if said else "",
+               frozenset(SHORT_SUMMARY.findall(output)))
 
 
 def affinity_check(cpus: list[int]) -> dict[str, Any]:
@@ -162,7 +167,12 @@ def bench(args: argparse.Namespace) -> int:
     grows = [tuple(int(x) for x in g.split(":")) for g in args.grow]
     configs = plan(len(cpus), grows, not args.no_one_core)  # type: ignore[arg-type]
     cache = Path(args.cache_dir).expanduser()
-    fetched = [fetch(suite, cache) for suite in SUITES if not args.suite or suite.name in args.suite]
+    by_name = {suite.name: suite for suite in SUITES}
+    unknown = sorted(set(args.suite or ()) - set(by_name))
+    if unknown:
+        print(f"unknown suite(s) {unknown}; known: {sorted(by_name)}", file=sys.stderr)
+        return 2
+    fetched = [fetch(by_name[name], cache) for name in args.suite or by_name]  # in the order given
     version = subprocess.run([args.python, "-m", "pytest", "--version"], capture_output=True, text=True,
                              check=False)
     check = affinity_check(cpus)
@@ -210,6 +220,9 @@ def report(times: dict[str, dict[Config, list[Ran]]], configs: list[Config]) -> 
         medians = {c: statistics.median(r.seconds for r in runs) for c, runs in by_config.items() if runs}
         mismatched = sorted({c.label for c, runs in by_config.items() for r in runs
                              if (r.counts, r.exit_code) != reference})
+        # which tests changed outcome: the evidence for telling a runner's fault from a suite's order dependence
+        flipped = sorted({test for runs in by_config.values() for r in runs
+                          if (r.counts, r.exit_code) != reference for test in r.failed ^ plain[0].failed})
         no_fork = sorted({c.label for c, runs in by_config.items() for r in runs
                           if c.runner == "tangram" and "forked" not in r.runner_line})
         parity &= not mismatched
@@ -217,6 +230,7 @@ def report(times: dict[str, dict[Config, list[Ran]]], configs: list[Config]) -> 
         row: dict[str, Any] = {"median_s": {c.label: m for c, m in medians.items()},
                                "speedup": {c.label: base / m for c, m in medians.items()},
                                "counts": reference[0], "exit_code": reference[1], "parity_mismatch": mismatched,
+                               "flipped": flipped,
                                "runner_did_not_fork": no_fork}
         pairs = {c.cores: (medians.get(Config("xdist", c.cores, c.cores)), m)
                  for c, m in medians.items() if c.runner == "tangram" and c.cores == c.workers and not c.grow_to}
@@ -231,7 +245,8 @@ def report(times: dict[str, dict[Config, list[Ran]]], configs: list[Config]) -> 
                                                                   row["runner_over_xdist"].items())
               + "; grown / staying " + ", ".join(f"{k} {v:.2f}" for k, v in row["grown_over_staying"].items())
               + f"; counts {reference[0]} exit {reference[1]}"
-              + (f"; PARITY MISMATCH in {mismatched}" if mismatched else "; parity in every run")
+              + (f"; PARITY MISMATCH in {mismatched}, tests whose outcome differs from plain's: {flipped}"
+                 if mismatched else "; parity in every run")
               + (f"; runner did not fork in {no_fork}" if no_fork else ""), flush=True)
     return {"suites": suites, "parity": parity, "runner_ran": runner_ran}
 
@@ -240,7 +255,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m loadtest.bench_runner", description=__doc__.split("\n\n")[0])
     parser.add_argument("--cores", default="0-1", help="the cores to use (a cpuset list)")
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--suite", action="append", help="only this suite (repeatable)")
+    parser.add_argument("--suite", action="append", help="only this suite (repeatable; run in the order given)")
     parser.add_argument("--python", default="python3", help="the suites' interpreter (with pytest and xdist)")
     parser.add_argument("--grow", action="append", default=None, metavar="A:B",
                         help="a grown run: started on A cores, moved onto B (repeatable; default 1:2)")

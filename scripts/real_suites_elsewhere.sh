@@ -12,7 +12,8 @@
 #
 # run's settings: ROUNDS (3), TRAJ (10), CORES (0-15), BENCH_S (time limit, 470), PY_TAG (312: the Python there);
 # the log goes to $OUT (else /tmp) as bench_real_suites.log. runner's: ROUNDS, CORES, BENCH_S (no run starts after
-# it), GROW (1:2 4:16); its log and JSON go to $OUT as bench_runner.log and bench_runner.json.
+# it), GROW (1:2 4:16), SUITES (names, run in that order; all by default); its log and JSON go to $OUT as
+# bench_runner.log and bench_runner.json.
 set -u
 cd "$(dirname "$0")/.."
 
@@ -50,10 +51,12 @@ run)
         --cores "${CORES:-0-15}" --memory-mb 4096 --cache-dir .suites 2>&1 | tee "${OUT:-/tmp}/bench_real_suites.log" ;;
 runner)
     suite_venv || exit 1
-    grows=()
+    grows=() suites=()
     for grow in ${GROW:-1:2 4:16}; do grows+=(--grow "$grow"); done
+    for suite in ${SUITES:-}; do suites+=(--suite "$suite"); done
     PYTHONUNBUFFERED=1 python3 -m loadtest.bench_runner --python /tmp/suitepy/bin/python3 --cores "${CORES:-0-15}" \
-        --rounds "${ROUNDS:-2}" --no-one-core "${grows[@]}" --budget-s "${BENCH_S:-300}" --cache-dir .suites \
+        --rounds "${ROUNDS:-2}" --no-one-core "${grows[@]}" "${suites[@]}" --budget-s "${BENCH_S:-300}" \
+        --cache-dir .suites \
         --json "${OUT:-/tmp}/bench_runner.json" 2>&1 | tee "${OUT:-/tmp}/bench_runner.log" ;;
 *)
     echo "usage: bash scripts/real_suites_elsewhere.sh prepare|run|runner" >&2

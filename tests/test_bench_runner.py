@@ -3,7 +3,7 @@ counts or exit code differ from plain pytest's, or a runner run that did not for
 
 from __future__ import annotations
 
-from loadtest.bench_runner import Config, Ran, counts_of, plan, report
+from loadtest.bench_runner import SHORT_SUMMARY, Config, Ran, counts_of, plan, report
 
 PLAIN = Config("plain", 1, 1)
 RUNNER_2 = Config("tangram", 2, 2)
@@ -18,6 +18,8 @@ def test_counts_are_read_from_the_last_summary_line() -> None:
     assert counts_of(output) == {"failed": 8, "passed": 1799, "skipped": 2, "xfailed": 1, "errors": 3}
     assert counts_of("1 error in 0.10s") == {"errors": 1}
     assert counts_of("collected nothing") == {}
+    summary = "x FAILED tests/test_e.py\nFAILED tests/test_a.py::T::test_b - Exception: mu...\nERROR tests/test_c.py::d\n"
+    assert SHORT_SUMMARY.findall(summary) == ["tests/test_a.py::T::test_b", "tests/test_c.py::d"]
 
 
 def test_the_plan_covers_each_width_and_grows_only_within_the_cores() -> None:
@@ -41,8 +43,9 @@ def test_parity_and_forking_are_checked_in_every_run() -> None:
     assert row["speedup"]["tangram 2c/2w"] == 11.0 / 5.0 and row["runner_over_xdist"] == {"2c": 6.0 / 5.0}
     assert row["grown_over_staying"] == {"grown 1->2": 0.8}
 
-    runs[RUNNER_2].append(Ran(5.0, 0, {"passed": 9, "skipped": 1, "failed": 1}, FORKED))
+    runs[RUNNER_2].append(Ran(5.0, 0, {"passed": 9, "skipped": 1, "failed": 1}, FORKED, frozenset({"t::x"})))
     runs[GROWN].append(Ran(8.0, 0, same, "tangram-runner: plain pytest (1 thread(s) alive after collection)"))
     figures = report({"suite": runs}, [PLAIN])
     assert not figures["parity"] and figures["suites"]["suite"]["parity_mismatch"] == ["tangram 2c/2w"]
+    assert figures["suites"]["suite"]["flipped"] == ["t::x"]
     assert not figures["runner_ran"] and figures["suites"]["suite"]["runner_did_not_fork"] == ["grown 1->2"]
