@@ -32,7 +32,7 @@ from scipy.optimize import least_squares
 from loadtest.bench_real_suites import PYTEST, Step, exec_body, fresh_broker, run_trajectories, unpack_step
 from loadtest.suites import DEFAULT_CACHE_DIR, SUITES, Fetched, fetch
 from sandboxes.cgroup import parse_cpu_list
-from tangram.sim.cluster import Costs, xdist_cpu_s
+from tangram.sim.cluster import Costs, startup_cpu_s
 from tangram.sim.execution import Execution
 from tangram.sim.trace import Call
 from tangram.speedup import Run, fit_runs
@@ -64,8 +64,8 @@ def simulated_s(params: Sequence[float] | np.ndarray, config: Config) -> float:
     cores, workers = config
     efficiency = tuple((m, 1.0 / (serial * m + 1.0 - serial)) for m in range(1, max(2, cores) + 1))
     call = Call("test", 0.0, work, efficiency=efficiency)
-    costs = Costs(xdist_start_cpu_s=start, xdist_worker_cpu_s=per_worker)
-    return Execution(call, workers, cores, 0.0, 0.0, 0.0, xdist_cpu_s(costs, workers, work), work).finish_at()
+    costs = Costs(test_runner="xdist", xdist_start_cpu_s=start, xdist_worker_cpu_s=per_worker)
+    return Execution(call, workers, cores, 0.0, 0.0, 0.0, startup_cpu_s(costs, workers, work), work).finish_at()
 
 
 def fit_simulator(medians: dict[Config, float]) -> dict[str, float]:

@@ -20,6 +20,7 @@ def test_overrides_are_typed_and_later_items_win():
     assert assumed.api(ApiModel("api.search", quota=5)) == ApiModel("api.search", quota=5, concurrency=384)
     assert assumed.coding(batch=3).test_median_s == 20.0  # untouched groups keep their defaults
     assert parse(["hetero.tflops_factor=2"]).hetero() == HeteroParams(tflops_factor=2.0, hbm_factor=1.0)
+    assert parse(["costs.test_runner= xdist"]).costs() == Costs(test_runner="xdist")  # a choice, not a number
     assert assumed.to_json() == {"costs.pod_bind_per_s": 100.0, "costs.api_retries": 0, "mopd.zipf": 0.0,
                                  "api.concurrency": 384, "static.batch": 1}
 
@@ -39,6 +40,7 @@ def test_overrides_are_typed_and_later_items_win():
     ("step.steps=0", "an integer of at least 1"),
     ("step.window_s=0", "a number of at least 1"),
     ("hetero.tflops_factor=0.5", "a number of at least 1"),
+    ("costs.test_runner=nose", "one of tangram, xdist"),
 ])
 def test_what_cannot_be_set_is_refused_naming_the_item(item, reason):
     with pytest.raises(ValueError) as refused:

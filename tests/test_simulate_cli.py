@@ -129,11 +129,14 @@ def test_sensitivity_varies_one_assumption_at_a_time(tmp_path):
     assert acts[slow_workers, "dop4"] > acts[0, "dop4"] and acts[slow_workers, "pods-ideal"] > acts[0, "pods-ideal"]
     assert acts[row["sandbox creation", "2.0 s"], "tangram"] > acts[0, "tangram"]
     assert acts[row["test-run T1 median", "60 s"], "dop8"] > acts[0, "dop8"]
-    shares = [i for (name, _), i in row.items() if name == "worker start-up share"]
-    assert len(shares) == 4, "five shares tried, the default's is the defaults row"
-    for i in shares:  # the worker rule is the broker's: nothing else moves
-        assert all(acts[i, policy] == acts[0, policy] for policy in (*SENSITIVITY_DOPS, "pods-ideal"))
-    assert any(acts[i, "tangram"] != acts[0, "tangram"] for i in shares), "the share reaches the broker"
+    xdist = row["test runner", "xdist"]
+    assert acts[xdist, "dop4"] > acts[0, "dop4"], "xdist's workers each collect the suite; the runner's do not"
+    assert acts[row["runner cost, share of the suite", "12%"], "dop4"] > acts[0, "dop4"]
+    shares = [i for (name, _), i in row.items() if name == "xdist workers' start-up share"]
+    assert len(shares) == 4
+    for i in shares:  # the worker rule is the broker's: nothing else moves (against xdist at the default share)
+        assert all(acts[i, policy] == acts[xdist, policy] for policy in (*SENSITIVITY_DOPS, "pods-ideal"))
+    assert any(acts[i, "tangram"] != acts[xdist, "tangram"] for i in shares), "the share reaches the broker"
 
 
 def test_trace_make_then_run_under_two_policies(tmp_path, capsys):

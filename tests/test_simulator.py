@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from managers.exec_spec import PytestRunner
 from tangram.core.action import Demand
 from tangram.sim import policies, workloads
 from tangram.sim.broker_station import ELASTIC_TEST
-from tangram.sim.cluster import ApiModel, Cluster, Costs, ServiceModel, StaticServing, xdist_cpu_s
+from tangram.sim.cluster import ApiModel, Cluster, Costs, ServiceModel, StaticServing, startup_cpu_s
 from tangram.sim.engine import Policy, simulate
 from tangram.sim.records import CallRecord, RunResult
 from tangram.sim.trace import Call, Trace, Trajectory
@@ -171,7 +172,7 @@ def check_broker_capacity(trace: Trace, result: RunResult, cluster: Cluster) -> 
                 assert r.units == 1 and not r.history
                 assert r.exec_s == pytest.approx(call.duration(1), rel=1e-9, abs=1e-9)
             elif not r.history:  # the same cores throughout: its true duration there, plus its workers' start-up
-                most = xdist_cpu_s(cluster.costs, ELASTIC_TEST.max, call.work_s) / r.units
+                most = startup_cpu_s(cluster.costs, ELASTIC_TEST.max, call.work_s, follows=True) / r.units
                 assert call.duration(r.units) * (1 - 1e-9) <= r.exec_s <= call.duration(r.units) + most + EPS
             else:  # resized: never faster than on the most cores it ever held
                 assert r.exec_s >= call.duration(max(u for _, u in r.history)) * (1 - 1e-9)
@@ -295,19 +296,20 @@ def test_pod_waits_for_room_on_the_node() -> None:
     assert t2.finish_s == pytest.approx(7.9)
 
 
-def test_pod_test_run_capped_at_pod_limit() -> None:
-    cluster = Cluster(cpu_nodes=1, cores_per_node=8, costs=POD_COSTS)
+@pytest.mark.parametrize(("runner", "startup_s"), [("xdist", 1.5625), ("tangram", 0.06)])
+def test_pod_test_run_capped_at_pod_limit(runner: PytestRunner, startup_s: float) -> None:
+    cluster = Cluster(cpu_nodes=1, cores_per_node=8, costs=dataclasses.replace(POD_COSTS, test_runner=runner))
     efficiency = ((1, 1.0), (4, 0.5), (8, 0.5))
     # An idle 8-core node, but the pod's limit is 4 CPUs: pytest -n 4 first starts its workers, 0.33 + 4 * 0.185 *
-    # 8 = 6.25 CPU seconds on 4 cores (1.5625 s); then speed-up E(4)*4 = 2, so 8 s of work take 4 s; all after the
-    # 1 s pod start: finish 6.5625.
+    # 8 = 6.25 CPU seconds on 4 cores (1.5625 s; on the runner 0.03 * 8 = 0.24, 0.06 s); then speed-up E(4)*4 = 2,
+    # so 8 s of work take 4 s; all after the 1 s pod start.
     trace = hand_trace(one_call("a", Call("test", 0.0, 8.0, efficiency=efficiency)))
     rec = run(trace, cluster, "baseline").records[0]
     assert rec.units == 4
     assert rec.queue_s == 0.0
     assert rec.overhead_s == pytest.approx(1.0)
-    assert rec.exec_s == pytest.approx(5.5625)
-    assert rec.finish_s == pytest.approx(6.5625)
+    assert rec.exec_s == pytest.approx(startup_s + 4.0)
+    assert rec.finish_s == pytest.approx(1.0 + startup_s + 4.0)
 
 
 def test_pod_later_calls_run_at_once() -> None:
@@ -326,7 +328,8 @@ def test_pod_later_calls_run_at_once() -> None:
 # 3. hand-computed cases: the broker on CPU, fixed DoP against elastic
 # ---------------------------------------------------------------------------------------------------------------
 
-CPU_COSTS = Costs(dispatch_s=0.01, env_create_s=0.5, xdist_start_cpu_s=0.0, xdist_worker_share=0.0)  # no start-up
+CPU_COSTS = Costs(dispatch_s=0.01, env_create_s=0.5, xdist_start_cpu_s=0.0, xdist_worker_share=0.0,
+                  runner_share=0.0)  # no start-up
 # (the cases below count it only where they say so)
 FLAT = ((1, 1.0), (32, 1.0))  # E(m) = 1 everywhere: perfectly scalable
 SUBLINEAR = ((1, 1.0), (4, 0.8), (16, 0.5), (32, 0.25))  # E(m)*m grows up to m = 18, so at most 16 is best
@@ -622,12 +625,20 @@ def test_trajectories_holding_memory_go_on_while_a_new_one_waits_for_memory() ->
     assert records[("t2", 0)].start_s == pytest.approx(first_end)
 
 
-def test_each_worker_costs_a_share_of_the_suite_when_calibrated() -> None:
-    """``costs.xdist_worker_share``: each worker imports and collects the whole suite, so its start-up grows with it."""
-    old, calibrated = Costs(xdist_start_cpu_s=0.05, xdist_worker_cpu_s=0.22, xdist_worker_share=0.0), Costs()
-    assert xdist_cpu_s(old, 4, 100.0) == xdist_cpu_s(old, 4, 1.0) == pytest.approx(0.05 + 4 * 0.22)
-    assert xdist_cpu_s(calibrated, 4, 100.0) == pytest.approx(0.33 + 4 * 18.5)
-    assert xdist_cpu_s(calibrated, 1, 100.0) == 0.0  # plain pytest starts no worker
+def test_each_xdist_worker_costs_a_share_of_the_suite_and_the_runner_one_share_for_all() -> None:
+    """``costs.xdist_worker_share``: each xdist worker imports and collects the whole suite, so its start-up grows
+    with it and with the workers; the runner (the default) collects once and costs ``runner_share`` of the work
+    however many workers it forks, and nothing as plain pytest, unless its workers follow a malleable run's cores."""
+    old = Costs(test_runner="xdist", xdist_start_cpu_s=0.05, xdist_worker_cpu_s=0.22, xdist_worker_share=0.0)
+    calibrated = Costs(test_runner="xdist")
+    assert startup_cpu_s(old, 4, 100.0) == startup_cpu_s(old, 4, 1.0) == pytest.approx(0.05 + 4 * 0.22)
+    assert startup_cpu_s(calibrated, 4, 100.0) == pytest.approx(0.33 + 4 * 18.5)
+    assert startup_cpu_s(calibrated, 1, 100.0) == startup_cpu_s(calibrated, 1, 100.0, follows=True) == 0.0
+    runner = Costs()
+    assert startup_cpu_s(runner, 4, 100.0) == startup_cpu_s(runner, 16, 100.0) == pytest.approx(3.0)
+    assert startup_cpu_s(runner, 1, 100.0) == 0.0 and startup_cpu_s(runner, 1, 100.0, follows=True) == 3.0
+    with pytest.raises(ValueError, match="test_runner"):
+        Costs(test_runner="nose")  # type: ignore[arg-type]  # as --set would pass it, unchecked
 
 
 def test_the_suite_curve_fit_recovers_the_simulators_parameters() -> None:

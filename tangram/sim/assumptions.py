@@ -89,6 +89,13 @@ def parse(items: Iterable[str]) -> Assumptions:
         if name in SCENARIO_FIELDS:
             raise ValueError(f"{item!r}: the scenarios set {name} themselves")
         default = getattr(GROUPS[group](**_required(group)), attribute)
+        if isinstance(default, str):  # a choice: the group checks it
+            try:
+                GROUPS[group](**_required(group), **{attribute: text.strip()})
+            except ValueError as error:
+                raise ValueError(f"{item!r}: {error}") from None
+            overrides.setdefault(group, {})[attribute] = text.strip()
+            continue
         least = 1 if group == "api" or name in AT_LEAST_ONE else 0
         overrides.setdefault(group, {})[attribute] = _value(item, default, text.strip(), least)
     return Assumptions({group: MappingProxyType(values) for group, values in overrides.items()})

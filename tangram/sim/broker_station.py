@@ -39,7 +39,7 @@ from tangram.queue import FCFSQueue
 from tangram.reserved_shares import ReservedShares
 from tangram.scheduler import Plan, Resize, Scheduler
 from tangram.setup_order import SetupAwareOrder
-from tangram.sim.cluster import Cluster, Costs, xdist_cpu_s
+from tangram.sim.cluster import Cluster, Costs, startup_cpu_s
 from tangram.sim.engine import CallRun
 from tangram.sim.execution import Execution
 from tangram.sim.placement import placement_stats, solve
@@ -99,7 +99,8 @@ def build_managers(cluster: Cluster, clock: Any, malleable: bool = True,
         nodes = tuple(CpuNodeConfig(name=f"cpu{i}", cores=tuple(range(cluster.cores_per_node)),
                                     memory_mb=cluster.node_memory_mb) for i in range(cluster.cpu_nodes))
         cpu = CpuManager(CpuConfig(nodes=nodes, max_environments=1 << 30, malleable=malleable,
-                                   worker_start_s=cluster.costs.xdist_worker_cpu_s, worker_overhead=worker_overhead))
+                                   worker_start_s=cluster.costs.xdist_worker_cpu_s, worker_overhead=worker_overhead,
+                                   pytest_runner=cluster.costs.test_runner))
         for config in nodes:
             cpu.add_node(CpuNode(config, NoSandboxes()))
         managers.append(cpu)
@@ -150,6 +151,7 @@ def action_for(run: CallRun, seq: int, now: float, test_demand: Demand = ELASTIC
         kind, demands, signature = Kind.EXEC, {"cpu": Demand.fixed(1)}, TOOL_SIGNATURE
     elif call.kind == "test":
         kind, signature = Kind.EXEC, "exec|test"
+        spec = {**spec, "command": "pytest", "pytest_parallel": True}  # what the CPU manager gives workers to
         demands = {"cpu": test_demand}
         elasticity = call.elasticity("cpu") if test_demand.elastic else None
     elif call.kind == "reward":
@@ -353,10 +355,11 @@ class BrokerStation:
                 self.sandboxes.add(run.trajectory.id)
                 run.overhead_s += self.costs.env_create_s
             run.pool = next(a for m, a in allocations if m is self.cpu).pools["cpu"]
-            # a test run starts pytest -n count (plain pytest for one): the simulator models xdist, so its test
-            # runs (spec "true") are never the runner's, whose workers would follow the cores
+            # a test run starts ``count`` workers (plain pytest for one, unless the runner's follow its cores:
+            # then ``count`` is its cap and it works on as many as it holds)
             count = workers.count if workers is not None else run.units
-            startup = xdist_cpu_s(self.costs, count, call.work_s) if call.kind == "test" else 0.0
+            follows = workers is not None and workers.follows
+            startup = startup_cpu_s(self.costs, count, call.work_s, follows) if call.kind == "test" else 0.0
             execution = Execution(call, count, run.units, now, now, run.overhead_s, startup, call.work_s)
             self.executions[action.id] = execution
             return execution.finish_at()

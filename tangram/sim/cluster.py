@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import get_args
 
+from managers.exec_spec import PytestRunner
 from managers.gpu_types import GPU_TYPES, REFERENCE_TYPE, Bound, GpuType
 
 
@@ -61,6 +63,10 @@ class HeteroParams:
     hbm_factor: float = 1.0  # memory bandwidth: a generator at 1.194 x this
 
 
+#: what the simulator's test runs can run on (``Costs.test_runner``): the broker's choices
+TEST_RUNNERS: tuple[str, ...] = get_args(PytestRunner)
+
+
 @dataclass(frozen=True, slots=True)
 class Costs:
     """Time charged besides execution."""
@@ -75,6 +81,14 @@ class Costs:
     xdist_start_cpu_s: float = 0.33
     xdist_worker_cpu_s: float = 0.0
     xdist_worker_share: float = 0.185
+    # what a test run of more than one worker runs on (issue 36): "tangram", the elastic runner, or "xdist" (the
+    # costs above, workers fixed at launch). The runner collects once (as plain pytest does: no cost beyond the
+    # suite's own serial part) and forks its workers (milliseconds: not modelled); a malleable run's workers follow
+    # its cores. What it costs besides is a share of the run's single-core work (coordination, reports):
+    # ``runner_share``, assumed from the runner on one core against plain pytest (+3% lark, +12% of 0.4 s
+    # pyflakes; loadtest/bench_runner.py, docs/EVALUATION.md) and varied in the sensitivity table
+    test_runner: PytestRunner = "tangram"
+    runner_share: float = 0.03
     h2d_gb_per_s: float = 25.0  # pinned host->GPU copy per GPU (PCIe 5 x16 in practice; assumed, unmeasured)
     evict_s: float = 0.05  # freeing a victim's GPU memory before a restore (assumed)
     # reading a host copy from a GPU node's local NVMe into pinned host memory (the disk tier, issue 18): one
@@ -87,10 +101,16 @@ class Costs:
     api_retries: int = 3  # retries after an error or a timeout (paper §6.1)
     api_backoff_s: float = 1.0  # wait before a retry
 
+    def __post_init__(self) -> None:
+        if self.test_runner not in TEST_RUNNERS:
+            raise ValueError(f"costs.test_runner is {self.test_runner!r}; one of {', '.join(TEST_RUNNERS)}")
 
-def xdist_cpu_s(costs: Costs, workers: int, work_s: float) -> float:
-    """CPU seconds a test run of ``work_s`` single-core seconds spends starting ``workers`` xdist workers (none for
-    plain pytest)."""
+
+def startup_cpu_s(costs: Costs, workers: int, work_s: float, follows: bool = False) -> float:
+    """CPU seconds a test run of ``work_s`` single-core seconds spends besides its tests with ``workers`` workers
+    (``follows``: the runner's, following its cores, on one core too); none for plain pytest."""
+    if costs.test_runner == "tangram":
+        return costs.runner_share * work_s if workers > 1 or follows else 0.0
     if workers <= 1:
         return 0.0
     return costs.xdist_start_cpu_s + (costs.xdist_worker_cpu_s + costs.xdist_worker_share * work_s) * workers

@@ -1,9 +1,10 @@
 """A CPU call's execution on the virtual clock, as work done at the speed of the cores it holds *now*.
 
-A call first waits out a fixed delay (dispatch, a new sandbox), then does the CPU work of starting its xdist
-workers, then its true work, each at the rate its current cores give: ``min(units, workers)`` cores for the start-up,
-the call's true speed-up on ``min(units, workers)`` for the work (cores past its workers idle). When the scheduler
-resizes a malleable call, its progress is advanced to that instant and its finish re-timed.
+A call first waits out a fixed delay (dispatch, a new sandbox), then does the CPU work of starting its test
+runner's workers (``tangram.sim.cluster.startup_cpu_s``), then its true work, each at the rate its current cores
+give: ``min(units, workers)`` cores for the start-up, the call's true speed-up on ``min(units, workers)`` for the
+work (cores past its workers idle; a runner's workers follow its cores, so ``workers`` is then its cap). When the
+scheduler resizes a malleable call, its progress is advanced to that instant and its finish re-timed.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import heapq
 from collections import deque
 from dataclasses import dataclass, field
 
-from tangram.sim.cluster import Cluster, xdist_cpu_s
+from tangram.sim.cluster import Cluster, startup_cpu_s
 from tangram.sim.engine import CallRun
 from tangram.sim.trace import Trajectory
 
@@ -27,7 +27,7 @@ class _Job:
     run: CallRun
     cap: float  # cores it can use
     remaining: float  # work left, in seconds on one core
-    startup: float = 0.0  # CPU seconds of xdist start-up left, done before the work at ``cores`` CPUs
+    startup: float = 0.0  # CPU seconds of test-runner start-up left, done before the work at ``cores`` CPUs
     cores: float = 0.0
     rate: float = 0.0
 
@@ -112,8 +112,8 @@ class PodStation:
         run.overhead_s = overhead
         run.pool = node.name
         cap = self.limit_cpu if run.call.elastic else 1.0
-        # pytest -n 4 (the pods' CPU limit)
-        startup = xdist_cpu_s(self.costs, int(cap), run.call.work_s) if run.call.kind == "test" else 0.0
+        # a test run on as many workers as the pods' CPU limit, on the runner or xdist (``costs.test_runner``)
+        startup = startup_cpu_s(self.costs, int(cap), run.call.work_s) if run.call.kind == "test" else 0.0
         node.advance(now)
         node.jobs.append(_Job(run, cap, run.call.work_s, startup))
         node.share()

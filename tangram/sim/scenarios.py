@@ -647,16 +647,22 @@ Variation = tuple[str, str, dict[str, Any], dict[str, Any], float | None]
 #: the values tried for each assumption, defaults among them: (name, value label, workload params, costs, the CPU
 #: manager's worker overhead share)
 TRIED: tuple[Variation, ...] = (
-    *(("xdist start-up per worker, share of the suite", f"{x:.1%}", {}, {"xdist_worker_share": x}, None)
-      for x in (0.012, 0.185, 0.27)),  # the five measured suites' least, median and most
-    ("test-run model", "before calibration (0.05 s + 0.22 s per worker)", {},
-     {"xdist_start_cpu_s": 0.05, "xdist_worker_cpu_s": 0.22, "xdist_worker_share": 0.0}, None),
+    *(("test runner", runner, {}, {"test_runner": runner}, None) for runner in ("tangram", "xdist")),
+    *(("runner cost, share of the suite", f"{x:.0%}", {}, {"runner_share": x}, None) for x in (0.0, 0.03, 0.12)),
+    # under xdist: each worker collects the suite (the five measured suites' least and most; their median is the
+    # "test runner = xdist" row), and the model before that calibration
+    *(("xdist start-up per worker, share of the suite", f"{x:.1%}", {},
+       {"test_runner": "xdist", "xdist_worker_share": x}, None) for x in (0.012, 0.27)),
+    ("test-run model", "xdist before calibration (0.05 s + 0.22 s per worker)", {},
+     {"test_runner": "xdist", "xdist_start_cpu_s": 0.05, "xdist_worker_cpu_s": 0.22, "xdist_worker_share": 0.0},
+     None),
     *(("sandbox creation", f"{s:.1f} s", {}, {"env_create_s": s}, None) for s in (0.4, 1.0, 2.0)),
     *(("test-run serial fraction", f"{low:.0%}-{high:.0%}", {"serial_low": low, "serial_high": high}, {}, None)
       for low, high in ((0.0, 0.02), (0.01, 0.10), (0.05, 0.25))),
     *(("profiled T1 error (sigma)", f"{e:g}", {"profile_error": e}, {}, None) for e in (0.0, 0.25, 0.5)),
     *(("test-run T1 median", f"{t:g} s", {"test_median_s": t}, {}, None) for t in (5.0, 20.0, 60.0)),
-    *(("worker start-up share", f"{x:.0%}", {}, {}, x) for x in (0.0, 0.02, 0.05, 0.1, 0.2)),
+    # how many xdist workers a malleable run starts beyond its cores (the runner's follow its cores instead)
+    *(("xdist workers' start-up share", f"{x:.0%}", {}, {"test_runner": "xdist"}, x) for x in (0.02, 0.05, 0.1, 0.2)),
 )
 
 
