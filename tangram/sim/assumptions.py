@@ -89,21 +89,26 @@ def parse(items: Iterable[str]) -> Assumptions:
         if name in SCENARIO_FIELDS:
             raise ValueError(f"{item!r}: the scenarios set {name} themselves")
         default = getattr(GROUPS[group](**_required(group)), attribute)
-        if isinstance(default, str):  # a choice: the group checks it
-            try:
-                GROUPS[group](**_required(group), **{attribute: text.strip()})
-            except ValueError as error:
-                raise ValueError(f"{item!r}: {error}") from None
-            overrides.setdefault(group, {})[attribute] = text.strip()
-            continue
-        least = 1 if group == "api" or name in AT_LEAST_ONE else 0
-        overrides.setdefault(group, {})[attribute] = _value(item, default, text.strip(), least)
+        if isinstance(default, str):
+            value = _choice(item, group, attribute, text.strip())
+        else:
+            value = _value(item, default, text.strip(), 1 if group == "api" or name in AT_LEAST_ONE else 0)
+        overrides.setdefault(group, {})[attribute] = value
     return Assumptions({group: MappingProxyType(values) for group, values in overrides.items()})
 
 
 def _required(group: str) -> dict[str, Any]:
     """Arguments without defaults, to read the defaults' types from an instance."""
     return {"name": "api"} if group == "api" else {}
+
+
+def _choice(item: str, group: str, attribute: str, text: str) -> str:
+    """``text`` as a field that names one of a few choices: the group's dataclass checks it."""
+    try:
+        GROUPS[group](**_required(group), **{attribute: text})
+    except ValueError as error:
+        raise ValueError(f"{item!r}: {error}") from None
+    return text
 
 
 def _value(item: str, default: Any, text: str, minimum: int) -> Any:
