@@ -9,7 +9,9 @@ import pytest
 
 from tangram.cli import main
 from tangram.sim import scenarios
-from tangram.sim.scenarios import SCENARIOS, SENSITIVITY_DOPS, VARIATIONS
+from tangram.sim.cluster import Costs
+from tangram.sim.scenarios import SCENARIOS, SENSITIVITY_DOPS, TRIED, VARIATIONS
+from tangram.sim.workloads import CodingParams
 
 #: the smallest scale that keeps the paper's node density (one CPU node of 256 cores)
 QUICK = "0.2"
@@ -106,13 +108,37 @@ def test_coding_scenarios_set_the_broker_beside_ideal_pods(tmp_path):
             assert point["by_kind"]["tool"]["mean_queue_s"] == pytest.approx(0.0, abs=1e-9)
 
 
-def test_sensitivity_varies_one_assumption_at_a_time(tmp_path):
+#: the sensitivity rows the end-to-end test runs (all of them take minutes): one of each kind of variation
+#: (a cost, a workload parameter, the runner, the CPU manager's worker rule), and those its assertions read
+SENSITIVITY_RUN = {("test runner", "xdist"), ("runner cost, share of the suite", "12%"),
+                   ("xdist start-up per worker, share of the suite", "27.0%"), ("sandbox creation", "2.0 s"),
+                   ("test-run T1 median", "60 s"), ("xdist workers' start-up share", "2%"),
+                   ("xdist workers' start-up share", "20%")}
+
+
+def test_every_tried_assumption_names_real_fields_and_is_one_row():
+    """What the end-to-end test below leaves out still builds: each variation sets fields that exist to values
+    their dataclasses accept, and names a row of its own."""
+    assert SENSITIVITY_RUN <= {(name, label) for name, label, *_ in VARIATIONS}
+    assert len({(name, label) for name, label, *_ in TRIED}) == len(TRIED)
+    for name, label, params, costs, overhead in VARIATIONS:
+        CodingParams(**params)
+        Costs(**costs)
+        assert overhead is None or 0 <= overhead < 1, (name, label)
+        assert params or costs or overhead is not None, f"{name} = {label} varies nothing"
+    assert len(VARIATIONS) < len(TRIED), "the defaults' own values are the defaults row"
+
+
+def test_sensitivity_varies_one_assumption_at_a_time(tmp_path, monkeypatch):
+    monkeypatch.setattr(scenarios, "VARIATIONS",
+                        tuple(v for v in VARIATIONS if (v[0], v[1]) in SENSITIVITY_RUN))
     out_json, out_png = tmp_path / "sensitivity.json", tmp_path / "sensitivity.png"
     assert main(["simulate", "sensitivity", "--scale", QUICK, "--json", str(out_json), "--plot", str(out_png)]) == 0
     body = json.loads(out_json.read_text())
     check_written(body, "sensitivity", out_png)
     acts: dict[tuple[int, str], float] = {(p["x"], p["policy"]): p["mean_trajectory_act_s"] for p in body["points"]}
-    rows = [("defaults", "-"), *((name, label) for name, label, *_ in VARIATIONS)]
+    rows = [("defaults", "-"), *((name, label) for name, label, *_ in scenarios.VARIATIONS)]
+    assert len(rows) == len(SENSITIVITY_RUN) + 1
     assert set(acts) == {(i, policy) for i in range(len(rows))
                          for policy in ("tangram", *SENSITIVITY_DOPS, "pods-ideal")}
     figures = {f["name"]: f for f in body["figures"]}
@@ -133,7 +159,7 @@ def test_sensitivity_varies_one_assumption_at_a_time(tmp_path):
     assert acts[xdist, "dop4"] > acts[0, "dop4"], "xdist's workers each collect the suite; the runner's do not"
     assert acts[row["runner cost, share of the suite", "12%"], "dop4"] > acts[0, "dop4"]
     shares = [i for (name, _), i in row.items() if name == "xdist workers' start-up share"]
-    assert len(shares) == 4
+    assert len(shares) == 2
     for i in shares:  # the worker rule is the broker's: nothing else moves (against xdist at the default share)
         assert all(acts[i, policy] == acts[xdist, policy] for policy in (*SENSITIVITY_DOPS, "pods-ideal"))
     assert any(acts[i, "tangram"] != acts[xdist, "tangram"] for i in shares), "the share reaches the broker"
