@@ -40,6 +40,16 @@ def test_steps_follow_each_other_rollout_then_training() -> None:
     assert [act for _, act, n in windows if n] == pytest.approx([overhead + w for w in works])
 
 
+def test_a_trajectorys_critical_path_is_its_calls_back_to_back_each_at_its_fastest() -> None:
+    halves = ((1, 1.0), (2, 0.75), (4, 0.5))  # speed-ups 1, 1.5, 2
+    test = Call("test", 3.0, 40.0, efficiency=halves)
+    trace = Trace("hand", 1, {}, [Trajectory("a", "task", 0.0, (Call("tool", 2.0, 1.0), test)),
+                                  Trajectory("b", "task", 5.0, (Call("tool", 1.0, 30.0),))])
+    assert test.fastest_s() == pytest.approx(20.0)
+    assert trace.trajectories[0].critical_path_s() == pytest.approx(2.0 + 1.0 + 3.0 + 20.0)
+    assert trace.critical_path_s() == pytest.approx(36.0)  # b: it starts at 5 s, thinks 1 s, runs 30 s
+
+
 def test_the_training_scenario_writes_step_durations_and_a_series_per_policy(tmp_path, capsys):
     out_json, out_png = tmp_path / "training.json", tmp_path / "training.png"
     assert main(["simulate", "training", "--scale", "0.2", "--set", "step.steps=2", "--set", "step.train_s=60",
@@ -48,16 +58,23 @@ def test_the_training_scenario_writes_step_durations_and_a_series_per_policy(tmp
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert body["assumed"] == {"step.steps": 2, "step.train_s": 60.0}
     names = [f["name"] for f in body["figures"]]
-    assert names == [f"{w}: {what}, baseline / broker" for w in ("AI coding", "MOPD", "DeepSearch")
-                     for what in ("step duration", "rollout makespan")]
+    assert names == [f"{w}: {what}" for w in ("AI coding", "MOPD", "DeepSearch")
+                     for what in ("step duration, baseline / broker", "rollout makespan, baseline / broker",
+                                  "step duration, baseline / critical path", "rollout makespan, critical path / broker")]
     for point in body["points"]:
         assert point["steps"] == 2 and point["train_s"] == 60.0
         assert point["mean_step_s"] == pytest.approx(sum(point["rollouts_s"]) / 2 + 60.0, rel=1e-3)
         rows = body["series"][f"{('AI coding', 'MOPD', 'DeepSearch')[int(point['x'])]}/{point['policy']}"]
         assert sum(n for _, _, n in rows) == point["calls"]
+    figures = {f["name"]: f["ours"] for f in body["figures"]}
     for figure in body["figures"]:
         step = {p["policy"]: p for p in body["points"] if ("AI coding", "MOPD", "DeepSearch")[int(p["x"])]
                 == figure["name"].partition(":")[0]}
         key = "mean_step_s" if "step duration" in figure["name"] else "mean_rollout_s"
-        assert figure["ours"] == pytest.approx(step["baseline"][key] / step["tangram"][key], abs=1e-3)
+        if figure["name"].endswith("baseline / broker"):
+            assert figure["ours"] == pytest.approx(step["baseline"][key] / step["tangram"][key], abs=1e-3)
+    for workload in ("AI coding", "MOPD", "DeepSearch"):  # no schedule beats the critical path
+        assert 0 < figures[f"{workload}: rollout makespan, critical path / broker"] <= 1.0
+        assert (figures[f"{workload}: step duration, baseline / critical path"]
+                >= figures[f"{workload}: step duration, baseline / broker"])
     assert "step duration" in capsys.readouterr().out

@@ -64,6 +64,11 @@ class Call:
         """True execution time on ``units`` of the key resource."""
         return self.work_s / self.speedup(units)
 
+    def fastest_s(self) -> float:
+        """Its true execution time on the fastest of its listed unit counts (the speed-up is piecewise linear
+        between them, so none in between is faster); its one time if not elastic."""
+        return min((self.duration(m) for m, _ in self.efficiency), default=self.work_s)
+
 
 @dataclass(frozen=True, slots=True)
 class Trajectory:
@@ -72,6 +77,11 @@ class Trajectory:
     start_s: float
     calls: tuple[Call, ...]
     memory_mb: int = 4096  # what its sandbox reserves for its life (a pod's request, an AOE environment)
+
+    def critical_path_s(self) -> float:
+        """When it would end with no queueing and no overhead, each call on its fastest unit count: what no
+        scheduler can beat, since its LLM generation between calls is not the broker's."""
+        return self.start_s + sum(c.think_s + c.fastest_s() for c in self.calls)
 
 
 @dataclass(slots=True)
@@ -84,6 +94,10 @@ class Trace:
     @property
     def calls(self) -> int:
         return sum(len(t.calls) for t in self.trajectories)
+
+    def critical_path_s(self) -> float:
+        """The least possible rollout makespan: its longest trajectory's critical path."""
+        return max((t.critical_path_s() for t in self.trajectories), default=0.0)
 
     def to_json(self) -> dict[str, Any]:
         return {"workload": self.workload, "seed": self.seed, "params": self.params,
