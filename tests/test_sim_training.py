@@ -48,6 +48,7 @@ def test_a_trajectorys_critical_path_is_its_calls_back_to_back_each_at_its_faste
     assert test.fastest_s() == pytest.approx(20.0)
     assert trace.trajectories[0].critical_path_s() == pytest.approx(2.0 + 1.0 + 3.0 + 20.0)
     assert trace.critical_path_s() == pytest.approx(36.0)  # b: it starts at 5 s, thinks 1 s, runs 30 s
+    assert trace.unqueued_trajectory_act_s() == pytest.approx(((1.0 + 20.0) + 30.0) / 2)  # calls only, no thinking
 
 
 def test_the_training_scenario_writes_step_durations_and_a_series_per_policy(tmp_path, capsys):

@@ -106,6 +106,11 @@ def test_coding_scenarios_set_the_broker_beside_ideal_pods(tmp_path):
         assert len(ratios) == len(xs)
         for point in ideal.values():  # no control plane: no pod waits to be bound
             assert point["by_kind"]["tool"]["mean_queue_s"] == pytest.approx(0.0, abs=1e-9)
+        if scenario == "coding-batch":  # no schedule beats every call at its fastest with none waiting
+            figures = {f["name"]: f["ours"] for f in body["figures"]}
+            for x in xs:
+                assert (figures[f"pods-ideal / unqueued ACT, batch {int(x)}"]
+                        >= figures[f"pods-ideal / broker ACT, batch {int(x)}"])
 
 
 #: the sensitivity rows the end-to-end test runs (all of them take minutes): one of each kind of variation

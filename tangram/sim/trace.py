@@ -8,6 +8,7 @@ against a real broker (``replay.py``).
 from __future__ import annotations
 
 import functools
+import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -98,6 +99,12 @@ class Trace:
     def critical_path_s(self) -> float:
         """The least possible rollout makespan: its longest trajectory's critical path."""
         return max((t.critical_path_s() for t in self.trajectories), default=0.0)
+
+    def unqueued_trajectory_act_s(self) -> float:
+        """The least possible mean ACT per trajectory: every call at its fastest count, none waiting and no
+        overhead (what no scheduler of the same calls can beat)."""
+        return statistics.fmean(sum(c.fastest_s() for c in t.calls) for t in self.trajectories) \
+            if self.trajectories else 0.0
 
     def to_json(self) -> dict[str, Any]:
         return {"workload": self.workload, "seed": self.seed, "params": self.params,
