@@ -118,24 +118,13 @@ class SpeedupFit:
         curve of every action whose fit changed, at each pass)."""
         units = np.arange(1, top + 1, dtype=float)
         capped = np.minimum(units, self.trusted)
-        efficiency = _efficiencies(elasticity, capped)
+        efficiency = elasticity.efficiencies_at(capped)
         w = units if workers is None else np.full_like(units, float(workers))
         fixed = self.serial_s + np.where(w > 1, self.harness_s + self.per_worker_s * w / np.minimum(units, w), 0.0)
         return size_of(elasticity) * fixed + self.scale * size_of(elasticity) / (efficiency * capped)
 
     def widened(self, trusted: float) -> SpeedupFit:
         return SpeedupFit(self.serial_s, self.scale, self.per_worker_s, self.harness_s, trusted)
-
-
-def _efficiencies(elasticity: Elasticity, units: np.ndarray) -> np.ndarray:
-    """``elasticity.efficiency_at`` at every one of ``units``, vectorised (the speed-up interpolated, E held
-    outside the listed counts)."""
-    if not elasticity.efficiency:
-        return np.ones_like(units)
-    counts = np.asarray(elasticity.counts, dtype=float)
-    listed = np.array([e for _, e in elasticity.efficiency])
-    inside = np.interp(units, counts, counts * listed) / units
-    return np.where(units < counts[0], listed[0], np.where(units > counts[-1], listed[-1], inside))
 
 
 PRIOR = SpeedupFit(0.0, 1.0, 0.0, 0.0, math.inf)
