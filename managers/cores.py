@@ -55,7 +55,7 @@ class CorePool:
         for wider actions), else spread over the nodes with the most free cores."""
         if n > len(self.free):
             raise RuntimeError(f"asked for {n} cores with {len(self.free)} free: scheduler and manager disagree")
-        free_by_group = [sorted(c for c in group if c in self.free) for group in self.numa]
+        free_by_group = [sorted(self.free.intersection(group)) for group in self.numa]
         fitting = [g for g in free_by_group if len(g) >= n]
         if fitting:
             chosen = min(fitting, key=len)[:n]
@@ -103,5 +103,4 @@ class CorePool:
 
     def numa_of(self, cores: Iterable[int]) -> list[int]:
         """Indices of the NUMA nodes ``cores`` fall in (one index when the pinning kept them together)."""
-        cores = set(cores)
-        return [i for i, group in enumerate(self.numa) if cores & set(group)]
+        return sorted({self._group[core] for core in cores})

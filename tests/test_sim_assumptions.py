@@ -7,6 +7,7 @@ import json
 import pytest
 
 from tangram.cli import main
+from tangram.sim import scenarios
 from tangram.sim.assumptions import parse
 from tangram.sim.cluster import ApiModel, Costs, HeteroParams, StaticServing
 
@@ -48,9 +49,10 @@ def test_what_cannot_be_set_is_refused_naming_the_item(item, reason):
     assert reason in str(refused.value) and repr(item) in str(refused.value)
 
 
-def test_a_changed_assumption_reaches_the_runs_it_concerns(tmp_path, capsys):
+def test_a_changed_assumption_reaches_the_runs_it_concerns(tmp_path, capsys, monkeypatch):
     """A faster control plane speeds up the pods and nothing else; uniform teacher popularity shrinks the static
     deployment's queue."""
+    monkeypatch.setattr(scenarios, "CODING_BATCHES", (128, 256))  # two batches show it; six take minutes
     runs = {}
     for name, extra in (("assumed", []), ("fast-pods", ["--set", "costs.pod_bind_per_s=1000",
                                                        "--set", "costs.pod_start_s=0.5"])):
@@ -64,6 +66,7 @@ def test_a_changed_assumption_reaches_the_runs_it_concerns(tmp_path, capsys):
     def acts(body, policy):
         return [p["mean_trajectory_act_s"] for p in body["points"] if p["policy"] == policy]
 
+    assert len(acts(runs["assumed"], "baseline")) == 2
     assert all(fast < slow for fast, slow in zip(acts(runs["fast-pods"], "baseline"), acts(runs["assumed"], "baseline")))
     for policy in ("tangram", "pods-ideal"):
         assert acts(runs["fast-pods"], policy) == acts(runs["assumed"], policy)

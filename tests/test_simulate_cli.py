@@ -55,7 +55,12 @@ def test_a_scale_that_cannot_keep_the_node_density_is_refused(capsys):
     assert quick.costs.pod_bind_per_s == pytest.approx(full.costs.pod_bind_per_s / 5)  # ... binding a fifth
 
 
-def test_dop_compares_every_fixed_dop_over_seeds(tmp_path, capsys):
+#: the batches the dop test runs (all six take minutes): the smallest, and the two its named figures read
+DOP_BATCHES = (128, 256, 1280)
+
+
+def test_dop_compares_every_fixed_dop_over_seeds(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(scenarios, "CODING_BATCHES", DOP_BATCHES)
     out_json, out_png = tmp_path / "dop.json", tmp_path / "dop.png"
     assert main(["simulate", "dop", "--scale", QUICK, "--seeds", "1,2", "--json", str(out_json),
                  "--plot", str(out_png)]) == 0
@@ -67,7 +72,7 @@ def test_dop_compares_every_fixed_dop_over_seeds(tmp_path, capsys):
     policies = {p["policy"] for p in runs[0]["points"]}
     assert {f"dop{d}" for d in (1, 2, 4, 8, 16, 32)} | {"tangram", "tangram-paper"} <= policies
     best = [f for f in body["figures"] if f["name"].startswith("best fixed DoP / ours")]
-    assert len(best) == len(batches) == 6
+    assert batches == [round(b * float(QUICK)) for b in DOP_BATCHES] and len(best) == len(batches)
     for batch, figure in zip(batches, best):
         assert figure["name"].endswith(f"batch {int(batch)}")
         per_seed = []
@@ -87,13 +92,15 @@ def test_dop_compares_every_fixed_dop_over_seeds(tmp_path, capsys):
     assert {"tool-call mean queueing (s) at batch 1,280", "DoP 4 / elastic ACT at batch 256",
             "DoP 16 / elastic ACT at batch 1,280", "paper's moldable allocation / ours ACT at batch 1,280"} <= named
     printed = capsys.readouterr()
-    assert printed.err.count("dop batch") == 2 * 6 * len(policies), "one progress line per run, for each seed"
+    assert printed.err.count("dop batch") == 2 * len(batches) * len(policies), "a progress line per run and seed"
     first = best[0]["over_seeds"]
     # the median and its range (rich may wrap them onto two lines of the cell)
     assert f"{first['median']:#.3g}" in printed.out and f"({first['min']:#.3g}–{first['max']:#.3g})" in printed.out
 
 
-def test_coding_scenarios_set_the_broker_beside_ideal_pods(tmp_path):
+def test_coding_scenarios_set_the_broker_beside_ideal_pods(tmp_path, monkeypatch):
+    monkeypatch.setattr(scenarios, "CODING_BATCHES", (128, 512))  # two of each, not six and five: minutes
+    monkeypatch.setattr(scenarios, "CODING_CAPACITIES", (768, 1280))
     for scenario in ("coding-batch", "coding-capacity"):
         out_json, out_png = tmp_path / f"{scenario}.json", tmp_path / f"{scenario}.png"
         assert main(["simulate", scenario, "--scale", QUICK, "--json", str(out_json), "--plot", str(out_png)]) == 0
@@ -101,7 +108,7 @@ def test_coding_scenarios_set_the_broker_beside_ideal_pods(tmp_path):
         check_written(body, scenario, out_png)
         xs = {p["x"] for p in body["points"]}
         ideal = {p["x"]: p for p in body["points"] if p["policy"] == "pods-ideal"}
-        assert set(ideal) == xs
+        assert set(ideal) == xs and len(xs) == 2
         ratios = [f for f in body["figures"] if f["name"].startswith("pods-ideal / broker")]
         assert len(ratios) == len(xs)
         for point in ideal.values():  # no control plane: no pod waits to be bound

@@ -302,9 +302,9 @@ class BrokerStation:
         self.dirty = False
         started = time.perf_counter()
         queue: Iterable[Action] = self.queue if self.order is None else self.order.order(self.queue, now)
-        queue = self.reserved_shares.order(queue, (a for a, _ in self.running.values()))
-        plan: Plan = self.scheduler.schedule(queue, (a for a, _ in self.running.values()), now,
-                                             self._expected(now))
+        running = [action for action, _ in self.running.values()]
+        queue = self.reserved_shares.order(queue, running)
+        plan: Plan = self.scheduler.schedule(queue, running, now, self._expected(now))
         self.pass_ms.append((time.perf_counter() - started) * 1e3)
         for decision in plan.shrinks():
             self._resize(decision, now)

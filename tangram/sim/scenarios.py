@@ -138,6 +138,10 @@ def _search_apis(scale: float, assumed: Assumptions) -> tuple[ApiModel, ...]:
                          concurrency=max(1, round(api.concurrency * scale))) for api in apis)
 
 
+#: §6.3's RL batch sizes (Fig. 8a left, Fig. 9) and CPU capacities (Fig. 8a right), before ``--scale``
+CODING_BATCHES = (128, 256, 512, 1024, 1280, 1536)
+CODING_CAPACITIES = (768, 1024, 1280, 1536, 2048)
+
 JUDGE = ServiceModel("judge", static_replicas=5, static_dop=8, generates=True)  # §6.1: five replicas at TP 8
 
 
@@ -146,7 +150,7 @@ def coding_batch(scale: float, seed: int, progress: Progress = _stderr,
     """Fig. 8(a) left: mean ACT per trajectory vs RL batch size, 1,280 cores, against pods."""
     points: list[Point] = []
     cluster = _cpu(round(1280 * scale), scale, assumed)
-    batches = [round(b * scale) for b in (128, 256, 512, 1024, 1280, 1536)]
+    batches = [round(b * scale) for b in CODING_BATCHES]
     bounds: dict[int, float] = {}
     for batch in batches:
         trace = ai_coding(assumed.coding(batch=batch), seed)
@@ -174,7 +178,7 @@ def coding_capacity(scale: float, seed: int, progress: Progress = _stderr,
     points: list[Point] = []
     batch = round(1280 * scale)
     trace = ai_coding(assumed.coding(batch=batch), seed)
-    capacities = [round(c * scale) for c in (768, 1024, 1280, 1536, 2048)]
+    capacities = [round(c * scale) for c in CODING_CAPACITIES]
     for cores in capacities:
         _run(trace, _cpu(cores, scale, assumed), ("tangram", "baseline", "pods-ideal"), cores, points, progress,
              f"coding cores {cores:5d}")
@@ -198,7 +202,7 @@ def dop(scale: float, seed: int, progress: Progress = _stderr,
     allocation, over batch size on 1,280 cores."""
     points: list[Point] = []
     cluster = _cpu(round(1280 * scale), scale, assumed)
-    batches = [round(b * scale) for b in (128, 256, 512, 1024, 1280, 1536)]
+    batches = [round(b * scale) for b in CODING_BATCHES]
     for batch in batches:
         trace = ai_coding(assumed.coding(batch=batch), seed)
         _run(trace, cluster, ("tangram", *FIXED_DOP_POLICIES, "tangram-paper"), batch, points, progress,
@@ -208,7 +212,7 @@ def dop(scale: float, seed: int, progress: Progress = _stderr,
         best = min(FIXED_DOP_POLICIES, key=lambda policy: out.act(policy, batch))
         out.figures.append(_figure(f"best fixed DoP / ours ACT, batch {batch}", None,
                                    out.act(best, batch) / out.act("tangram", batch), f"best fixed: {best}"))
-    b256, b1280 = batches[1], batches[4]
+    b256, b1280 = round(256 * scale), round(1280 * scale)
     tool_queue = next(p.summary["by_kind"]["tool"]["mean_queue_s"] for p in points
                       if p.policy == "tangram" and p.x == b1280)
     out.figures += [
