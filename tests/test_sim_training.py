@@ -74,6 +74,10 @@ def test_the_training_scenario_writes_step_durations_and_a_series_per_policy(tmp
         key = "mean_step_s" if "step duration" in figure["name"] else "mean_rollout_s"
         if figure["name"].endswith("baseline / broker"):
             assert figure["ours"] == pytest.approx(step["baseline"][key] / step["tangram"][key], abs=1e-3)
+        bound = step["tangram"]["mean_critical_path_s"]
+        assert bound == step["baseline"]["mean_critical_path_s"], "both policies roll out the same traces"
+        if figure["name"].endswith("critical path / broker"):
+            assert figure["ours"] == pytest.approx(bound / step["tangram"]["mean_rollout_s"], abs=1e-3)
     for workload in ("AI coding", "MOPD", "DeepSearch"):  # no schedule beats the critical path
         assert 0 < figures[f"{workload}: rollout makespan, critical path / broker"] <= 1.0
         assert (figures[f"{workload}: step duration, baseline / critical path"]

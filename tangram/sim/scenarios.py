@@ -8,7 +8,6 @@ broker's), never absolute times against the paper's testbed.
 from __future__ import annotations
 
 import math
-import statistics
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -25,7 +24,7 @@ from tangram.sim.policies import FIXED_DOPS, POLICIES, broker
 from tangram.sim.slo_workload import slo_service, slo_tasks
 from tangram.sim.task_steps import Attainment, SloTask, attainment, run_steps
 from tangram.sim.trace import Trace
-from tangram.sim.training import step_seed, train
+from tangram.sim.training import train
 from tangram.sim.workloads import (
     CodingParams,
     ai_coding,
@@ -641,10 +640,10 @@ def training(scale: float, seed: int, progress: Progress = _stderr,
                   [*(f"x = {i}: {label}" for i, (label, _, _) in enumerate(runs)),
                    (f"{params.steps} steps of rollout then {params.train_s:g} s of training (assumed); "
                     f"{MOPD_FULL_SCALE}")], series)
-    for x, (label, make, _) in enumerate(runs):
+    for x, (label, _, _) in enumerate(runs):
         step = {p.policy: p.summary["mean_step_s"] for p in points if p.x == x}
         rollout = {p.policy: p.summary["mean_rollout_s"] for p in points if p.x == x}
-        bound = statistics.fmean(make(step_seed(seed, k)).critical_path_s() for k in range(params.steps))
+        bound = next(p.summary["mean_critical_path_s"] for p in points if p.x == x)  # the same steps' traces
         out.figures += [_figure(f"{label}: step duration, baseline / broker", STEP_SPEEDUPS[x],
                                 step["baseline"] / step["tangram"]),
                         _figure(f"{label}: rollout makespan, baseline / broker", None,

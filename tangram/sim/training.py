@@ -38,11 +38,13 @@ def step_seed(seed: int, step: int) -> int:
 
 @dataclass
 class TrainingRun:
-    """Each step's rollout makespan, and every call's (end on the run's clock, ACT), of one policy."""
+    """Each step's rollout makespan and its trace's critical path (the most any scheduler could shorten it to),
+    and every call's (end on the run's clock, ACT), of one policy."""
 
     policy: str
     train_s: float
     rollouts_s: list[float]
+    critical_paths_s: list[float]
     calls: list[tuple[float, float]]
     trajectory_acts: list[float]
     failed_calls: int = 0
@@ -65,6 +67,7 @@ class TrainingRun:
         return {"policy": self.policy, "steps": len(self.rollouts_s), "mean_step_s": self.step_s,
                 "mean_rollout_s": statistics.fmean(self.rollouts_s), "train_s": self.train_s,
                 "rollouts_s": [round(r, 3) for r in self.rollouts_s],
+                "mean_critical_path_s": statistics.fmean(self.critical_paths_s),
                 "calls": len(self.calls), "failed_calls": self.failed_calls,
                 "mean_trajectory_act_s": statistics.fmean(self.trajectory_acts),
                 "mean_act_s": statistics.fmean(act for _, act in self.calls)}
@@ -75,11 +78,14 @@ def train(make_trace: Callable[[int], Trace], cluster: Cluster, policy: Policy, 
     """``params.steps`` steps of rollout then training, the rollouts' traces from ``make_trace(step_seed)``."""
     clock = 0.0
     rollouts: list[float] = []
+    critical_paths: list[float] = []
     calls: list[tuple[float, float]] = []
     trajectory_acts: list[float] = []
     failed = 0
     for step in range(params.steps):
-        result = simulate(make_trace(step_seed(seed, step)), cluster, policy, name)
+        trace = make_trace(step_seed(seed, step))
+        critical_paths.append(trace.critical_path_s())
+        result = simulate(trace, cluster, policy, name)
         per_trajectory: dict[str, float] = defaultdict(float)
         for record in result.records:
             calls.append((clock + record.finish_s, record.act_s))
@@ -89,4 +95,4 @@ def train(make_trace: Callable[[int], Trace], cluster: Cluster, policy: Policy, 
         rollout = max((r.finish_s for r in result.records), default=0.0)
         rollouts.append(rollout)
         clock += rollout + params.train_s
-    return TrainingRun(name, params.train_s, rollouts, calls, trajectory_acts, failed)
+    return TrainingRun(name, params.train_s, rollouts, critical_paths, calls, trajectory_acts, failed)
