@@ -51,7 +51,7 @@ from aiohttp import web
 
 from clients import AsyncTangramClient
 from clients.records import ActionRecord
-from loadtest.suites import DEFAULT_CACHE_DIR, SUITES, Fetched, fetch
+from loadtest.suites import DEFAULT_CACHE_DIR, REAL_MODE, SUITES, Fetched, fetch
 from managers.exec_spec import PytestRunner
 from tangram.config import ServerConfig, parse_config
 from tangram.core.action import Elasticity
@@ -391,7 +391,7 @@ def check_exit_codes(exit_codes: dict[str, dict[str, set[int | None]]]) -> bool:
 
 
 async def bench(args: argparse.Namespace) -> int:
-    fetched = [fetch(suite, Path(args.cache_dir).expanduser()) for suite in SUITES]
+    fetched = [fetch(suite, Path(args.cache_dir).expanduser()) for suite in SUITES if suite.name in REAL_MODE]
     declares = ("elastic test runs declare no profile (learned per suite, one store across rounds)" if args.no_profiles
                 else f"elastic test runs declare efficiency {EFFICIENCY} for every suite")
     largest = max(body_size(unpack_step(item, args.memory_mb)) for item in fetched)

@@ -5,7 +5,9 @@ root, with the process pinned to a set of cores, under every configuration of ``
 
 - ``plain``: plain pytest on one core (the baseline every speed-up is against);
 - ``runner 1c/1w`` and ``1c/2w``, ``xdist 1c/2w``: what one worker, or two squeezed onto one core, cost;
-- ``xdist`` and ``runner`` with W = c workers on c = 2, 4, 8, ... cores up to the cores given;
+- ``xdist`` and ``runner`` with W = c workers on c = 2, 4, 8, ... cores up to the cores given, and with
+  ``--parallex`` pytest-parallex's fork mode too (it collects once and forks, at a width fixed at launch; the suites'
+  interpreter must have it installed);
 - ``grown a->b``: the runner started on ``a`` cores with ``a`` workers and moved onto ``b`` cores (every thread of
   its process tree re-pinned by the executor's own ``pin_tree``) a third of the way through the plain run's time:
   the coordinator must fork the workers the new cores allow. Against it, staying on ``a`` cores (``runner a``).
@@ -16,7 +18,7 @@ configurations; figures are medians over rounds. A preflight says whether this m
 (two busy processes pinned to one core must take twice as long as one) and which cores are SMT siblings.
 
     python -m loadtest.bench_runner [--cores 0-1] [--rounds 2] [--suite NAME] [--python PYTHON] [--grow 1:2]
-                                    [--budget-s S] [--json PATH]
+                                    [--parallex] [--budget-s S] [--json PATH]
 """
 
 from __future__ import annotations
@@ -52,7 +54,8 @@ GROW_AT = 1 / 3
 
 @dataclass(frozen=True)
 class Config:
-    """One way of running a suite: ``runner`` is plain, xdist or tangram; ``grow_to`` > 0 moves it there."""
+    """One way of running a suite: ``runner`` is plain, xdist, parallex or tangram; ``grow_to`` > 0 moves it
+    there."""
 
     runner: str
     cores: int
@@ -78,15 +81,17 @@ class Ran:
     failed: frozenset[str] = frozenset()
 
 
-def plan(cores: int, grows: list[tuple[int, int]], one_core: bool = True) -> list[Config]:
+def plan(cores: int, grows: list[tuple[int, int]], one_core: bool = True, parallex: bool = False) -> list[Config]:
     """Plain pytest first (the grown runs' timing needs it), then the one-core runs (unless ``one_core`` is
-    False), the widths and the grown runs."""
+    False), the widths (pytest-parallex's too, if ``parallex``) and the grown runs."""
     configs = [Config("plain", 1, 1)]
     if one_core:
         configs += [Config("tangram", 1, 1), Config("tangram", 1, 2), Config("xdist", 1, 2)]
     c = 2
     while c <= cores:
         configs += [Config("xdist", c, c), Config("tangram", c, c)]
+        if parallex:
+            configs.append(Config("parallex", c, c))
         c *= 2
     for start, end in grows:
         if end <= cores:
@@ -110,6 +115,8 @@ def run_once(python: str, fetched: Fetched, workdir: Path, config: Config, cpus:
     env = dict(os.environ)
     if config.runner == "xdist":
         flags = ["-n", str(config.workers)]
+    elif config.runner == "parallex":
+        flags = ["--parallel", "fork", "--parallel-workers", str(config.workers)]
     elif config.runner == "tangram":
         flags = ["-p", "tangram_runner", f"--tangram-workers={config.workers}",
                  f"--tangram-launch-cores={config.cores}"]
@@ -165,7 +172,7 @@ def unpack(python: str, fetched: Fetched, cache_dir: Path, into: Path) -> None:
 def bench(args: argparse.Namespace) -> int:
     cpus = sorted(parse_cpu_list(args.cores))
     grows = [tuple(int(x) for x in g.split(":")) for g in args.grow]
-    configs = plan(len(cpus), grows, not args.no_one_core)  # type: ignore[arg-type]
+    configs = plan(len(cpus), grows, not args.no_one_core, args.parallex)  # type: ignore[arg-type]
     cache = Path(args.cache_dir).expanduser()
     by_name = {suite.name: suite for suite in SUITES}
     fetched = [fetch(by_name[name], cache) for name in args.suite or by_name]  # in the order given
@@ -231,6 +238,8 @@ def report(times: dict[str, dict[Config, list[Ran]]], configs: list[Config]) -> 
         pairs = {c.cores: (medians.get(Config("xdist", c.cores, c.cores)), m)
                  for c, m in medians.items() if c.runner == "tangram" and c.cores == c.workers and not c.grow_to}
         row["runner_over_xdist"] = {f"{c}c": x / r for c, (x, r) in sorted(pairs.items()) if x}
+        row["runner_over_parallex"] = {f"{c}c": p / r for c, (_, r) in sorted(pairs.items())
+                                       if (p := medians.get(Config("parallex", c, c)))}
         grown = {c: m / medians[Config("tangram", c.cores, c.cores)] for c, m in medians.items()
                  if c.grow_to and Config("tangram", c.cores, c.cores) in medians}
         row["grown_over_staying"] = {c.label: ratio for c, ratio in grown.items()}
@@ -239,6 +248,9 @@ def report(times: dict[str, dict[Config, list[Ran]]], configs: list[Config]) -> 
         print(f"{name}: {cells}", flush=True)
         print(f"{'':>10} runner faster than xdist by " + ", ".join(f"{k} {v:.2f}x" for k, v in
                                                                   row["runner_over_xdist"].items())
+              + (", than pytest-parallex by " + ", ".join(f"{k} {v:.2f}x" for k, v in
+                                                         row["runner_over_parallex"].items())
+                 if row["runner_over_parallex"] else "")
               + "; grown / staying " + ", ".join(f"{k} {v:.2f}" for k, v in row["grown_over_staying"].items())
               + f"; counts {reference[0]} exit {reference[1]}"
               + (f"; PARITY MISMATCH in {mismatched}, tests whose outcome differs from plain's: {flipped}"
@@ -258,6 +270,8 @@ def main() -> int:
                         help="a grown run: started on A cores, moved onto B (repeatable; default 1:2)")
     parser.add_argument("--no-one-core", action="store_true",
                         help="no runs of one worker or of two squeezed onto one core (plain pytest still runs)")
+    parser.add_argument("--parallex", action="store_true",
+                        help="also pytest-parallex (--parallel fork) at each width (installed in --python)")
     parser.add_argument("--budget-s", type=float, default=float("inf"), help="start no run after this many seconds")
     parser.add_argument("--cache-dir", default=str(DEFAULT_CACHE_DIR), help="where sdists are kept")
     parser.add_argument("--json", help="write the figures here")
