@@ -389,14 +389,15 @@ class Broker:
             queue = [action for action in queue if not self.backoff.waiting(action.id, now)]
         if self.setup_order is not None:
             queue = self.setup_order.order(queue, now)
+        running = [r.action for r in self.running.values()]
         if self.reserved_shares is not None:
-            queue = self.reserved_shares.order(queue, (r.action for r in self.running.values()))
+            queue = self.reserved_shares.order(queue, running)
         foreseeing = [manager for manager in self.managers if manager.foresees]
         if foreseeing and not isinstance(queue, list):
             queue = list(queue)  # read again after the pass
         host = self.environment_host
         holds = host.holds_environment if host is not None else None
-        plan = self.scheduler.schedule(queue, (r.action for r in self.running.values()), now,
+        plan = self.scheduler.schedule(queue, running, now,
                                        lambda resource, limit: self.arrivals.expected(resource, now, limit, holds))
         self.metrics.schedule_pass.observe(time.perf_counter() - started)
         for decision in plan.shrinks():
