@@ -8,6 +8,9 @@ root, with the process pinned to a set of cores, under every configuration of ``
 - ``xdist`` and ``runner`` with W = c workers on c = 2, 4, 8, ... cores up to the cores given, and with
   ``--parallex`` pytest-parallex's fork mode too (it collects once and forks, at a width fixed at launch; the suites'
   interpreter must have it installed);
+- with ``--long-tests``, ``tangram ... long known`` at each width: the runner given the long tests of the suite's
+  first runner run of the bench (what the broker gives a signature's runs after its first), so that no slice waits
+  behind one; against it, the same width without them;
 - ``grown a->b``: the runner started on ``a`` cores with ``a`` workers and moved onto ``b`` cores (every thread of
   its process tree re-pinned by the executor's own ``pin_tree``) a third of the way through the plain run's time:
   the coordinator must fork the workers the new cores allow. Against it, staying on ``a`` cores (``runner a``).
@@ -18,7 +21,7 @@ configurations; figures are medians over rounds. A preflight says whether this m
 (two busy processes pinned to one core must take twice as long as one) and which cores are SMT siblings.
 
     python -m loadtest.bench_runner [--cores 0-1] [--rounds 2] [--suite NAME] [--python PYTHON] [--grow 1:2]
-                                    [--parallex] [--budget-s S] [--json PATH]
+                                    [--parallex] [--long-tests] [--budget-s S] [--json PATH]
 """
 
 from __future__ import annotations
@@ -35,11 +38,12 @@ import tempfile
 import threading
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from loadtest.suites import DEFAULT_CACHE_DIR, SUITES, Fetched, fetch
+from managers.long_tests import LONG_TESTS_ENV, long_tests_from
 from sandboxes.cgroup import parse_cpu_list
 from sandboxes.executor import RUNNER_DIR, pin_tree
 
@@ -55,12 +59,13 @@ GROW_AT = 1 / 3
 @dataclass(frozen=True)
 class Config:
     """One way of running a suite: ``runner`` is plain, xdist, parallex or tangram; ``grow_to`` > 0 moves it
-    there."""
+    there; ``long_known``: the runner is given the tests an earlier run found long."""
 
     runner: str
     cores: int
     workers: int
     grow_to: int = 0
+    long_known: bool = False
 
     @property
     def label(self) -> str:
@@ -68,7 +73,7 @@ class Config:
             return "plain"
         if self.grow_to:
             return f"grown {self.cores}->{self.grow_to}"
-        return f"{self.runner} {self.cores}c/{self.workers}w"
+        return f"{self.runner} {self.cores}c/{self.workers}w" + (" long known" if self.long_known else "")
 
 
 @dataclass
@@ -79,17 +84,23 @@ class Ran:
     runner_line: str
     #: the node ids pytest's short summary names as failed or in error
     failed: frozenset[str] = frozenset()
+    #: the tests the runner found long (its ``--tangram-long-tests`` line), empty for the other runners
+    long_tests: dict[str, float] = field(default_factory=dict)
 
 
-def plan(cores: int, grows: list[tuple[int, int]], one_core: bool = True, parallex: bool = False) -> list[Config]:
+def plan(cores: int, grows: list[tuple[int, int]], one_core: bool = True, parallex: bool = False,
+         long_tests: bool = False) -> list[Config]:
     """Plain pytest first (the grown runs' timing needs it), then the one-core runs (unless ``one_core`` is
-    False), the widths (pytest-parallex's too, if ``parallex``) and the grown runs."""
+    False), the widths (pytest-parallex's too, if ``parallex``; the runner given long tests too, if
+    ``long_tests``: after a runner run that names them) and the grown runs."""
     configs = [Config("plain", 1, 1)]
     if one_core:
         configs += [Config("tangram", 1, 1), Config("tangram", 1, 2), Config("xdist", 1, 2)]
     c = 2
     while c <= cores:
         configs += [Config("xdist", c, c), Config("tangram", c, c)]
+        if long_tests:
+            configs.append(Config("tangram", c, c, long_known=True))
         if parallex:
             configs.append(Config("parallex", c, c))
         c *= 2
@@ -109,8 +120,8 @@ def counts_of(output: str) -> dict[str, int]:
     return {("errors" if kind.startswith("error") else kind): int(n) for n, kind in COUNT.findall(lines[-1])}
 
 
-def run_once(python: str, fetched: Fetched, workdir: Path, config: Config, cpus: list[int], grow_after_s: float
-             ) -> Ran:
+def run_once(python: str, fetched: Fetched, workdir: Path, config: Config, cpus: list[int], grow_after_s: float,
+             long_tests: dict[str, float] | None = None) -> Ran:
     flags: list[str] = []
     env = dict(os.environ)
     if config.runner == "xdist":
@@ -119,8 +130,10 @@ def run_once(python: str, fetched: Fetched, workdir: Path, config: Config, cpus:
         flags = ["--parallel", "fork", "--parallel-workers", str(config.workers)]
     elif config.runner == "tangram":
         flags = ["-p", "tangram_runner", f"--tangram-workers={config.workers}",
-                 f"--tangram-launch-cores={config.cores}"]
+                 f"--tangram-launch-cores={config.cores}", "--tangram-long-tests"]
         env["PYTHONPATH"] = RUNNER_DIR
+        if config.long_known:
+            env[LONG_TESTS_ENV] = json.dumps(long_tests or {})
     command = [python, "-m", "pytest", "-p", "no:cacheprovider", "-rfE", *flags, *fetched.suite.test_args.split()]
     start_cpus = set(cpus[:config.cores])
     started = time.perf_counter()
@@ -138,7 +151,7 @@ def run_once(python: str, fetched: Fetched, workdir: Path, config: Config, cpus:
         timer.cancel()
     said = [line for line in output.splitlines() if RUNNER_LINE in line]
     return Ran(seconds, process.returncode, counts_of(output), said[-1].strip() if said else "",
-               frozenset(SHORT_SUMMARY.findall(output)))
+               frozenset(SHORT_SUMMARY.findall(output)), long_tests_from(output))
 
 
 def affinity_check(cpus: list[int]) -> dict[str, Any]:
@@ -172,7 +185,7 @@ def unpack(python: str, fetched: Fetched, cache_dir: Path, into: Path) -> None:
 def bench(args: argparse.Namespace) -> int:
     cpus = sorted(parse_cpu_list(args.cores))
     grows = [tuple(int(x) for x in g.split(":")) for g in args.grow]
-    configs = plan(len(cpus), grows, not args.no_one_core, args.parallex)  # type: ignore[arg-type]
+    configs = plan(len(cpus), grows, not args.no_one_core, args.parallex, args.long_tests)  # type: ignore[arg-type]
     cache = Path(args.cache_dir).expanduser()
     by_name = {suite.name: suite for suite in SUITES}
     fetched = [fetch(by_name[name], cache) for name in args.suite or by_name]  # in the order given
@@ -198,8 +211,11 @@ def bench(args: argparse.Namespace) -> int:
                     plain = [r.seconds for r in kept[configs[0]]]
                     if config.grow_to and not plain:
                         continue  # grown a third of the way through the plain run's time: not known yet
+                    learned = next((r.long_tests for runs in kept.values() for r in runs if r.long_tests), None)
+                    if config.long_known and learned is None:
+                        continue  # no runner run has named its long tests yet
                     ran = run_once(args.python, item, Path(directory), config, cpus,
-                                   GROW_AT * statistics.median(plain) if plain else 0.0)
+                                   GROW_AT * statistics.median(plain) if plain else 0.0, learned)
                     kept[config].append(ran)
                     print(f"  {item.suite.name} round {round_index + 1} {config.label}: {ran.seconds:.2f} s exit "
                           f"{ran.exit_code} {ran.counts} {ran.runner_line}", flush=True)
@@ -235,8 +251,13 @@ def report(times: dict[str, dict[Config, list[Ran]]], configs: list[Config]) -> 
                                "counts": reference[0], "exit_code": reference[1], "parity_mismatch": mismatched,
                                "flipped": flipped,
                                "runner_did_not_fork": no_fork}
-        pairs = {c.cores: (medians.get(Config("xdist", c.cores, c.cores)), m)
-                 for c, m in medians.items() if c.runner == "tangram" and c.cores == c.workers and not c.grow_to}
+        pairs = {c.cores: (medians.get(Config("xdist", c.cores, c.cores)), m) for c, m in medians.items()
+                 if c.runner == "tangram" and c.cores == c.workers and not c.grow_to and not c.long_known}
+        known = {c.cores: m for c, m in medians.items() if c.long_known}
+        row["long_known_over_unknown"] = {f"{c}c": pairs[c][1] / m for c, m in sorted(known.items())
+                                                if c in pairs}
+        row["long_known_over_xdist"] = {f"{c}c": x / m for c, m in sorted(known.items())
+                                     if (x := medians.get(Config("xdist", c, c)))}
         row["runner_over_xdist"] = {f"{c}c": x / r for c, (x, r) in sorted(pairs.items()) if x}
         row["runner_over_parallex"] = {f"{c}c": p / r for c, (_, r) in sorted(pairs.items())
                                        if (p := medians.get(Config("parallex", c, c)))}
@@ -251,6 +272,10 @@ def report(times: dict[str, dict[Config, list[Ran]]], configs: list[Config]) -> 
               + (", than pytest-parallex by " + ", ".join(f"{k} {v:.2f}x" for k, v in
                                                          row["runner_over_parallex"].items())
                  if row["runner_over_parallex"] else "")
+              + ("; long tests known over not " + ", ".join(
+                  f"{k} {v:.2f}x" for k, v in row["long_known_over_unknown"].items()) + ", over xdist "
+                 + ", ".join(f"{k} {v:.2f}x" for k, v in row["long_known_over_xdist"].items())
+                 if row["long_known_over_unknown"] else "")
               + "; grown / staying " + ", ".join(f"{k} {v:.2f}" for k, v in row["grown_over_staying"].items())
               + f"; counts {reference[0]} exit {reference[1]}"
               + (f"; PARITY MISMATCH in {mismatched}, tests whose outcome differs from plain's: {flipped}"
@@ -272,6 +297,8 @@ def main() -> int:
                         help="no runs of one worker or of two squeezed onto one core (plain pytest still runs)")
     parser.add_argument("--parallex", action="store_true",
                         help="also pytest-parallex (--parallel fork) at each width (installed in --python)")
+    parser.add_argument("--long-tests", action="store_true",
+                        help="also the runner given the long tests of the suite's first runner run, at each width")
     parser.add_argument("--budget-s", type=float, default=float("inf"), help="start no run after this many seconds")
     parser.add_argument("--cache-dir", default=str(DEFAULT_CACHE_DIR), help="where sdists are kept")
     parser.add_argument("--json", help="write the figures here")

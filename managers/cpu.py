@@ -28,6 +28,7 @@ from managers.cpu_node import CpuNode
 from managers.environment import Environment, EnvState
 from managers.environments import Environments
 from managers.exec_spec import ExecSpec, ExecSpecBody, executor_request, parse_exec_spec, runner_report, runs_pytest
+from managers.long_tests import LongTests, long_tests_from
 from managers.sandbox_backends import SandboxFactory, open_sandbox_backend
 from sandboxes.backend import NODE_UNAVAILABLE, Leftover, SandboxBackend, SandboxError
 from tangram.core.action import Action, Kind
@@ -148,6 +149,7 @@ class CpuManager(ResourceManager[CpuHandle]):
                                          "ran: tangram (forked workers), plain (its fallback, with its reason in the "
                                          "record) or unknown (its line missing from the output)", ["runner"],
                                          registry=None)
+        self.long_tests = LongTests()
 
     # -- lifecycle ------------------------------------------------------------------------------------------
 
@@ -457,7 +459,8 @@ class CpuManager(ResourceManager[CpuHandle]):
             request = executor_request(spec, cores, max(remaining, 0.001), sandbox.workdir,
                                        {"TANGRAM_ACTION_ID": action.id, "TANGRAM_ENVIRONMENT": env.id},
                                        workers=held.workers if held is not None else None,
-                                       follows=held is not None and held.follows, tag=action.id, runner=runner)
+                                       follows=held is not None and held.follows, tag=action.id, runner=runner,
+                                       long_tests=self.long_tests.hint((action.task, action.signature)))
             env.running.add(action.id)
             try:
                 current().check()  # a deposed leader runs no more commands (tangram/core/fencing.py)
@@ -478,6 +481,7 @@ class CpuManager(ResourceManager[CpuHandle]):
         if request.get("pytest_runner"):
             result["pytest_runner"] = runner_report(result.get("stdout") or "")
             self.pytest_runs.labels(result["pytest_runner"]["runner"]).inc()
+            self.long_tests.learn((action.task, action.signature), long_tests_from(result.get("stdout") or ""))
         return Outcome(result)
 
     def register_metrics(self, registry: MetricsRegistry) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
 import posixpath
 import re
 from collections.abc import Mapping
@@ -12,6 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag, TypeAdapter
 
+from managers.long_tests import LONG_TESTS_ENV
 from sandboxes.backend import SANDBOX_USER
 from tangram.core.config_tables import TABLE, Count
 from tangram.core.errors import BadRequest, TooLarge, Unprocessable
@@ -238,12 +240,14 @@ def pytest_flags(runner: PytestRunner, workers: int, cores: int, follows: bool =
     other run gets workers only for more than one: under xdist one worker costs a controller process and ~0.25 s
     more than plain pytest on the same core."""
     if runner == "tangram" and follows:
-        return ["-p", RUNNER_PLUGIN, f"--tangram-workers={cores}", f"--tangram-launch-cores={cores}"]
+        return ["-p", RUNNER_PLUGIN, f"--tangram-workers={cores}", f"--tangram-launch-cores={cores}",
+                "--tangram-long-tests"]
     if workers <= 1:
         return []
     if runner == "xdist":
         return ["-n", str(workers)]
-    return ["-p", RUNNER_PLUGIN, f"--tangram-workers={workers}", f"--tangram-launch-cores={cores}"]
+    return ["-p", RUNNER_PLUGIN, f"--tangram-workers={workers}", f"--tangram-launch-cores={cores}",
+            "--tangram-long-tests"]
 
 
 def runner_report(stdout: str) -> dict[str, str | None]:
@@ -259,12 +263,14 @@ def runner_report(stdout: str) -> dict[str, str | None]:
 
 def executor_request(spec: ExecSpec, cores: tuple[int, ...], timeout_s: float, workdir: str,
                      extra_env: Mapping[str, str], *, workers: int | None = None, follows: bool = False,
-                     tag: str | None = None, runner: PytestRunner = "tangram") -> dict[str, Any]:
+                     tag: str | None = None, runner: PytestRunner = "tangram",
+                     long_tests: Mapping[str, float] | None = None) -> dict[str, Any]:
     """Elasticity at run time: ``{parallel_num}`` and ``TANGRAM_NUM_CPUS`` become the worker count (the granted
     core count unless the action is malleable, ``workers``, and started with more workers than cores, and its
     workers do not follow its cores); with ``pytest_parallel``, ``pytest`` runs on workers (``pytest_flags``), and
-    the executor puts the runner's directory on PYTHONPATH where it is asked to. ``tag`` names the command for a
-    later re-pin (``op: cpus``)."""
+    the executor puts the runner's directory on PYTHONPATH where it is asked to. The runner gets the tests its
+    signature's earlier runs found long (``managers.long_tests``). ``tag`` names the command for a later re-pin
+    (``op: cpus``)."""
     n = len(cores) if follows or not workers else workers
     flags = pytest_flags(runner, n, len(cores), follows) if runs_pytest(spec) else []
     rewritten = bool(flags)
@@ -279,6 +285,8 @@ def executor_request(spec: ExecSpec, cores: tuple[int, ...], timeout_s: float, w
                "output_limit": spec.output_limit, "cpus": list(cores), "reap": True}
     if rewritten and runner == "tangram":
         request["pytest_runner"] = True
+        if long_tests:
+            env[LONG_TESTS_ENV] = json.dumps(dict(long_tests))
     if tag is not None:
         request["tag"] = tag
     if spec.background:

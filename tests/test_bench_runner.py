@@ -28,6 +28,8 @@ def test_the_plan_covers_each_width_and_grows_only_within_the_cores() -> None:
                       "xdist 4c/4w", "tangram 4c/4w", "grown 1->2"]
     assert [c.label for c in plan(2, [], one_core=False, parallex=True)] == [
         "plain", "xdist 2c/2w", "tangram 2c/2w", "parallex 2c/2w"]
+    assert [c.label for c in plan(2, [], one_core=False, long_tests=True)] == [
+        "plain", "xdist 2c/2w", "tangram 2c/2w", "tangram 2c/2w long known"]
     wide = [c.label for c in plan(16, [(4, 16)], one_core=False)]
     assert wide[0] == "plain" and "tangram 1c/1w" not in wide and wide[-1] == "grown 4->16"
 
@@ -45,6 +47,11 @@ def test_parity_and_forking_are_checked_in_every_run() -> None:
     assert figures["parity"] and figures["runner_ran"]
     assert row["speedup"]["tangram 2c/2w"] == 11.0 / 5.0 and row["runner_over_xdist"] == {"2c": 6.0 / 5.0}
     assert row["grown_over_staying"] == {"grown 1->2": 0.8} and row["runner_over_parallex"] == {"2c": 5.5 / 5.0}
+    assert row["long_known_over_unknown"] == {} and row["long_known_over_xdist"] == {}
+    runs[Config("tangram", 2, 2, long_known=True)] = [Ran(4.0, 0, same, FORKED)]
+    row = report({"suite": runs}, [PLAIN])["suites"]["suite"]
+    assert row["runner_over_xdist"] == {"2c": 6.0 / 5.0}  # a run given long tests is not the runner's first
+    assert row["long_known_over_unknown"] == {"2c": 5.0 / 4.0} and row["long_known_over_xdist"] == {"2c": 6.0 / 4.0}
 
     runs[RUNNER_2].append(Ran(5.0, 0, {"passed": 9, "skipped": 1, "failed": 1}, FORKED, frozenset({"t::x"})))
     runs[GROWN].append(Ran(8.0, 0, same, "tangram-runner: plain pytest (1 thread(s) alive after collection)"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -94,16 +95,25 @@ async def test_concurrent_actions_never_share_a_core(db):
 
 async def test_pytest_runs_in_parallel_on_the_granted_cores(db):
     engine = docker_engines()[0]
-    tests = "import time\n" + "".join(f"def test_{i}():\n    time.sleep(0.3)\n" for i in range(4))
+    tests = "import time\n" + "".join(f"def test_{i}():\n    time.sleep(0.3)\n" for i in range(4)) + \
+        "def test_long():\n    time.sleep(1.05)\n"
     async with live_broker(one_node(engine), db) as live:
-        record = await run(live, exec_action("pytest -v -p no:cacheprovider test_sleepy.py", cpu={"min": 1, "max": 2},
-                                             pytest_parallel=True, files={"test_sleepy.py": tests}),
-                           elasticity=ELASTIC)
+        def body(trajectory: str) -> dict[str, Any]:
+            return exec_action("pytest -v -p no:cacheprovider test_sleepy.py", trajectory=trajectory,
+                               cpu={"min": 1, "max": 2}, pytest_parallel=True, files={"test_sleepy.py": tests})
+
+        record = await run(live, body("traj-first"), elasticity=ELASTIC)
         assert record["state"] == "succeeded", record
         out = record["result"]["stdout"]
         assert record["result"]["exit_code"] == 0, out
-        assert "4 passed" in out and record["result"]["pytest_runner"] == {
+        assert "5 passed" in out and record["result"]["pytest_runner"] == {
             "runner": "tangram", "detail": "2 worker(s) forked after one collection"}, out  # the runner, on 2
+        assert re.search(r'^tangram-runner-long-tests: \{"test_sleepy.py::test_long": [0-9.]+\}$', out,
+                         re.MULTILINE), out
+        again = await run(live, body("traj-again"), elasticity=ELASTIC)  # the same signature: its long test is known
+        assert again["result"]["pytest_runner"]["detail"] == (
+            "2 worker(s) forked after one collection, 1 test(s) an earlier run found long started first"), \
+            again["result"]["stdout"]
 
 
 def runner_processes() -> list[psutil.Process]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 
 import psutil
@@ -13,6 +14,7 @@ from managers.cpu import CpuManager
 from managers.cpu_config import CpuNodeConfig, on_this_host, parse_cpu_config
 from managers.cpu_node import CpuNode
 from managers.exec_spec import ExecLimits, executor_request, parse_exec_spec, rewrite_pytest, runner_report
+from managers.long_tests import LONG_TESTS_ENV, LONG_TESTS_LINE, MAX_LINE_CHARS, TESTS_KEPT, LongTests, long_tests_from
 from sandboxes.cgroup import cpu_list, parse_cpu_list
 from tangram.core.action import Action, Demand, Kind
 from tangram.core.errors import BadRequest, ConfigError, Unavailable, Unprocessable
@@ -59,7 +61,8 @@ def test_executor_request_substitutes_parallelism():
     spec = parse_exec_spec({"command": "make -j{parallel_num} && pytest", "pytest_parallel": True,
                             "env": {"A": "1"}}, ExecLimits())
     request = executor_request(spec, (2, 3), 10.0, "/workspace", {"TANGRAM_ACTION_ID": "x"})
-    assert request["command"] == "make -j2 && pytest -p tangram_runner --tangram-workers=2 --tangram-launch-cores=2"
+    assert request["command"] == ("make -j2 && pytest -p tangram_runner --tangram-workers=2 --tangram-launch-cores=2 "
+                                  "--tangram-long-tests")
     assert request["pytest_runner"] is True
     assert request["cpus"] == [2, 3] and request["cwd"] == "/workspace"
     assert request["env"] == {"A": "1", "TANGRAM_ACTION_ID": "x", "TANGRAM_NUM_CPUS": "2"}
@@ -73,7 +76,8 @@ def test_executor_request_substitutes_parallelism():
     assert executor_request(one, (5,), 1.0, "/w", {}, runner="xdist")["command"] == "pytest -q"
     malleable = executor_request(argv, (0,), 1.0, "/w", {}, workers=4, tag="act_1")
     assert malleable["command"] == ["pytest", "-p", "tangram_runner", "--tangram-workers=4",
-                                    "--tangram-launch-cores=1", "-q"] and malleable["cpus"] == [0]
+                                    "--tangram-launch-cores=1", "--tangram-long-tests", "-q"]
+    assert malleable["cpus"] == [0]
     assert malleable["env"]["TANGRAM_NUM_CPUS"] == "4" and malleable["tag"] == "act_1"
     assert executor_request(one, (0,), 1.0, "/w", {}, workers=1)["command"] == "pytest -q"
     assert executor_request(argv, (0,), 1.0, "/w", {}, workers=4, runner="xdist")["command"] == \
@@ -88,15 +92,52 @@ def test_a_run_whose_workers_follow_its_cores_starts_one_per_core_on_one_core_to
     argv = parse_exec_spec({"command": ["pytest", "-q"], "pytest_parallel": True}, ExecLimits())
     one = executor_request(argv, (3,), 1.0, "/w", {}, workers=8, follows=True)
     assert one["command"] == ["pytest", "-p", "tangram_runner", "--tangram-workers=1", "--tangram-launch-cores=1",
-                              "-q"] and one["pytest_runner"] is True
+                              "--tangram-long-tests", "-q"] and one["pytest_runner"] is True
     assert one["env"]["TANGRAM_NUM_CPUS"] == "1"
     two = parse_exec_spec({"command": "cd r && python3 -m pytest -x", "pytest_parallel": True}, ExecLimits())
     assert executor_request(two, (0, 1), 1.0, "/w", {}, workers=8, follows=True)["command"] == \
-        "cd r && python3 -m pytest -p tangram_runner --tangram-workers=2 --tangram-launch-cores=2 -x"
+        "cd r && python3 -m pytest -p tangram_runner --tangram-workers=2 --tangram-launch-cores=2 " \
+        "--tangram-long-tests -x"
     assert executor_request(two, (0, 1), 1.0, "/w", {}, workers=8, follows=True, runner="xdist")["command"] == \
         "cd r && python3 -m pytest -n 2 -x"
     assert executor_request(argv, (3,), 1.0, "/w", {}, workers=8, follows=True, runner="xdist")["command"] == \
         ["pytest", "-q"]
+
+
+def test_the_runner_gets_its_signatures_long_tests_and_xdist_does_not():
+    spec = parse_exec_spec({"command": "pytest -q", "pytest_parallel": True}, ExecLimits())
+    long_tests = {"tests/test_slow.py::test_a": 12.5}
+    request = executor_request(spec, (0, 1), 1.0, "/w", {}, long_tests=long_tests)
+    assert json.loads(request["env"][LONG_TESTS_ENV]) == long_tests
+    assert LONG_TESTS_ENV not in executor_request(spec, (0, 1), 1.0, "/w", {})["env"]
+    assert LONG_TESTS_ENV not in executor_request(spec, (0, 1), 1.0, "/w", {}, long_tests={})["env"]
+    assert LONG_TESTS_ENV not in executor_request(spec, (0, 1), 1.0, "/w", {}, runner="xdist",
+                                                  long_tests=long_tests)["env"]
+    assert LONG_TESTS_ENV not in executor_request(spec, (0,), 1.0, "/w", {}, long_tests=long_tests)["env"]  # plain
+
+
+def test_long_tests_are_read_from_the_runners_line_as_untrusted_input():
+    given = {"a/test_x.py::test_y[1]": 3.5, "b.py::t": 1, "/etc/passwd": 2.0, "c.py::t": -1, "d.py::t": "9",
+             "e.py::t": True, "f\nx.py::t": 1.0, "g.py::t": 1e308 * 10, "h.py::t": 8 * 86400, "": 1.0}
+    assert long_tests_from(f"....\n{LONG_TESTS_LINE} {json.dumps(given)}\n4 passed") == {
+        "a/test_x.py::test_y[1]": 3.5, "b.py::t": 1.0}
+    for malformed in ("4 passed", f"{LONG_TESTS_LINE} [1, 2]", f"{LONG_TESTS_LINE} {{\"cut off",
+                      f"{LONG_TESTS_LINE} " + " " * (MAX_LINE_CHARS + 1) + "{}"):
+        assert long_tests_from(malformed) == {}
+    many = json.dumps({f"t.py::t{i}": float(i) for i in range(TESTS_KEPT + 10)})
+    assert len(long_tests_from(f"{LONG_TESTS_LINE} {many}")) == TESTS_KEPT
+
+
+def test_long_tests_keep_the_longest_per_signature_and_forget_the_least_recent():
+    tests = LongTests(signatures_kept=2, tests_kept=3)
+    tests.learn(("t", "s1"), {"a::x": 1.0, "b::x": 5.0})
+    tests.learn(("t", "s1"), {"a::x": 2.0, "c::x": 4.0, "d::x": 0.5})  # the newest figure per test, the 3 longest
+    assert tests.hint(("t", "s1")) == {"b::x": 5.0, "c::x": 4.0, "a::x": 2.0}
+    tests.learn(("t", "s2"), {"x::x": 1.0})
+    tests.learn(("t", "s2"), {})
+    assert tests.hint(("t", "s1"))  # s1 was run more recently than s2 now
+    tests.learn(("t", "s3"), {"y::x": 1.0})
+    assert tests.hint(("t", "s2")) == {} and tests.hint(("t", "s1")) and tests.hint(("t", "s3"))
 
 
 def test_the_runners_line_says_which_ran():

@@ -9,6 +9,8 @@ tree re-pinned by ``os.sched_setaffinity`` as the executor re-pins a command's. 
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -24,6 +26,8 @@ import psutil
 import pytest
 
 from loadtest.suites import DEFAULT_CACHE_DIR, SUITES, fetch
+from managers.exec_spec import RUNNER_BANNER
+from managers.long_tests import LONG_TESTS_ENV, LONG_TESTS_LINE, TESTS_KEPT
 from sandboxes.image import DEFAULT_IMAGE
 from tests.docker_nodes import docker_engines
 
@@ -34,6 +38,8 @@ COUNTS = re.compile(r"(\d+) (passed|failed|skipped|xfailed|xpassed|errors?|desel
 SUITE = '''
 import os, time, warnings
 import pytest
+
+warnings.warn("imported", UserWarning)
 
 @pytest.fixture(scope="session")
 def session_setup(tmp_path_factory):
@@ -48,7 +54,7 @@ def test_work(i, session_setup, tmp_path):
     time.sleep(0.01)
 
 def test_fails():
-    assert 1 == 2
+    assert [1, 2] == [1, 3]
 
 @pytest.mark.skip(reason="not here")
 def test_skipped():
@@ -88,20 +94,27 @@ def counts(output: str) -> dict[str, int]:
     return {kind.rstrip("s") if kind.startswith("error") else kind: int(n) for n, kind in COUNTS.findall(last)}
 
 
+def warnings(output: str) -> int:
+    found = re.search(r"(\d+) warnings?\b", output.strip().splitlines()[-1])
+    return int(found.group(1)) if found else 0
+
+
 def runner(workers: int, *extra: str) -> tuple[str, ...]:
     return ("-p", "tangram_runner", f"--tangram-workers={workers}", *extra)
 
 
 def test_two_workers_report_what_plain_pytest_reports(suite: Path) -> None:
-    """Counts, exit code, failure text, warnings summary and junit XML match plain pytest's; each worker set up
-    and tore down its own session fixture in a basetemp of its own."""
+    """Counts, exit code, failure text (a comparison's diff too), warnings (collection's too) and junit XML match
+    plain pytest's; each worker set up and tore down its own session fixture in a basetemp of its own."""
     plain = pytest_run(suite, "-q", "--junitxml=plain.xml", basetemp=suite / "plain")
     forked = pytest_run(suite, "-q", "--junitxml=forked.xml", *runner(2), basetemp=suite / "forked")
     assert forked.returncode == plain.returncode == 1, forked.stdout + forked.stderr
     assert counts(forked.stdout) == counts(plain.stdout) == {"failed": 1, "passed": 32, "skipped": 1,
                                                               "xfailed": 1}, forked.stdout
     assert "tangram-runner: 2 worker(s) forked after one collection" in forked.stdout
-    for text in ("assert 1 == 2", "DeprecationWarning: careful", "FAILED test_suite.py::test_fails"):
+    assert warnings(forked.stdout) == warnings(plain.stdout) == 2, forked.stdout  # one in collection, one in a test
+    for text in ("assert [1, 2] == [1, 3]", "At index 1 diff: 2 != 3", "DeprecationWarning: careful",
+                 "FAILED test_suite.py::test_fails"):
         assert text in forked.stdout and text in plain.stdout, text
 
     def junit(name: str) -> dict[str, str]:
@@ -150,6 +163,90 @@ def test_a_thread_alive_after_collection_runs_plain_pytest_and_says_why(suite: P
     assert "tangram-runner: plain pytest (1 thread(s) alive after collection would not survive a fork)" \
         in forked.stdout, forked.stdout
     assert counts(forked.stdout) == {"failed": 1, "passed": 32, "skipped": 1, "xfailed": 1}
+
+
+def test_a_run_names_its_long_tests_and_a_malformed_list_changes_nothing(tmp_path: Path) -> None:
+    for name, seconds in (("test_a.py", 0.0), ("test_b.py", 1.05)):
+        (tmp_path / name).write_text(f"import time\ndef test_it():\n    time.sleep({seconds})\n")
+    first = pytest_run(tmp_path, "-q", *runner(2, "--tangram-long-tests"))
+    line = next(line for line in first.stdout.splitlines() if line.startswith("tangram-runner-long-tests: "))
+    named = json.loads(line.split(" ", 1)[1])
+    assert list(named) == ["test_b.py::test_it"] and named["test_b.py::test_it"] >= 1.0, first.stdout
+    for malformed in ("not json", "[1, 2]", '"test_b.py::test_it"'):
+        ignored = pytest_run(tmp_path, "-q", *runner(2), env={"TANGRAM_RUNNER_LONG_TESTS": malformed})
+        assert counts(ignored.stdout) == counts(first.stdout) == {"passed": 2}
+        assert "found long" not in ignored.stdout and "tangram-runner-long-tests" not in ignored.stdout
+
+
+def test_no_slice_waits_behind_a_test_an_earlier_run_found_long(tmp_path: Path) -> None:
+    """The long test is the first of its module, so that the slice its worker takes would hold the tests after it
+    while the other worker runs dry. Given an earlier run's times, that slice ends at the long test and the worker
+    asks, before it, for one test only (the next, which its teardown needs): the long test waits (60 s at most) until
+    the other worker has run every other quick test, which it can only do when nothing else waits behind it."""
+    done = tmp_path / "done.log"
+    quick = 80
+    (tmp_path / "test_slices.py").write_text(
+        "import os, time, pytest\n"
+        f"DONE = {str(done)!r}\n"
+        "def ran():\n"
+        "    return open(DONE).read().count('quick') if os.path.exists(DONE) else 0\n"
+        "def test_long():\n"
+        "    deadline = time.monotonic() + 60\n"
+        f"    while ran() < {quick - 1} and time.monotonic() < deadline:\n"
+        "        time.sleep(0.01)\n"
+        "    open(DONE, 'a').write(f'{os.getpid()} long {ran()}\\n')\n"
+        f"@pytest.mark.parametrize('i', range({quick}))\n"
+        "def test_quick(i):\n"
+        "    open(DONE, 'a').write(f'{os.getpid()} quick\\n')\n")
+    given = json.dumps({"test_slices.py::test_long": 60.0, "gone.py::test_x": 9.0})
+    run = pytest_run(tmp_path, "-q", *runner(2), env={"TANGRAM_RUNNER_LONG_TESTS": given})
+    assert run.returncode == 0 and counts(run.stdout) == {"passed": quick + 1}, run.stdout
+    entries = [line.split() for line in done.read_text().splitlines()]
+    long_pid, _, seen = next(entry for entry in entries if entry[1] == "long")
+    assert int(seen) == quick - 1, entries  # it did not wait out its deadline
+    assert sum(1 for pid, kind, *_ in entries if pid == long_pid and kind == "quick") == 1, entries
+    assert "1 test(s) an earlier run found long started first" in run.stdout
+
+
+def test_a_long_tests_module_starts_first_and_every_worker_keeps_collection_order(tmp_path: Path) -> None:
+    """The long test's module is the last collected and leaves state behind that the first module's tests refuse
+    (as mpmath's change its global precision). Its worker starts there; it then has no test left after its own
+    while the first module's are not done (here they wait for the last module's to end), so a fresh worker takes them:
+    every test passes, as under plain pytest."""
+    marker = tmp_path / "z-done"
+    (tmp_path / "test_a.py").write_text(
+        "import os, time, pytest\n"
+        "@pytest.mark.parametrize('i', range(40))\n"
+        "def test_clean(i):\n"
+        "    deadline = time.monotonic() + (60 if os.environ.get('WAIT_FOR_Z') else 0)\n"
+        f"    while not os.path.exists({str(marker)!r}) and time.monotonic() < deadline:\n"
+        "        time.sleep(0.01)\n"
+        "    assert 'POLLUTED' not in os.environ\n")
+    (tmp_path / "test_z.py").write_text(
+        "import os\n"
+        "def test_long():\n"
+        "    os.environ['POLLUTED'] = '1'\n"
+        "def test_after():\n"
+        f"    open({str(marker)!r}, 'w').close()\n")
+    plain = pytest_run(tmp_path, "-q", basetemp=tmp_path / "plain")
+    marker.unlink()
+    given = json.dumps({"test_z.py::test_long": 30.0})
+    run = pytest_run(tmp_path, "-q", *runner(2), env={"TANGRAM_RUNNER_LONG_TESTS": given, "WAIT_FOR_Z": "1"})
+    assert run.returncode == plain.returncode == 0 and counts(run.stdout) == counts(plain.stdout) == {"passed": 42}, \
+        run.stdout
+    assert "3 worker(s) forked after one collection, 1 test(s) an earlier run found long started first, 1 replaced " \
+           "to keep each worker's tests in collection order" in run.stdout, run.stdout
+
+
+def test_the_broker_reads_and_writes_what_the_runner_writes_and_reads() -> None:
+    """The runner cannot import the broker's modules (it runs in users' images), so its names are spelled twice."""
+    spec = importlib.util.spec_from_file_location("runner_under_test", RUNNER_DIR / "tangram_runner.py")
+    assert spec is not None and spec.loader is not None
+    plugin = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plugin)
+    assert (plugin.BANNER, plugin.LONG_TESTS_LINE, plugin.LONG_TESTS_ENV) == \
+        (RUNNER_BANNER, LONG_TESTS_LINE, LONG_TESTS_ENV)
+    assert plugin.LONG_TESTS_KEPT <= TESTS_KEPT
 
 
 def tree_of(pid: int) -> list[psutil.Process]:

@@ -7,6 +7,15 @@ tests at a time, so module fixtures stay cheap. The worker count follows the cor
 the broker moves the command onto more cores (its executor re-pins the whole process tree) the coordinator forks
 more workers at once; on fewer, surplus workers finish their current test and hand their slice back.
 
+Each worker runs its tests in collection order: tests that leave global state behind for later ones pass as under
+plain pytest. Given the tests an earlier run found long (``TANGRAM_RUNNER_LONG_TESTS``, what
+``--tangram-long-tests`` printed, kept by the broker per action signature), a long test's module starts first (a
+long test started late ends the run alone) on a worker that then goes on from there; one that finds no test left
+after its own is replaced by a fresh fork, which takes those before. A worker asks for its next slice as it starts
+the last test of the one it has (that test's teardown needs to know the next), so that slice waits behind the test:
+a slice ends at a long test, and the ask made before one gets a single test, so that none waits behind it while
+other workers run dry.
+
 Each worker sets up its own session fixtures and has its own ``basetemp``, as under xdist. Reports travel back
 through pytest's own report serialisation and are replayed in the coordinator, so the terminal, ``-x``,
 ``--maxfail``, junit XML and the exit code are plain pytest's. A worker that dies fails the test it was running and
@@ -49,10 +58,19 @@ MAX_RESTARTS = 4
 SLICES_PER_WORKER = 4
 #: the line every run prints, and that the broker reads: which runner ran, with how many workers, or why not
 BANNER = "tangram-runner:"
+#: the line ``--tangram-long-tests`` prints: ``{nodeid: seconds}`` of the run's longest tests
+LONG_TESTS_LINE = "tangram-runner-long-tests:"
+#: a test that took at least this long is named there: a slice ends at it, and no slice waits behind it
+LONG_TEST_S = 1.0
+#: how many tests that line names at most (the longest)
+LONG_TESTS_KEPT = 32
+#: the long tests of an earlier run, read at the start (what that line printed, kept by the broker)
+LONG_TESTS_ENV = "TANGRAM_RUNNER_LONG_TESTS"
 
 _HEADER = struct.Struct(">I")
 _LAUNCH_CORES = pytest.StashKey[int]()
 _SAID = pytest.StashKey[str]()
+_LONG_TESTS = pytest.StashKey[dict]()
 
 
 def pytest_addoption(parser):
@@ -63,6 +81,9 @@ def pytest_addoption(parser):
     group.addoption("--tangram-launch-cores", type=int, default=0, metavar="C",
                     help="the cores the command was started on (0: those of this process as pytest starts): the "
                          "workers follow the cores added or taken since")
+    group.addoption("--tangram-long-tests", action="store_true", default=False,
+                    help=f"print the tests that took {LONG_TEST_S:g} s or more ({LONG_TESTS_KEPT} at most) as one "
+                         f"JSON line (given back in {LONG_TESTS_ENV}, no slice of a later run waits behind them)")
 
 
 def pytest_configure(config):
@@ -81,9 +102,11 @@ def pytest_runtestloop(session):
     if refusal is not None:
         _say(config, f"plain pytest ({refusal})")
         return None
-    coordinator = _Coordinator(session, workers)
+    coordinator = _Coordinator(session, workers, _earlier_long_tests())
     coordinator.run()
     _say(config, coordinator.summary())
+    if config.getoption("tangram_long_tests"):
+        config.stash[_LONG_TESTS] = coordinator.long_tests()
     if session.shouldfail:
         raise session.Failed(session.shouldfail)
     if session.shouldstop:
@@ -111,6 +134,22 @@ def pytest_terminal_summary(terminalreporter, config):
     said = config.stash.get(_SAID, None)
     if said is not None:
         terminalreporter.write_line(f"{BANNER} {said}")
+    long_tests = config.stash.get(_LONG_TESTS, None)
+    if long_tests:
+        terminalreporter.write_line(f"{LONG_TESTS_LINE} {json.dumps(long_tests)}")
+
+
+def _earlier_long_tests():
+    """Node id -> seconds from ``LONG_TESTS_ENV``; empty where it is absent or not such a JSON object (a hint only:
+    which worker runs a test changes, never which tests run)."""
+    try:
+        given = json.loads(os.environ.get(LONG_TESTS_ENV) or "{}")
+    except ValueError:
+        return {}
+    if not isinstance(given, dict):
+        return {}
+    return {nodeid: float(seconds) for nodeid, seconds in given.items()
+            if isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and seconds >= 0}
 
 
 def _cores():
@@ -187,22 +226,40 @@ class _Worker:
         self.assigned = collections.deque()  # indices sent and not finished, in order
         self.running = None  # the index it started and did not finish
         self.stopping = False
+        self.retiring = False  # only tests before its last are left: it ends after its test, and is replaced
+        self.last = -1  # the highest index it was given: it takes only later ones, in collection order
 
 
 class _Coordinator:
     """Hands slices of the collected items to forked workers and replays their reports."""
 
-    def __init__(self, session, workers):
+    def __init__(self, session, workers, long_tests):
         self.session = session
         self.config = session.config
         self.items = session.items
         self.requested = workers
         self.cores_at_start = self.config.stash[_LAUNCH_CORES]
-        # modules in collection order, each a deque of item indices; slices are cut from the front module
-        modules = collections.OrderedDict()
+        # modules in collection order, each a deque of item indices; slices are cut from the front of one
+        numbers = {}
+        self.modules = []
+        self.module_of = []  # item index -> module number
         for index, item in enumerate(self.items):
-            modules.setdefault(item.nodeid.split("::")[0], collections.deque()).append(index)
-        self.queue = collections.deque(modules.values())
+            number = numbers.setdefault(item.nodeid.split("::")[0], len(numbers))
+            if number == len(self.modules):
+                self.modules.append(collections.deque())
+            self.modules[number].append(index)
+            self.module_of.append(number)
+        self.front = 0  # no module before it has tests left
+        self.left = len(self.items)
+        self.returned = collections.deque()  # handed back by a worker that stopped or died: taken first, by any
+        self.long = {index for index, item in enumerate(self.items) if item.nodeid in long_tests}
+        longest = {}  # module -> its longest known test's seconds: these modules start first, longest first
+        for index in self.long:
+            number = self.module_of[index]
+            longest[number] = max(longest.get(number, 0.0), long_tests[self.items[index].nodeid])
+        self.first_modules = sorted(longest, key=lambda number: -longest[number])  # until a slice is cut from one
+        self.replaced = 0
+        self.test_seconds = collections.defaultdict(float)  # what each test took in this run (its phases)
         self.workers = {}
         self.next_slot = 0
         self.restarts = 0
@@ -218,11 +275,20 @@ class _Coordinator:
 
     def summary(self):
         text = f"{self.started} worker(s) forked after one collection"
+        if self.long:
+            text += f", {len(self.long)} test(s) an earlier run found long started first"
+        if self.replaced:
+            text += f", {self.replaced} replaced to keep each worker's tests in collection order"
         if len(self.targets) > 1:
             text += ", following the cores: " + " -> ".join(map(str, self.targets))
         if self.restarts:
             text += f", {self.restarts} died (each replaced while tests were left)"
         return text
+
+    def long_tests(self):
+        """This run's tests of at least LONG_TEST_S, the LONG_TESTS_KEPT longest, and their seconds."""
+        longest = sorted(self.test_seconds.items(), key=lambda entry: -entry[1])[:LONG_TESTS_KEPT]
+        return {nodeid: round(seconds, 3) for nodeid, seconds in longest if seconds >= LONG_TEST_S}
 
     def run(self):
         capman = self.config.pluginmanager.get_plugin("capturemanager")
@@ -281,18 +347,51 @@ class _Coordinator:
             self._tell(worker, {"t": "stop"})
 
     def _tests_left(self):
-        return any(self.queue)
+        return self.left > 0
 
-    def _slice(self):
-        """The next slice of the front module's tests: about 1/SLICES_PER_WORKER of each worker's share."""
-        while self.queue and not self.queue[0]:
-            self.queue.popleft()
-        if not self.queue:
-            return []
-        left = sum(len(module) for module in self.queue)
-        size = max(1, left // (SLICES_PER_WORKER * max(1, len(self.workers))))
-        module = self.queue[0]
-        return [module.popleft() for _ in range(min(size, len(module)))]
+    def _slice(self, worker, size=None):
+        """The worker's next slice: ``size`` tests, or about 1/SLICES_PER_WORKER of each worker's share, from the
+        tests handed back or else from one module after its last test, ending at a long test. None: only tests
+        before its last are left."""
+        if self.returned:
+            source = self.returned
+        else:
+            number = self._module_for(worker)
+            if number is None:
+                return None if self.left else []
+            source = self.modules[number]
+            if number in self.first_modules:
+                self.first_modules.remove(number)
+        if size is None:
+            size = max(1, self.left // (SLICES_PER_WORKER * max(1, len(self.workers))))
+        piece = []
+        while source and len(piece) < size:
+            piece.append(source.popleft())
+            if piece[-1] in self.long:
+                break
+        self.left -= len(piece)
+        worker.last = max(worker.last, *piece)
+        return piece
+
+    def _module_for(self, worker):
+        """The module a worker's next slice comes from: one of a long test that no worker has started, the longest
+        first, while other workers run too; else the first with tests left after the worker's last test."""
+        while self.front < len(self.modules) and not self.modules[self.front]:
+            self.front += 1
+        if sum(1 for other in self.workers.values() if not other.stopping) > 1:
+            for number in self.first_modules:
+                if self.modules[number] and self.modules[number][0] > worker.last:
+                    return number
+        start = max(self.front, self.module_of[worker.last] if worker.last >= 0 else 0)
+        for number in range(start, len(self.modules)):
+            if self.modules[number] and self.modules[number][0] > worker.last:
+                return number
+        return None
+
+    def _hand_back(self, indices):
+        """Tests a worker was given and will not run: the next asks take them, in their order."""
+        self.returned.extendleft(reversed(indices))
+        self.left += len(indices)
 
     def _fork(self):
         slot = self.next_slot
@@ -344,10 +443,14 @@ class _Coordinator:
     def _handle(self, worker, message):
         kind = message["t"]
         if kind == "next":
-            if self.draining or worker.stopping:
+            if self.draining or worker.stopping or worker.retiring:
                 piece = []
-            else:
-                piece = self._slice()
+            else:  # the test it asks before was long: one test only (its teardown's next), none waiting behind it
+                piece = self._slice(worker, 1 if message.get("before") in self.long else None)
+                if piece is None:  # a fresh worker takes the tests before this one's last, once it has ended
+                    piece = []
+                    worker.retiring = True
+                    self.replaced += 1
             worker.assigned.extend(piece)
             self._tell(worker, {"t": "items", "items": piece})
         elif kind == "start":
@@ -358,6 +461,7 @@ class _Coordinator:
         elif kind == "report":
             report = self.config.hook.pytest_report_from_serializable(config=self.config,
                                                                       data=_tuples_back(message["r"]))
+            self.test_seconds[report.nodeid] += getattr(report, "duration", 0.0) or 0.0
             if not self.draining or report.nodeid == self.failing_nodeid:
                 self.config.hook.pytest_runtest_logreport(report=report)
                 if not self.draining and (self.session.shouldfail or self.session.shouldstop):
@@ -378,7 +482,7 @@ class _Coordinator:
             for index in returned:
                 worker.assigned.remove(index)
             if returned:
-                self.queue.appendleft(collections.deque(returned))
+                self._hand_back(returned)
 
     def _drain(self, nodeid):
         self.draining = True
@@ -398,7 +502,7 @@ class _Coordinator:
             self._crashed(worker, worker.running, status)
         left = [i for i in worker.assigned if i != worker.running]
         if left:
-            self.queue.appendleft(collections.deque(left))
+            self._hand_back(left)
         if worker.running is not None or (status and not worker.stopping):
             self.restarts += 1
             if self.restarts > MAX_RESTARTS * max(1, self.requested):
@@ -445,11 +549,13 @@ class _Channel:
 
 
 class _Forward:
-    """In a worker: what pytest reports goes to the coordinator, not to a terminal."""
+    """In a worker: what pytest reports goes to the coordinator, not to a terminal. Warnings recorded before it
+    (collection's, replayed to it as it registers: the hook is historic) are the coordinator's already."""
 
     def __init__(self, config, channel):
         self.config = config
         self.channel = channel
+        self.registered = False
 
     def pytest_runtest_logreport(self, report):
         data = self.config.hook.pytest_report_to_serializable(config=self.config, report=report)
@@ -459,6 +565,8 @@ class _Forward:
             self.channel.post({"t": "report", "r": data})
 
     def pytest_warning_recorded(self, warning_message, when, nodeid, location):
+        if not self.registered:
+            return
         self.channel.post({"t": "warning", "message": str(warning_message.message),
                            "category": f"{warning_message.category.__module__}:"
                                        f"{warning_message.category.__qualname__}",
@@ -485,6 +593,23 @@ def _warning_from(message):
     return {"warning_message": warning, "when": message["when"], "nodeid": message["nodeid"], "location": location}
 
 
+class _Silenced:
+    """In a worker: the terminal reporter as other code finds it, writing nowhere and with none of its hooks (the
+    coordinator reports). Failed comparisons need its writer (``config.get_terminal_writer()``) for their diff."""
+
+    def __init__(self, reporter):
+        from _pytest._io import TerminalWriter
+
+        quiet = TerminalWriter(open(os.devnull, "w"))  # noqa: SIM115 - the worker's whole life, closed at exit
+        quiet.hasmarkup = reporter._tw.hasmarkup
+        quiet.code_highlight = getattr(reporter._tw, "code_highlight", False)
+        reporter._tw = quiet
+        self._reporter = reporter
+
+    def __getattr__(self, name):
+        return getattr(self._reporter, name)
+
+
 class _WorkerLoop:
     """One forked worker: runs the slices it is handed, one test at a time, until told to stop or none are left."""
 
@@ -502,14 +627,17 @@ class _WorkerLoop:
         reporter = manager.get_plugin("terminalreporter")
         if reporter is not None:
             manager.unregister(reporter)
-        manager.register(_Forward(self.config, self.channel), "tangram-forward")
+            manager.register(_Silenced(reporter), "terminalreporter")
+        forward = _Forward(self.config, self.channel)
+        manager.register(forward, "tangram-forward")
+        forward.registered = True
         items = self.session.items
-        queue = collections.deque(self._ask())
+        queue = collections.deque(self._ask(None))
         ran_any = False
         while queue and not self.stop:
             index = queue.popleft()
             if not queue:
-                queue.extend(self._ask())
+                queue.extend(self._ask(index))
             self._poll()
             if self.stop:
                 queue.appendleft(index)
@@ -542,9 +670,10 @@ class _WorkerLoop:
             mine.mkdir()
             factory._basetemp = mine
 
-    def _ask(self):
-        """The next slice from the coordinator (empty: none left, or this worker is to stop)."""
-        self.channel.send({"t": "next"})
+    def _ask(self, before):
+        """The next slice from the coordinator (empty: none left, or this worker is to stop), asked for before the
+        test ``before`` (None: before the first)."""
+        self.channel.send({"t": "next", "before": before})
         while True:
             message = _recv(self.channel.sock)
             if message is None:  # the coordinator is gone
