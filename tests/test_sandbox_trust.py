@@ -48,6 +48,7 @@ STOP_EXECUTOR = ("import os, signal\n"
                  "    except OSError:\n"
                  "        continue  # gone since the listing\n"
                  "    if b'executor.py\\0serve' in line:\n"
+                 "        print('stopping', p, flush=True)\n"
                  "        os.kill(int(p), signal.SIGSTOP)\n")
 
 
@@ -117,7 +118,7 @@ async def test_what_a_sandbox_writes_is_not_its_identity_after_a_restart(kept, t
         for name in ("s1", "s2", "s3"):
             await exec_in(live, "attacker", name, "true")
             stop = await exec_in(live, "attacker", name, shell_python(STOP_EXECUTOR), timeout_s=3)
-            assert stop["state"] in ("timed_out", "failed"), stop
+            assert stop["state"] in ("timed_out", "failed"), (stop["state"], stop.get("result"), stop.get("error"))
         memory_before = await memory_in_use(live)
     started = time.monotonic()
     async with live_broker(raw, db) as live:
