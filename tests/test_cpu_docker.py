@@ -112,7 +112,7 @@ async def test_pytest_runs_in_parallel_on_the_granted_cores(db):
                          re.MULTILINE), out
         again = await run(live, body("traj-again"), elasticity=ELASTIC)  # the same signature: its long test is known
         assert again["result"]["pytest_runner"]["detail"] == (
-            "2 worker(s) forked after one collection, 1 test(s) an earlier run found long started first"), \
+            "2 worker(s) forked after one collection, 1 long test(s) known from an earlier run"), \
             again["result"]["stdout"]
 
 

@@ -175,7 +175,7 @@ def test_a_run_names_its_long_tests_and_a_malformed_list_changes_nothing(tmp_pat
     for malformed in ("not json", "[1, 2]", '"test_b.py::test_it"'):
         ignored = pytest_run(tmp_path, "-q", *runner(2), env={"TANGRAM_RUNNER_LONG_TESTS": malformed})
         assert counts(ignored.stdout) == counts(first.stdout) == {"passed": 2}
-        assert "found long" not in ignored.stdout and "tangram-runner-long-tests" not in ignored.stdout
+        assert "known from an earlier run" not in ignored.stdout and "tangram-runner-long-tests" not in ignored.stdout
 
 
 def test_no_slice_waits_behind_a_test_an_earlier_run_found_long(tmp_path: Path) -> None:
@@ -205,7 +205,7 @@ def test_no_slice_waits_behind_a_test_an_earlier_run_found_long(tmp_path: Path) 
     long_pid, _, seen = next(entry for entry in entries if entry[1] == "long")
     assert int(seen) == quick - 1, entries  # it did not wait out its deadline
     assert sum(1 for pid, kind, *_ in entries if pid == long_pid and kind == "quick") == 1, entries
-    assert "1 test(s) an earlier run found long started first" in run.stdout
+    assert "1 long test(s) known from an earlier run" in run.stdout
 
 
 def test_a_long_tests_module_starts_first_and_every_worker_keeps_collection_order(tmp_path: Path) -> None:
@@ -234,7 +234,7 @@ def test_a_long_tests_module_starts_first_and_every_worker_keeps_collection_orde
     run = pytest_run(tmp_path, "-q", *runner(2), env={"TANGRAM_RUNNER_LONG_TESTS": given, "WAIT_FOR_Z": "1"})
     assert run.returncode == plain.returncode == 0 and counts(run.stdout) == counts(plain.stdout) == {"passed": 42}, \
         run.stdout
-    assert "3 worker(s) forked after one collection, 1 test(s) an earlier run found long started first, 1 replaced " \
+    assert "3 worker(s) forked after one collection, 1 long test(s) known from an earlier run, 1 replaced " \
            "to keep each worker's tests in collection order" in run.stdout, run.stdout
 
 

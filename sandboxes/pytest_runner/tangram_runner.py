@@ -276,7 +276,7 @@ class _Coordinator:
     def summary(self):
         text = f"{self.started} worker(s) forked after one collection"
         if self.long:
-            text += f", {len(self.long)} test(s) an earlier run found long started first"
+            text += f", {len(self.long)} long test(s) known from an earlier run"
         if self.replaced:
             text += f", {self.replaced} replaced to keep each worker's tests in collection order"
         if len(self.targets) > 1:
