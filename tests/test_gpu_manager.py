@@ -341,7 +341,7 @@ async def test_sglang_services_through_the_manager_evict_and_recover_from_a_cras
 
 async def test_run_times_are_learned_per_gpu_type_from_real_executions(tmp_path, reference_scores):
     """Two nodes of CPU virtual GPUs typed as an H100 node and an A10 node: the same CPU runs both, so the run times
-    measured on each replace the datasheets' 8x speed ratio with about 1x, and the placement the manager solves next
+    measured on each replace the datasheets' 8x speed ratio, and the placement the manager solves next
     is built on the measured speed."""
     section = gpu_section({"a": service(dops=[1])}, nodes=2)
     section["nodes"]["n0"]["type"], section["nodes"]["n1"]["type"] = "h100", "a10"
@@ -366,7 +366,8 @@ async def test_run_times_are_learned_per_gpu_type_from_real_executions(tmp_path,
         learned = described["run_gpu_s"]
         assert learned.keys() == {"h100", "a10"} and all(seconds > 0 for seconds in learned.values())
         speed = manager.demand.speed("a", "a10")
-        assert 1 / 3 < speed < 3  # measured; the datasheets' prior is 125/989
+        # the measured ratio, not the datasheets' 125/989 (its value is this machine's noise: the same CPU runs both)
+        assert speed == pytest.approx(learned["h100"] / learned["a10"], rel=1e-3)
 
         manager.live.stale()
         status, record = await live.call("POST", "/v1/actions?wait=true", json=reward("a"))
