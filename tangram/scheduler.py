@@ -26,11 +26,12 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 from tangram.arrivals import Expected
 from tangram.core.action import Action
 from tangram.core.dparrange import DPTable, dp_arrange
-from tangram.core.malleable import Claimant, Malleable, Workers, share
+from tangram.core.malleable import Malleable, Profile, Workers, share
 from tangram.core.seam import Allocation, Fit, ResourceManager
 from tangram.durations import DurationModel
 from tangram.estimate import INF, CompletionHeap, Waiting, estimate
@@ -222,8 +223,8 @@ class Scheduler:
             if self._shared.get((resource, pool)) == shape:
                 continue  # nothing changed in this pool since its last share: the shares stand
             self._shared[(resource, pool)] = shape
-            claimants = [self._claimant(action, resource, largest, now) for action in actions]
-            units = share(free, claimants, self.share_by_remaining)
+            profiles = [self._profile(action, resource, largest) for action in actions]
+            units = share(free, profiles, partial(self._remaining, actions, now), self.share_by_remaining)
             for action, k in zip(actions, units):
                 running_as = action.malleable
                 if running_as is None:  # a member: starts now, unless its first units gain less than others'
@@ -239,14 +240,20 @@ class Scheduler:
                 elif k != running_as.units:
                     resizes.append(Resize(action, resource, k))
 
-    def _claimant(self, action: Action, resource: str, largest: int, now: float) -> Claimant:
-        """A malleable action as the sharing sees it (remaining work is only worked out when shares use it)."""
+    def _profile(self, action: Action, resource: str, largest: int) -> Profile:
+        """A malleable action's speed-up as the sharing sees it: a starting one's from 0 (it may wait, outranked)."""
         held = action.malleable
         if held is not None:
-            return Claimant(held.profile, held.remaining_s(now) if self.share_by_remaining else 0.0)
-        counts = (0, *action.demands[resource].up_to(largest))  # 0: a member waits, outranked
-        work = self.durations.t1(action) or self.durations.default_s
-        return Claimant(self.durations.profile(action, counts), work)
+            return held.profile
+        return self.durations.profile(action, (0, *action.demands[resource].up_to(largest)))
+
+    def _remaining(self, actions: list[Action], now: float, index: int) -> float:
+        """The remaining work on one unit of a malleable action (``actions[index]``): a starting one's whole work."""
+        action = actions[index]
+        held = action.malleable
+        if held is not None:
+            return held.remaining_s(now)
+        return self.durations.t1(action) or self.durations.default_s
 
     # -- steps 2-3 ----------------------------------------------------------------------------------------
 

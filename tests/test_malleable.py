@@ -21,7 +21,6 @@ from managers.cpu_node import CpuNode
 from sandboxes.docker import DockerSandbox
 from tangram.core.action import Action, Demand, Elasticity, Kind
 from tangram.core.malleable import (
-    Claimant,
     Malleable,
     Profile,
     WorkerCost,
@@ -57,19 +56,19 @@ def amdahl_profile(serial: float, counts: tuple[int, ...]) -> Elasticity:
        st.integers(0, 12))
 def test_share_maximises_summed_speedup(jobs: list[tuple[float, int, int]], spare: int) -> None:
     """Against every allocation: none within the spare units gives a larger summed speed-up (concave profiles)."""
-    claimants = []
+    profiles = []
     for serial, floor, extra in jobs:
         counts = tuple(range(floor, floor + extra + 1))
-        claimants.append(Claimant(profile(amdahl_profile(serial, counts), counts), remaining_s=10.0))
-    units = share(spare, claimants)
-    floors = [c.profile.counts[0] for c in claimants]
+        profiles.append(profile(amdahl_profile(serial, counts), counts))
+    units = share(spare, profiles, lambda i: 10.0)
+    floors = [p.counts[0] for p in profiles]
     assert sum(units) - sum(floors) <= spare
-    assert all(c.profile.counts[0] <= u <= c.profile.counts[-1] for c, u in zip(claimants, units))
+    assert all(p.counts[0] <= u <= p.counts[-1] for p, u in zip(profiles, units))
 
     def total(allocation: tuple[int, ...]) -> float:
-        return sum(c.profile.speedup(u) for c, u in zip(claimants, allocation))
+        return sum(p.speedup(u) for p, u in zip(profiles, allocation))
 
-    best = max(total(a) for a in itertools.product(*(c.profile.counts for c in claimants))
+    best = max(total(a) for a in itertools.product(*(p.counts for p in profiles))
                if sum(a) - sum(floors) <= spare)
     assert total(tuple(units)) == pytest.approx(best, rel=1e-9)
 
@@ -77,17 +76,32 @@ def test_share_maximises_summed_speedup(jobs: list[tuple[float, int, int]], spar
 def test_share_gives_no_unit_that_speeds_nobody_up() -> None:
     flat_after_two = Elasticity("cpu", ((1, 1.0), (2, 1.0), (3, 2 / 3), (4, 0.5)))  # s(2) = s(3) = s(4) = 2
     counts = (1, 2, 3, 4)
-    assert share(10, [Claimant(profile(flat_after_two, counts), 5.0)]) == [2]
+    assert share(10, [profile(flat_after_two, counts)], lambda i: 5.0) == [2]
 
 
 def test_share_by_remaining_prefers_shorter_work() -> None:
     counts = tuple(range(1, 9))
     curve = profile(amdahl_profile(0.1, counts), counts)
-    short, long = Claimant(curve, remaining_s=1.0), Claimant(curve, remaining_s=100.0)
-    by_speedup = share(6, [short, long])
-    by_remaining = share(6, [short, long], by_remaining=True)
+    remaining = [1.0, 100.0].__getitem__
+    by_speedup = share(6, [curve, curve], remaining)
+    by_remaining = share(6, [curve, curve], remaining, by_remaining=True)
     assert by_speedup == [4, 4]  # the same curve: an even split
     assert by_remaining[0] > by_remaining[1] and sum(by_remaining) == 8
+
+
+@pytest.mark.parametrize("running_left, starting_work, started", [(90.0, 2.7, True), (2.0, 50.0, False)])
+def test_an_equal_gain_goes_to_the_least_remaining_work(running_left: float, starting_work: float,
+                                                          started: bool) -> None:
+    """A linear speed-up gives a running run's second core the gain of a starting run's first: the throughput is
+    the same either way, so the shorter of the two takes the core (a short suite does not queue behind a long one
+    that holds every core, and a long one does not slow a short one near its end)."""
+    linear = Elasticity("cpu", ((1, 1.0), (2, 1.0)))
+    running = (profile(linear, (1, 2)), running_left)
+    starting = (profile(linear, (0, 1, 2)), starting_work)
+    for order in ([running, starting], [starting, running]):  # whichever comes first
+        units = share(1, [p for p, _ in order], [work for _, work in order].__getitem__)
+        assert units[order.index(running)] == (1 if started else 2)
+        assert units[order.index(starting)] == (1 if started else 0)
 
 
 def test_workers_bound_start_up_to_a_share_of_the_run() -> None:

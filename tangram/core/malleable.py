@@ -20,7 +20,7 @@ units change, so remaining work is known at every pass. The same code serves the
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +30,8 @@ import numpy as np
 OVERRUN_SHARE = 0.1
 #: at most this many (time, units) points are kept per action for its record
 HISTORY_POINTS = 64
+#: gains that differ by less than this share are equal (float rounding of the same speed-up)
+TIED_GAIN = 1e-9
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -104,49 +106,58 @@ class Malleable:
                 "history": [[round(t, 6), units] for t, units in self.history]}
 
 
-@dataclass(slots=True)
-class Claimant:
-    """One malleable action of a pool as the sharing sees it: its profile and its remaining work on one unit (read
-    only when shares go by remaining work)."""
-
-    profile: Profile
-    remaining_s: float
-
-
-def share(spare: int, claimants: Sequence[Claimant], by_remaining: bool = False) -> list[int]:
-    """Units for each claimant: its floor plus its part of ``spare``, by marginal-gain water-filling.
+def share(spare: int, profiles: Sequence[Profile], remaining: Callable[[int], float],
+          by_remaining: bool = False) -> list[int]:
+    """Units for each malleable action of a pool (its ``profiles``): its floor plus its part of ``spare``, by
+    marginal-gain water-filling. ``remaining(i)``: the i-th action's remaining work on one unit, asked only where
+    it decides (a pass shares among hundreds of actions and rarely needs it).
 
     Every unit above a floor has a gain: the speed-up it adds, ``s(k+1) - s(k)`` (per unit of a step between
-    allowed counts), or with ``by_remaining`` the completion rate it adds, that divided by the claimant's remaining
-    work (shorter work first, as heSRPT). Each claimant's gains do not increase, so the greedy that hands out one
+    allowed counts), or with ``by_remaining`` the completion rate it adds, that divided by the action's remaining
+    work (shorter work first, as heSRPT). Each action's gains do not increase, so the greedy that hands out one
     unit at a time to the largest gain is the same as taking the ``spare`` largest gains at once, which is what this
-    does (vectorised). Without ``by_remaining`` the result maximises the summed speed-up of the pool's malleable
-    actions (their throughput). Units that speed nobody up stay unshared; a claimant whose share ends inside a
-    step between allowed counts is rounded down to the count below, and those units stay unshared until the pool's
-    spare units or its actions change (the scheduler re-shares a pool only then).
+    does (vectorised); equal gains go to the least remaining work. Without ``by_remaining`` the result maximises
+    the summed speed-up of the pool's malleable actions (their throughput). Units that speed nobody up stay
+    unshared; an action whose share ends inside a step between allowed counts is rounded down to the count below,
+    and those units stay unshared until the pool's spare units or its actions change (the scheduler re-shares a
+    pool only then).
     """
-    floors = [c.profile.counts[0] for c in claimants]
-    if spare <= 0 or not claimants:
+    floors = [p.counts[0] for p in profiles]
+    if spare <= 0 or not profiles:
         return floors
-    width = max(len(c.profile.gains) for c in claimants)
+    width = max(len(p.gains) for p in profiles)
     if width == 0:
         return floors
-    gains = np.full((len(claimants), width), -np.inf)
-    for i, claimant in enumerate(claimants):
-        row = claimant.profile.gains
-        gains[i, :len(row)] = row / claimant.remaining_s if by_remaining else row
+    gains = np.full((len(profiles), width), -np.inf)
+    for i, profile in enumerate(profiles):
+        row = profile.gains
+        gains[i, :len(row)] = row / remaining(i) if by_remaining else row
     flat = gains.ravel()
     positive = int(np.count_nonzero(flat > 0))
     if positive <= spare:
         chosen = np.flatnonzero(flat > 0)
     else:
-        chosen = np.argpartition(-flat, spare - 1)[:spare]
-    extra = np.bincount(chosen // width, minlength=len(claimants))
+        chosen = _largest(flat, spare, lambda entries: [remaining(i) for i in (entries // width).tolist()])
+    extra = np.bincount(chosen // width, minlength=len(profiles))
     units = []
-    for claimant, floor, more in zip(claimants, floors, extra.tolist()):
-        counts = claimant.profile.counts
+    for profile, floor, more in zip(profiles, floors, extra.tolist()):
+        counts = profile.counts
         units.append(counts[bisect.bisect_right(counts, floor + more) - 1])
     return units
+
+
+def _largest(gains: np.ndarray, count: int, remaining: Callable[[np.ndarray], list[float]]) -> np.ndarray:
+    """Indices of the ``count`` largest ``gains``; among those equal at the cut, the least remaining work's first
+    (``remaining`` of some indices; a stable sort keeps each action's units in order). Ties are common: a linear
+    learned speed-up gives a long run's next core the gain of a short run's first, and for the same throughput the
+    short one first ends sooner on the mean."""
+    cut = np.partition(gains, gains.size - count)[gains.size - count]
+    tolerance = TIED_GAIN * max(1.0, abs(float(cut)))
+    above = np.flatnonzero(gains > cut + tolerance)
+    tied = np.flatnonzero(np.abs(gains - cut) <= tolerance)
+    if tied.size > count - above.size:  # the cut splits a tie
+        tied = tied[np.argsort(remaining(tied), kind="stable")]
+    return np.concatenate((above, tied[:count - above.size]))
 
 
 @dataclass(frozen=True, slots=True)
