@@ -155,6 +155,24 @@ def test_malleable_actions_shrink_for_queued_rigid_ones_and_grow_back():
     assert [a.units["cpu"] for a in big.values()] == [8, 8]
 
 
+@pytest.mark.parametrize("t1, starts", [(2.0, True), (1000.0, False)])
+def test_a_linear_run_gives_its_core_to_a_shorter_run_and_keeps_it_from_a_longer_one(t1, starts):
+    """Linear speed-ups: a running run's cores gain what a queued run's would, so remaining work decides. A short
+    run starts on every core of its pool but the long run's floor (shortest first, at no cost in throughput); a
+    longer one waits and the running ones keep every core."""
+    h = Harness()
+    h.submit(True, 100.0, 0.0)
+    h.submit(True, 100.0, 0.0)
+    h.schedule()
+    running = [a for a, _ in h.running.values()]
+    assert sorted(a.units["cpu"] for a in running) == [8, 8]
+    h.submit(True, t1, 0.0)
+    h.now = 1.0
+    plan = h.schedule()
+    assert [p.units["cpu"] for p in plan.placements] == ([7] if starts else [])
+    assert sorted(a.units["cpu"] for a in running) == ([1, 8] if starts else [8, 8])
+
+
 def test_resize_refuses_over_allocation_and_non_resizable_resources():
     manager = CountedUnitsManager({"cpu": {"n0": 4}, "gpu": {"g0": 2}}, resizable=frozenset({"cpu"}))
     action = Action(task="t", kind=Kind.EXEC, demands={"cpu": Demand.range(1, 4), "gpu": Demand.fixed(1)})
