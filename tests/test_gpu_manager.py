@@ -341,8 +341,8 @@ async def test_sglang_services_through_the_manager_evict_and_recover_from_a_cras
 
 async def test_run_times_are_learned_per_gpu_type_from_real_executions(tmp_path, reference_scores):
     """Two nodes of CPU virtual GPUs typed as an H100 node and an A10 node: the same CPU runs both, so the run times
-    measured on each replace the datasheets' 8x speed ratio, and the placement the manager solves next
-    is built on the measured speed."""
+    measured on each replace the datasheets' 8x speed ratio, and the placement the manager solves next is built on
+    the measured speed."""
     section = gpu_section({"a": service(dops=[1])}, nodes=2)
     section["nodes"]["n0"]["type"], section["nodes"]["n1"]["type"] = "h100", "a10"
     section["placement_interval_s"] = 3600  # solved at the first pass, then when made stale

@@ -137,7 +137,7 @@ def share(spare: int, profiles: Sequence[Profile], remaining: Callable[[int], fl
     if positive <= spare:
         chosen = np.flatnonzero(flat > 0)
     else:
-        chosen = _largest(flat, spare, lambda entries: [remaining(i) for i in (entries // width).tolist()])
+        chosen = _largest(flat, spare, lambda entries: _per_entry(remaining, entries // width))
     extra = np.bincount(chosen // width, minlength=len(profiles))
     units = []
     for profile, floor, more in zip(profiles, floors, extra.tolist()):
@@ -146,7 +146,13 @@ def share(spare: int, profiles: Sequence[Profile], remaining: Callable[[int], fl
     return units
 
 
-def _largest(gains: np.ndarray, count: int, remaining: Callable[[np.ndarray], list[float]]) -> np.ndarray:
+def _per_entry(remaining: Callable[[int], float], rows: np.ndarray) -> np.ndarray:
+    """``remaining`` of each entry's action, asked once per action (a linear run ties at every one of its units)."""
+    actions, back = np.unique(rows, return_inverse=True)
+    return np.array([remaining(i) for i in actions.tolist()])[back]
+
+
+def _largest(gains: np.ndarray, count: int, remaining: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
     """Indices of the ``count`` largest ``gains``; among those equal at the cut, the least remaining work's first
     (``remaining`` of some indices; a stable sort keeps each action's units in order). Ties are common: a linear
     learned speed-up gives a long run's next core the gain of a short run's first, and for the same throughput the
