@@ -109,7 +109,7 @@ class Scheduler:
         self.horizon = horizon
         self.owner: dict[str, ResourceManager] = {}
         #: per (resource, pool): the spare units and malleable actions of its last share
-        self._shared: dict[tuple[str, str], tuple[int, tuple[str, ...]]] = {}
+        self._shared: dict[tuple[str, str], tuple[int, tuple[tuple[str, bool], ...]]] = {}
         for manager in self.managers:
             for resource in manager.resources:
                 self.owner[resource] = manager
@@ -219,7 +219,9 @@ class Scheduler:
         largest = manager.largest_pool(resource)
         for pool, actions in pools.items():
             free = spare.get(pool, fit.free_before(resource, pool))
-            shape = (free, tuple(action.id for action in actions))
+            # a member that started holds its floor outside ``free`` at the next pass: the same ids with the same
+            # free units are then not the same pool
+            shape = (free, tuple((action.id, action.malleable is None) for action in actions))
             if self._shared.get((resource, pool)) == shape:
                 continue  # nothing changed in this pool since its last share: the shares stand
             self._shared[(resource, pool)] = shape

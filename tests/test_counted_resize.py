@@ -23,8 +23,9 @@ Running = dict[str, tuple[Action, list[tuple[ResourceManager, Allocation]]]]
 class Harness:
     """A queue, a scheduler and a resizable counted manager, driven like ``tangram.sim.broker_station``."""
 
-    def __init__(self) -> None:
-        self.manager = CountedUnitsManager({"cpu": POOLS}, resizable=frozenset({"cpu"}))
+    def __init__(self, pools: dict[str, int] = POOLS) -> None:
+        self.pools = pools
+        self.manager = CountedUnitsManager({"cpu": pools}, resizable=frozenset({"cpu"}))
         self.owner: dict[str, ResourceManager] = {"cpu": self.manager}
         self.durations = DurationModel()
         self.scheduler = Scheduler([self.manager], self.durations)
@@ -77,7 +78,7 @@ class Harness:
         dispatch.resize(self.owner, allocations, decision, self.now)
 
     def check(self) -> None:
-        held = dict.fromkeys(POOLS, 0)
+        held = dict.fromkeys(self.pools, 0)
         for action, allocations in self.running.values():
             [(_, allocation)] = allocations
             pool = allocation.pools["cpu"]
@@ -91,7 +92,7 @@ class Harness:
                 assert malleable.workers <= action.demands["cpu"].max
             else:
                 assert allocation.units["cpu"] in action.demands["cpu"].choices
-        for pool, capacity in POOLS.items():
+        for pool, capacity in self.pools.items():
             in_use = self.manager.in_use["cpu"][pool]
             assert 0 <= in_use <= capacity
             assert in_use == held[pool]
@@ -153,6 +154,25 @@ def test_malleable_actions_shrink_for_queued_rigid_ones_and_grow_back():
     plan = h.schedule()
     assert plan.resizes  # the shrunk ones grow back into the freed units
     assert [a.units["cpu"] for a in big.values()] == [8, 8]
+
+
+def test_a_run_started_beside_a_call_grows_when_the_call_ends():
+    """At the pass after its start a run's floor is no longer among the pool's spare units. When a one-core call it
+    started beside ends, the spare count is the one of its start again, yet the freed core is new: a pool's shares
+    were kept when its spare count and its actions' ids were unchanged, and the core idled."""
+    h = Harness({"n0": 4})
+    h.submit(False, 0.0, 0.0)
+    h.schedule()
+    [(call_id, _)] = h.running.items()
+    h.submit(True, 30.0, 0.0)
+    h.now = 1.0
+    h.schedule()
+    [run] = [a for a, _ in h.running.values() if a.malleable is not None]
+    assert run.units["cpu"] == 3
+    dispatch.release(h.running.pop(call_id)[1])
+    h.now = 2.0
+    h.schedule()
+    assert run.units["cpu"] == 4
 
 
 @pytest.mark.parametrize("t1, starts", [(2.0, True), (1000.0, False)])
