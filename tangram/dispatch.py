@@ -34,7 +34,8 @@ def start(owner: dict[str, ResourceManager], durations: DurationModel, placement
                                      t1_s=durations.t1(action, modelled) or durations.default_s,
                                      profile=durations.profile(action, action.demands[key].up_to(workers.count),
                                                                modelled),
-                                     history=[(now, units)], follows=workers.follows)
+                                     history=[(now, units)], follows=workers.follows,
+                                     assumed=not durations.scalable(action))
     return allocations
 
 

@@ -8,7 +8,8 @@ the rest an expected duration (the paper uses historical averages). Two things a
 - for elastic actions, a speed-up model fitted to their runs (``tangram.speedup``): ``T(m, W) = s·(a + [W > 1]·(d
   + c·W/min(m, W))) + b·P(m)`` around the declared ``P(m)`` and size ``s``. It is what the scheduler uses once an
   action's signature has run elastically; before that the declaration alone (Eq. 1) with the declared ``t1`` or the
-  EWMA's, and an action with neither runs at its minimum.
+  EWMA's. An action with neither runs at its minimum, or, where its workers follow its units (the elastic pytest
+  runner), malleable from its minimum into the units no estimated action gains from (``malleable.deferred``).
 """
 
 from __future__ import annotations
@@ -105,11 +106,11 @@ class DurationModel:
 
     def profile(self, action: Action, counts: tuple[int, ...], workers: int | None = None) -> Profile:
         """The speed-up over ``counts`` the malleable sharing uses: ``T(1)/T(k)`` with ``workers`` started (as many
-        as units when None: an action about to start)."""
-        fit = self.fit(action)
-        if fit is None:
-            raise ValueError(f"action {action.id} has no known duration")
-        return _learned_profile(fit, action.elasticity, counts, workers)  # type: ignore[arg-type]
+        as units when None: an action about to start). For an elastic action whose duration is not known yet (not
+        ``scalable``) it is the declaration's shape, linear where it declares no curve: assumed, not estimated."""
+        if action.elasticity is None:
+            raise ValueError(f"action {action.id} is not elastic")
+        return _learned_profile(self.fit(action) or PRIOR, action.elasticity, counts, workers)
 
     def observe(self, action: Action) -> None:
         """Fold a successful action's execution time into its profile, and an elastic one's run into its model.

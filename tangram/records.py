@@ -25,6 +25,9 @@ class MalleableSummary(Schema):
                                      "its workers follow its units")
     workers_follow_units: bool = Field(False, description="its workers follow its units (the elastic pytest "
                                                           "runner forks one for each core added)")
+    assumed: bool = Field(False, description="nothing was known of its duration when it started (no t1, no run of "
+                                             "its signature): it took only the units no estimated action gained "
+                                             "from")
     resizes: int
     unit_seconds: float
     history: list[tuple[float, int]] = Field(description="[time, units] at each change")

@@ -19,6 +19,8 @@ One pass:
    units running malleable actions hold above their floors are lent to step 1, and each pool's spare units are
    shared among its malleable actions, running and starting, by marginal-gain water-filling (the summed
    speed-up); members whose share is a core or more start with it, running ones whose share changed are resized.
+   An elastic action of unknown duration whose workers follow its units joins too, from its floor, with gains
+   below any estimated action's: it starts as in step 2 and takes only the units nobody estimated gains from.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from functools import partial
 from tangram.arrivals import Expected
 from tangram.core.action import Action
 from tangram.core.dparrange import DPTable, dp_arrange
-from tangram.core.malleable import Malleable, Profile, Workers, share
+from tangram.core.malleable import Malleable, Profile, Workers, deferred, share
 from tangram.core.seam import Allocation, Fit, ResourceManager
 from tangram.durations import DurationModel
 from tangram.estimate import INF, CompletionHeap, Waiting, estimate
@@ -137,8 +139,8 @@ class Scheduler:
         shared: dict[str, list[Action]] = {held.resource: [] for _, held in malleable}
         placements: list[Placement] = []
         for action in candidates:
-            key = action.key_resource if self.durations.scalable(action) else None
-            if key is None:
+            key = action.key_resource
+            if key is None or not (self.durations.scalable(action) or self._grows_unknown(action, key)):
                 placements.append(self._placement(action, action.min_units(), fits))
             elif self.owner[key].resizable(key):
                 shared.setdefault(key, []).append(action)
@@ -192,6 +194,13 @@ class Scheduler:
             placed.append(fit)
         return None
 
+    def _grows_unknown(self, action: Action, resource: str) -> bool:
+        """Whether an elastic action whose duration is not known yet runs malleable (its profile ``deferred``): only
+        where its workers follow its units, so growing into idle units and giving them back costs it nothing."""
+        manager = self.owner[resource]
+        return manager.resizable(resource) and manager.workers(
+            action, resource, action.demands[resource].min, self.durations.default_s).follows
+
     def _placement(self, action: Action, units: dict[str, int], fits: dict[int, Fit]) -> Placement:
         pools = {r: fits[id(self.owner[r])].pool_of(action, r) for r in units}
         return Placement(action, units, pools)
@@ -205,7 +214,8 @@ class Scheduler:
         manager = self.owner[resource]
         fit = fits[id(manager)]
         spare: dict[str, int] = {}
-        joining = {action.id for action in members}
+        # a member of unknown duration has its floor from step 1, as any action not shared: only more is shared
+        joining = {action.id for action in members if self.durations.scalable(action)}
         for action in candidates:
             if resource in action.demands and action.id not in joining:
                 pool = fit.pool_of(action, resource)
@@ -243,11 +253,15 @@ class Scheduler:
                     resizes.append(Resize(action, resource, k))
 
     def _profile(self, action: Action, resource: str, largest: int) -> Profile:
-        """A malleable action's speed-up as the sharing sees it: a starting one's from 0 (it may wait, outranked)."""
+        """A malleable action's speed-up as the sharing sees it: a starting one's from 0 (it may wait, outranked);
+        one of unknown duration's from its floor (it starts, as in step 2), deferred beyond it."""
         held = action.malleable
         if held is not None:
-            return held.profile
-        return self.durations.profile(action, (0, *action.demands[resource].up_to(largest)))
+            return deferred(held.profile) if held.assumed else held.profile
+        counts = action.demands[resource].up_to(largest)
+        if not self.durations.scalable(action):
+            return deferred(self.durations.profile(action, counts))
+        return self.durations.profile(action, (0, *counts))
 
     def _remaining(self, actions: list[Action], now: float, index: int) -> float:
         """The remaining work on one unit of a malleable action (``actions[index]``): a starting one's whole work."""

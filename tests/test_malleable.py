@@ -7,7 +7,7 @@ import asyncio
 import itertools
 import json
 import time
-from typing import Any
+from typing import Any, Literal
 
 import docker
 import numpy as np
@@ -19,6 +19,7 @@ from managers.cpu import CpuManager
 from managers.cpu_config import CpuConfig, CpuNodeConfig
 from managers.cpu_node import CpuNode
 from sandboxes.docker import DockerSandbox
+from tangram import dispatch
 from tangram.core.action import Action, Demand, Elasticity, Kind
 from tangram.core.malleable import (
     Malleable,
@@ -29,7 +30,9 @@ from tangram.core.malleable import (
     share,
     workers_for,
 )
+from tangram.durations import DurationModel
 from tangram.records import ActionRecord
+from tangram.scheduler import Scheduler
 from tangram.sim.broker_station import NoSandboxes
 from tests.docker_nodes import cpu_config, docker_engines
 from tests.harness import Live, live_broker
@@ -271,6 +274,61 @@ def test_a_pytest_run_the_runner_takes_may_grow_to_its_maximum(command: str | li
     xdist = CpuManager(CpuConfig(nodes=manager().config.nodes, pytest_runner="xdist"))
     xdist.add_node(CpuNode(xdist.config.nodes[0], NoSandboxes()))
     assert xdist.workers(run(test_run, 4), "cpu", 1, expected_s=10.0) == Workers(1)
+
+
+def scheduler_on(runner: Literal["tangram", "xdist"]) -> tuple[Scheduler, CpuManager, dict[str, tuple[Action, Any]]]:
+    """A scheduler over an 8-core node whose elastic pytest runs go to ``runner``, and no action running."""
+    cpu = CpuManager(CpuConfig(nodes=manager().config.nodes, pytest_runner=runner))
+    cpu.add_node(CpuNode(cpu.config.nodes[0], NoSandboxes()))
+    return Scheduler([cpu], DurationModel()), cpu, {}
+
+
+def pass_once(scheduler: Scheduler, cpu: CpuManager, queue: list[Action],
+              running: dict[str, tuple[Action, Any]], now: float) -> None:
+    """One scheduling pass applied as the broker applies it: shrinks, starts, grows."""
+    plan = scheduler.schedule(queue, (a for a, _ in running.values()), now)
+    owner: dict[str, Any] = {"cpu": cpu}
+    for decision in plan.shrinks():
+        dispatch.resize(owner, running[decision.action.id][1], decision, now)
+    for placement in plan.placements:
+        running[placement.action.id] = (placement.action, dispatch.start(owner, scheduler.durations, placement, now))
+        queue.remove(placement.action)
+    for decision in plan.grows():
+        dispatch.resize(owner, running[decision.action.id][1], decision, now)
+
+
+def test_a_first_run_takes_only_the_cores_no_estimated_action_gains_from() -> None:
+    """A pytest run of a signature nothing is known of yet (no profile declared, none learned) starts on its floor
+    as before, and on the runner it also takes the idle cores; a tool call and a run with a declared profile take
+    them back at the next pass, and a core that frees goes to the estimated run, not to it. Under xdist it keeps
+    one core, fixed (a worker started for a core it may lose costs a re-collection)."""
+    def test_run(name: str, elasticity: Elasticity) -> Action:
+        return Action(task="t", kind=Kind.EXEC, demands={"cpu": Demand.range(1, 8)}, trajectory=name, id=name,
+                      elasticity=elasticity, spec={"command": "python3 -m pytest -q", "pytest_parallel": True})
+
+    scheduler, cpu, running = scheduler_on("tangram")
+    first = test_run("first", Elasticity("cpu"))
+    queue = [first]
+    pass_once(scheduler, cpu, queue, running, 0.0)
+    assert first.units["cpu"] == 8 and first.malleable is not None and first.malleable.assumed
+    known = test_run("known", Elasticity("cpu", amdahl_profile(0.1, tuple(range(1, 9))).efficiency, t1=10.0))
+    tool = Action(task="t", kind=Kind.EXEC, demands={"cpu": Demand.fixed(1)}, trajectory="tool", id="tool",
+                  spec={"command": "true"})
+    queue += [tool, known]
+    pass_once(scheduler, cpu, queue, running, 1.0)
+    assert (first.units["cpu"], tool.units["cpu"], known.units["cpu"]) == (1, 1, 6)
+    assert known.malleable is not None and not known.malleable.assumed
+    dispatch.release(running.pop("tool")[1])
+    pass_once(scheduler, cpu, queue, running, 2.0)
+    assert (first.units["cpu"], known.units["cpu"]) == (1, 7)
+    dispatch.release(running.pop("known")[1])
+    pass_once(scheduler, cpu, queue, running, 3.0)
+    assert first.units["cpu"] == 8  # idle again: the first run takes the cores back
+
+    scheduler, cpu, running = scheduler_on("xdist")
+    first = test_run("first", Elasticity("cpu"))
+    pass_once(scheduler, cpu, [first], running, 0.0)
+    assert first.units["cpu"] == 1 and first.malleable is None
 
 
 @pytest.mark.parametrize("path", ["fast", "engine"])

@@ -340,6 +340,30 @@ async def test_a_real_short_suite_settles_at_one_core_within_three_runs(tmp_path
         assert "learned speed-up" in shown and "suite|mini" in shown and "(4)" in shown and "(1)" in shown
 
 
+async def test_a_first_run_on_the_runner_takes_the_idle_core_and_its_next_run_is_estimated(tmp_path) -> None:
+    """On a real Docker engine, with no profile declared and the elastic runner (the default): the signature's first
+    run starts on its floor and the idle core (nothing known of it, it outbids nobody, but nobody wants the core),
+    forks a worker for each and passes as plain pytest does; the record says its profile was assumed. The next run
+    is estimated from it."""
+    raw = cpu_config({"n1": {"backend": "docker", "engine": docker_engines()[0], "cores": "0-1", "memory_mb": 2048}})
+    async with live_broker(raw, str(tmp_path / "t.db")) as live:
+        spec: dict[str, Any] = {"command": "python3 -m pytest -q -p no:cacheprovider tests", "pytest_parallel": True}
+        test_run = {"task": "t", "trajectory": "suite", "kind": "exec", "timeout_s": 120,
+                    "demand": {"cpu": {"min": 1, "max": 2}}, "elasticity": {"resource": "cpu"},
+                    "signature": "suite|mini", "spec": spec}
+        records = []
+        for files in (MINI_SUITE, None):  # the suite is written with the trajectory's environment
+            body = {**test_run, "spec": {**spec, "files": files}} if files else test_run
+            code, record = await live.call("POST", "/v1/actions?wait=true", json=body)
+            assert code == 200 and record["state"] == "succeeded", record
+            assert "60 passed" in record["result"]["stdout"], record
+            records.append(record)
+        first, second = (record["allocation"]["malleable"] for record in records)
+        assert first["assumed"] is True and first["history"][0][1] == 2, first
+        assert records[0]["result"]["pytest_runner"]["runner"] == "tangram", records[0]["result"]
+        assert second["assumed"] is False, second
+
+
 def test_runs_at_counts_close_together_fit_the_scale_only() -> None:
     """Runs at 29-32 cores cannot tell serial time from parallel work (P changes by a tenth, less than a run's
     noise). Found in the simulator: such runs were read as a wholly serial suite, and the next runs of the signature

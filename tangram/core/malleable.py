@@ -11,7 +11,8 @@ workers follow its cores (the elastic pytest runner, ``Workers``). Every schedul
 2. shares what is left of each pool among the malleable actions there, running and starting, by marginal-gain
    water-filling (``share``): each unit to the action whose speed-up it raises the most, which maximises the
    pool's summed speed-up for concave profiles (EQUI generalised to unequal curves). docs/SCHEDULING.md says why
-   this and not a shortest-remaining-first tilt (heSRPT), which ``share(by_remaining=True)`` also offers.
+   this and not a shortest-remaining-first tilt (heSRPT), which ``share(by_remaining=True)`` also offers. A run
+   whose duration nothing tells yet shares with its gains ``deferred``: it takes only units nobody else gains from.
 
 Progress is tracked as estimated single-unit work done (``done_s``), advanced at the declared speed-up whenever the
 units change, so remaining work is known at every pass. The same code serves the service and the simulator.
@@ -32,6 +33,9 @@ OVERRUN_SHARE = 0.1
 HISTORY_POINTS = 64
 #: gains that differ by less than this share are equal (float rounding of the same speed-up)
 TIED_GAIN = 1e-9
+#: an assumed profile's gains are scaled by this in the sharing: below any estimated action's gain, so a run whose
+#: duration nothing tells yet takes only the units no estimated action gains from
+ASSUMED_GAIN_SHARE = 1e-6
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -46,6 +50,13 @@ class Profile:
 
     def speedup(self, units: int) -> float:
         return float(self.curve[min(units, len(self.curve) - 1)])
+
+
+def deferred(profile: Profile) -> Profile:
+    """``profile`` as the sharing sees a run whose duration is not known yet (its signature's first run): the same
+    counts, with gains too small to outbid any estimated action's. Idle units are the only ones it gains, so a first
+    run tries more cores when nobody else wants them and gives them back when somebody does."""
+    return Profile(profile.counts, profile.curve, profile.gains * ASSUMED_GAIN_SHARE)
 
 
 def profile_of_curve(curve: np.ndarray, counts: tuple[int, ...]) -> Profile:
@@ -73,6 +84,7 @@ class Malleable:
     resizes: int = 0
     history: list[tuple[float, int]] = field(default_factory=list)
     follows: bool = False  # its workers follow its units (``Workers.follows``)
+    assumed: bool = False  # nothing known of its duration: ``profile`` is the declaration's shape (``deferred``)
 
     def rate(self) -> float:
         return self.profile.speedup(min(self.units, self.workers))
@@ -101,7 +113,7 @@ class Malleable:
     def summary(self, now: float) -> dict[str, Any]:
         """What the action's record shows: its bounds, resizes, unit-seconds and units over time."""
         return {"resource": self.resource, "floor": self.floor, "workers": self.workers,
-                "workers_follow_units": self.follows, "resizes": self.resizes,
+                "workers_follow_units": self.follows, "assumed": self.assumed, "resizes": self.resizes,
                 "unit_seconds": round(self.unit_seconds_at(now), 6),
                 "history": [[round(t, 6), units] for t, units in self.history]}
 
