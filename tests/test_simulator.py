@@ -571,17 +571,22 @@ def test_tangram_api_concurrency_queues_instead_of_timing_out() -> None:
     assert not any(rec.failed for rec in r.values())
 
 
-def test_unknown_duration_runs_at_minimum_then_learns() -> None:
-    # No declared T1: the first test run is scheduled at its minimum, 1 core (Alg. 1 line 6): 32 s + 0.51 s.
-    # The broker then knows T1 (learned from the run), so the second one is elastic and takes all 16 cores.
-    cluster = Cluster(cpu_nodes=1, cores_per_node=16, costs=CPU_COSTS)
+@pytest.mark.parametrize("test_runner", ["xdist", "tangram"])
+def test_a_first_run_of_unknown_duration_then_a_learned_one(test_runner: PytestRunner) -> None:
+    # No declared T1. Under xdist the first test run is scheduled at its minimum, 1 core (Alg. 1 line 6): 32 s +
+    # 0.51 s. On the runner it starts there too, malleable with its gains deferred to any estimated action's, and
+    # with nobody else on the node it takes all 16 cores: 2 s + 0.51 s. Either way the broker then knows T1
+    # (learned from the run), so the second one is elastic and takes all 16 cores.
+    costs = dataclasses.replace(CPU_COSTS, test_runner=test_runner)
+    cluster = Cluster(cpu_nodes=1, cores_per_node=16, costs=costs)
     calls = (Call("test", 0.0, 32.0, efficiency=FLAT), Call("test", 0.0, 32.0, efficiency=FLAT))
     r = by_key(run(hand_trace(Trajectory("a", "task", 0.0, calls)), cluster, "tangram"))
     first, second = r[("a", 0)], r[("a", 1)]
-    assert first.units == 1 and first.exec_s == pytest.approx(32.0)
-    assert first.finish_s == pytest.approx(32.51)
+    first_s = 32.0 if test_runner == "xdist" else 2.0
+    assert first.units == (1 if test_runner == "xdist" else 16) and first.exec_s == pytest.approx(first_s)
+    assert first.finish_s == pytest.approx(first_s + 0.51)
     assert second.units == 16 and second.exec_s == pytest.approx(2.0)
-    assert second.finish_s == pytest.approx(32.51 + 2.0 + 0.01)
+    assert second.finish_s == pytest.approx(first_s + 0.51 + 2.0 + 0.01)
 
 
 # ---------------------------------------------------------------------------------------------------------------
