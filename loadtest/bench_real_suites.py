@@ -341,8 +341,8 @@ def report_allocations(result: RunResult) -> None:
                 start = malleable["history"][0][0] if malleable.get("history") else 0.0
                 history = " ".join(f"+{t - start:.1f}s:{u}" for t, u in malleable.get("history", []))
                 assumed = " (assumed)" if malleable.get("assumed") else ""
-                shown = (f"malleable{assumed} floor {malleable.get('floor')} workers {malleable.get('workers')} resizes "
-                         f"{malleable.get('resizes')} unit_seconds {malleable.get('unit_seconds', 0.0):.1f} "
+                shown = (f"malleable{assumed} floor {malleable.get('floor')} workers {malleable.get('workers')} "
+                         f"resizes {malleable.get('resizes')} unit_seconds {malleable.get('unit_seconds', 0.0):.1f} "
                          f"history [{history}]")
             else:
                 shown = "not malleable"
