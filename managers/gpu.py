@@ -57,8 +57,8 @@ from tangram.core.errors import (
 )
 from tangram.core.learned import LearnedSeconds
 from tangram.core.seam import (
-    ActionWatcher,
     Allocation,
+    CyclePlugins,
     Fit,
     MetricsRegistry,
     Outcome,
@@ -570,9 +570,8 @@ class GpuManager(ResourceManager[GpuHandle]):
             for backend in node.backends.values():
                 await backend.close()
 
-    @property
-    def watchers(self) -> Sequence[ActionWatcher]:
-        return (self.demand,)
+    def plugins(self) -> CyclePlugins:
+        return CyclePlugins(setup_costs=self.setup_costs, foresight=self, watchers=(self.demand,))
 
     def register_metrics(self, registry: MetricsRegistry) -> None:
         labels = ["node", "service", "dop"]
@@ -705,6 +704,7 @@ class GpuManager(ResourceManager[GpuHandle]):
 
     @property
     def foresees(self) -> bool:
+        """Prefetch (``foresee``) runs while a node has a disk tier."""
         return self.disk.active
 
     def foresee(self, upcoming: Iterable[Action]) -> None:

@@ -18,21 +18,19 @@ from typing import Any
 
 from tangram import dispatch
 from tangram.arrivals import ArrivalModel
-from tangram.backoff import AllocationBackoff
 from tangram.core.action import Action, Kind, State
 from tangram.core.errors import ActionFailed, BadRequest, Conflict, NotFound, RequestError, Unavailable, Unprocessable
-from tangram.core.seam import ActionWatcher, Allocation, ResourceManager
+from tangram.core.seam import Allocation, ResourceManager
+from tangram.cycle import Cycle
 from tangram.durations import DurationModel
 from tangram.idempotency import IdempotencyIndex
 from tangram.leases import Leases
 from tangram.metrics import Metrics
 from tangram.queue import make_queue
 from tangram.recovery import triage
-from tangram.reserved_shares import ReservedShares
-from tangram.scheduler import Placement, Resize, Scheduler
-from tangram.setup_order import SetupAwareOrder
+from tangram.scheduler import Placement, Plan, Resize, Scheduler
 from tangram.store import Store
-from tangram.tenants import MAX_RETRY_S, EnvironmentHost, TaskLedger, Tenancy
+from tangram.tenants import MAX_RETRY_S, EnvironmentHost, Tenancy
 
 log = logging.getLogger("tangram.broker")
 
@@ -60,39 +58,25 @@ class Broker:
                  max_queue: int = 100_000, retain_s: float = 600.0, tick_s: float = 0.25,
                  order: Mapping[str, str] | None = None, max_wait_s: float = 60.0,
                  overdue_floor_s: float = 10.0) -> None:
-        """``order``: resources whose queued actions are ordered otherwise than ``policy`` ("hrrs":
-        ``tangram/setup_order.py``), each action ahead of later ones once it is overdue: after twice the mean wait
-        of the actions queued with it, at least ``overdue_floor_s`` and at most ``max_wait_s``."""
+        """``order``: resources whose queued actions are ordered otherwise than ``policy`` ("hrrs": the cycle's
+        setup-aware order, with ``max_wait_s`` and ``overdue_floor_s``)."""
         self.managers = list(managers)
         self.store = store
-        self.owner: dict[str, ResourceManager] = {}
-        self.executor: dict[Kind, ResourceManager] = {}
-        for manager in self.managers:
-            for resource in manager.resources:
-                if resource in self.owner:
-                    raise ValueError(f"resource {resource!r} is owned by both {self.owner[resource].name} "
-                                     f"and {manager.name}")
-                self.owner[resource] = manager
-            for kind in manager.kinds:
-                self.executor[kind] = manager
-        self.durations = DurationModel(alpha=ewma_alpha, default_s=default_duration_s)
-        self.arrivals = ArrivalModel(alpha=ewma_alpha)
-        self.scheduler = Scheduler(self.managers, self.durations, depth=depth, horizon=horizon)
-        self.queue = make_queue(policy)
-        hrrs = [resource for resource, name in (order or {}).items() if name == "hrrs"]
-        self.setup_order = SetupAwareOrder(hrrs, self.durations.duration, self._setup_costs, max_wait_s,
-                                           overdue_floor_s) \
-            if hrrs else None
-        #: GPUs reserved for SLO-planned tasks, put ahead in each pass; set by SLO admission (``slo_admission.py``)
-        self.reserved_shares: ReservedShares | None = None
-        self.backoff = AllocationBackoff()
+        durations = DurationModel(alpha=ewma_alpha, default_s=default_duration_s)
+        self.cycle = Cycle(self.managers, Scheduler(self.managers, durations, depth=depth, horizon=horizon),
+                           make_queue(policy), arrivals=ArrivalModel(alpha=ewma_alpha),
+                           hrrs=[resource for resource, name in (order or {}).items() if name == "hrrs"],
+                           max_wait_s=max_wait_s, overdue_floor_s=overdue_floor_s)
+        self.owner = self.cycle.owner
+        self.executor = self.cycle.executor
+        self.queue = self.cycle.queue
+        self.durations = durations
+        self.ledger = self.cycle.ledger
         self.metrics = Metrics()
-        self.watchers: list[ActionWatcher] = [watcher for manager in self.managers for watcher in manager.watchers]
         self.metrics.watch(lambda: dict(self.queue.depth_by_resource()), self._units)
         for manager in self.managers:
             manager.register_metrics(self.metrics.registry)
         self.max_queue = max_queue
-        self.ledger = TaskLedger()  # per-task caps: none until set_tenancy
         self.retain_s = retain_s
         self.tick_s = tick_s
         self.actions: dict[str, Action] = {}
@@ -136,7 +120,7 @@ class Broker:
             self._finish(action, State.FAILED, error=error)
         for action in triaged.resumed:
             self._remember(action)
-            self._enqueue(action)
+            self.cycle.enqueue(action)
         regranted = await self.leases.regrant(self.executor.get(Kind.LEASE))
         for action in regranted:
             self._remember(action)
@@ -217,11 +201,8 @@ class Broker:
             action.submitted_at = time.time()
             self.actions[action.id] = action
             self.idempotency.remember(action)
-            self._enqueue(action)
-            self.arrivals.submitted(action, action.submitted_at)
+            self.cycle.submit(action, action.submitted_at)
             self.metrics.count_submit(action)
-            for watcher in self.watchers:
-                watcher.submitted(action)
             results.append((action, True))
             fresh.append(action)
         if fresh:
@@ -260,26 +241,12 @@ class Broker:
     @property
     def environment_host(self) -> EnvironmentHost | None:
         """The manager keeping per-task environments (the CPU manager), if this broker has one."""
-        for manager in self.managers:
-            if isinstance(manager, EnvironmentHost):
-                return manager
-        return None
+        return self.cycle.environment_host
 
     def set_tenancy(self, tenancy: Tenancy) -> None:
         """New per-task caps, from now on (a lowered cap takes nothing away; it stops what would pass it)."""
         self.ledger.tenancy = tenancy
         self.kick()
-
-    def _enqueue(self, action: Action) -> None:
-        self.queue.push(action)
-        self.ledger.queue(action)
-
-    def _dequeue(self, action_id: str) -> Action | None:
-        action = self.queue.remove(action_id)
-        if action is not None:
-            self.ledger.unqueue(action)
-            self.backoff.forget(action_id)
-        return action
 
     def _validate(self, action: Action, where: str) -> None:
         if action.kind not in self.executor:
@@ -332,7 +299,7 @@ class Broker:
         action = await self.get(action_id)
         if action.state.terminal:
             raise Conflict("id", f"action is already {action.state.value}")
-        if self._dequeue(action_id) is not None:
+        if self.cycle.dequeue(action_id) is not None:
             self._finish(action, State.CANCELLED, error={"code": "cancelled", "message": "cancelled by client"})
         else:
             running = self.running.get(action_id)
@@ -363,43 +330,22 @@ class Broker:
                 self.schedule_once()
             except Exception:  # a scheduling bug must not stop the broker; the next event retries
                 log.exception("scheduling pass failed")
-                self.scheduler.reshare()
+                self.cycle.scheduler.reshare()
             await asyncio.sleep(0)  # let completions and submits of this moment coalesce into the next pass
 
-    def _setup_costs(self, actions: Sequence[Action]) -> dict[str, float]:
-        """Each action's setup, from the managers of the setup-ordered resources (the largest where several)."""
-        assert self.setup_order is not None
-        costs: dict[str, float] = {}
-        for manager in {id(self.owner[r]): self.owner[r] for r in self.setup_order.resources}.values():
-            for action_id, seconds in manager.setup_costs(actions).items():
-                costs[action_id] = max(costs.get(action_id, 0.0), seconds)
-        return costs
-
     def schedule_once(self) -> int:
-        """One pass: start what the scheduler places and resize running malleable actions (shrinks first, so the
-        units they give up are free for the starts; grows last, into what is left)."""
+        """One pass (``tangram/cycle.py``), applied: resize running malleable actions and start what the scheduler
+        places (shrinks first, so the units they give up are free for the starts; grows last, into what is left)."""
         if self.draining or not (len(self.queue) or self.malleable_running):
             return 0
         self.passes += 1
-        started = time.perf_counter()
         now = time.time()
-        queue: Iterable[Action] = (self.ledger.admissible(self.queue, self.environment_host)
-                                   if self.ledger.limited else self.queue)
-        if self.backoff:
-            queue = [action for action in queue if not self.backoff.waiting(action.id, now)]
-        if self.setup_order is not None:
-            queue = self.setup_order.order(queue, now)
-        running = [r.action for r in self.running.values()]
-        if self.reserved_shares is not None:
-            queue = self.reserved_shares.order(queue, running)
-        foreseeing = [manager for manager in self.managers if manager.foresees]
-        if foreseeing and not isinstance(queue, list):
-            queue = list(queue)  # read again after the pass
-        host = self.environment_host
-        holds = host.holds_environment if host is not None else None
-        plan = self.scheduler.schedule(queue, running, now,
-                                       lambda resource, limit: self.arrivals.expected(resource, now, limit, holds))
-        self.metrics.schedule_pass.observe(time.perf_counter() - started)
+        plan = self.cycle.pass_once(now, [r.action for r in self.running.values()],
+                                    lambda plan: self._apply(plan, now))
+        return len(plan.placements)
+
+    def _apply(self, plan: Plan, now: float) -> None:
+        self.metrics.schedule_pass.observe(self.cycle.last_pass_s)
         for decision in plan.shrinks():
             self._shrinking.add(self._resize(decision, now))
         after = frozenset(self._shrinking)
@@ -407,11 +353,6 @@ class Broker:
             self._start(placement, now, after)
         for decision in plan.grows():
             self._resize(decision, now)
-        if foreseeing:
-            started_now = {placement.action.id for placement in plan.placements}
-            for manager in foreseeing:
-                manager.foresee(action for action in queue if action.id not in started_now)
-        return len(plan.placements)
 
     @property
     def malleable_running(self) -> bool:
@@ -421,7 +362,7 @@ class Broker:
         """Resize in the books now and apply it in a task; an action that cannot be moved is ended
         ``resize_failed`` (its units are released when its execution ends, as for any end)."""
         running = self.running[decision.action.id]
-        allocation = dispatch.resize(self.owner, running.allocations, decision, now)
+        allocation = self.cycle.resize(running.allocations, decision, now)
         self.metrics.resizes.inc()
         task = asyncio.create_task(self._apply_resize(running, self.owner[decision.resource], allocation),
                                    name=f"tangram-resize-{decision.action.id}")
@@ -441,7 +382,7 @@ class Broker:
             error = {"code": "resize_failed", "message": repr(bug)}
         else:
             return
-        self.scheduler.reshare()
+        self.cycle.scheduler.reshare()
         if running.task is not None and not running.task.done():
             running.failure = error
             running.task.cancel()
@@ -449,23 +390,23 @@ class Broker:
     def _start(self, placement: Placement, now: float, after: frozenset[asyncio.Task[None]]) -> None:
         action = placement.action
         try:
-            allocations = dispatch.start(self.owner, self.durations, placement, now)
+            allocations = self.cycle.start(placement, now)
         except Exception as error:  # noqa: BLE001 - a manager refused what its fit accepted: back off, then fail
-            self.scheduler.reshare()
-            delay = self.backoff.failed(action.id, time.time())
+            self.cycle.scheduler.reshare()
+            backoff = self.cycle.backoff
+            delay = backoff.failed(action.id, time.time())
             if delay is not None:
                 log.warning("allocation of %s failed (%d of %d tries; next in %.1f s): %r", action.id,
-                            self.backoff.count(action.id), self.backoff.attempts, delay, error)
+                            backoff.count(action.id), backoff.attempts, delay, error)
                 asyncio.get_running_loop().call_later(delay, self.kick)
                 return
-            log.error("allocation of %s failed %d times, failing it: %r", action.id, self.backoff.attempts, error)
-            self._dequeue(action.id)
+            log.error("allocation of %s failed %d times, failing it: %r", action.id, backoff.attempts, error)
+            self.cycle.dequeue(action.id)
             self._finish(action, State.FAILED, error={
                 "code": "allocation_failed",
-                "message": f"allocating {placement.units} failed {self.backoff.attempts} times; last: {error!r}"})
+                "message": f"allocating {placement.units} failed {backoff.attempts} times; last: {error!r}"})
             self.kick()  # actions it held back (FCFS) may go now
             return
-        self._dequeue(action.id)
         action.state = State.RUNNING
         executor = self.executor[action.kind]
         own = next((a for m, a in allocations if m is executor), None) or Allocation(action.id, {}, {})
@@ -536,11 +477,9 @@ class Broker:
         action.error = error
         if keep is not None:
             self.leases.hold(action, keep)
-        dispatch.ended(self.durations, self.arrivals, action, action.finished_at, state is State.SUCCEEDED)
+        self.cycle.ended(action, action.finished_at, state is State.SUCCEEDED)
         self.store.save(action)
         self.metrics.record_finish(action)
-        for watcher in self.watchers:
-            watcher.ended(action)
         self.recent.append(action)
         self._forget.append((action.finished_at, action.id))
         event = self._waiters.pop(action.id, None)
@@ -575,7 +514,7 @@ class Broker:
                 self._return_lease(action, "expired")
         for action in list(self.queue):
             if action.submitted_at + action.timeout_s <= now:
-                self._dequeue(action.id)
+                self.cycle.dequeue(action.id)
                 self._finish(action, State.TIMED_OUT, error={
                     "code": "timed_out", "message": f"still queued when its deadline of {action.timeout_s} s passed"})
         while self._forget and self._forget[0][0] + self.retain_s < now:

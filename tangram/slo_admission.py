@@ -78,11 +78,11 @@ class SloAdmission:
             raise refusal.config_error()
         self.tracker = SloAttainment(self._service_of, RESOURCE)
         #: the GPUs reserved for the plans in force, which the broker's passes put ahead
-        self.shares = broker.reserved_shares = ReservedShares(RESOURCE)
+        self.shares = broker.cycle.reserved_shares = ReservedShares(RESOURCE)
         #: the pool the reservations in force were worked out on
         self._reserved_on: Pool | None = None
         self._in_force()
-        broker.watchers.extend((self.tracker, self))
+        broker.cycle.watchers.extend((self.tracker, self))
         broker.metrics.watch_slo(self._figures)
 
     @property

@@ -87,7 +87,7 @@ async def test_an_allocation_that_keeps_failing_backs_off_then_fails_the_action(
         assert len(calls) == ATTEMPTS  # no retry after it was failed
         gaps = [b - a for a, b in itertools.pairwise(calls)]
         assert all(gap >= FIRST_DELAY_S * 2 ** i * 0.99 for i, gap in enumerate(gaps)), gaps  # doubling delays
-        assert not live.broker.backoff and len(live.broker.queue) == 0  # nothing kept for it
+        assert not live.broker.cycle.backoff and len(live.broker.queue) == 0  # nothing kept for it
         del live.broker.owner["lease.x"].allocate  # the manager's own again
         _, other = await live.call("POST", "/v1/actions?wait=true&wait_timeout_s=10",
                                    json={"task": "t", "kind": "lease", "demand": {"lease.x": 1}})
@@ -101,7 +101,7 @@ async def test_an_allocation_that_fails_once_is_retried_with_nothing_else_happen
         _, record = await live.call("POST", "/v1/actions?wait=true&wait_timeout_s=10",
                                     json={"task": "t", "kind": "lease", "demand": {"lease.x": 1}})
         assert record["state"] == "succeeded", record
-        assert len(calls) == 2 and not live.broker.backoff
+        assert len(calls) == 2 and not live.broker.cycle.backoff
 
 
 def test_backoff_doubles_its_delay_and_gives_up_at_its_bound():

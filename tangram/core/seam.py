@@ -9,12 +9,16 @@ The scheduler never learns what a container, a GPU or an API is. It sees, per ma
   ``dp_operator`` for that pool's topology;
 * ``allocate`` / ``release`` — turn "k units of R in pool p" into a concrete placement and back;
 * ``execute`` — run an action on its allocation and return its result.
+
+What a manager adds to the scheduling cycle beyond these verbs (a setup cost for HRRS, a look at the queue after each
+pass, a view of every action) it offers as ``plugins``, which the cycle (``tangram/cycle.py``) runs at its extension
+points.
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
@@ -38,6 +42,30 @@ class ActionWatcher(Protocol):
     def submitted(self, action: Action) -> None: ...
 
     def ended(self, action: Action) -> None: ...
+
+
+class Foresight(Protocol):
+    """Told after each pass of the actions still queued, in the order they will run (the GPU manager prefetches
+    host copies from its disk tier for them). Must not block."""
+
+    @property
+    def foresees(self) -> bool:
+        """Whether it wants the queue now (the cycle then keeps the pass's order to tell it)."""
+
+    def foresee(self, upcoming: Iterable[Action]) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class CyclePlugins:
+    """What a manager adds to the scheduling cycle; each absent by default."""
+
+    #: seconds each action (by id) would spend getting the manager's resource ready if it started now (a GPU
+    #: service's restore when it is not resident), for a setup-aware queue order (HRRS); absent from the dict: none
+    setup_costs: Callable[[Sequence[Action]], dict[str, float]] | None = None
+    foresight: Foresight | None = None
+    #: what the manager learns from every action queued and ended, not only those it runs (the GPU manager's
+    #: demand per service)
+    watchers: Sequence[ActionWatcher] = ()
 
 
 #: what a manager keeps in its allocations to find their resources again (the CPU manager: environment, node and
@@ -189,11 +217,6 @@ class ResourceManager(abc.ABC, Generic[Handle]):
     def validate(self, action: Action) -> None:
         """Reject at submit what this manager could never run (raise ``BadRequest`` naming the field)."""
 
-    def setup_costs(self, actions: Sequence[Action]) -> dict[str, float]:
-        """Seconds each action (by id) would spend getting this manager's resource ready if it started now (a
-        GPU service's restore when it is not resident), for a setup-aware queue order; absent: none."""
-        return {}
-
     @abc.abstractmethod
     def status(self) -> list[PoolStatus]:
         """Capacity and use per resource and pool."""
@@ -202,20 +225,9 @@ class ResourceManager(abc.ABC, Generic[Handle]):
         """Seconds until capacity frees up by itself (quota windows, lease TTLs); None if never."""
         return None
 
-    @property
-    def foresees(self) -> bool:
-        """Whether ``foresee`` wants the queue after each pass (the broker then keeps the pass's order)."""
-        return False
-
-    def foresee(self, upcoming: Iterable[Action]) -> None:
-        """The actions still queued after a pass, in the order they will run: a manager may get ready for them
-        (the GPU manager prefetches host copies from its disk tier). Must not block."""
-
-    @property
-    def watchers(self) -> Sequence[ActionWatcher]:
-        """What this manager learns from every action queued and ended, not only those it runs (the GPU manager's
-        demand per service): the broker tells each of them."""
-        return ()
+    def plugins(self) -> CyclePlugins:
+        """What this manager adds to the scheduling cycle (asked once, when the cycle is built)."""
+        return CyclePlugins()
 
     def register_metrics(self, registry: MetricsRegistry) -> None:
         """Add this manager's own Prometheus metrics (restores, evictions, ...) to the broker's registry."""

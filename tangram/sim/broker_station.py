@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import heapq
 import statistics
-import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from managers.basic import BasicManager, BasicResourceConfig
@@ -30,15 +29,15 @@ from managers.residency import SlotState
 from reward_services.backend import ServiceBackend, ServiceInstance, ServiceSpec
 from sandboxes.backend import Leftover, Sandbox, SandboxBackend, SandboxSpec
 from tangram import dispatch
-from tangram.arrivals import ArrivalModel, Expected
+from tangram.arrivals import ArrivalModel
 from tangram.core.action import Action, Demand, Kind
 from tangram.core.malleable import Workers
 from tangram.core.seam import Allocation, ResourceManager
+from tangram.cycle import Cycle
 from tangram.durations import DurationModel
 from tangram.queue import FCFSQueue
 from tangram.reserved_shares import ReservedShares
 from tangram.scheduler import Plan, Resize, Scheduler
-from tangram.setup_order import SetupAwareOrder
 from tangram.sim.cluster import Cluster, Costs, startup_cpu_s
 from tangram.sim.engine import CallRun
 from tangram.sim.execution import Execution
@@ -191,22 +190,20 @@ class BrokerStation:
         self.now = 0.0
         self.managers = build_managers(cluster, lambda: self.now, malleable, worker_overhead, wait_for_resident,
                                        live_placement, typed_fit)
-        self.owner: dict[str, ResourceManager] = {r: m for m in self.managers for r in m.resources}
         self.cpu = next((m for m in self.managers if isinstance(m, CpuManager)), None)
         self.gpu = next((m for m in self.managers if isinstance(m, GpuManager)), None)
         # with ``static_dops`` a service runs only at its static deployment's DoP: loaded on demand, never resized
         self.dops = {s.name: (s.static_dop,) if static_dops else s.dops for s in cluster.services}
-        self.durations = DurationModel()
-        self.arrivals = ArrivalModel() if arrivals else None
-        self.scheduler = Scheduler(self.managers, self.durations, depth=depth, horizon=horizon,
-                                   share_by_remaining=share_by_remaining)
-        self.queue = FCFSQueue()
-        #: "hrrs": reward actions in the setup-aware order the broker gives them with ``[scheduler] order``
-        self.order = SetupAwareOrder(("gpu",), self.durations.duration, self.gpu.setup_costs, max_wait_s,
-                                     overdue_floor_s) \
-            if order == "hrrs" and self.gpu is not None else None
-        self.reserved_shares = ReservedShares("gpu")
-        self.reserved_shares.reserve(reserved or {})
+        #: the broker's own pass; "hrrs": reward actions in the setup-aware order of ``[scheduler] order``, and
+        #: prefetch modelled here (``foresee``)
+        scheduler = Scheduler(self.managers, DurationModel(), depth=depth, horizon=horizon,
+                              share_by_remaining=share_by_remaining)
+        self.cycle = Cycle(self.managers, scheduler, FCFSQueue(), arrivals=ArrivalModel() if arrivals else None,
+                           hrrs=("gpu",) if order == "hrrs" and self.gpu is not None else (),
+                           max_wait_s=max_wait_s, overdue_floor_s=overdue_floor_s, foresight=(self,))
+        self.queue = self.cycle.queue
+        self.cycle.reserved_shares = ReservedShares("gpu")
+        self.cycle.reserved_shares.reserve(reserved or {})
         self.calls: dict[str, CallRun] = {}
         self.running: dict[str, tuple[Action, list[tuple[ResourceManager, Allocation]]]] = {}
         self.finishing: list[tuple[float, int, str, int]] = []  # (finish, seq, action id, execution version)
@@ -229,8 +226,7 @@ class BrokerStation:
         if slo_plans:
             self.slo = SloAttainment(lambda action: str(action.spec["service"]), "gpu")
             self.slo.plan(slo_plans)
-        #: told of every action queued and ended, as the broker's ``watchers`` are
-        self.watchers = [w for m in self.managers for w in m.watchers] + ([self.slo] if self.slo is not None else [])
+            self.cycle.watchers.append(self.slo)
         self.generates = {s.name for s in cluster.services if s.generates}
         #: (node, service) -> times faster than on the reference type; node -> a restore's time over the reference's
         self.speed: dict[tuple[str, str], float] = {}
@@ -253,11 +249,7 @@ class BrokerStation:
         dops = self.dops.get(run.call.target or "", (1,))
         action = action_for(run, self.seq, now, self.test_demand, dops, run.call.target in self.generates)
         self.calls[action.id] = run
-        self.queue.push(action)
-        if self.arrivals is not None:
-            self.arrivals.submitted(action, now)
-        for watcher in self.watchers:
-            watcher.submitted(action)
+        self.cycle.submit(action, now)
         self.dirty = True
 
     def collect(self, now: float) -> list[CallRun]:
@@ -284,10 +276,8 @@ class BrokerStation:
             action.execution_s = self.calls[action_id].exec_s + self.calls[action_id].overhead_s
             if action.malleable is not None:
                 self.calls[action_id].resizes = action.malleable.resizes
-            dispatch.ended(self.durations, self.arrivals, action, now, succeeded=True)
             action.finished_at = now
-            for watcher in self.watchers:
-                watcher.ended(action)
+            self.cycle.ended(action, now, succeeded=True)
             done.append(self.calls.pop(action_id))
             self.dirty = True
         return done
@@ -300,18 +290,17 @@ class BrokerStation:
             self.dirty = False
             return
         self.dirty = False
-        started = time.perf_counter()
-        queue: Iterable[Action] = self.queue if self.order is None else self.order.order(self.queue, now)
-        running = [action for action, _ in self.running.values()]
-        queue = self.reserved_shares.order(queue, running)
-        plan: Plan = self.scheduler.schedule(queue, running, now, self._expected(now))
-        self.pass_ms.append((time.perf_counter() - started) * 1e3)
+        self.cycle.pass_once(now, [action for action, _ in self.running.values()], lambda plan: self._apply(plan, now))
+        self.pass_ms.append(self.cycle.last_pass_s * 1e3)
+        hints = [h for m in self.managers if (h := m.next_change_in()) is not None]
+        self.wake_at = now + min(hints) if hints and len(self.queue) else None
+
+    def _apply(self, plan: Plan, now: float) -> None:
         for decision in plan.shrinks():
             self._resize(decision, now)
         for placement in plan.placements:
             action = placement.action
-            allocations = dispatch.start(self.owner, self.durations, placement, now)
-            self.queue.remove(action.id)
+            allocations = self.cycle.start(placement, now)
             run = self.calls[action.id]
             run.start_s = now
             self.running[action.id] = (action, allocations)
@@ -319,27 +308,21 @@ class BrokerStation:
             heapq.heappush(self.finishing, (finish, action.seq, action.id, 0))
         for decision in plan.grows():
             self._resize(decision, now)
-        if self.prefetch:
-            assert self.gpu is not None
-            for node, service, _ in self.gpu.prefetch_plan(a for a in queue if a.id in self.calls
-                                                           and a.id not in self.running):
-                self._load(node.name, service, now)
-        hints = [h for m in self.managers if (h := m.next_change_in()) is not None]
-        self.wake_at = now + min(hints) if hints and len(self.queue) else None
 
-    def _expected(self, now: float) -> Callable[[str, int], list[Expected]] | None:
-        """What idle trajectories are expected to submit next (the broker's ``ArrivalModel``), if enabled."""
-        arrivals = self.arrivals
-        if arrivals is None:
-            return None
-        cpu = self.cpu
-        holds = cpu.holds_environment if cpu is not None else None
-        return lambda resource, limit: arrivals.expected(resource, now, limit, holds)
+    @property
+    def foresees(self) -> bool:
+        """Prefetch from the disk tier, as the broker's GPU manager would (``Cycle`` foresight), loads modelled."""
+        return self.prefetch
+
+    def foresee(self, upcoming: Iterable[Action]) -> None:
+        assert self.gpu is not None
+        for node, service, _ in self.gpu.prefetch_plan(upcoming):
+            self._load(node.name, service, self.now)
 
     def _resize(self, decision: Resize, now: float) -> None:
         action = decision.action
         _, allocations = self.running[action.id]
-        dispatch.resize(self.owner, allocations, decision, now)
+        self.cycle.resize(allocations, decision, now)
         execution = self.executions[action.id]
         finish = execution.resize(decision.units, now)
         heapq.heappush(self.finishing, (finish, action.seq, action.id, execution.version))
@@ -453,8 +436,8 @@ class BrokerStation:
         return min(times, default=None)
 
     def trajectory_done(self, trajectory: Trajectory, now: float) -> None:
-        if self.arrivals is not None:
-            self.arrivals.forget(trajectory.task, trajectory.id)
+        if self.cycle.arrivals is not None:
+            self.cycle.arrivals.forget(trajectory.task, trajectory.id)
         if self.cpu is None:
             return
         env = self.cpu.environments.of_trajectory(trajectory.task, trajectory.id)

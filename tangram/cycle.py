@@ -1,0 +1,163 @@
+"""The scheduling cycle: one composition of a pass, run by the broker (wall clock) and the simulator (virtual clock).
+
+A pass runs fixed extension points in this order:
+
+1. queue filters: the per-task caps (``tenants.TaskLedger``), then the allocation back-off (``backoff``);
+2. the queue order: as queued (FCFS), or setup-aware (HRRS, ``setup_order``) on the resources configured for it;
+3. the reserve order: the queued actions owed an SLO reservation first (``reserved_shares``);
+4. the scheduler (``scheduler``), whose plan the caller applies (shrinks, starts, grows);
+5. foresight: told of the queued actions that did not start, in the pass's order (GPU prefetch).
+
+The cycle also keeps what the passes learn from: submits and ends reach the duration and arrival models and the
+watchers here. What differs between its two callers stays with them: the broker keeps HTTP, asyncio, deadlines and
+the store, and executes; the simulator keeps its clock and models execution. So a feature added to the pass is added
+once, and the simulator measures the pass the broker runs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+
+from tangram import dispatch
+from tangram.arrivals import ArrivalModel, Expected
+from tangram.backoff import AllocationBackoff
+from tangram.core.action import Action, Kind
+from tangram.core.seam import ActionWatcher, Allocation, Foresight, ResourceManager
+from tangram.durations import DurationModel
+from tangram.queue import QueuePolicy
+from tangram.reserved_shares import ReservedShares
+from tangram.scheduler import Placement, Plan, Resize, Scheduler
+from tangram.setup_order import SetupAwareOrder
+from tangram.tenants import EnvironmentHost, TaskLedger
+
+
+class Cycle:
+    """The queue and the pass over it; ``hrrs``: the resources whose queued actions are ordered by HRRS, each
+    ahead of later ones once overdue (after twice the mean wait of those queued with it, at least
+    ``overdue_floor_s`` and at most ``max_wait_s``). The managers' plugins (``CyclePlugins``) join the extension
+    points; ``foresight`` replaces theirs (the simulator models the GPU manager's prefetch)."""
+
+    def __init__(self, managers: Sequence[ResourceManager], scheduler: Scheduler, queue: QueuePolicy, *,
+                 arrivals: ArrivalModel | None, hrrs: Sequence[str] = (), max_wait_s: float = 60.0,
+                 overdue_floor_s: float = 10.0, foresight: Sequence[Foresight] | None = None) -> None:
+        self.managers = list(managers)
+        self.owner: dict[str, ResourceManager] = {}
+        self.executor: dict[Kind, ResourceManager] = {}
+        for manager in self.managers:
+            for resource in manager.resources:
+                if resource in self.owner:
+                    raise ValueError(f"resource {resource!r} is owned by both {self.owner[resource].name} "
+                                     f"and {manager.name}")
+                self.owner[resource] = manager
+            for kind in manager.kinds:
+                self.executor[kind] = manager
+        self.scheduler = scheduler
+        self.durations: DurationModel = scheduler.durations
+        self.arrivals = arrivals
+        self.queue = queue
+        #: per-task caps: none until the broker sets a tenancy
+        self.ledger = TaskLedger()
+        self.backoff = AllocationBackoff()
+        self.setup_order = SetupAwareOrder(hrrs, self.durations.duration, self._setup_costs, max_wait_s,
+                                           overdue_floor_s) if hrrs else None
+        #: GPUs reserved for SLO-planned tasks, put ahead in each pass; set by SLO admission
+        self.reserved_shares: ReservedShares | None = None
+        plugins = {id(manager): manager.plugins() for manager in self.managers}
+        self._setup_costs_of = {id(m): p.setup_costs for m in self.managers
+                                if (p := plugins[id(m)]).setup_costs is not None}
+        self.foresight: list[Foresight] = [p.foresight for p in plugins.values() if p.foresight is not None] \
+            if foresight is None else list(foresight)
+        #: told of every action queued and ended
+        self.watchers: list[ActionWatcher] = [watcher for p in plugins.values() for watcher in p.watchers]
+        self.environment_host = next((m for m in self.managers if isinstance(m, EnvironmentHost)), None)
+        #: how long the last pass took to plan (filters, orders and the scheduler), in seconds
+        self.last_pass_s = 0.0
+
+    # -- the queue --------------------------------------------------------------------------------------
+
+    def submit(self, action: Action, now: float) -> None:
+        """Queue a new action and tell the arrival model and the watchers."""
+        self.enqueue(action)
+        if self.arrivals is not None:
+            self.arrivals.submitted(action, now)
+        for watcher in self.watchers:
+            watcher.submitted(action)
+
+    def enqueue(self, action: Action) -> None:
+        """Queue an action without counting it as submitted now (one resumed after a restart)."""
+        self.queue.push(action)
+        self.ledger.queue(action)
+
+    def dequeue(self, action_id: str) -> Action | None:
+        action = self.queue.remove(action_id)
+        if action is not None:
+            self.ledger.unqueue(action)
+            self.backoff.forget(action_id)
+        return action
+
+    # -- the pass ---------------------------------------------------------------------------------------
+
+    def pass_once(self, now: float, running: Sequence[Action], apply: Callable[[Plan], None]) -> Plan:
+        """Plan a pass over the queue, have ``apply`` carry it out, then tell foresight what is still queued."""
+        started = time.perf_counter()
+        queue: Iterable[Action] = self.queue
+        if self.ledger.limited:
+            queue = self.ledger.admissible(queue, self.environment_host)
+        if self.backoff:
+            queue = [action for action in queue if not self.backoff.waiting(action.id, now)]
+        if self.setup_order is not None:
+            queue = self.setup_order.order(queue, now)
+        if self.reserved_shares is not None:
+            queue = self.reserved_shares.order(queue, running)
+        foreseeing = [foresight for foresight in self.foresight if foresight.foresees]
+        if foreseeing and not isinstance(queue, list):
+            queue = list(queue)  # read again after the pass
+        plan = self.scheduler.schedule(queue, running, now, self._expected(now))
+        self.last_pass_s = time.perf_counter() - started
+        apply(plan)
+        if foreseeing:
+            started_now = {placement.action.id for placement in plan.placements}
+            upcoming = [action for action in queue if action.id not in started_now]
+            for foresight in foreseeing:
+                foresight.foresee(upcoming)
+        return plan
+
+    def _expected(self, now: float) -> Callable[[str, int], list[Expected]] | None:
+        """What idle trajectories are expected to submit next, if the arrival model is on."""
+        arrivals = self.arrivals
+        if arrivals is None:
+            return None
+        host = self.environment_host
+        holds = host.holds_environment if host is not None else None
+        return lambda resource, limit: arrivals.expected(resource, now, limit, holds)
+
+    def _setup_costs(self, actions: Sequence[Action]) -> dict[str, float]:
+        """Each action's setup, from the managers of the setup-ordered resources (the largest where several)."""
+        assert self.setup_order is not None
+        costs: dict[str, float] = {}
+        owners = {id(self.owner[resource]) for resource in self.setup_order.resources}
+        for setup_costs in (self._setup_costs_of[owner] for owner in owners if owner in self._setup_costs_of):
+            for action_id, seconds in setup_costs(actions).items():
+                costs[action_id] = max(costs.get(action_id, 0.0), seconds)
+        return costs
+
+    # -- applying a plan, and learning from ends ---------------------------------------------------------
+
+    def start(self, placement: Placement, now: float) -> list[tuple[ResourceManager, Allocation]]:
+        """Allocate a placement and take its action off the queue; raises what the allocation raised, with nothing
+        held and the action still queued."""
+        allocations = dispatch.start(self.owner, self.durations, placement, now)
+        self.dequeue(placement.action.id)
+        return allocations
+
+    def resize(self, allocations: list[tuple[ResourceManager, Allocation]], decision: Resize,
+               now: float) -> Allocation:
+        return dispatch.resize(self.owner, allocations, decision, now)
+
+    def ended(self, action: Action, now: float, succeeded: bool) -> None:
+        """Learn from an action's end (its duration if it succeeded, its trajectory's idle start) and tell the
+        watchers."""
+        dispatch.ended(self.durations, self.arrivals, action, now, succeeded)
+        for watcher in self.watchers:
+            watcher.ended(action)
