@@ -33,11 +33,11 @@ import uvloop
 from aiohttp import web
 
 from loadtest.bench_rest import until_healthy
-from managers.agent_backend import AgentBackend
-from managers.agent_replies import Reply
-from managers.cpu import CpuManager
-from managers.cpu_config import CpuConfig, CpuNodeConfig
-from managers.node_agent import NodeAgent
+from managers.cpu.config import CpuConfig, CpuNodeConfig
+from managers.cpu.manager import CpuManager
+from managers.remote.broker.agent_backend import AgentBackend
+from managers.remote.node.node_agent import NodeAgent
+from managers.remote.replies import Reply
 from sandboxes.backend import Leftover, NodeHardware, Sandbox, SandboxBackend, SandboxSpec
 from tangram.config import parse_config
 from tangram.service import running_broker

@@ -93,10 +93,10 @@ def ray_cluster() -> Any:
     token authentication and on 127.0.0.1 (``one_machine_cluster``), both set before Ray is imported (it reads them
     once per process)."""
     os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))  # the raylets and broker take it
-    from managers.ray_loopback import keep_ray_on_loopback, one_machine_cluster
+    from managers.remote.broker.ray_loopback import keep_ray_on_loopback, one_machine_cluster
 
-    keep_ray_on_loopback()  # before managers.ray_cluster imports Ray
-    from managers.ray_cluster import node_resource
+    keep_ray_on_loopback()  # before managers.remote.broker.ray_cluster imports Ray
+    from managers.remote.broker.ray_cluster import node_resource
 
     small: dict[str, Any] = {"num_cpus": 1, "object_store_memory": 80 << 20}
     return one_machine_cluster(small, {**small, "resources": {node_resource("n1"): 1}})

@@ -16,8 +16,8 @@ import time
 from collections import Counter
 
 from managers.counted import CountedUnitsManager
-from managers.gpu import GpuManager
-from managers.gpu_config import parse_gpu_config
+from managers.gpu.config import parse_gpu_config
+from managers.gpu.manager import GpuManager
 from tangram.core.action import Action, Demand, Elasticity, Kind
 from tangram.core.seam import ResourceManager
 from tangram.durations import DurationModel

@@ -1,6 +1,6 @@
 """GPU placement benchmark: the ILP (HiGHS) against the greedy and the type-blind baseline on random mixed clusters.
 
-Each instance draws its GPU types from the shipped ones (``managers/gpu_types.py``, not ``cpu``), spreads its nodes
+Each instance draws its GPU types from the shipped ones (``managers/gpu/gpu_types.py``, not ``cpu``), spreads its nodes
 (8 GPUs each, at least one per type) over them, and draws services: model sizes log-uniform over 1-140 GB, the
 smallest DoP whose share of the weights (x1.3 for activations) fits 80 GB, half of them generating (memory-bound),
 loads log-normal summing to about half the cluster's reference capacity. Each node's host memory holds a share of
@@ -19,8 +19,8 @@ import random
 import statistics
 from typing import Any
 
-from managers.gpu_placement import NodeGroup, ServiceLoad, place, place_greedy, place_type_blind
-from managers.gpu_types import GPU_TYPES
+from managers.gpu.gpu_types import GPU_TYPES
+from managers.gpu.placement import NodeGroup, ServiceLoad, place, place_greedy, place_type_blind
 
 GPUS_PER_NODE = 8
 #: the types an instance draws from

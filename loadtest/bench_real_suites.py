@@ -52,7 +52,7 @@ from aiohttp import web
 from clients import AsyncTangramClient
 from clients.records import ActionRecord
 from loadtest.suites import DEFAULT_CACHE_DIR, REAL_MODE, SUITES, Fetched, fetch
-from managers.exec_spec import PytestRunner
+from managers.cpu.exec_spec import PytestRunner
 from tangram.config import ServerConfig, parse_config
 from tangram.core.action import Elasticity
 from tangram.service import running_broker

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.suites import DEFAULT_CACHE_DIR, SUITES, Fetched, fetch
-from managers.long_tests import LONG_TESTS_ENV, long_tests_from
+from managers.cpu.long_tests import LONG_TESTS_ENV, long_tests_from
 from sandboxes.cgroup import parse_cpu_list
 from sandboxes.executor import RUNNER_DIR, pin_tree
 

@@ -1,6 +1,6 @@
 """The seam between the GPU manager and whatever actually holds a reward model on GPUs.
 
-The GPU manager (``managers/gpu.py``) owns chunks, residency bookkeeping and LRU eviction. A backend only knows
+The GPU manager (``managers/gpu/manager.py``) owns chunks, residency bookkeeping and LRU eviction. A backend only knows
 how to hold one *instance* — one service at one DoP, bound to one chunk of devices — in three states:
 
 * prepared: weights in host memory, nothing on the devices (``prepare``; also the state after ``evict``);

@@ -9,7 +9,7 @@ need two module objects: weightless replicas of the skeleton, made on demand and
 
 With a disk tier (``disk_dir``), a service's host copy can be written to a safetensors file (``spill``), dropped
 from host memory (``drop_host``) and read back into pinned memory (``load_host``); the GPU manager decides when
-(``managers/host_tier.py``).
+(``managers/gpu/host_tier.py``).
 
 Only torch, the standard library and ``reward_services`` are imported at module level (sentence-transformers
 when a model is loaded), so the GPU check script runs where torch is installed but the project's other

@@ -19,7 +19,7 @@ bandwidth over the measured pinned H2D bandwidth (goal: at least 0.8). Sections,
   memory, cycled, so a restore reads the disk every time; the answers must not change;
 * ``hrrs_mix``: a two-service mix on GPU 0 (the budget holds one service) queued as alternating actions and run
   one at a time by the GPU manager in FCFS order, then in the setup-aware (HRRS) order: restores and wall time;
-* ``type_speeds``: the GPU type's speed model (``managers/gpu_types.py``) against this GPU: a bf16 matrix product,
+* ``type_speeds``: the GPU type's speed model (``managers/gpu/gpu_types.py``) against this GPU: a bf16 matrix product,
   the synthetic model of ``--size-mb`` scoring a long batch (compute-bound, as prefill) and a short one
   (memory-bound, as decode), and an elementwise pass over device memory, each over the nominal figure of the
   shipped type the device's name matches; the type's prior speed against the reference type, to set beside
@@ -49,7 +49,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from managers.gpu_types import GPU_TYPES, REFERENCE_TYPE, speed
+from managers.gpu.gpu_types import GPU_TYPES, REFERENCE_TYPE, speed
 from reward_services.backend import ServiceSpec
 from reward_services.torch_worker import (
     EmbeddingModel,
@@ -202,8 +202,8 @@ async def run_on_gpu0(manager: Any, action: Any) -> dict[str, Any]:
 
 
 def eoe_section(args: argparse.Namespace, report: dict[str, Any]) -> dict[str, Any]:
-    from managers.gpu import GpuManager
-    from managers.gpu_config import parse_gpu_config
+    from managers.gpu.config import parse_gpu_config
+    from managers.gpu.manager import GpuManager
     from tangram.core.action import Action, Demand, Kind
 
     service = {"backend": "torch", "model": "synthetic", "task": "similarity", "dops": [1],
@@ -289,8 +289,8 @@ def disk_tier_section(args: argparse.Namespace, report: dict[str, Any]) -> dict[
 
 
 def tier_cycle_section(args: argparse.Namespace, report: dict[str, Any]) -> dict[str, Any]:
-    from managers.gpu import GpuManager
-    from managers.gpu_config import parse_gpu_config
+    from managers.gpu.config import parse_gpu_config
+    from managers.gpu.manager import GpuManager
     from tangram.core.action import Action, Demand, Kind
 
     size_mb = max(64, args.size_mb // 4)
@@ -334,8 +334,8 @@ def tier_cycle_section(args: argparse.Namespace, report: dict[str, Any]) -> dict
 
 
 def hrrs_mix_section(args: argparse.Namespace, report: dict[str, Any]) -> dict[str, Any]:
-    from managers.gpu import GpuManager
-    from managers.gpu_config import parse_gpu_config
+    from managers.gpu.config import parse_gpu_config
+    from managers.gpu.manager import GpuManager
     from tangram.core.action import Action, Demand, Kind
     from tangram.setup_order import SetupAwareOrder
 

@@ -23,7 +23,7 @@ fi
 # why the default Docker node cannot start here, if it cannot (empty: it can)
 missing=$(python - <<'EOF'
 import docker
-from managers.cpu_config import LOCAL_ENGINE
+from managers.cpu.config import LOCAL_ENGINE
 from sandboxes.image import DEFAULT_IMAGE
 try:
     client = docker.DockerClient(base_url=LOCAL_ENGINE, timeout=10)

@@ -12,10 +12,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, PlainValidator, StrictStr
 
-from managers.basic import BasicResourceConfig, with_capacity
-from managers.cpu_config import CpuConfig, parse_cpu_config
-from managers.gpu_config import GpuConfig, parse_gpu_config
-from managers.ray_config import RayConfig
+from managers.basic.manager import BasicResourceConfig, with_capacity
+from managers.cpu.config import CpuConfig, parse_cpu_config
+from managers.gpu.config import GpuConfig, parse_gpu_config
+from managers.remote.broker.ray_config import RayConfig
 from tangram.core.config_tables import (
     TABLE,
     AutoFlag,

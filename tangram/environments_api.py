@@ -8,9 +8,9 @@ from typing import Protocol, runtime_checkable
 from aiohttp import web
 from pydantic import Field, TypeAdapter
 
-from managers.environment import Environment
-from managers.environments import Environments
-from managers.exec_spec import ExecLimits, Files, Image, MemoryMb, SandboxUser, decode_files
+from managers.cpu.environment import Environment
+from managers.cpu.environments import Environments
+from managers.cpu.exec_spec import ExecLimits, Files, Image, MemoryMb, SandboxUser, decode_files
 from tangram.api_common import BROKER, json_response, read_body
 from tangram.auth import listed_task, own_task, principal_of
 from tangram.broker import Broker

@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 import orjson
 from pydantic import ConfigDict, Field, TypeAdapter
 
-from managers.environment import EnvState
+from managers.cpu.environment import EnvState
 from reward_services.backend import Task
 from tangram.core.action import Action, Demand, Elasticity, Kind, State
 from tangram.core.schema import Schema
@@ -102,7 +102,7 @@ class EnvironmentRecord(Schema):
 
 
 class ServicePlacement(Schema):
-    """One service's part of the GPU manager's placement (``managers/live_placement.py``)."""
+    """One service's part of the GPU manager's placement (``managers/gpu/live_placement.py``)."""
 
     load: float = Field(description="its measured demand, GPU-seconds per second on the reference GPU type")
     types: dict[str, float] = Field(description="GPU type -> GPUs' worth of that type's time the placement gives it")
@@ -142,7 +142,7 @@ class ServiceRecord(Schema):
     nodes: list[str]
     instances: int
     host_copies: dict[str, Literal["disk", "loading", "host"]] = Field(
-        description="per node with a disk tier: where the service's host copy is (``managers/host_tier.py``)")
+        description="per node with a disk tier: where the service's host copy is (``managers/gpu/host_tier.py``)")
     resident: list[dict[str, Any]]
     run_gpu_s: dict[str, float] = Field(description="GPU type -> GPU-seconds one action ran there lately (an EWMA "
                                                     "of its execution less its restore, times its GPUs)")

@@ -15,11 +15,11 @@ import uvloop
 from aiohttp import web
 from sqlalchemy.engine import make_url
 
-from managers.basic import BasicManager
+from managers.basic.manager import BasicManager
 from managers.counted import CountedUnitsManager
-from managers.cpu import CpuManager
-from managers.gpu import GpuManager
-from managers.gpu_config import wanted
+from managers.cpu.manager import CpuManager
+from managers.gpu.config import wanted
+from managers.gpu.manager import GpuManager
 from tangram.api import build_app
 from tangram.auth import AUTH
 from tangram.bind_auth import check_bind, token_for_bind

@@ -6,7 +6,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from aiohttp import web
 
-from managers.gpu_config import GpuConfig
+from managers.gpu.config import GpuConfig
 from tangram.api_common import BROKER, json_response
 from tangram.broker import Broker
 from tangram.core.action import Kind

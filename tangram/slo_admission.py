@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from managers.gpu import RESOURCE, RESTORE_PRIOR_MB_PER_S, GpuManager
+from managers.gpu.manager import RESOURCE, RESTORE_PRIOR_MB_PER_S, GpuManager
 from reward_services.backend import ServiceSpec
 from tangram.broker import Broker
 from tangram.core.action import Action, Kind

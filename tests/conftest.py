@@ -12,7 +12,7 @@ import pytest
 import pytest_asyncio
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from managers.ray_loopback import keep_ray_on_loopback
+from managers.remote.broker.ray_loopback import keep_ray_on_loopback
 from sandboxes.backend import LABEL_BROKER
 from tangram.store import Base, Store
 from tests.docker_nodes import SESSION_BROKER_PREFIX, USERNS_ENV, configured_engines, labelled_containers

@@ -12,7 +12,7 @@ from typing import Any
 import ray
 from ray.cluster_utils import Cluster
 
-from managers.ray_loopback import LOOPBACK_NODE, one_machine_cluster
+from managers.remote.broker.ray_loopback import LOOPBACK_NODE, one_machine_cluster
 
 #: each Ray node: one CPU, a small object store (Ray's default takes 30% of this machine's memory per node), on
 #: loopback (for the nodes a test adds itself)

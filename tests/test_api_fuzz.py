@@ -31,9 +31,9 @@ import pytest
 import schemathesis
 from pydantic import BaseModel
 
-from managers.basic import LeaseSpec
-from managers.exec_spec import ExecSpecBody
-from managers.upstream import ApiSpec
+from managers.basic.manager import LeaseSpec
+from managers.basic.upstream import ApiSpec
+from managers.cpu.exec_spec import ExecSpecBody
 from reward_services.requests import RewardSpecBody
 from tangram.config import ServerConfig
 from tangram.openapi import openapi_document

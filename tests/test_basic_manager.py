@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from managers.basic import BasicManager, BasicResourceConfig, UpstreamConfig
+from managers.basic.manager import BasicManager, BasicResourceConfig, UpstreamConfig
 from tangram.core.action import Action, Demand, Kind
 from tangram.core.errors import ActionFailed, BadRequest, ConfigError, RequestError, Unprocessable
 from tangram.http_errors import status_of

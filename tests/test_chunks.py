@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from managers.chunk_operator import ChunkOperator
-from managers.chunks import LEVELS, Chunk, ChunkAllocator, after_allocating, tiles
+from managers.gpu.chunk_operator import ChunkOperator
+from managers.gpu.chunks import LEVELS, Chunk, ChunkAllocator, after_allocating, tiles
 from tangram.core.dparrange import dp_arrange
 
 

@@ -9,12 +9,19 @@ import os
 import psutil
 import pytest
 
-from managers.cores import CorePool
-from managers.cpu import CpuManager
-from managers.cpu_config import CpuNodeConfig, on_this_host, parse_cpu_config
-from managers.cpu_node import CpuNode
-from managers.exec_spec import ExecLimits, executor_request, parse_exec_spec, rewrite_pytest, runner_report
-from managers.long_tests import LONG_TESTS_ENV, LONG_TESTS_LINE, MAX_LINE_CHARS, TESTS_KEPT, LongTests, long_tests_from
+from managers.cpu.config import CpuNodeConfig, on_this_host, parse_cpu_config
+from managers.cpu.cores import CorePool
+from managers.cpu.exec_spec import ExecLimits, executor_request, parse_exec_spec, rewrite_pytest, runner_report
+from managers.cpu.long_tests import (
+    LONG_TESTS_ENV,
+    LONG_TESTS_LINE,
+    MAX_LINE_CHARS,
+    TESTS_KEPT,
+    LongTests,
+    long_tests_from,
+)
+from managers.cpu.manager import CpuManager
+from managers.cpu.node import CpuNode
 from sandboxes.cgroup import cpu_list, parse_cpu_list
 from tangram.core.action import Action, Demand, Kind
 from tangram.core.errors import BadRequest, ConfigError, Unavailable, Unprocessable

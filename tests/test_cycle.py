@@ -1,5 +1,5 @@
 """The scheduling cycle (``tangram/cycle.py``) driven by hand, as vLLM's scheduler tests drive theirs: submit, pass,
-apply, end, assert. Its manager is the real counted one (``managers/basic.py``); no broker, no store, no clock."""
+apply, end, assert. Its manager is the real counted one (``managers/basic/manager.py``); no broker, no store, no clock."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import ast
 from collections.abc import Iterable
 from pathlib import Path
 
-from managers.basic import BasicManager, BasicResourceConfig
+from managers.basic.manager import BasicManager, BasicResourceConfig
 from tangram.core.action import Action, Demand, Kind
 from tangram.core.seam import Allocation, ResourceManager
 from tangram.cycle import Cycle

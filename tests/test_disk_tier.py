@@ -12,9 +12,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from managers.gpu import GpuManager
-from managers.gpu_config import parse_gpu_config
-from managers.host_tier import CopyState
+from managers.gpu.config import parse_gpu_config
+from managers.gpu.host_tier import CopyState
+from managers.gpu.manager import GpuManager
 from reward_services.weights_file import read_weights, write_weights
 from tangram.core.action import Action, Demand, Kind
 from tangram.core.errors import ActionFailed, ConfigError

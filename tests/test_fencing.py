@@ -28,10 +28,10 @@ from ray.cluster_utils import Cluster
 from sqlalchemy.engine import make_url
 
 from clients.client import AsyncTangramClient
-from managers.ray_agents import open_agent_backend
-from managers.ray_cluster import gpu_node_resource, node_resource
-from managers.ray_service_agents import RayServiceLink
-from managers.upstream import Upstream, UpstreamConfig
+from managers.basic.upstream import Upstream, UpstreamConfig
+from managers.remote.broker.ray_agents import open_agent_backend
+from managers.remote.broker.ray_cluster import gpu_node_resource, node_resource
+from managers.remote.broker.ray_service_agents import RayServiceLink
 from sandboxes.backend import NODE_UNAVAILABLE, SandboxError, SandboxSpec
 from tangram.config import parse_config
 from tangram.core.errors import ActionFailed

@@ -11,8 +11,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from managers.gpu import GpuManager
-from managers.gpu_config import GpuConfig, GpuNodeConfig
+from managers.gpu.config import GpuConfig, GpuNodeConfig
+from managers.gpu.manager import GpuManager
 from reward_services.backend import ServiceBackend, ServiceInstance, ServiceSpec
 from tangram.cli import main as cli_main
 from tangram.config import Config

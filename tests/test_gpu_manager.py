@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from managers.gpu import GpuManager
-from managers.gpu_config import parse_gpu_config, wanted
-from managers.gpu_discovery import discover_gpus
+from managers.gpu.config import parse_gpu_config, wanted
+from managers.gpu.discovery import discover_gpus
+from managers.gpu.manager import GpuManager
 from tangram.core.action import Action, Demand, Kind
 from tangram.core.errors import ConfigError, Unavailable
 from tangram.parse import parse_action

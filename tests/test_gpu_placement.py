@@ -10,8 +10,9 @@ import random
 import pytest
 
 from loadtest.bench_placement import instance
-from managers.gpu_config import parse_gpu_config
-from managers.gpu_placement import (
+from managers.gpu.config import parse_gpu_config
+from managers.gpu.gpu_types import GPU_TYPES, GpuType, fits, speed
+from managers.gpu.placement import (
     TIE_BREAK,
     NodeGroup,
     Placement,
@@ -26,7 +27,6 @@ from managers.gpu_placement import (
     place_greedy,
     place_type_blind,
 )
-from managers.gpu_types import GPU_TYPES, GpuType, fits, speed
 
 #: two made-up types: compute-bound work runs 3x faster on FAST, memory-bound work as fast on both
 SLOW = GpuType(tflops=100, hbm_gb_per_s=1000, h2d_gb_per_s=32, memory_mb=24_000)
@@ -103,7 +103,7 @@ def test_greedy_and_type_blind_are_feasible_and_no_better_than_the_ilp(seed: int
 
 def test_a_time_limit_without_a_solution_falls_back_to_the_greedy(caplog: pytest.LogCaptureFixture) -> None:
     services, groups = instance(random.Random(1), 10, 4, 5, 0.4)
-    with caplog.at_level(logging.WARNING, logger="managers.gpu_placement"):
+    with caplog.at_level(logging.WARNING, logger="managers.gpu.placement"):
         result = place(services, groups, time_limit_s=0)
     assert result.method == "greedy" and "time limit" in (result.fallback or "")
     assert "time limit" in caplog.text

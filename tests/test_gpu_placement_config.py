@@ -1,4 +1,4 @@
-"""The ``[gpu]`` placement keys (``managers/gpu_config.py``): defaults, accepted values, errors naming the key, and
+"""The ``[gpu]`` placement keys (``managers/gpu/config.py``): defaults, accepted values, errors naming the key, and
 ``placement_method``, which resolves "auto" by the number of node types."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from managers.gpu_config import parse_gpu_config
+from managers.gpu.config import parse_gpu_config
 from tangram.core.errors import ConfigError
 
 H100 = {"type": "h100", "gpus": 1, "gpu_memory_mb": 1000, "host_memory_mb": 1000}

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from managers.gpu import GpuManager
-from managers.gpu_config import parse_gpu_config
+from managers.gpu.config import parse_gpu_config
+from managers.gpu.manager import GpuManager
 from tangram.core.action import Action, Demand
 from tangram.durations import DurationModel
 from tangram.scheduler import Scheduler

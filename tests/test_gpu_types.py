@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from managers.gpu_config import parse_gpu_config
-from managers.gpu_types import (
+from managers.gpu.config import parse_gpu_config
+from managers.gpu.gpu_types import (
     GPU_TYPES,
     REFERENCE_TYPE,
     GpuType,

@@ -1,10 +1,10 @@
-"""The host-memory tier's decisions (``managers/host_tier.py``): what a load drops, and what prefetch loads."""
+"""The host-memory tier's decisions (``managers/gpu/host_tier.py``): what a load drops, and what prefetch loads."""
 
 from __future__ import annotations
 
 import pytest
 
-from managers.host_tier import CopyState, HostTier, HostTierFull
+from managers.gpu.host_tier import CopyState, HostTier, HostTierFull
 
 
 def tier_with(in_host: list[str], budget_mb: int = 300, size_mb: int = 100,

@@ -75,10 +75,10 @@ def reaches(module: str) -> tuple[set[str], set[str]]:
 
 
 def test_the_contract_sees_the_whole_tree() -> None:
-    assert len(MODULES) > 100 and "tangram.broker" in MODULES and "managers.cpu" in MODULES
+    assert len(MODULES) > 100 and "tangram.broker" in MODULES and "managers.cpu.manager" in MODULES
     assert {"tangram.core.action", "tangram.core.seam", "tangram.core.errors"} <= set(CORE)
     ours, outside = reaches("tangram.service")
-    assert "managers.cpu" in ours and "aiohttp" in outside  # it follows imports: a broken walk would pass anything
+    assert "managers.cpu.manager" in ours and "aiohttp" in outside  # it follows imports: a broken walk would pass anything
 
 
 @pytest.mark.parametrize("module", sorted(m for m in MODULES if m.split(".")[0] in
@@ -86,6 +86,17 @@ def test_the_contract_sees_the_whole_tree() -> None:
 def test_managers_sandboxes_and_services_never_reach_the_service_layer(module: str) -> None:
     ours, _ = reaches(module)
     assert not ours & SERVICE_LAYER, f"{module} imports {sorted(ours & SERVICE_LAYER)}"
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith("managers.remote.node")))
+def test_what_runs_on_a_node_never_reaches_the_broker_side(module: str) -> None:
+    """A node's agents (``managers/remote/node/``) run where only the node's own backends are: no manager, no Ray
+    glue of the broker (``managers/remote/broker/``), nothing of the broker's above the core."""
+    ours, outside = reaches(module)
+    broker_side = {name for name in ours if name.startswith("managers.remote.broker") or name.endswith(".manager")
+                   or (name.startswith("tangram.") and not name.startswith("tangram.core"))}
+    assert not broker_side, f"{module} imports {sorted(broker_side)}"
+    assert "ray" not in outside
 
 
 @pytest.mark.parametrize("module", CORE)
@@ -117,9 +128,9 @@ def test_the_store_rebuilds_records_without_the_request_parser() -> None:
 
 
 def test_a_broker_without_agent_nodes_never_imports_ray() -> None:
-    """Ray is for scale-out only (``managers/ray_agents.py``, imported when a node has ``agent = true``): the
+    """Ray is for scale-out only (``managers/remote/broker/ray_agents.py``, imported when a node has ``agent = true``): the
     one-machine broker, its CLI and every manager load without it."""
-    probe = ("import sys, tangram.cli, tangram.service, managers.cpu, managers.gpu, managers.sandbox_backends; "
+    probe = ("import sys, tangram.cli, tangram.service, managers.cpu.manager, managers.gpu.manager, managers.cpu.sandbox_backends; "
              "print('ray' in sys.modules)")
     answer = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=ROOT)
     assert answer.stdout.strip() == "False"

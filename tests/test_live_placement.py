@@ -1,4 +1,4 @@
-"""The live placement (``managers/live_placement.py``): when it solves (first poll, interval, ``stale()``, never
+"""The live placement (``managers/gpu/live_placement.py``): when it solves (first poll, interval, ``stale()``, never
 without load), what it confines (only services with load), the previous placement passed on, the worker thread's
 solve applied at a later poll, measured speeds overriding the prior (also through ``place(..., speeds=...)``), and
 the Prometheus families ``PlacementCollector`` exposes."""
@@ -13,11 +13,11 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from managers.gpu_config import GpuNodeConfig
-from managers.gpu_placement import Placement, ServiceLoad, node_groups, place, place_greedy
-from managers.gpu_types import GPU_TYPES
-from managers.live_placement import LivePlacement, PlacementCollector, PlacementInput, ServiceFigures, SolveMethod
-from managers.service_demand import ServiceDemand
+from managers.gpu.config import GpuNodeConfig
+from managers.gpu.gpu_types import GPU_TYPES
+from managers.gpu.live_placement import LivePlacement, PlacementCollector, PlacementInput, ServiceFigures, SolveMethod
+from managers.gpu.placement import Placement, ServiceLoad, node_groups, place, place_greedy
+from managers.gpu.service_demand import ServiceDemand
 from tangram.core.action import Action, Demand, Kind
 
 WINDOW_S = 60.0

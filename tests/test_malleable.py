@@ -15,9 +15,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from managers.cpu import CpuManager
-from managers.cpu_config import CpuConfig, CpuNodeConfig
-from managers.cpu_node import CpuNode
+from managers.cpu.config import CpuConfig, CpuNodeConfig
+from managers.cpu.manager import CpuManager
+from managers.cpu.node import CpuNode
 from sandboxes.docker import DockerSandbox
 from tangram import dispatch
 from tangram.core.action import Action, Demand, Elasticity, Kind

@@ -12,13 +12,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from managers.basic import BasicManager, BasicResourceConfig
+from managers.basic.manager import BasicManager, BasicResourceConfig
 from managers.counted import CountedUnitsManager
-from managers.cpu import CpuManager
-from managers.cpu_config import CpuConfig, CpuNodeConfig
-from managers.cpu_node import CpuNode
-from managers.gpu import GpuManager
-from managers.gpu_config import parse_gpu_config
+from managers.cpu.config import CpuConfig, CpuNodeConfig
+from managers.cpu.manager import CpuManager
+from managers.cpu.node import CpuNode
+from managers.gpu.config import parse_gpu_config
+from managers.gpu.manager import GpuManager
 from tangram.core.action import Action, Demand, Elasticity, Kind
 from tangram.core.seam import ResourceManager
 from tangram.durations import DurationModel

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from managers.quota import QuotaWindow
+from managers.basic.quota import QuotaWindow
 
 
 class Clock:

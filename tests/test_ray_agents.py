@@ -17,9 +17,9 @@ import ray
 from ray.cluster_utils import Cluster
 
 from clients.client import AsyncTangramClient
-from managers.exec_spec import ExecLimits, check_files
-from managers.node_agent import NodeAgent
-from managers.ray_cluster import node_resource, token_problem
+from managers.cpu.exec_spec import ExecLimits, check_files
+from managers.remote.broker.ray_cluster import node_resource, token_problem
+from managers.remote.node.node_agent import NodeAgent
 from sandboxes.backend import LABEL_ENV, NodeHardware, SandboxBackend, SandboxSpec
 from tangram.core.errors import RequestError
 from tangram.sim.broker_station import NoSandboxes

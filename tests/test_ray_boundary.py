@@ -1,6 +1,6 @@
 """The Ray cluster's boundary (issue 35): a cluster on one machine keeps every listener and peer on 127.0.0.1
-(``managers/ray_loopback.py``), and the broker joins with ``[ray] auth = "token"`` only a cluster that refuses a
-wrong token (``managers/ray_auth_probe.py``)."""
+(``managers/remote/broker/ray_loopback.py``), and the broker joins with ``[ray] auth = "token"`` only a cluster that refuses a
+wrong token (``managers/remote/broker/ray_auth_probe.py``)."""
 
 from __future__ import annotations
 
@@ -18,16 +18,16 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
-from managers.ray_cluster import connect, node_resource
-from managers.ray_config import RayConfig
-from managers.ray_loopback import LOOPBACK_SWITCH
+from managers.remote.broker.ray_cluster import connect, node_resource
+from managers.remote.broker.ray_config import RayConfig
+from managers.remote.broker.ray_loopback import LOOPBACK_SWITCH
 from tangram.core.loopback import is_loopback
 from tests.docker_nodes import docker_engines, new_broker_id
 from tests.ray_clusters import NODE, two_node_cluster
 from tests.test_recovery import free_port
 
 #: a one-node cluster in its own process, started from the environment it is given; it stops when its stdin closes
-CLUSTER_PROCESS = (f"import sys\nfrom managers.ray_loopback import one_machine_cluster\n"
+CLUSTER_PROCESS = (f"import sys\nfrom managers.remote.broker.ray_loopback import one_machine_cluster\n"
                    f"cluster = one_machine_cluster({NODE!r})\nprint(cluster.address, flush=True)\n"
                    f"sys.stdin.read()\ncluster.shutdown()\n")
 

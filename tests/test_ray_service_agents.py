@@ -16,10 +16,10 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
-from managers.gpu import GpuManager
-from managers.ray_cluster import gpu_node_resource
-from managers.service_agent import ServiceAgent
-from managers.service_backends import HOST_COPY_SHARED, SPILLS_TO_DISK
+from managers.gpu.manager import GpuManager
+from managers.gpu.service_backends import HOST_COPY_SHARED, SPILLS_TO_DISK
+from managers.remote.broker.ray_cluster import gpu_node_resource
+from managers.remote.node.service_agent import ServiceAgent
 from reward_services.backend import ServiceSpec
 from reward_services.requests import RewardLimits, parse_reward_input
 from reward_services.torch_worker import TorchBackend

@@ -1,14 +1,14 @@
 """``[gpu] wait_for_resident``: an action whose service is resident on busy GPUs lets the actions behind it take
 a free chunk, for up to one restore's time, then takes its place in the queue (delay scheduling,
-``managers/delay_wait.py``). Instances are do-nothing stand-ins on a virtual clock; chunks, residency and the
+``managers/gpu/delay_wait.py``). Instances are do-nothing stand-ins on a virtual clock; chunks, residency and the
 scheduler are the real ones."""
 
 from __future__ import annotations
 
 import pytest
 
-from managers.gpu import GpuManager
-from managers.gpu_config import parse_gpu_config
+from managers.gpu.config import parse_gpu_config
+from managers.gpu.manager import GpuManager
 from tangram.core.action import Action, Demand
 from tangram.durations import DurationModel
 from tangram.scheduler import Scheduler

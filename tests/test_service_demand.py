@@ -1,4 +1,4 @@
-"""Demand per reward service (``managers/service_demand.py``): the exponentially weighted arrival rate (steady, young,
+"""Demand per reward service (``managers/gpu/service_demand.py``): the exponentially weighted arrival rate (steady, young,
 decaying), run GPU-seconds learned per GPU type from actions' ends, the speed prior that carries them to types not
 seen yet, measured speeds and loads; and ``gpu_types.bound_of``, which gives each service its prior's bound."""
 
@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from managers.gpu_types import GPU_TYPES, REFERENCE_TYPE, bound_of
-from managers.service_demand import MIN_GPU_S, PRIOR_GPU_S, RUN_EWMA_ALPHA, ServiceDemand
+from managers.gpu.gpu_types import GPU_TYPES, REFERENCE_TYPE, bound_of
+from managers.gpu.service_demand import MIN_GPU_S, PRIOR_GPU_S, RUN_EWMA_ALPHA, ServiceDemand
 from reward_services.backend import TASKS
 from tangram.core.action import Action, Demand, Kind
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from managers.gpu_types import GPU_TYPES, speed
+from managers.gpu.gpu_types import GPU_TYPES, speed
 from tangram.sim.assumptions import parse
 from tangram.sim.broker_station import gpu_node_configs
 from tangram.sim.cluster import Cluster, ServiceModel

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from managers.exec_spec import PytestRunner
+from managers.cpu.exec_spec import PytestRunner
 from tangram.core.action import Demand
 from tangram.sim import policies, workloads
 from tangram.sim.broker_station import ELASTIC_TEST

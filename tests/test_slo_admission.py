@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from managers.gpu import GpuManager
+from managers.gpu.manager import GpuManager
 from reward_services.backend import ServiceInstance, ServiceSpec
 from tangram.auth import new_token, token_sha256
 from tangram.cli import main as cli_main

@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 from rich.console import Console
 
 from managers.counted import CountedUnitsManager
-from managers.cpu import CpuManager
-from managers.cpu_config import CpuConfig, CpuNodeConfig
-from managers.cpu_node import CpuNode
+from managers.cpu.config import CpuConfig, CpuNodeConfig
+from managers.cpu.manager import CpuManager
+from managers.cpu.node import CpuNode
 from tangram import dispatch
 from tangram.cli import status_view
 from tangram.core.action import Action, Demand, Elasticity, Kind

@@ -26,8 +26,8 @@ import psutil
 import pytest
 
 from loadtest.suites import DEFAULT_CACHE_DIR, SUITES, fetch
-from managers.exec_spec import RUNNER_BANNER
-from managers.long_tests import LONG_TESTS_ENV, LONG_TESTS_LINE, TESTS_KEPT
+from managers.cpu.exec_spec import RUNNER_BANNER
+from managers.cpu.long_tests import LONG_TESTS_ENV, LONG_TESTS_LINE, TESTS_KEPT
 from sandboxes.image import DEFAULT_IMAGE
 from tests.docker_nodes import docker_engines
 

@@ -3,7 +3,7 @@ once it may no longer lead.
 
 The store fences itself (``tangram/leadership.py``): a deposed leader's write is refused. Node agents fence the
 same way: every call carries the caller's epoch and an agent refuses an epoch below the highest it has seen
-(``managers/agent_replies.py``), so a new leader's first calls (adoption, at its start) shut the old one out of
+(``managers/remote/replies.py``), so a new leader's first calls (adoption, at its start) shut the old one out of
 every agent it reaches; the refusal deposes the old one. Sandboxes without an agent and upstream APIs cannot
 compare epochs, so the broker calls ``Fencing.check`` right before each such side effect (a command, a new
 sandbox, an HTTP attempt; a deposed broker removes no sandbox): it fails once anything told this broker it was
@@ -15,7 +15,7 @@ it lost it: at most ``POLL_S`` once the database has ended the old leader's sess
 ``CHECK_TIMEOUT_S`` when the database goes silent instead (unless a store write or an agent call tells it sooner).
 At an agent, what remains is a call it accepted before the new leader's first one, and the agents a new leader
 never calls (each broker makes its own service agents on GPU nodes): those are bounded by the window above. A node
-agent that Ray restarts starts from the epoch it kept on its node (``managers/agent_replies.py``).
+agent that Ray restarts starts from the epoch it kept on its node (``managers/remote/replies.py``).
 
 One ``Fencing`` per leading broker, installed for the process by ``leading`` while it runs; outside that (a single
 broker on SQLite, a test's broker) the current fencing has no epoch and is never deposed: nothing is fenced.

@@ -37,7 +37,7 @@ class MetricsRegistry(Protocol):
 
 class ActionWatcher(Protocol):
     """Told of every action a submit queues and of every action's end (``tangram/slo_attainment.py``,
-    ``managers/service_demand.py``)."""
+    ``managers/gpu/service_demand.py``)."""
 
     def submitted(self, action: Action) -> None: ...
 

@@ -6,7 +6,7 @@ life, buddy GPU chunks, API quota windows on the virtual clock). Execution time 
 granted units; overhead is the dispatch cost and the sandbox creation on a trajectory's first exec (CPU), or the
 restore from host memory when the service is not resident on the chunk (GPU, using the manager's residency and
 its LRU eviction). On a typed cluster a reward call runs at its service's speed on the node's GPU type, and a
-restore's host-to-GPU copy at the type's rate (``managers/gpu_types.py``); an untyped cluster is all reference type.
+restore's host-to-GPU copy at the type's rate (``managers/gpu/gpu_types.py``); an untyped cluster is all reference type.
 """
 
 from __future__ import annotations
@@ -16,16 +16,16 @@ import statistics
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from managers.basic import BasicManager, BasicResourceConfig
-from managers.cpu import CpuManager
-from managers.cpu_config import CpuConfig, CpuNodeConfig
-from managers.cpu_node import CpuNode
-from managers.gpu import GpuManager, GpuNode
-from managers.gpu_config import GpuConfig, GpuNodeConfig, PlacementChoice
-from managers.gpu_placement import Method
-from managers.gpu_types import REFERENCE_TYPE, restore_factor, speed
-from managers.host_tier import CopyState, HostTierFull
-from managers.residency import SlotState
+from managers.basic.manager import BasicManager, BasicResourceConfig
+from managers.cpu.config import CpuConfig, CpuNodeConfig
+from managers.cpu.manager import CpuManager
+from managers.cpu.node import CpuNode
+from managers.gpu.config import GpuConfig, GpuNodeConfig, PlacementChoice
+from managers.gpu.gpu_types import REFERENCE_TYPE, restore_factor, speed
+from managers.gpu.host_tier import CopyState, HostTierFull
+from managers.gpu.manager import GpuManager, GpuNode
+from managers.gpu.placement import Method
+from managers.gpu.residency import SlotState
 from reward_services.backend import ServiceBackend, ServiceInstance, ServiceSpec
 from sandboxes.backend import Leftover, Sandbox, SandboxBackend, SandboxSpec
 from tangram import dispatch

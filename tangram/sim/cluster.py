@@ -7,8 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import get_args
 
-from managers.exec_spec import PytestRunner
-from managers.gpu_types import GPU_TYPES, REFERENCE_TYPE, Bound, GpuType
+from managers.cpu.exec_spec import PytestRunner
+from managers.gpu.gpu_types import GPU_TYPES, REFERENCE_TYPE, Bound, GpuType
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,7 +25,7 @@ class ServiceModel:
 
     @property
     def bound(self) -> Bound:
-        """What limits its speed on a GPU type (``managers/gpu_types.py``): memory bandwidth if it generates."""
+        """What limits its speed on a GPU type (``managers/gpu/gpu_types.py``): memory bandwidth if it generates."""
         return "memory" if self.generates else "compute"
 
 

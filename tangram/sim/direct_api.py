@@ -11,7 +11,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
-from managers.quota import QuotaWindow
+from managers.basic.quota import QuotaWindow
 from tangram.sim.cluster import Cluster
 from tangram.sim.engine import CallRun
 from tangram.sim.trace import Trajectory

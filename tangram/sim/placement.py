@@ -1,10 +1,10 @@
 """Which GPU nodes each reward service may run on in a simulated run on a typed cluster (issue 18): the placement
-of ``managers/gpu_placement.py`` over the cluster's node groups, from loads that the scenario reads off the trace,
+of ``managers/gpu/placement.py`` over the cluster's node groups, from loads that the scenario reads off the trace,
 given to the GPU manager as the groups where each service has a variant (``GpuManager.place_on_types``).
 
 The loads are an oracle: the whole trace's reward work is known before the run starts, which a broker never knows.
 It measures what a placement is worth with its input right, against the manager's own placement from the demand it
-measures (``[gpu] placement``, ``managers/live_placement.py``).
+measures (``[gpu] placement``, ``managers/gpu/live_placement.py``).
 """
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from managers.gpu_config import GpuNodeConfig
-from managers.gpu_placement import (
+from managers.gpu.config import GpuNodeConfig
+from managers.gpu.gpu_types import REFERENCE_TYPE
+from managers.gpu.placement import (
     Method,
     Placement,
     ServiceLoad,
@@ -23,7 +24,6 @@ from managers.gpu_placement import (
     place_greedy,
     place_type_blind,
 )
-from managers.gpu_types import REFERENCE_TYPE
 from tangram.sim.cluster import Cluster
 from tangram.sim.trace import Trace
 

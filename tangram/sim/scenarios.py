@@ -13,8 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from managers.cpu_config import CpuConfig
-from managers.gpu_types import speed
+from managers.cpu.config import CpuConfig
+from managers.gpu.gpu_types import speed
 from tangram.sim.assumptions import Assumptions
 from tangram.sim.broker_station import gpu_node_configs
 from tangram.sim.cluster import ApiModel, Cluster, Costs, ServiceModel, gpu_nodes
@@ -381,7 +381,7 @@ def gpu_hetero(scale: float, seed: int, progress: Progress = _stderr,
                assumed: Assumptions = NONE_ASSUMED) -> Outcome:
     """Issue 18: the MOPD+DeepSearch mix on 40 GPUs, half H100 and half H20, under the ``HETERO_POLICIES``: a
     type-blind broker, the typed fit alone, the GPU manager's own placement from the demand it measures, and a
-    placement (ILP, greedy; ``managers/gpu_placement.py``) from the trace's own loads (an oracle). Teachers only
+    placement (ILP, greedy; ``managers/gpu/placement.py``) from the trace's own loads (an oracle). Teachers only
     score (compute-bound: an H20 runs them at 15% of an H100's speed); the judge generates (memory-bound: 119%)."""
     points: list[Point] = []
     batches = [round(batch * scale) for batch in (512, 1024, 2048)]

@@ -4,7 +4,7 @@ serves, placed on the Ray node that carries the custom resource ``tangram_gpu_no
 of the node's GPUs an instance uses, by index, as it does on its own host, so Ray is told not to narrow the agent's
 ``CUDA_VISIBLE_DEVICES``. Ray restarts a dead agent (its instances are made afresh); the agent is owned by the
 broker's process and goes with it, since a new broker prepares its services anew. Every call carries the broker's
-leader epoch (``managers/agent_replies.py``) as a node agent's does; but since a new leader makes agents of its own,
+leader epoch (``managers/remote/replies.py``) as a node agent's does; but since a new leader makes agents of its own,
 it never calls the old leader's, so these are fenced only by the old leader's own checks (``tangram/core/fencing.py``)
 and go when it stops. Only a config with such a node imports this module.
 """
@@ -18,11 +18,17 @@ from typing import Any
 import ray
 from ray.exceptions import RayError
 
-from managers.agent_replies import Reply, failed, fenced, replying
-from managers.gpu_config import GpuConfig, GpuNodeConfig, node_on_this_host
-from managers.ray_cluster import PLACEMENT_TIMEOUT_S, RayUnavailable, call_agent, connect, gpu_node_resource
-from managers.service_agent import ServiceAgent
-from managers.service_backends import make_service_backend
+from managers.gpu.config import GpuConfig, GpuNodeConfig, node_on_this_host
+from managers.gpu.service_backends import make_service_backend
+from managers.remote.broker.ray_cluster import (
+    PLACEMENT_TIMEOUT_S,
+    RayUnavailable,
+    call_agent,
+    connect,
+    gpu_node_resource,
+)
+from managers.remote.node.service_agent import ServiceAgent
+from managers.remote.replies import Reply, failed, fenced, replying
 from reward_services.backend import ServiceError
 from tangram.core.errors import ConfigError
 

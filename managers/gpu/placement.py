@@ -14,8 +14,8 @@ a service fits (its memory per GPU within the type's, its host copy within a nod
                 sum_g x[s,g] >= 1                           for every service (each can run somewhere)
                 a >= 0, x binary, 0 <= t <= t_high
 
-``a[s,g]`` is GPUs' worth of group ``g``'s time given to ``s``; ``speed`` comes from ``managers/gpu_types.py``, or
-where given, from speeds measured (``speeds``, ``managers/service_demand.py``);
+``a[s,g]`` is GPUs' worth of group ``g``'s time given to ``s``; ``speed`` comes from ``managers/gpu/gpu_types.py``, or
+where given, from speeds measured (``speeds``, ``managers/gpu/service_demand.py``);
 ``load`` is GPU-seconds per second on the reference type; ``host[g]`` a node's host memory. ``t_high`` bounds the
 optimum (the LP relaxation's ``t``, tightened by re-solving with it), so ``m[s,g] = min(gpus[g], t_high * load[s] /
 speed[s,g])``: serving a service more than ``t`` times its load never helps, and the tighter ``m`` makes host memory
@@ -43,7 +43,7 @@ from numpy.typing import NDArray
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_array
 
-from managers.gpu_types import GPU_TYPES, REFERENCE_TYPE, Bound, GpuType, fits, speed
+from managers.gpu.gpu_types import GPU_TYPES, REFERENCE_TYPE, Bound, GpuType, fits, speed
 
 log = logging.getLogger(__name__)
 

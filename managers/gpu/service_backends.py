@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from managers.gpu_config import GpuConfig, GpuNodeConfig
+from managers.gpu.config import GpuConfig, GpuNodeConfig
 from reward_services.backend import ServiceBackend
 
 #: whether a kind's instances share one host copy of a service's weights (``ServiceBackend.shares_host_copy``),
@@ -20,8 +20,8 @@ def make_service_backend(kind: str, node: GpuNodeConfig, config: GpuConfig) -> S
     """Backends are imported only when a service uses them (torch is heavy; SGLang needs nothing here, Ray only a
     node behind an agent)."""
     if node.agent:
-        from managers.agent_services import AgentServiceBackend
-        from managers.ray_service_agents import RayServiceLink
+        from managers.remote.broker.agent_services import AgentServiceBackend
+        from managers.remote.broker.ray_service_agents import RayServiceLink
 
         return AgentServiceBackend(RayServiceLink(kind, replace(node, agent=False), config), HOST_COPY_SHARED[kind],
                                    SPILLS_TO_DISK[kind] and node.disk_dir is not None)

@@ -25,8 +25,8 @@ from typing import Annotated
 import aiohttp
 from pydantic import Field, TypeAdapter
 
-from managers.quota import QuotaWindow
-from managers.upstream import ApiSpec, Upstream, UpstreamConfig, validate_spec
+from managers.basic.quota import QuotaWindow
+from managers.basic.upstream import ApiSpec, Upstream, UpstreamConfig, validate_spec
 from tangram.core.action import Action, Kind
 from tangram.core.config_tables import TABLE, Count, PositiveSeconds, table
 from tangram.core.errors import ConfigError, Unprocessable

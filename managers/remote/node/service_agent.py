@@ -1,12 +1,12 @@
 """A service agent: one GPU node's reward-service instances of one kind behind plain, picklable calls (issue 17).
 
-The agent runs on its GPU node (``managers/ray_service_agents.py`` places it there as a Ray actor) and holds that
+The agent runs on its GPU node (``managers/remote/broker/ray_service_agents.py`` places it there as a Ray actor) and holds that
 node's own backend (the torch worker, or SGLang servers), so weights move between the node's host memory and its
-GPUs without crossing the network. A broker elsewhere drives it through ``managers/agent_services.py``, a
+GPUs without crossing the network. A broker elsewhere drives it through ``managers/remote/broker/agent_services.py``, a
 ``ServiceBackend`` like any other: the GPU manager's chunks, admission and LRU residency do not know the node is
 remote.
 
-Every call answers as ``managers/agent_replies.py`` says, and comes through ``FencedAgent.call`` with its broker's
+Every call answers as ``managers/remote/replies.py`` says, and comes through ``FencedAgent.call`` with its broker's
 epoch. The agent checks a request as the REST API does (the same parser and limits): the cluster is the trust
 boundary, and a caller inside it that skipped the API must not hand a model an oversized request either. An agent
 that Ray restarted holds no instances: calls for the old ones answer ``service_unavailable``, and the GPU manager
@@ -19,7 +19,7 @@ import contextlib
 from collections.abc import Callable
 from typing import Any
 
-from managers.agent_replies import FencedAgent, replying
+from managers.remote.replies import FencedAgent, replying
 from reward_services.backend import ServiceBackend, ServiceError, ServiceInstance, ServiceSpec
 from reward_services.requests import RewardLimits, parse_reward_input
 from tangram.core.errors import RequestError
@@ -83,7 +83,7 @@ class ServiceAgent(FencedAgent):
             raise ServiceError("bad_input", f"{error.field}: {error.reason}") from None
         return await instance.infer(checked)
 
-    # the disk tier of this node (``managers/disk_tier.py`` decides when; the files are on this node's disk)
+    # the disk tier of this node (``managers/gpu/disk_tier.py`` decides when; the files are on this node's disk)
 
     @replying
     async def disk_room_mb(self, names: list[str]) -> int:

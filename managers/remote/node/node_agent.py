@@ -1,11 +1,11 @@
 """A node agent: one node's sandbox backend behind plain, picklable calls (issue 17).
 
-The agent runs on its node (``managers/ray_agents.py`` places it there as a Ray actor) and opens that node's own
+The agent runs on its node (``managers/remote/broker/ray_agents.py`` places it there as a Ray actor) and opens that node's own
 backend, so the node keeps the fast path (cgroup files and the executor's unix socket) that only works on the
-engine's host. A broker elsewhere drives it through ``managers/agent_backend.py``, which is a ``SandboxBackend``
+engine's host. A broker elsewhere drives it through ``managers/remote/broker/agent_backend.py``, which is a ``SandboxBackend``
 like any other: the CPU manager does not know that a node is remote.
 
-Every call answers as ``managers/agent_replies.py`` says, so a sandbox error crosses the process boundary with its
+Every call answers as ``managers/remote/replies.py`` says, so a sandbox error crosses the process boundary with its
 code intact, and comes through ``FencedAgent.call``, so a deposed leader's call is refused before it has any effect
 (a new leader's first call, at its start, raises the agent's epoch). The agent checks what reaches it as the REST
 API does (file paths stay inside the working directory, bounded file sets): the cluster is the trust boundary, and
@@ -19,8 +19,8 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from managers.agent_replies import FencedAgent, replying
-from managers.exec_spec import ExecLimits, check_files
+from managers.cpu.exec_spec import ExecLimits, check_files
+from managers.remote.replies import FencedAgent, replying
 from sandboxes.backend import Executed, Leftover, NodeHardware, Sandbox, SandboxBackend, SandboxError, SandboxSpec
 from tangram.core.errors import RequestError
 

@@ -15,9 +15,9 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 
-from managers.cpu_config import CpuConfig
-from managers.cpu_node import CpuNode
-from managers.environment import Environment, EnvState
+from managers.cpu.config import CpuConfig
+from managers.cpu.environment import Environment, EnvState
+from managers.cpu.node import CpuNode
 from sandboxes.backend import Leftover, Sandbox, SandboxError
 from tangram.core.action import new_action_id
 from tangram.core.errors import ActionFailed, Conflict, NotFound, TooMany, Unavailable, Unprocessable

@@ -18,10 +18,10 @@ from typing import Any
 import ray
 from ray.exceptions import ActorDiedError, RayActorError
 
-from managers.agent_replies import Reply, failed
-from managers.ray_auth_probe import enforcement_problem
-from managers.ray_config import RayConfig
-from managers.ray_loopback import LOOPBACK_SWITCH
+from managers.remote.broker.ray_auth_probe import enforcement_problem
+from managers.remote.broker.ray_config import RayConfig
+from managers.remote.broker.ray_loopback import LOOPBACK_SWITCH
+from managers.remote.replies import Reply, failed
 from tangram.core.loopback import is_loopback
 
 log = logging.getLogger("tangram.ray")

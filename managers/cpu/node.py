@@ -3,9 +3,9 @@ whether it is still in service."""
 
 from __future__ import annotations
 
-from managers.cores import CorePool
-from managers.cpu_config import CpuNodeConfig
-from managers.node_standing import NodeStanding
+from managers.cpu.config import CpuNodeConfig
+from managers.cpu.cores import CorePool
+from managers.remote.broker.node_standing import NodeStanding
 from sandboxes.backend import SandboxBackend
 
 

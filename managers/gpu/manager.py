@@ -29,19 +29,19 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import Counter, Histogram
 
-from managers.agent_services import AgentServiceBackend
-from managers.chunk_operator import ChunkOperator
-from managers.chunks import Chunk, ChunkAllocator, Preference, after_allocating
-from managers.delay_wait import DelayWaits
-from managers.disk_tier import DiskTier
-from managers.gpu_config import GpuConfig, GpuNodeConfig, on_this_host
-from managers.gpu_types import REFERENCE_TYPE, bound_of, restore_factor
-from managers.host_tier import CopyState, HostCopy, HostTier
-from managers.live_placement import LivePlacement, PlacementCollector, ServiceFigures
-from managers.node_standing import NodeStanding
-from managers.residency import Residency, Slot, SlotState
-from managers.service_backends import make_service_backend
-from managers.service_demand import ServiceDemand
+from managers.gpu.chunk_operator import ChunkOperator
+from managers.gpu.chunks import Chunk, ChunkAllocator, Preference, after_allocating
+from managers.gpu.config import GpuConfig, GpuNodeConfig, on_this_host
+from managers.gpu.delay_wait import DelayWaits
+from managers.gpu.disk_tier import DiskTier
+from managers.gpu.gpu_types import REFERENCE_TYPE, bound_of, restore_factor
+from managers.gpu.host_tier import CopyState, HostCopy, HostTier
+from managers.gpu.live_placement import LivePlacement, PlacementCollector, ServiceFigures
+from managers.gpu.residency import Residency, Slot, SlotState
+from managers.gpu.service_backends import make_service_backend
+from managers.gpu.service_demand import ServiceDemand
+from managers.remote.broker.agent_services import AgentServiceBackend
+from managers.remote.broker.node_standing import NodeStanding
 from reward_services.backend import GONE, ServiceBackend, ServiceError, ServiceSpec
 from reward_services.requests import RewardRequest, RewardSpecBody, parse_reward_input, parse_reward_spec
 from tangram.core.action import Action, Kind
@@ -67,7 +67,7 @@ from tangram.core.seam import (
 )
 
 if TYPE_CHECKING:
-    from managers.ray_membership import RayMembership
+    from managers.remote.broker.ray_membership import RayMembership
 
 log = logging.getLogger("tangram.gpu")
 
@@ -373,8 +373,10 @@ class GpuManager(ResourceManager[GpuHandle]):
         for node in self.nodes.values():
             await self._prepare(node)
         if self.config.join is not None or any(node.config.agent for node in self.nodes.values()):
-            from managers.ray_cluster import GPU_NODE_RESOURCE_PREFIX  # Ray is imported only for agent nodes
-            from managers.ray_membership import RayMembership
+            from managers.remote.broker.ray_cluster import (
+                GPU_NODE_RESOURCE_PREFIX,  # Ray is imported only for agent nodes
+            )
+            from managers.remote.broker.ray_membership import RayMembership
 
             self._membership = RayMembership(self.config.ray, GPU_NODE_RESOURCE_PREFIX, self.node_joined,
                                              self.node_left)
@@ -605,7 +607,7 @@ class GpuManager(ResourceManager[GpuHandle]):
 
     def place_services(self, allowed: Mapping[str, Collection[str]] | None = None) -> None:
         """Confine each service's reward actions to the nodes named for it (a placement's variants,
-        ``managers/gpu_placement.py``); ``None``, the default, lets every service run on every node. An empty or
+        ``managers/gpu/placement.py``); ``None``, the default, lets every service run on every node. An empty or
         missing entry, or one naming no node in service (unknown or lost), also means every node: a placement can
         slow a service down but never leave it unservable. Only where new actions start changes: instances
         resident elsewhere stay until evicted, and a resident instance on a node outside counts for nothing."""

@@ -2,7 +2,7 @@
 carries the custom resource ``tangram_node_<name>`` (``ray start --resources '{"tangram_node_n2": 1}'``), restarted
 by Ray when it dies (the restarted agent takes its sandboxes back by their labels). The agent is detached from the
 broker's process, so a broker that crashes finds it again under its name when it comes back and adopts through it;
-a broker that stops lets it go. Every call carries the broker's leader epoch (``managers/agent_replies.py``), so
+a broker that stops lets it go. Every call carries the broker's leader epoch (``managers/remote/replies.py``), so
 after a failover the agent obeys only the new leader. Only a config with such a node imports this module, so a
 one-machine broker needs no Ray. ``ray_cluster.py`` joins the cluster, under its token.
 """
@@ -17,12 +17,12 @@ from typing import Any
 
 import ray
 
-from managers.agent_backend import AgentBackend
-from managers.agent_replies import Reply, fenced
-from managers.cpu_config import CpuConfig, CpuNodeConfig, on_this_host
-from managers.node_agent import NodeAgent
-from managers.ray_cluster import PLACEMENT_TIMEOUT_S, RayUnavailable, call_agent, connect, node_resource
-from managers.sandbox_backends import open_sandbox_backend
+from managers.cpu.config import CpuConfig, CpuNodeConfig, on_this_host
+from managers.cpu.sandbox_backends import open_sandbox_backend
+from managers.remote.broker.agent_backend import AgentBackend
+from managers.remote.broker.ray_cluster import PLACEMENT_TIMEOUT_S, RayUnavailable, call_agent, connect, node_resource
+from managers.remote.node.node_agent import NodeAgent
+from managers.remote.replies import Reply, fenced
 from sandboxes.backend import NODE_UNAVAILABLE, NodeHardware, SandboxError
 
 log = logging.getLogger("tangram.cpu")

@@ -1,8 +1,8 @@
-"""A GPU node's reward services driven through its service agent (``managers/service_agent.py``): a
+"""A GPU node's reward services driven through its service agent (``managers/remote/node/service_agent.py``): a
 ``ServiceBackend`` like the torch worker and SGLang, so the GPU manager runs a node behind an agent exactly as one
 on its own host (issue 17).
 
-The transport is a ``ServiceLink``; ``managers/ray_service_agents.py`` makes one over a Ray actor. A transport
+The transport is a ``ServiceLink``; ``managers/remote/broker/ray_service_agents.py`` makes one over a Ray actor. A transport
 failure (the agent or its node gone) arrives as an error reply like any other: ``service_unavailable`` or
 ``node_lost``, after which the GPU manager makes the instance afresh before it answers again.
 """
@@ -13,8 +13,8 @@ import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
-from managers.agent_replies import Reply
-from managers.gpu_config import GpuNodeConfig
+from managers.gpu.config import GpuNodeConfig
+from managers.remote.replies import Reply
 from reward_services.backend import ServiceBackend, ServiceError, ServiceInstance, ServiceSpec
 
 

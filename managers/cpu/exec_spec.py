@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag, TypeAdapter
 
-from managers.long_tests import LONG_TESTS_ENV
+from managers.cpu.long_tests import LONG_TESTS_ENV
 from sandboxes.backend import SANDBOX_USER
 from tangram.core.config_tables import TABLE, Count
 from tangram.core.errors import BadRequest, TooLarge, Unprocessable
@@ -269,7 +269,7 @@ def executor_request(spec: ExecSpec, cores: tuple[int, ...], timeout_s: float, w
     core count unless the action is malleable, ``workers``, and started with more workers than cores, and its
     workers do not follow its cores); with ``pytest_parallel``, ``pytest`` runs on workers (``pytest_flags``), and
     the executor puts the runner's directory on PYTHONPATH where it is asked to. The runner gets the tests its
-    signature's earlier runs found long (``managers.long_tests``). ``tag`` names the command for a later re-pin
+    signature's earlier runs found long (``managers.cpu.long_tests``). ``tag`` names the command for a later re-pin
     (``op: cpus``)."""
     n = len(cores) if follows or not workers else workers
     flags = pytest_flags(runner, n, len(cores), follows) if runs_pytest(spec) else []

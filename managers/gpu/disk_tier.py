@@ -4,7 +4,7 @@ and the loads themselves.
 Each node's ``HostTier`` books its host memory; this module decides across nodes:
 
 * **Locality.** The fit prefers a node holding the service's copy. When only nodes that would load it from disk
-  have a free chunk, the action is deferred (``managers/delay_wait.py``) for up to one load's time, so a node's
+  have a free chunk, the action is deferred (``managers/gpu/delay_wait.py``) for up to one load's time, so a node's
   host memory keeps serving the services it holds instead of being churned by every placement.
 * **Prefetch.** The services of the queued reward actions, in the order they will run, that no node holds are
   loaded ahead of their actions, on one node each (the fit sends their actions there), dropping only copies that
@@ -26,13 +26,13 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import Counter
 
-from managers.host_tier import CopyState, HostCopy, HostTierFull
+from managers.gpu.host_tier import CopyState, HostCopy, HostTierFull
 from reward_services.backend import ServiceError, ServiceSpec
 from tangram.core.errors import ActionFailed
 from tangram.core.learned import LearnedSeconds
 
 if TYPE_CHECKING:
-    from managers.gpu import GpuNode
+    from managers.gpu.manager import GpuNode
 
 log = logging.getLogger("tangram.gpu")
 

@@ -10,9 +10,9 @@ from typing import Annotated, Any, Literal
 import psutil
 from pydantic import AfterValidator, BeforeValidator, Field, Strict
 
-from managers.cores import host_numa_nodes
-from managers.exec_spec import ExecLimits, PytestRunner, SandboxUser
-from managers.ray_config import RayConfig, check_no_ray_keys
+from managers.cpu.cores import host_numa_nodes
+from managers.cpu.exec_spec import ExecLimits, PytestRunner, SandboxUser
+from managers.remote.broker.ray_config import RayConfig, check_no_ray_keys
 from sandboxes.backend import DEFAULT_SANDBOX_USER, SandboxSpec
 from sandboxes.cgroup import parse_cpu_list
 from sandboxes.image import DEFAULT_IMAGE

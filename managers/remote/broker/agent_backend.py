@@ -1,7 +1,7 @@
-"""A node's sandboxes driven through its node agent (``managers/node_agent.py``): a ``SandboxBackend`` like the
+"""A node's sandboxes driven through its node agent (``managers/remote/node/node_agent.py``): a ``SandboxBackend`` like the
 Docker and local ones, so the CPU manager runs a node behind an agent exactly as one on its own host.
 
-The transport is a function ``call(method, *args)`` that returns the agent's reply; ``managers/ray_agents.py``
+The transport is a function ``call(method, *args)`` that returns the agent's reply; ``managers/remote/broker/ray_agents.py``
 makes one over a Ray actor. A transport failure (the agent or its node is gone) arrives as an error reply like any
 other, with ``lost`` set, so the environment is reported lost and the action fails with a code.
 """
@@ -13,7 +13,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from managers.agent_replies import Reply
+from managers.remote.replies import Reply
 from sandboxes.backend import Executed, Leftover, Sandbox, SandboxBackend, SandboxError, SandboxSpec
 
 log = logging.getLogger("tangram.cpu")

@@ -23,9 +23,9 @@ from typing import Literal
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from managers.gpu_placement import NodeGroup, Placement, ServiceLoad, TypedNode, node_groups, place, place_greedy
-from managers.gpu_types import Bound, GpuType
-from managers.service_demand import ServiceDemand
+from managers.gpu.gpu_types import Bound, GpuType
+from managers.gpu.placement import NodeGroup, Placement, ServiceLoad, TypedNode, node_groups, place, place_greedy
+from managers.gpu.service_demand import ServiceDemand
 
 log = logging.getLogger("tangram.gpu")
 

@@ -15,7 +15,7 @@ import itertools
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from managers.chunks import Chunk
+from managers.gpu.chunks import Chunk
 from reward_services.backend import ServiceInstance
 
 

@@ -13,7 +13,7 @@ from 0 (the start).
 
 from __future__ import annotations
 
-from managers.chunks import LEVELS, Counts, after_allocating
+from managers.gpu.chunks import LEVELS, Counts, after_allocating
 
 
 class ChunkOperator:

@@ -21,8 +21,8 @@ from collections.abc import Awaitable, Callable
 
 import ray
 
-from managers.ray_cluster import alive_nodes, connect
-from managers.ray_config import RayConfig
+from managers.remote.broker.ray_cluster import alive_nodes, connect
+from managers.remote.broker.ray_config import RayConfig
 
 log = logging.getLogger("tangram.ray")
 

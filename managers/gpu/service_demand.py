@@ -1,5 +1,5 @@
 """What each reward service asks of the GPUs, measured while the broker runs: the input of the live placement
-(``managers/live_placement.py``) and of the typed fit (issue 18).
+(``managers/gpu/live_placement.py``) and of the typed fit (issue 18).
 
 Two figures per service, both learned from the actions themselves, so that neither depends on how well the service
 is being served now (a starved service's completions fall; its arrivals do not):
@@ -21,7 +21,7 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from managers.gpu_types import REFERENCE_TYPE, Bound, GpuType, speed
+from managers.gpu.gpu_types import REFERENCE_TYPE, Bound, GpuType, speed
 from tangram.core.action import Action, Kind
 
 #: weight of each observed action in a (service, type)'s run seconds

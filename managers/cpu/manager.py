@@ -8,7 +8,7 @@ executor, and the cores return to the pool when it ends.
 Pools are nodes: ``fit`` and the DP see free cores per node, never a global sum. A trajectory's first action picks
 a node that has the cores now and the memory for the whole environment, balancing memory load; its later actions
 stay there. Inside a node, cores come from one NUMA node when possible. The environments themselves (reserving,
-creating, reaping, taking over after a restart) are ``managers/environments.py``'s.
+creating, reaping, taking over after a restart) are ``managers/cpu/environments.py``'s.
 """
 
 from __future__ import annotations
@@ -23,13 +23,13 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import Counter as MetricCounter
 
-from managers.cpu_config import CpuConfig, CpuNodeConfig, on_this_host
-from managers.cpu_node import CpuNode
-from managers.environment import Environment, EnvState
-from managers.environments import Environments
-from managers.exec_spec import ExecSpec, ExecSpecBody, executor_request, parse_exec_spec, runner_report, runs_pytest
-from managers.long_tests import LongTests, long_tests_from
-from managers.sandbox_backends import SandboxFactory, open_sandbox_backend
+from managers.cpu.config import CpuConfig, CpuNodeConfig, on_this_host
+from managers.cpu.environment import Environment, EnvState
+from managers.cpu.environments import Environments
+from managers.cpu.exec_spec import ExecSpec, ExecSpecBody, executor_request, parse_exec_spec, runner_report, runs_pytest
+from managers.cpu.long_tests import LongTests, long_tests_from
+from managers.cpu.node import CpuNode
+from managers.cpu.sandbox_backends import SandboxFactory, open_sandbox_backend
 from sandboxes.backend import NODE_UNAVAILABLE, Leftover, SandboxBackend, SandboxError
 from tangram.core.action import Action, Kind
 from tangram.core.errors import ActionFailed, Conflict, NotFound, Unprocessable
@@ -38,7 +38,7 @@ from tangram.core.malleable import WorkerCost, Workers, workers_for
 from tangram.core.seam import Allocation, Fit, MetricsRegistry, Outcome, PoolStatus, ResourceManager
 
 if TYPE_CHECKING:
-    from managers.ray_membership import RayMembership
+    from managers.remote.broker.ray_membership import RayMembership
 
 log = logging.getLogger("tangram.cpu")
 
@@ -138,7 +138,7 @@ class CpuManager(ResourceManager[CpuHandle]):
 
     def __init__(self, config: CpuConfig, open_backend: SandboxFactory = open_sandbox_backend) -> None:
         """``open_backend(node, config)`` opens a node's sandbox backend at ``start`` (by default its Docker
-        engine, or local processes: ``managers/sandbox_backends.py``); ``add_node`` puts a node in service with
+        engine, or local processes: ``managers/cpu/sandbox_backends.py``); ``add_node`` puts a node in service with
         one already made (the simulator's)."""
         self.config = replace(config, nodes=tuple(on_this_host(node) for node in config.nodes))
         self._open_backend = open_backend
@@ -159,8 +159,10 @@ class CpuManager(ResourceManager[CpuHandle]):
             await self._into_service(node_config, backend, await backend.adopt(self.config.broker_id))
         self.environments.start_reaping()
         if self.config.join is not None or any(node.agent for node in self.config.nodes):
-            from managers.ray_cluster import NODE_RESOURCE_PREFIX  # Ray is imported only for nodes behind agents
-            from managers.ray_membership import RayMembership
+            from managers.remote.broker.ray_cluster import (
+                NODE_RESOURCE_PREFIX,  # Ray is imported only for nodes behind agents
+            )
+            from managers.remote.broker.ray_membership import RayMembership
 
             self._membership = RayMembership(self.config.ray, NODE_RESOURCE_PREFIX, self.node_joined, self.node_left)
             await self._membership.start()

@@ -2,7 +2,7 @@
 default image when the node starts; or, only where the config says so in so many words (``backend = "local"`` and
 ``unsandboxed = true``), this host's processes, in no sandbox. Exec never falls back to them: a node without its
 engine or image does not start, and the error names the fix. For a node with ``agent = true``, that node's agent
-(``managers/ray_agents.py``) opens one of these on its node. The CPU manager takes this as its default factory; a
+(``managers/remote/broker/ray_agents.py``) opens one of these on its node. The CPU manager takes this as its default factory; a
 caller that makes sandboxes otherwise (the simulator, a node agent) passes its own."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from pathlib import Path
 
 from docker.tls import TLSConfig
 
-from managers.cpu_config import CpuConfig, CpuNodeConfig
-from managers.run_dir import trusted_run_dir
+from managers.cpu.config import CpuConfig, CpuNodeConfig
+from managers.cpu.run_dir import trusted_run_dir
 from sandboxes.backend import SandboxBackend, SandboxError, SandboxSpec
 from sandboxes.docker import DockerBackend
 from sandboxes.local import LocalProcessBackend
@@ -40,7 +40,9 @@ def _fixes(node: CpuNodeConfig, image: str) -> str:
 
 async def open_sandbox_backend(node: CpuNodeConfig, config: CpuConfig) -> SandboxBackend:
     if node.agent:
-        from managers.ray_agents import open_agent_backend  # Ray is imported only for a node behind an agent
+        from managers.remote.broker.ray_agents import (
+            open_agent_backend,  # Ray is imported only for a node behind an agent
+        )
 
         return await open_agent_backend(node, config)
     run_dir = Path(config.run_dir) / config.broker_id / node.name

@@ -9,9 +9,9 @@ from typing import Any, Literal
 
 import psutil
 
-from managers.gpu_discovery import discover_gpus
-from managers.gpu_types import GPU_TYPES, REFERENCE_TYPE, GpuType, merge_types
-from managers.ray_config import RayConfig, check_no_ray_keys
+from managers.gpu.discovery import discover_gpus
+from managers.gpu.gpu_types import GPU_TYPES, REFERENCE_TYPE, GpuType, merge_types
+from managers.remote.broker.ray_config import RayConfig, check_no_ray_keys
 from reward_services.backend import TASKS, ServiceSpec
 from reward_services.options import OPTIONS
 from reward_services.requests import RewardLimits
@@ -50,11 +50,11 @@ class GpuNodeConfig:
     #: through its service agents on the Ray node that carries ``tangram_gpu_node_<name>`` (``[ray]``); its sizes
     #: are then required, since the broker's host cannot read them
     agent: Flag = False
-    #: the disk tier below host memory (``managers/host_tier.py``): a directory on the node's local disk (on its own
+    #: the disk tier below host memory (``managers/gpu/host_tier.py``): a directory on the node's local disk (on its own
     #: host for a node behind an agent) where the torch services' host copies spill when they need more than
     #: ``host_memory_mb``; absent: no disk tier
     disk_dir: Text | None = None
-    #: its GPUs' type, a name in ``[gpu.types]`` (``managers/gpu_types.py``); left out: ``cpu`` for virtual GPUs,
+    #: its GPUs' type, a name in ``[gpu.types]`` (``managers/gpu/gpu_types.py``); left out: ``cpu`` for virtual GPUs,
     #: else the reference type (a cluster whose nodes name no type is homogeneous, whatever its cards are)
     type: Text = REFERENCE_TYPE
 
@@ -90,7 +90,7 @@ class GpuConfig:
     log_dir: Text = "/var/log/tangram/services" if os.geteuid() == 0 else f"/tmp/tangram-{os.geteuid()}/services"
     limits: RewardLimits = field(default_factory=RewardLimits)
     #: an action whose service is resident on busy GPUs waits up to one restore's time for them before it is
-    #: restored on free ones elsewhere (delay scheduling, ``managers/delay_wait.py``)
+    #: restored on free ones elsewhere (delay scheduling, ``managers/gpu/delay_wait.py``)
     wait_for_resident: Flag = False
     #: GPU nodes join (and leave) at runtime from the Ray cluster; absent: only the configured nodes serve
     join: GpuJoinConfig | None = None
@@ -98,13 +98,13 @@ class GpuConfig:
     ray: RayConfig = field(default_factory=RayConfig)
     #: GPU types by name: the shipped ones with the ``[gpu.types.NAME]`` tables merged in
     types: Mapping[str, GpuType] = field(default_factory=lambda: dict(GPU_TYPES))
-    #: which node groups each service may run on, solved from measured demand (``managers/live_placement.py``):
+    #: which node groups each service may run on, solved from measured demand (``managers/gpu/live_placement.py``):
     #: "auto" is "ilp" when the nodes are of more than one type and "none" otherwise (on one type every service
     #: would be placed on every node)
     placement: PlacementChoice = "auto"
     #: how often the placement is solved again (also at once when services are added or nodes leave or join)
     placement_interval_s: PositiveSeconds = 30.0
-    #: the time constant of the demand the placement is solved for (``managers/service_demand.py``)
+    #: the time constant of the demand the placement is solved for (``managers/gpu/service_demand.py``)
     placement_window_s: PositiveSeconds = 300.0
     #: HiGHS's time limit per solve; past it the greedy's answer is taken
     placement_time_limit_s: PositiveSeconds = 1.0
