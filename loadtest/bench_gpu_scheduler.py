@@ -20,8 +20,8 @@ from managers.gpu.config import parse_gpu_config
 from managers.gpu.manager import GpuManager
 from tangram.core.action import Action, Demand, Elasticity, Kind
 from tangram.core.seam import ResourceManager
-from tangram.durations import DurationModel
-from tangram.scheduler import Placement, Scheduler
+from tangram.sched.durations import DurationModel
+from tangram.sched.scheduler import Placement, Scheduler
 
 NODES, GPUS, SERVICES = 5, 8, 10
 

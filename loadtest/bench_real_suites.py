@@ -12,7 +12,7 @@ efficiency table is one generic guess for every suite, {1: 1.0, 2: 0.9}, not mea
 prints what -n 2 really gave, to set beside it).
 
 With ``--no-profiles`` the elastic runs declare nothing but ``{"resource": "cpu"}`` (no ``t1``, no efficiency): the
-broker learns each suite's speed-up from its runs (``tangram.speedup``, per signature ``test|<suite>``), so its first
+broker learns each suite's speed-up from its runs (``tangram.sched.speedup``, per signature ``test|<suite>``), so its first
 run of a suite goes at the minimum and later ones explore. That policy then keeps one store across rounds (it starts
 cold in round 1 and keeps what it learned), so its figures include the cost of learning; after each of its rounds the
 bench prints what the broker learned (``GET /v1/profiles``). The profiling pass still runs, for reference only.
@@ -55,8 +55,8 @@ from loadtest.suites import DEFAULT_CACHE_DIR, REAL_MODE, SUITES, Fetched, fetch
 from managers.cpu.exec_spec import PytestRunner
 from tangram.config import ServerConfig, parse_config
 from tangram.core.action import Elasticity
+from tangram.sched.speedup import SpeedupFit
 from tangram.service import running_broker
-from tangram.speedup import SpeedupFit
 
 #: policy name -> the fixed DoP its test runs ask for (None: elastic 1..ELASTIC_MAX, malleable)
 POLICIES: dict[str, int | None] = {"tangram": None, "dop1": 1, "dop2": 2}
@@ -359,7 +359,7 @@ async def learned_profiles(url: str) -> list[dict[str, Any]]:
 
 def report_learned(label: str, profiles: list[dict[str, Any]]) -> None:
     """Per test signature, the runs the speed-up model has (units, workers, how many, median seconds), its fit
-    (``tangram.speedup``; nothing declared, so ``P(m) = 1/m``) and what it predicts on 1 and 2 cores."""
+    (``tangram.sched.speedup``; nothing declared, so ``P(m) = 1/m``) and what it predicts on 1 and 2 cores."""
     print(f"{label}: learned", flush=True)
     for row in sorted((r for r in profiles if r["signature"].startswith("test|")), key=lambda r: r["signature"]):
         speedup = row["speedup"]

@@ -5,8 +5,8 @@ completion triggers one pass, exactly as the broker does, and submits the trajec
 stays at 2,048. Each pass is timed on the wall clock. The cold first pass (whole queue, idle cluster) is printed
 apart from the steady-state passes that follow.
 
-With ``--learn`` every completion is observed (``tangram.dispatch.ended``), the actions belong to 64 suites (one
-signature each), and the scheduler plans with the speed-up models it learns (``tangram.speedup``) instead of the
+With ``--learn`` every completion is observed (``tangram.sched.dispatch.ended``), the actions belong to 64 suites (one
+signature each), and the scheduler plans with the speed-up models it learns (``tangram.sched.speedup``) instead of the
 declared profiles alone. What learning adds to a pass is measured in pairs: every pass is also planned, on the same
 queue and cluster, by a scheduler whose model keeps the declarations (its plan is dropped), the two in alternating
 order, so the machine's noise falls on both alike; ``learning/declared`` is the geometric mean of the median per-pass
@@ -14,7 +14,7 @@ ratio in each order.
 
 With ``--resize`` the manager can resize running cpu allocations, so elastic actions run malleable
 (``tangram.core.malleable``): each plan is applied as the simulator applies it (shrinks, starts, grows through
-``tangram.dispatch``) and a resized action's completion is re-timed from its remaining estimated work.
+``tangram.sched.dispatch``) and a resized action's completion is re-timed from its remaining estimated work.
 
     python -m loadtest.bench_scheduler [--actions 2048] [--passes 1000] [--nodes 5] [--cores-per-node 256] [--resize]
                                        [--learn]
@@ -32,12 +32,12 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from managers.counted import CountedUnitsManager
-from tangram import dispatch
 from tangram.core.action import Action, Demand, Elasticity, Kind
 from tangram.core.seam import Allocation, ResourceManager
-from tangram.durations import DurationModel
-from tangram.queue import FCFSQueue
-from tangram.scheduler import Plan, Resize, Scheduler
+from tangram.sched import dispatch
+from tangram.sched.durations import DurationModel
+from tangram.sched.queue import FCFSQueue
+from tangram.sched.scheduler import Plan, Resize, Scheduler
 
 #: suites (signatures) the actions of ``--learn`` belong to
 SUITES = 64

@@ -9,7 +9,7 @@ the configurations. Each suite's median times are then fitted twice:
 - with the **simulator's own execution model** (``tangram.sim.execution.Execution``: xdist start-up CPU
   ``start + per_worker x W`` spread over the cores, then the work at its Amdahl speed-up): work, serial fraction,
   start and per-worker CPU seconds, least squares on log times (SciPy, bounded);
-- with the **broker's learned model** (``tangram.speedup.fit_runs``), to show what it would conclude.
+- with the **broker's learned model** (``tangram.sched.speedup.fit_runs``), to show what it would conclude.
 
     python -m loadtest.bench_suite_curves [--rounds 3] [--cores 0-1] [--json docs/evaluation/suite_curves.json]
 """
@@ -32,10 +32,10 @@ from scipy.optimize import least_squares
 from loadtest.bench_real_suites import PYTEST, Step, exec_body, fresh_broker, run_trajectories, unpack_step
 from loadtest.suites import DEFAULT_CACHE_DIR, SUITES, Fetched, fetch
 from sandboxes.cgroup import parse_cpu_list
+from tangram.sched.speedup import Run, fit_runs
 from tangram.sim.cluster import Costs, startup_cpu_s
 from tangram.sim.execution import Execution
 from tangram.sim.trace import Call
-from tangram.speedup import Run, fit_runs
 
 Config = tuple[int, int]  # (cores, workers)
 

@@ -337,7 +337,7 @@ def hrrs_mix_section(args: argparse.Namespace, report: dict[str, Any]) -> dict[s
     from managers.gpu.config import parse_gpu_config
     from managers.gpu.manager import GpuManager
     from tangram.core.action import Action, Demand, Kind
-    from tangram.setup_order import SetupAwareOrder
+    from tangram.sched.setup_order import SetupAwareOrder
 
     size_mb = max(64, args.size_mb // 4)  # many restores: a quarter of the model size keeps the section short
     service = {"backend": "torch", "model": "synthetic", "task": "similarity", "dops": [1],

@@ -16,19 +16,19 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from tangram import dispatch
-from tangram.arrivals import ArrivalModel
 from tangram.core.action import Action, Kind, State
 from tangram.core.errors import ActionFailed, BadRequest, Conflict, NotFound, RequestError, Unavailable, Unprocessable
 from tangram.core.seam import Allocation, ResourceManager
-from tangram.cycle import Cycle
-from tangram.durations import DurationModel
 from tangram.idempotency import IdempotencyIndex
 from tangram.leases import Leases
 from tangram.metrics import Metrics
-from tangram.queue import make_queue
 from tangram.recovery import triage
-from tangram.scheduler import Placement, Plan, Resize, Scheduler
+from tangram.sched import dispatch
+from tangram.sched.arrivals import ArrivalModel
+from tangram.sched.cycle import Cycle
+from tangram.sched.durations import DurationModel
+from tangram.sched.queue import make_queue
+from tangram.sched.scheduler import Placement, Plan, Resize, Scheduler
 from tangram.store import Store
 from tangram.tenants import MAX_RETRY_S, EnvironmentHost, Tenancy
 
@@ -334,7 +334,7 @@ class Broker:
             await asyncio.sleep(0)  # let completions and submits of this moment coalesce into the next pass
 
     def schedule_once(self) -> int:
-        """One pass (``tangram/cycle.py``), applied: resize running malleable actions and start what the scheduler
+        """One pass (``tangram/sched/cycle.py``), applied: resize running malleable actions and start what the scheduler
         places (shrinks first, so the units they give up are free for the starts; grows last, into what is left)."""
         if self.draining or not (len(self.queue) or self.malleable_running):
             return 0

@@ -190,8 +190,8 @@ async def _with_store(args: argparse.Namespace, work: Any) -> Any:
 
 def _token_create(args: argparse.Namespace) -> int:
     """A token for a task or the admin into the store: the token on stdout (only here, once), the rest on stderr."""
-    from tangram.auth import mint
     from tangram.core.names import NAME
+    from tangram.server.auth import mint
 
     if (args.task is None) == (not args.admin):
         print("tangram: give a TASK or --admin (a token belongs to exactly one of them)", file=sys.stderr)
@@ -209,7 +209,7 @@ def _token_create(args: argparse.Namespace) -> int:
 
 
 def _token_list(args: argparse.Namespace) -> int:
-    from tangram.auth import token_json
+    from tangram.server.auth import token_json
 
     tokens = asyncio.run(_with_store(args, lambda store: store.load_tokens()))
     table = Table(title="tokens in the store", title_justify="left")
@@ -236,7 +236,7 @@ def _token_revoke(args: argparse.Namespace) -> int:
 def _token_hash(args: argparse.Namespace) -> int:
     """The SHA-256 that config files name a token by; the token comes from stdin (never from the command line,
     which other users and shell histories see), or ``--new`` makes one and prints it first."""
-    from tangram.auth import new_token, token_sha256
+    from tangram.server.auth import new_token, token_sha256
 
     if args.new:
         token = new_token()

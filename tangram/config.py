@@ -31,7 +31,7 @@ from tangram.core.config_tables import (
 from tangram.core.errors import ConfigError
 from tangram.core.names import NAME
 from tangram.parse import Limits
-from tangram.slo_plan import SloPlan
+from tangram.slo.plan import SloPlan
 from tangram.tenants import CAP_NAMES, TaskCaps, Tenancy
 
 DEFAULT_DB = "sqlite+aiosqlite:///tangram.db"
@@ -120,7 +120,7 @@ class SchedulerConfig:
 
     policy: StrictStr = "fcfs"
     #: a queue order per resource other than ``policy``: "hrrs" groups same-service reward actions to save
-    #: restores (``tangram/setup_order.py``), e.g. ``order = {gpu = "hrrs"}``
+    #: restores (``tangram/sched/setup_order.py``), e.g. ``order = {gpu = "hrrs"}``
     order: dict[str, Literal["fcfs", "hrrs"]] = field(default_factory=dict)
     #: under "hrrs", an action is overdue, and goes ahead of those that are not, once it has waited twice the mean
     #: wait of the actions queued with it, but at least ``overdue_floor_s`` and at most ``max_wait_s`` (the

@@ -10,10 +10,10 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 
-from tangram import dispatch
 from tangram.core.action import Action, Kind, State
 from tangram.core.errors import Conflict, NotFound
 from tangram.core.seam import Allocation, Lessor, ResourceManager
+from tangram.sched import dispatch
 from tangram.store import Store
 from tangram.tenants import TaskLedger
 

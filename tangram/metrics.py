@@ -41,7 +41,7 @@ class _StateCollector(Collector):
 
 
 class SloFigures(NamedTuple):
-    """One planned task's SLO figures (``tangram/slo_admission.py``)."""
+    """One planned task's SLO figures (``tangram/slo/admission.py``)."""
 
     task: str
     slo: float

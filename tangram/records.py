@@ -13,7 +13,7 @@ from managers.cpu.environment import EnvState
 from reward_services.backend import Task
 from tangram.core.action import Action, Demand, Elasticity, Kind, State
 from tangram.core.schema import Schema
-from tangram.slo_plan import SloPlan
+from tangram.slo.plan import SloPlan
 
 
 class MalleableSummary(Schema):
@@ -154,7 +154,7 @@ Share = Annotated[float, Field(ge=0, le=1)]
 
 
 class StatusSample(Schema):
-    """One sampling interval of the status page (``tangram.history.Sample.to_json``)."""
+    """One sampling interval of the status page (``tangram.server.history.Sample.to_json``)."""
 
     t: float = Field(description="seconds since the epoch; covers (previous t, t]")
     utilization: dict[str, Share] = Field(description="in use / capacity per resource, summed over its pools")
@@ -198,7 +198,7 @@ class BrokerStats(Schema):
 
 
 class SloAttainmentRecord(Schema):
-    """A planned task's measured attainment (``tangram/slo_attainment.py``): each reward phase that ended is a
+    """A planned task's measured attainment (``tangram/slo/attainment.py``): each reward phase that ended is a
     window, within SLO when the step it slowed stayed within the task's slowdown."""
 
     windows: int
@@ -251,7 +251,7 @@ class SloPool(Schema):
 
 
 class SloPlans(Schema):
-    """Every task with an SLO plan in force (``tangram/slo_admission.py``)."""
+    """Every task with an SLO plan in force (``tangram/slo/admission.py``)."""
 
     pool: SloPool | None = Field(description="null: this broker has no GPU manager")
     tasks: list[PlannedTask]

@@ -20,16 +20,16 @@ from managers.counted import CountedUnitsManager
 from managers.cpu.manager import CpuManager
 from managers.gpu.config import wanted
 from managers.gpu.manager import GpuManager
-from tangram.api import build_app
-from tangram.auth import AUTH
-from tangram.bind_auth import check_bind, token_for_bind
 from tangram.broker import Broker
 from tangram.config import Config
 from tangram.core.fencing import Fencing, leading
 from tangram.core.seam import ResourceManager
 from tangram.leadership import Leadership, fence
-from tangram.request_guard import http_settings
-from tangram.standby import stand_by
+from tangram.server.api import build_app
+from tangram.server.auth import AUTH
+from tangram.server.bind_auth import check_bind, token_for_bind
+from tangram.server.request_guard import http_settings
+from tangram.server.standby import stand_by
 from tangram.store import Fence, Store
 
 log = logging.getLogger("tangram")
@@ -76,7 +76,7 @@ async def running_broker(config: Config, managers: list[ResourceManager] | None 
 
 async def serve(config: Config, insecure: bool = False) -> None:
     """Serve until SIGTERM or SIGINT. With ``[store] leader_election``, first stand by until this broker leads.
-    ``insecure``: listen on a non-loopback address even with ``[auth] required = false`` (``tangram.bind_auth``)."""
+    ``insecure``: listen on a non-loopback address even with ``[auth] required = false`` (``tangram.server.bind_auth``)."""
     check_bind(config.server.host, config.access.auth.required, insecure=insecure)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

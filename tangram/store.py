@@ -128,7 +128,7 @@ class ProfileRow(Base):
 
 
 class SpeedupRow(Base):
-    """The runs a (task, signature)'s speed-up model is fitted to (``tangram.speedup``), as a JSON list."""
+    """The runs a (task, signature)'s speed-up model is fitted to (``tangram.sched.speedup``), as a JSON list."""
 
     __tablename__ = "speedups"
 
@@ -151,7 +151,7 @@ class TokenRow(Base):
 
 
 class SloPlanRow(Base):
-    """A task's SLO plan made by ``PUT /v1/tasks/NAME/slo`` (``tangram.slo_plan.SloPlan``'s fields as JSON)."""
+    """A task's SLO plan made by ``PUT /v1/tasks/NAME/slo`` (``tangram.slo.plan.SloPlan``'s fields as JSON)."""
 
     __tablename__ = "slo_plans"
 

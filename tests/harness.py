@@ -18,7 +18,7 @@ from aiohttp.test_utils import TestServer
 from tangram.broker import Broker
 from tangram.config import Config, load_config, parse_config
 from tangram.core.seam import ResourceManager
-from tangram.request_guard import http_settings
+from tangram.server.request_guard import http_settings
 from tangram.service import running_broker
 from tests.docker_nodes import new_broker_id
 

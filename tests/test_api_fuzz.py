@@ -36,8 +36,8 @@ from managers.basic.upstream import ApiSpec
 from managers.cpu.exec_spec import ExecSpecBody
 from reward_services.requests import RewardSpecBody
 from tangram.config import ServerConfig
-from tangram.openapi import openapi_document
 from tangram.parse import Limits
+from tangram.server.openapi import openapi_document
 from tests.docker_nodes import new_broker_id
 from tests.harness import Live, live_broker
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from tangram import arrivals
-from tangram.arrivals import GIVE_UP_THINKS, GIVE_UP_UNLEARNED_S, ArrivalModel
 from tangram.core.action import Action, Demand, Kind
+from tangram.sched import arrivals
+from tangram.sched.arrivals import GIVE_UP_THINKS, GIVE_UP_UNLEARNED_S, ArrivalModel
 
 
 def action(trajectory: str, cpu: int = 1, execution_s: float = 0.5, kind: Kind = Kind.EXEC,

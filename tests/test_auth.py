@@ -17,9 +17,9 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from clients import AsyncTangramClient
 from clients.errors import ForbiddenError, NotFoundError, UnauthorizedError
-from tangram.auth import mint, new_token, token_sha256
 from tangram.config import parse_config
 from tangram.core.errors import ConfigError
+from tangram.server.auth import mint, new_token, token_sha256
 from tangram.store import Store, StoredToken, TokenRow
 from tests.docker_nodes import local_cpu
 from tests.harness import broker_from_file, live_broker

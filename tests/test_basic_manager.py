@@ -15,7 +15,7 @@ from aiohttp import web
 from managers.basic.manager import BasicManager, BasicResourceConfig, UpstreamConfig
 from tangram.core.action import Action, Demand, Kind
 from tangram.core.errors import ActionFailed, BadRequest, ConfigError, RequestError, Unprocessable
-from tangram.http_errors import status_of
+from tangram.server.http_errors import status_of
 
 
 class Clock:

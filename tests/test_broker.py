@@ -8,7 +8,7 @@ import itertools
 import time
 from typing import Any
 
-from tangram.backoff import ATTEMPTS, FIRST_DELAY_S, AllocationBackoff
+from tangram.sched.backoff import ATTEMPTS, FIRST_DELAY_S, AllocationBackoff
 from tests.harness import live_broker, live_upstream
 
 

@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 
-from tangram.auth import new_token, token_sha256
 from tangram.config import ADMIN_TOKEN_ENV, load_config, parse_config
 from tangram.core.errors import ConfigError
-from tangram.slo_plan import SloPlan
+from tangram.server.auth import new_token, token_sha256
+from tangram.slo.plan import SloPlan
 
 #: a valid ``[tasks.NAME.slo]`` table
 SLO = {"slowdown": 1.2, "service": "judge", "actions": 8, "action_s": 2.0, "other_s": 30.0, "dedicated_gpus": 1}

@@ -1,5 +1,5 @@
 """Malleable scheduling over counted units: the scheduler's plans, applied as the simulator applies them (shrinks,
-starts, grows through ``tangram.dispatch``), keep the manager's books exact and never stall the queue."""
+starts, grows through ``tangram.sched.dispatch``), keep the manager's books exact and never stall the queue."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from managers.counted import CountedUnitsManager
-from tangram import dispatch
 from tangram.core.action import Action, Demand, Elasticity, Kind
 from tangram.core.seam import Allocation, ResourceManager
-from tangram.durations import DurationModel
-from tangram.queue import FCFSQueue
-from tangram.scheduler import Plan, Resize, Scheduler
+from tangram.sched import dispatch
+from tangram.sched.durations import DurationModel
+from tangram.sched.queue import FCFSQueue
+from tangram.sched.scheduler import Plan, Resize, Scheduler
 
 POOLS = {"n0": 8, "n1": 8}
 

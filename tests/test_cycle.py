@@ -1,4 +1,4 @@
-"""The scheduling cycle (``tangram/cycle.py``) driven by hand, as vLLM's scheduler tests drive theirs: submit, pass,
+"""The scheduling cycle (``tangram/sched/cycle.py``) driven by hand, as vLLM's scheduler tests drive theirs: submit, pass,
 apply, end, assert. Its manager is the real counted one (``managers/basic/manager.py``); no broker, no store, no clock."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ from pathlib import Path
 from managers.basic.manager import BasicManager, BasicResourceConfig
 from tangram.core.action import Action, Demand, Kind
 from tangram.core.seam import Allocation, ResourceManager
-from tangram.cycle import Cycle
-from tangram.durations import DurationModel
-from tangram.queue import FCFSQueue
-from tangram.reserved_shares import ReservedShares
-from tangram.scheduler import Plan, Scheduler
+from tangram.sched.cycle import Cycle
+from tangram.sched.durations import DurationModel
+from tangram.sched.queue import FCFSQueue
+from tangram.sched.reserved_shares import ReservedShares
+from tangram.sched.scheduler import Plan, Scheduler
 from tangram.tenants import TaskCaps, Tenancy
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -139,5 +139,5 @@ def test_the_pass_is_composed_once_and_both_the_broker_and_the_simulator_run_it(
                 if isinstance(node, ast.Attribute) and node.attr in ("schedule", "pass_once") \
                         and isinstance(node.ctx, ast.Load):
                     callers.add((path.relative_to(ROOT).as_posix(), node.attr))
-    assert callers == {("tangram/cycle.py", "schedule"), ("tangram/broker.py", "pass_once"),
+    assert callers == {("tangram/sched/cycle.py", "schedule"), ("tangram/broker.py", "pass_once"),
                        ("tangram/sim/broker_station.py", "pass_once")}

@@ -36,9 +36,9 @@ from sqlalchemy.engine import make_url
 
 from sandboxes.backend import LABEL_ENV
 from sandboxes.image import DEFAULT_IMAGE as SANDBOX_IMAGE
-from tangram.auth import new_token, token_sha256
 from tangram.config import ADMIN_TOKEN_ENV, CONFIG_ENV, STORE_URL_ENV, Config, ServerConfig, load_config, parse_config
 from tangram.core.errors import ConfigError
+from tangram.server.auth import new_token, token_sha256
 from tests.docker_nodes import docker_engines, labelled_containers
 from tests.harness import Live, live_broker
 

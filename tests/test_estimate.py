@@ -1,4 +1,4 @@
-from tangram.estimate import CompletionHeap, Waiting, estimate
+from tangram.sched.estimate import CompletionHeap, Waiting, estimate
 
 
 def test_take_returns_when_the_last_unit_frees_and_keeps_the_rest():

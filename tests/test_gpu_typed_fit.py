@@ -10,8 +10,8 @@ from typing import Any
 from managers.gpu.config import parse_gpu_config
 from managers.gpu.manager import GpuManager
 from tangram.core.action import Action
-from tangram.durations import DurationModel
-from tangram.scheduler import Scheduler
+from tangram.sched.durations import DurationModel
+from tangram.sched.scheduler import Scheduler
 from tests.standin_services import Clock, IdleBackend, reward
 
 #: a scores (compute-bound: an H20 runs it at 15% of an H100's speed), g generates (memory-bound: 119%)

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from managers.counted import CountedUnitsManager
-from tangram.history import History
 from tangram.parse import parse_action
+from tangram.server.history import History
 from tests.harness import Live, live_broker
 
 CONFIG = {"basic": {"lease.x": {"concurrency": 3}}, "pools": {"sim_cores": {"n0": 4, "n1": 4}},

@@ -18,7 +18,7 @@ from tangram.core.errors import (
     Unavailable,
     Unprocessable,
 )
-from tangram.http_errors import STATUS, headers_of, status_of
+from tangram.server.http_errors import STATUS, headers_of, status_of
 from tangram.tenants import OverCap
 
 

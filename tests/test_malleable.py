@@ -19,7 +19,6 @@ from managers.cpu.config import CpuConfig, CpuNodeConfig
 from managers.cpu.manager import CpuManager
 from managers.cpu.node import CpuNode
 from sandboxes.docker import DockerSandbox
-from tangram import dispatch
 from tangram.core.action import Action, Demand, Elasticity, Kind
 from tangram.core.malleable import (
     Malleable,
@@ -30,9 +29,10 @@ from tangram.core.malleable import (
     share,
     workers_for,
 )
-from tangram.durations import DurationModel
 from tangram.records import ActionRecord
-from tangram.scheduler import Scheduler
+from tangram.sched import dispatch
+from tangram.sched.durations import DurationModel
+from tangram.sched.scheduler import Scheduler
 from tangram.sim.broker_station import NoSandboxes
 from tests.docker_nodes import cpu_config, docker_engines
 from tests.harness import Live, live_broker

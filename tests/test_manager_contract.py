@@ -21,8 +21,8 @@ from managers.gpu.config import parse_gpu_config
 from managers.gpu.manager import GpuManager
 from tangram.core.action import Action, Demand, Elasticity, Kind
 from tangram.core.seam import ResourceManager
-from tangram.durations import DurationModel
-from tangram.scheduler import Scheduler, allocate_placement
+from tangram.sched.durations import DurationModel
+from tangram.sched.scheduler import Scheduler, allocate_placement
 from tangram.sim.broker_station import NoSandboxes
 
 EFFICIENCY = ((1, 1.0), (2, 0.9), (4, 0.8))

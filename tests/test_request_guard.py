@@ -1,4 +1,4 @@
-"""What a request must be before a handler sees it (``tangram/request_guard.py``), against real brokers on loopback:
+"""What a request must be before a handler sees it (``tangram/server/request_guard.py``), against real brokers on loopback:
 bodies declared JSON, only loopback ``Host`` and ``Origin`` while auth is off, and half-sent requests dropped."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from tangram.auth import token_sha256
 from tangram.core.action import Kind
+from tangram.server.auth import token_sha256
 from tests.docker_nodes import local_cpu
 from tests.harness import Live, live_broker, until
 

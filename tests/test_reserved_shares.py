@@ -1,11 +1,11 @@
-"""The order that makes SLO reservations hold (``tangram/reserved_shares.py``): a reserved task's actions first up to
+"""The order that makes SLO reservations hold (``tangram/sched/reserved_shares.py``): a reserved task's actions first up to
 its reservation, counting what its running actions hold, every other action in the order it had."""
 
 from __future__ import annotations
 
 from tangram.core.action import Action
 from tangram.parse import parse_action
-from tangram.reserved_shares import ReservedShares
+from tangram.sched.reserved_shares import ReservedShares
 
 
 def reward(seq: int, task: str, gpus: int = 1) -> Action:

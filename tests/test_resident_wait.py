@@ -10,8 +10,8 @@ import pytest
 from managers.gpu.config import parse_gpu_config
 from managers.gpu.manager import GpuManager
 from tangram.core.action import Action, Demand
-from tangram.durations import DurationModel
-from tangram.scheduler import Scheduler
+from tangram.sched.durations import DurationModel
+from tangram.sched.scheduler import Scheduler
 from tests.standin_services import Clock, IdleBackend, reward
 
 

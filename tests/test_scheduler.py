@@ -6,10 +6,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from managers.counted import CountedUnitsManager
-from tangram.arrivals import Expected
 from tangram.core.action import Action, Demand, Elasticity, Kind
-from tangram.durations import DurationModel
-from tangram.scheduler import Scheduler
+from tangram.sched.arrivals import Expected
+from tangram.sched.durations import DurationModel
+from tangram.sched.scheduler import Scheduler
 
 LINEAR = tuple((m, 1.0) for m in (1, 64))
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from tangram.auth import new_token, token_sha256
+from tangram.server.auth import new_token, token_sha256
 from tests.harness import Live, broker_from_file, until
 from tests.test_gpu_manager import MODEL, reward, similarities_of_pairs
 

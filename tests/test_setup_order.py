@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from tangram.core.action import Action
 from tangram.parse import parse_action
-from tangram.setup_order import SetupAwareOrder
+from tangram.sched.setup_order import SetupAwareOrder
 
 #: the services whose instances are set up (resident); any other needs a restore of RESTORE_S
 RESTORE_S = 10.0

@@ -16,7 +16,7 @@ from tangram.sim.scenarios import _admitted
 from tangram.sim.slo_workload import SloTaskParams, slo_tasks
 from tangram.sim.task_steps import SloTask, StepFeed, attainment, run_steps
 from tangram.sim.trace import Call
-from tangram.slo_plan import Pool, SloPlan, first_breach
+from tangram.slo.plan import Pool, SloPlan, first_breach
 
 PLAN = SloPlan(slowdown=1.5, service="rm", actions=2, action_s=1.0, other_s=10.0, dedicated_gpus=1)
 

@@ -18,13 +18,13 @@ import pytest
 
 from managers.gpu.manager import GpuManager
 from reward_services.backend import ServiceInstance, ServiceSpec
-from tangram.auth import new_token, token_sha256
 from tangram.cli import main as cli_main
 from tangram.config import Config
 from tangram.core.action import Kind
 from tangram.core.errors import ConfigError
 from tangram.core.seam import ResourceManager
 from tangram.records import Resources, SloPlans
+from tangram.server.auth import new_token, token_sha256
 from tests.harness import Live, broker_from_file, until
 from tests.standin_services import IdleBackend, IdleInstance
 

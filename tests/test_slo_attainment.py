@@ -1,4 +1,4 @@
-"""Reward phases and SLO windows (``tangram/slo_attainment.py``), on actions whose times are set by hand."""
+"""Reward phases and SLO windows (``tangram/slo/attainment.py``), on actions whose times are set by hand."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import math
 import pytest
 
 from tangram.core.action import Action, Demand, Kind
-from tangram.slo_attainment import SloAttainment
-from tangram.slo_plan import SloPlan
+from tangram.slo.attainment import SloAttainment
+from tangram.slo.plan import SloPlan
 
 #: tolerates 1.2x; 10 s between phases; compared with one dedicated GPU
 PLAN = SloPlan(slowdown=1.2, service="judge", actions=4, action_s=2.0, other_s=10.0, dedicated_gpus=1)

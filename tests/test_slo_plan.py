@@ -1,4 +1,4 @@
-"""The SLO plan's response-time bound (``tangram/slo_plan.py``) against values computed by hand."""
+"""The SLO plan's response-time bound (``tangram/slo/plan.py``) against values computed by hand."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from tangram.core.config_tables import table
 from tangram.core.errors import ConfigError
-from tangram.slo_plan import (
+from tangram.slo.plan import (
     Pool,
     SloPlan,
     first_breach,

@@ -1,4 +1,4 @@
-"""The learned speed-up model (``tangram.speedup`` through ``DurationModel``): runs of a suite whose real curve the
+"""The learned speed-up model (``tangram.sched.speedup`` through ``DurationModel``): runs of a suite whose real curve the
 client never declares, scheduled by the service's own scheduler and dispatch, on a moldable and a malleable
 manager; bad observations; the declared bounds; persistence through the store."""
 
@@ -18,16 +18,16 @@ from managers.counted import CountedUnitsManager
 from managers.cpu.config import CpuConfig, CpuNodeConfig
 from managers.cpu.manager import CpuManager
 from managers.cpu.node import CpuNode
-from tangram import dispatch
 from tangram.cli import status_view
 from tangram.core.action import Action, Demand, Elasticity, Kind
 from tangram.core.malleable import Workers
 from tangram.core.seam import ResourceManager
-from tangram.durations import DurationModel
 from tangram.records import Profiles, Resources
-from tangram.scheduler import Scheduler
+from tangram.sched import dispatch
+from tangram.sched.durations import DurationModel
+from tangram.sched.scheduler import Scheduler
+from tangram.sched.speedup import Run, Speedup, SpeedupFit, declared
 from tangram.sim.broker_station import NoSandboxes
-from tangram.speedup import Run, Speedup, SpeedupFit, declared
 from tangram.store import Store
 from tests.docker_nodes import cpu_config, docker_engines
 from tests.harness import live_broker

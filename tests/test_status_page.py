@@ -21,9 +21,9 @@ from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
 
 from tangram.config import parse_config
-from tangram.history import History
+from tangram.server.history import History
+from tangram.server.status_page import HISTORY
 from tangram.service import running_broker
-from tangram.status_page import HISTORY
 from tests.harness import Live, broker_from_file, live_broker, live_upstream
 from tests.test_gpu_live_placement import run_all, stand_ins
 from tests.test_gpu_live_placement import write_config as write_typed_config

@@ -92,7 +92,7 @@ class Elasticity:
     (interpolating E itself bends an Amdahl curve listed at 1, 2, 4, ... 32 into bumps: a serial half gained more
     on 6 units than on 8), and counts outside the listed span take the nearest listed E; none listed reads as
     E = 1. ``t1`` may be omitted. Either way the broker learns the action's real curve from its runs
-    (``tangram.speedup``); the declaration is its prior.
+    (``tangram.sched.speedup``); the declaration is its prior.
     """
 
     resource: str

@@ -7,7 +7,7 @@ from typing import Any
 
 class RequestError(Exception):
     """A request the broker refuses, naming the offending field and the reason. It carries no HTTP status: the HTTP
-    layer maps each class to one (``tangram.http_errors``), so the domain says *what* went wrong, not how HTTP
+    layer maps each class to one (``tangram.server.http_errors``), so the domain says *what* went wrong, not how HTTP
     spells it. ``extra`` goes into the error body; ``retry_after_s`` says when trying again makes sense."""
 
     def __init__(self, field: str, reason: str, retry_after_s: float | None = None, **extra: Any) -> None:

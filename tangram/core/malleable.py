@@ -192,7 +192,7 @@ class Workers:
 @dataclass(frozen=True, slots=True)
 class WorkerCost:
     """What starting workers costs an action, in wall seconds: each worker, and running in parallel at all (a
-    controller: one worker runs plain pytest). Learned per signature (``tangram.speedup``) once a run of it had
+    controller: one worker runs plain pytest). Learned per signature (``tangram.sched.speedup``) once a run of it had
     more workers than cores."""
 
     per_worker_s: float

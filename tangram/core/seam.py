@@ -11,7 +11,7 @@ The scheduler never learns what a container, a GPU or an API is. It sees, per ma
 * ``execute`` — run an action on its allocation and return its result.
 
 What a manager adds to the scheduling cycle beyond these verbs (a setup cost for HRRS, a look at the queue after each
-pass, a view of every action) it offers as ``plugins``, which the cycle (``tangram/cycle.py``) runs at its extension
+pass, a view of every action) it offers as ``plugins``, which the cycle (``tangram/sched/cycle.py``) runs at its extension
 points.
 """
 
@@ -36,7 +36,7 @@ class MetricsRegistry(Protocol):
 
 
 class ActionWatcher(Protocol):
-    """Told of every action a submit queues and of every action's end (``tangram/slo_attainment.py``,
+    """Told of every action a submit queues and of every action's end (``tangram/slo/attainment.py``,
     ``managers/gpu/service_demand.py``)."""
 
     def submitted(self, action: Action) -> None: ...

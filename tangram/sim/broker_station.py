@@ -28,24 +28,24 @@ from managers.gpu.placement import Method
 from managers.gpu.residency import SlotState
 from reward_services.backend import ServiceBackend, ServiceInstance, ServiceSpec
 from sandboxes.backend import Leftover, Sandbox, SandboxBackend, SandboxSpec
-from tangram import dispatch
-from tangram.arrivals import ArrivalModel
 from tangram.core.action import Action, Demand, Kind
 from tangram.core.malleable import Workers
 from tangram.core.seam import Allocation, ResourceManager
-from tangram.cycle import Cycle
-from tangram.durations import DurationModel
-from tangram.queue import FCFSQueue
-from tangram.reserved_shares import ReservedShares
-from tangram.scheduler import Plan, Resize, Scheduler
+from tangram.sched import dispatch
+from tangram.sched.arrivals import ArrivalModel
+from tangram.sched.cycle import Cycle
+from tangram.sched.durations import DurationModel
+from tangram.sched.queue import FCFSQueue
+from tangram.sched.reserved_shares import ReservedShares
+from tangram.sched.scheduler import Plan, Resize, Scheduler
 from tangram.sim.cluster import Cluster, Costs, startup_cpu_s
 from tangram.sim.engine import CallRun
 from tangram.sim.execution import Execution
 from tangram.sim.placement import placement_stats, solve
 from tangram.sim.records import percentile
 from tangram.sim.trace import Trajectory
-from tangram.slo_attainment import SloAttainment
-from tangram.slo_plan import SloPlan
+from tangram.slo.attainment import SloAttainment
+from tangram.slo.plan import SloPlan
 
 TOOL_SIGNATURE = "exec|tool"
 #: a GPU node's disk tier directory in simulation: named so that the manager makes the tier, never touched
@@ -183,7 +183,7 @@ class BrokerStation:
         -> GPU-seconds per second on the reference type; the scenario's oracle, ``trace_loads``); None: every
         service on every node, today's broker. ``live_placement`` and ``typed_fit`` are the GPU manager's own
         ``[gpu] placement`` (solved from the demand it measures as the run goes) and ``typed_fit``. ``reserved``:
-        the GPUs SLO admission reserves per task (``tangram/slo_plan.py``), put ahead as the broker does."""
+        the GPUs SLO admission reserves per task (``tangram/slo/plan.py``), put ahead as the broker does."""
         self.cluster = cluster
         self.costs: Costs = cluster.costs
         self.test_demand = test_demand
@@ -221,7 +221,7 @@ class BrokerStation:
         self.loads: dict[tuple[str, str], float] = {}
         self.disk_free_at: dict[str, float] = {}
         self.disk_loads = 0
-        #: the broker's own attainment estimate (``tangram/slo_attainment.py``) of the tasks with ``slo_plans``
+        #: the broker's own attainment estimate (``tangram/slo/attainment.py``) of the tasks with ``slo_plans``
         self.slo: SloAttainment | None = None
         if slo_plans:
             self.slo = SloAttainment(lambda action: str(action.spec["service"]), "gpu")

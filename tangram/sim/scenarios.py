@@ -33,7 +33,7 @@ from tangram.sim.workloads import (
     mopd,
     teacher_names,
 )
-from tangram.slo_plan import Pool, first_breach, predict, reservations
+from tangram.slo.plan import Pool, first_breach, predict, reservations
 
 CPU_NODES = 5  # §6.3: 1,280 cores over five nodes
 GPUS = 40  # §6.1: five nodes of eight GPUs
@@ -443,7 +443,7 @@ def gpu_hetero(scale: float, seed: int, progress: Progress = _stderr,
 
 def _admitted(tasks: list[SloTask], pool: Pool, reserve: bool = True) -> list[SloTask]:
     """The tasks admitted one by one in arrival order: each if no task's SLO would break with it (the service's own
-    planner, ``tangram/slo_plan.py``; ``reserve=False``: on the shared bound alone), refused otherwise, and the next
+    planner, ``tangram/slo/plan.py``; ``reserve=False``: on the shared bound alone), refused otherwise, and the next
     one tried."""
     admitted: list[SloTask] = []
     for task in tasks:
@@ -534,7 +534,7 @@ def gpu_slo(scale: float, seed: int, progress: Progress = _stderr,
                 by["unchecked"]["attainment"]),
         _figure(f"{params.unchecked}x unchecked: the least attainment of one task", None,
                 by["unchecked"]["min_attainment"]),
-        *(_figure(f"{label}: the broker's own attainment estimate (tangram/slo_attainment.py)", None,
+        *(_figure(f"{label}: the broker's own attainment estimate (tangram/slo/attainment.py)", None,
                   by[label]["broker_attainment"], "from its reward phases alone, as /metrics gives it")
           for label in ("worst-case", "unchecked"))]
     return out

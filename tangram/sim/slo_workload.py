@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from tangram.sim.cluster import ServiceModel
 from tangram.sim.task_steps import SloTask
 from tangram.sim.trace import Call
-from tangram.slo_plan import SloPlan
+from tangram.slo.plan import SloPlan
 
 #: the DoPs a reward model runs at, and its parallel efficiency there (the least is 0.75, at DoP 4)
 SLO_EFFICIENCY = ((1, 1.0), (2, 0.9), (4, 0.75))

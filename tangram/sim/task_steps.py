@@ -19,7 +19,7 @@ from typing import Any
 from tangram.sim.cluster import Cluster
 from tangram.sim.engine import Policy, simulate
 from tangram.sim.trace import Call, Trace, Trajectory
-from tangram.slo_plan import SloPlan
+from tangram.slo.plan import SloPlan
 
 
 @dataclass(frozen=True)

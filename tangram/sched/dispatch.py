@@ -4,12 +4,12 @@ from ends the same way."""
 
 from __future__ import annotations
 
-from tangram.arrivals import ArrivalModel
 from tangram.core.action import Action
 from tangram.core.malleable import Malleable
 from tangram.core.seam import Allocation, ResourceManager
-from tangram.durations import DurationModel
-from tangram.scheduler import Placement, Resize, allocate_placement
+from tangram.sched.arrivals import ArrivalModel
+from tangram.sched.durations import DurationModel
+from tangram.sched.scheduler import Placement, Resize, allocate_placement
 
 Allocations = list[tuple[ResourceManager, Allocation]]
 

@@ -5,7 +5,7 @@ the rest an expected duration (the paper uses historical averages). Two things a
 
 - an EWMA of the observed duration normalised to one unit by the declared profile (``t1``): the expected duration
   of actions that are not elastic, and what ``GET /v1/profiles`` shows as T1;
-- for elastic actions, a speed-up model fitted to their runs (``tangram.speedup``): ``T(m, W) = s·(a + [W > 1]·(d
+- for elastic actions, a speed-up model fitted to their runs (``tangram.sched.speedup``): ``T(m, W) = s·(a + [W > 1]·(d
   + c·W/min(m, W))) + b·P(m)`` around the declared ``P(m)`` and size ``s``. It is what the scheduler uses once an
   action's signature has run elastically; before that the declaration alone (Eq. 1) with the declared ``t1`` or the
   EWMA's. An action with neither runs at its minimum, or, where its workers follow its units (the elastic pytest
@@ -21,7 +21,7 @@ import numpy as np
 
 from tangram.core.action import Action, Elasticity
 from tangram.core.malleable import Profile, WorkerCost, profile_of_curve
-from tangram.speedup import PRIOR, Run, Speedup, SpeedupFit, declared, size_of
+from tangram.sched.speedup import PRIOR, Run, Speedup, SpeedupFit, declared, size_of
 
 
 @dataclass(slots=True)

@@ -1,6 +1,6 @@
 """The status page: ``GET /ui`` (``GET /`` redirects there) and the time series it draws, ``/v1/status/history``.
 
-The page is static HTML, CSS and JS from ``tangram/static``, its charts drawn by uPlot vendored there
+The page is static HTML, CSS and JS from ``tangram/server/static``, its charts drawn by uPlot vendored there
 (``static/THIRD_PARTY.md``); nothing is fetched from elsewhere, so it works offline. It polls the history and
 ``/v1/resources``. The sampler runs as long as the app
 does (an aiohttp cleanup context), so the broker itself knows nothing of it.
@@ -16,9 +16,9 @@ from pathlib import Path
 
 from aiohttp import web
 
-from tangram.api_common import BROKER, json_response
 from tangram.core.errors import BadRequest
-from tangram.history import History
+from tangram.server.common import BROKER, json_response
+from tangram.server.history import History
 
 HISTORY = web.AppKey("history", History)
 STATIC = Path(__file__).with_name("static")

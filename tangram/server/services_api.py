@@ -7,10 +7,10 @@ from typing import Any, Protocol, runtime_checkable
 from aiohttp import web
 
 from managers.gpu.config import GpuConfig
-from tangram.api_common import BROKER, json_response
 from tangram.broker import Broker
 from tangram.core.action import Kind
 from tangram.core.errors import NotFound
+from tangram.server.common import BROKER, json_response
 
 
 @runtime_checkable

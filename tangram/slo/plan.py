@@ -27,7 +27,7 @@ A dedicated deployment serves the task alone on ``dedicated_gpus`` with its serv
 
 That bound assumes every other task's phase may meet k's at its worst: on a busy pool it admits fewer tasks than
 dedicated deployments would hold. So a task the shared bound does not hold gets GPUs *reserved*: the broker orders
-its actions ahead of every other task's while it holds fewer than ``g_k`` GPUs (``tangram/reserved_shares.py``),
+its actions ahead of every other task's while it holds fewer than ``g_k`` GPUs (``tangram/sched/reserved_shares.py``),
 and the GPUs it does not use serve anyone. With the reservations summing to at most ``G``, k's own work then runs
 on at least ``g_k`` GPUs once the actions holding them end, whatever the others do:
 

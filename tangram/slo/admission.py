@@ -1,6 +1,6 @@
 """SLO admission of RL tasks sharing the GPU pool (issue 18): the plans in force, admitted together or not at all.
 
-A task's plan (``tangram/slo_plan.py``) comes from its ``[tasks.NAME.slo]`` table or from ``PUT /v1/tasks/NAME/slo``
+A task's plan (``tangram/slo/plan.py``) comes from its ``[tasks.NAME.slo]`` table or from ``PUT /v1/tasks/NAME/slo``
 (kept in the store, so that it outlives a restart). The config's win over the store's for the same task; the API
 changes only the store's. A set of plans is admitted only if the GPU manager serves every plan's service and no
 task's predicted slowdown passes its SLO, with the pool as it is: the GPUs of the manager's nodes in service (a
@@ -9,7 +9,7 @@ fault, and nothing changes. The GPUs reserved for the plans in force follow the 
 when a reward action ends on a pool that is no longer the one they were worked out on (a node lost or back, a
 service's expected restore moved by more than ``RESTORE_DRIFT``).
 
-The tracker of measured attainment (``tangram/slo_attainment.py``) is fed by the broker and judges by the plans
+The tracker of measured attainment (``tangram/slo/attainment.py``) is fed by the broker and judges by the plans
 in force.
 """
 
@@ -31,9 +31,9 @@ from tangram.core.action import Action, Kind
 from tangram.core.config_tables import table
 from tangram.core.errors import ConfigError, Conflict, NotFound, Unavailable, Unprocessable
 from tangram.metrics import SloFigures
-from tangram.reserved_shares import ReservedShares
-from tangram.slo_attainment import Attainment, SloAttainment
-from tangram.slo_plan import Pool, Prediction, SloPlan, first_breach, predict, reservations
+from tangram.sched.reserved_shares import ReservedShares
+from tangram.slo.attainment import Attainment, SloAttainment
+from tangram.slo.plan import Pool, Prediction, SloPlan, first_breach, predict, reservations
 
 log = logging.getLogger("tangram.slo")
 

@@ -3,7 +3,7 @@
 The completion heap holds, per resource, when each unit becomes free (relative to now), grouped as
 ``(time, count)`` so a thousand idle cores are one entry. A waiting action at its minimum ``m`` units takes the
 ``m`` earliest units, starts when the last of them frees (or when it arrives, for an expected action not submitted
-yet: ``tangram.arrivals``), and gives them back at ``start + duration``. ``depth`` lets the first waiting action
+yet: ``tangram.sched.arrivals``), and gives them back at ``start + duration``. ``depth`` lets the first waiting action
 try its first few allowed unit counts, as in the paper.
 """
 

@@ -22,11 +22,11 @@ from typing import Any
 
 from aiohttp import hdrs, web
 
-from tangram.api_common import SERVER, json_response
-from tangram.auth import AUTH
 from tangram.config import ServerConfig
 from tangram.core.errors import Forbidden, UnsupportedMediaType
-from tangram.loopback import host_header_is_loopback, origin_is_loopback
+from tangram.server.auth import AUTH
+from tangram.server.common import SERVER, json_response
+from tangram.server.loopback import host_header_is_loopback, origin_is_loopback
 
 JSON = "application/json"
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

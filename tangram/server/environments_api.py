@@ -11,13 +11,13 @@ from pydantic import Field, TypeAdapter
 from managers.cpu.environment import Environment
 from managers.cpu.environments import Environments
 from managers.cpu.exec_spec import ExecLimits, Files, Image, MemoryMb, SandboxUser, decode_files
-from tangram.api_common import BROKER, json_response, read_body
-from tangram.auth import listed_task, own_task, principal_of
 from tangram.broker import Broker
 from tangram.core.action import Kind
 from tangram.core.errors import BadRequest, NotFound, Unprocessable
 from tangram.core.names import Name
 from tangram.core.schema import Schema, parse_json
+from tangram.server.auth import listed_task, own_task, principal_of
+from tangram.server.common import BROKER, json_response, read_body
 from tangram.tenants import EnvironmentHost
 
 

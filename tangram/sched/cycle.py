@@ -19,16 +19,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Sequence
 
-from tangram import dispatch
-from tangram.arrivals import ArrivalModel, Expected
-from tangram.backoff import AllocationBackoff
 from tangram.core.action import Action, Kind
 from tangram.core.seam import ActionWatcher, Allocation, Foresight, ResourceManager
-from tangram.durations import DurationModel
-from tangram.queue import QueuePolicy
-from tangram.reserved_shares import ReservedShares
-from tangram.scheduler import Placement, Plan, Resize, Scheduler
-from tangram.setup_order import SetupAwareOrder
+from tangram.sched import dispatch
+from tangram.sched.arrivals import ArrivalModel, Expected
+from tangram.sched.backoff import AllocationBackoff
+from tangram.sched.durations import DurationModel
+from tangram.sched.queue import QueuePolicy
+from tangram.sched.reserved_shares import ReservedShares
+from tangram.sched.scheduler import Placement, Plan, Resize, Scheduler
+from tangram.sched.setup_order import SetupAwareOrder
 from tangram.tenants import EnvironmentHost, TaskLedger
 
 

@@ -1,9 +1,9 @@
 """REST API (aiohttp + orjson). Every client error is a 4xx whose JSON body names the field and the reason.
 
-Requests are authenticated by ``tangram.auth`` (bearer tokens, when auth is on): a task's token sees and changes
+Requests are authenticated by ``tangram.server.auth`` (bearer tokens, when auth is on): a task's token sees and changes
 only its task's actions, leases and environments (another task's ids are 404, as if they did not exist); the
 admin's sees everything and alone may drain the broker, reload its tokens and caps, and plan the tasks' SLOs.
-Before that, ``tangram.request_guard`` refuses bodies not declared JSON and, while auth is off, requests from
+Before that, ``tangram.server.request_guard`` refuses bodies not declared JSON and, while auth is off, requests from
 other hosts' names or pages, and bounds how long a request may take to arrive.
 """
 
@@ -15,23 +15,23 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from tangram.api_common import BROKER, LIMITS, SERVER, json_response, read_body, read_json
-from tangram.auth import AUTH, add_auth, authenticate, own_task, principal_of
 from tangram.broker import Broker
 from tangram.config import AccessConfig, ServerConfig, load_config
 from tangram.core.action import Action
 from tangram.core.errors import BadRequest, ConfigError, Conflict, RequestError, TooLarge, Unprocessable
-from tangram.environments_api import add_environment_routes, largest_node_memory
-from tangram.http_errors import headers_of, status_of
-from tangram.openapi import openapi_document
 from tangram.parse import FLAGS, Limits, parse_action_json, parse_batch_json, to_action
-from tangram.profiles_api import add_profile_routes
-from tangram.request_guard import body_in_time, guard_requests
-from tangram.services_api import add_service_routes, catalog_of
-from tangram.slo_api import SLO, add_slo_routes
-from tangram.status_page import add_status_routes
+from tangram.server.auth import AUTH, add_auth, authenticate, own_task, principal_of
+from tangram.server.common import BROKER, LIMITS, SERVER, json_response, read_body, read_json
+from tangram.server.environments_api import add_environment_routes, largest_node_memory
+from tangram.server.http_errors import headers_of, status_of
+from tangram.server.openapi import openapi_document
+from tangram.server.profiles_api import add_profile_routes
+from tangram.server.request_guard import body_in_time, guard_requests
+from tangram.server.services_api import add_service_routes, catalog_of
+from tangram.server.status_page import add_status_routes
+from tangram.slo.api import SLO, add_slo_routes
 
-log = logging.getLogger("tangram.api")
+log = logging.getLogger("tangram.server.api")
 
 
 @web.middleware

@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from tangram.core.action import Action, Kind
-from tangram.slo_plan import SloPlan
+from tangram.slo.plan import SloPlan
 
 
 @dataclass

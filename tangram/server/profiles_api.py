@@ -10,11 +10,11 @@ from typing import Any
 
 from aiohttp import web
 
-from tangram.api_common import BROKER, json_response
-from tangram.auth import listed_task
 from tangram.core.action import Elasticity
 from tangram.core.errors import BadRequest
-from tangram.speedup import Speedup
+from tangram.sched.speedup import Speedup
+from tangram.server.auth import listed_task
+from tangram.server.common import BROKER, json_response
 
 DEFAULT_LIMIT = 1000
 MAX_LIMIT = 10_000

@@ -18,7 +18,7 @@ from typing import Any
 
 from tangram.broker import Broker
 
-log = logging.getLogger("tangram.history")
+log = logging.getLogger("tangram.server.history")
 
 PERCENTILES = (("act_p50_s", 0.5), ("act_p90_s", 0.9), ("act_p99_s", 0.99))
 

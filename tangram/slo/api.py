@@ -8,12 +8,12 @@ from collections.abc import AsyncIterator, Mapping
 from aiohttp import web
 from pydantic import TypeAdapter
 
-from tangram.api_common import BROKER, json_response, read_body
 from tangram.core.errors import Unprocessable
 from tangram.core.names import NAME, NAME_REASON
 from tangram.core.schema import parse_json
-from tangram.slo_admission import SloAdmission
-from tangram.slo_plan import SloPlan
+from tangram.server.common import BROKER, json_response, read_body
+from tangram.slo.admission import SloAdmission
+from tangram.slo.plan import SloPlan
 
 SLO = web.AppKey("slo", SloAdmission)
 PLAN = TypeAdapter(SloPlan)

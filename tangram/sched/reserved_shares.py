@@ -1,6 +1,6 @@
 """GPUs reserved for SLO-planned tasks (issue 18): the order that makes a reservation hold.
 
-SLO admission (``tangram/slo_plan.py``) reserves ``g_k`` GPUs for a task whose SLO the shared pool's bound cannot
+SLO admission (``tangram/slo/plan.py``) reserves ``g_k`` GPUs for a task whose SLO the shared pool's bound cannot
 keep. The reservation is not a partition: nothing is set aside while the task does not use it. Instead, each pass
 puts the task's queued actions ahead of every other action on the resource while the GPUs its running actions hold,
 plus the minimum units of those put ahead, stay within ``g_k``; its other actions, and every unreserved task's, keep

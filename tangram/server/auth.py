@@ -30,14 +30,14 @@ from typing import Annotated, Any
 from aiohttp import web
 from pydantic import Field, TypeAdapter
 
-from tangram.api_common import BROKER, json_response, read_body
 from tangram.config import AccessConfig
 from tangram.core.errors import BadRequest, Conflict, Forbidden, NotFound, Unauthorized
 from tangram.core.names import Name
 from tangram.core.schema import Schema, parse_json
+from tangram.server.common import BROKER, json_response, read_body
 from tangram.store import Store, StoredToken
 
-log = logging.getLogger("tangram.auth")
+log = logging.getLogger("tangram.server.auth")
 
 TOKEN_PREFIX = "tgm_"
 #: routes that answer everyone, auth on or off

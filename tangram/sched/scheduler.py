@@ -30,13 +30,13 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 
-from tangram.arrivals import Expected
 from tangram.core.action import Action
 from tangram.core.dparrange import DPTable, dp_arrange
 from tangram.core.malleable import Malleable, Profile, Workers, deferred, share
 from tangram.core.seam import Allocation, Fit, ResourceManager
-from tangram.durations import DurationModel
-from tangram.estimate import INF, CompletionHeap, Waiting, estimate
+from tangram.sched.arrivals import Expected
+from tangram.sched.durations import DurationModel
+from tangram.sched.estimate import INF, CompletionHeap, Waiting, estimate
 
 #: relative gain below which an eviction is not worth it (objectives that differ only by float rounding)
 IMPROVEMENT = 1e-9
@@ -124,7 +124,7 @@ class Scheduler:
     def schedule(self, queue: Iterable[Action], running: Iterable[Action], now: float,
                  expected: Callable[[str, int], list[Expected]] | None = None) -> Plan:
         """One pass. ``expected(resource, limit)`` gives the next actions idle trajectories are expected to submit
-        on ``resource`` (``tangram.arrivals``): the moldable groups' estimate counts them after the queue."""
+        on ``resource`` (``tangram.sched.arrivals``): the moldable groups' estimate counts them after the queue."""
         fits = {id(m): m.fit() for m in self.managers}
         running = list(running)
         malleable = [(a, held) for a in running if (held := a.malleable) is not None]

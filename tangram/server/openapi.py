@@ -9,10 +9,8 @@ from typing import Any
 from pydantic import BaseModel, TypeAdapter
 from pydantic.json_schema import models_json_schema
 
-from tangram.auth import ADMIN_ROUTES, TOKEN_REQUEST
 from tangram.config import ServerConfig
 from tangram.core.schema import RequestJsonSchema
-from tangram.environments_api import EnvironmentRequest
 from tangram.parse import FLAGS, Limits, action_types
 from tangram.records import (
     ActionRecord,
@@ -26,7 +24,9 @@ from tangram.records import (
     StatusHistory,
     TokenRecord,
 )
-from tangram.slo_plan import SloPlan
+from tangram.server.auth import ADMIN_ROUTES, TOKEN_REQUEST
+from tangram.server.environments_api import EnvironmentRequest
+from tangram.slo.plan import SloPlan
 
 #: what a record answered by a submit leads to; the fuzzer's stateful runs follow these (submit -> get -> cancel)
 ACTION_LINKS = {name: {"operationId": operation, "parameters": {"id": "$response.body#/id"}}
@@ -178,7 +178,7 @@ def _secure(paths: dict[str, Any], public_status: bool) -> None:
 
 
 def _guarded(paths: dict[str, Any], secured: bool) -> None:
-    """The answers of ``tangram.request_guard``: 415 for a body not declared JSON wherever a body is taken; while
+    """The answers of ``tangram.server.request_guard``: 415 for a body not declared JSON wherever a body is taken; while
     auth is off, 403 for a request addressed to a name, or sent from a page, that is not loopback."""
     for operations in paths.values():
         for operation in operations.values():

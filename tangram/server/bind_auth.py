@@ -3,7 +3,7 @@ an admin token, and a config that turns auth off explicitly does not start there
 
 The design is the simplest that is safe by default: ``tangram serve --host 0.0.0.0`` on defaults ends up with auth
 on and one admin token, shown once on stderr (the store keeps only its SHA-256; ``tangram token create`` makes
-more); nothing changes for a broker on loopback, where ``tangram.request_guard`` keeps other hosts' names and
+more); nothing changes for a broker on loopback, where ``tangram.server.request_guard`` keeps other hosts' names and
 pages out instead. ``[auth] required = false`` is a deliberate choice that this module will not overrule by
 making a token, so it refuses the address instead: ``--insecure`` accepts it for one start (the request guard
 then still answers only requests addressed to a loopback name, as through a port published on loopback).
@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import logging
 
-from tangram.auth import Authenticator
 from tangram.core.errors import ConfigError
 from tangram.core.loopback import is_loopback
+from tangram.server.auth import Authenticator
 
-log = logging.getLogger("tangram.auth")
+log = logging.getLogger("tangram.server.auth")
 
 MINTED_NOTE = "made at the first start on a non-loopback address"
 

@@ -10,12 +10,12 @@ import logging
 
 from aiohttp import web
 
-from tangram.api_common import json_response
 from tangram.config import ServerConfig
 from tangram.core.errors import Unavailable
-from tangram.http_errors import headers_of
 from tangram.leadership import Leadership
-from tangram.request_guard import http_settings
+from tangram.server.common import json_response
+from tangram.server.http_errors import headers_of
+from tangram.server.request_guard import http_settings
 
 log = logging.getLogger("tangram")
 
