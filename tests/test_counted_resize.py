@@ -1,5 +1,5 @@
-"""Malleable scheduling over counted units: the scheduler's plans, applied as the simulator applies them (shrinks,
-starts, grows through ``tangram.sched.dispatch``), keep the manager's books exact and never stall the queue."""
+"""Malleable scheduling over counted units: the cycle's plans, applied as the simulator applies them (shrinks,
+starts, grows), keep the manager's books exact and never stall the queue."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from managers.counted import CountedUnitsManager
 from tangram.core.action import Action, Demand, Elasticity, Kind
 from tangram.core.seam import Allocation, ResourceManager
 from tangram.sched import dispatch
+from tangram.sched.cycle import Cycle
 from tangram.sched.durations import DurationModel
 from tangram.sched.queue import FCFSQueue
 from tangram.sched.scheduler import Plan, Resize, Scheduler
@@ -21,15 +22,12 @@ Running = dict[str, tuple[Action, list[tuple[ResourceManager, Allocation]]]]
 
 
 class Harness:
-    """A queue, a scheduler and a resizable counted manager, driven like ``tangram.sim.broker_station``."""
+    """A cycle over a resizable counted manager, driven like ``tangram.sim.broker_station``."""
 
     def __init__(self, pools: dict[str, int] = POOLS) -> None:
         self.pools = pools
         self.manager = CountedUnitsManager({"cpu": pools}, resizable=frozenset({"cpu"}))
-        self.owner: dict[str, ResourceManager] = {"cpu": self.manager}
-        self.durations = DurationModel()
-        self.scheduler = Scheduler([self.manager], self.durations)
-        self.queue = FCFSQueue()
+        self.cycle = Cycle([self.manager], Scheduler([self.manager], DurationModel()), FCFSQueue(), arrivals=None)
         self.running: Running = {}
         self.submitted: set[str] = set()
         self.started: set[str] = set()
@@ -46,7 +44,7 @@ class Harness:
             action = Action(task="t", kind=Kind.EXEC, demands={"cpu": Demand.fixed(1)})
         action.seq = self.seq
         action.submitted_at = self.now
-        self.queue.push(action)
+        self.cycle.submit(action, self.now)
         self.submitted.add(action.id)
 
     def complete(self, index: int) -> None:
@@ -57,7 +55,11 @@ class Harness:
         dispatch.release(allocations)
 
     def schedule(self) -> Plan:
-        plan = self.scheduler.schedule(self.queue, (a for a, _ in self.running.values()), self.now)
+        plan = self.cycle.pass_once(self.now, [a for a, _ in self.running.values()], self._apply)
+        self.check()
+        return plan
+
+    def _apply(self, plan: Plan) -> None:
         for decision in plan.resizes:
             assert decision.action.id in self.running, "resize of an action that does not run"
         for decision in plan.shrinks():
@@ -65,17 +67,14 @@ class Harness:
         for placement in plan.placements:
             action = placement.action
             assert action.id not in self.started, "an action started twice"
-            self.running[action.id] = (action, dispatch.start(self.owner, self.durations, placement, self.now))
-            self.queue.remove(action.id)
+            self.running[action.id] = (action, self.cycle.start(placement, self.now))
             self.started.add(action.id)
         for decision in plan.grows():
             self._resize(decision)
-        self.check()
-        return plan
 
     def _resize(self, decision: Resize) -> None:
         _, allocations = self.running[decision.action.id]
-        dispatch.resize(self.owner, allocations, decision, self.now)
+        self.cycle.resize(allocations, decision, self.now)
 
     def check(self) -> None:
         held = dict.fromkeys(self.pools, 0)
@@ -120,14 +119,14 @@ def test_resized_books_stay_exact_and_nothing_stalls(steps):
         h.schedule()  # every event triggers a pass, as in the broker
     # drain: end whatever runs, one at a time; every queued action must start
     for _ in range(10 * len(h.submitted) + 10):
-        if not h.running and not len(h.queue):
+        if not h.running and not len(h.cycle.queue):
             break
         h.now += 1.0
         if h.running:
             h.complete(0)
         plan = h.schedule()
-        assert h.running or plan.placements or not len(h.queue), "queue stalled with nothing running"
-    assert not len(h.queue)
+        assert h.running or plan.placements or not len(h.cycle.queue), "queue stalled with nothing running"
+    assert not len(h.cycle.queue)
     assert h.started == h.submitted
     assert all(v == 0 for v in h.manager.in_use["cpu"].values())
 

@@ -32,7 +32,7 @@ from tangram.core.errors import ActionFailed
 from tangram.core.learned import LearnedSeconds
 
 if TYPE_CHECKING:
-    from managers.gpu.manager import GpuNode
+    from managers.gpu.node import GpuNode
 
 log = logging.getLogger("tangram.gpu")
 

@@ -23,7 +23,8 @@ from managers.cpu.node import CpuNode
 from managers.gpu.config import GpuConfig, GpuNodeConfig, PlacementChoice
 from managers.gpu.gpu_types import REFERENCE_TYPE, restore_factor, speed
 from managers.gpu.host_tier import CopyState, HostTierFull
-from managers.gpu.manager import GpuManager, GpuNode
+from managers.gpu.manager import GpuManager
+from managers.gpu.node import GpuNode
 from managers.gpu.placement import Method
 from managers.gpu.residency import SlotState
 from reward_services.backend import ServiceBackend, ServiceInstance, ServiceSpec

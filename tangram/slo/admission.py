@@ -24,7 +24,8 @@ from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from managers.gpu.manager import RESOURCE, RESTORE_PRIOR_MB_PER_S, GpuManager
+from managers.gpu.manager import RESTORE_PRIOR_MB_PER_S, GpuManager
+from managers.gpu.node import RESOURCE
 from reward_services.backend import ServiceSpec
 from tangram.broker import Broker
 from tangram.core.action import Action, Kind
