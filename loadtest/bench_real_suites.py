@@ -12,10 +12,10 @@ efficiency table is one generic guess for every suite, {1: 1.0, 2: 0.9}, not mea
 prints what -n 2 really gave, to set beside it).
 
 With ``--no-profiles`` the elastic runs declare nothing but ``{"resource": "cpu"}`` (no ``t1``, no efficiency): the
-broker learns each suite's speed-up from its runs (``tangram.sched.speedup``, per signature ``test|<suite>``), so its first
-run of a suite goes at the minimum and later ones explore. That policy then keeps one store across rounds (it starts
-cold in round 1 and keeps what it learned), so its figures include the cost of learning; after each of its rounds the
-bench prints what the broker learned (``GET /v1/profiles``). The profiling pass still runs, for reference only.
+broker learns each suite's speed-up from its runs (``tangram.sched.speedup``, per signature ``test|<suite>``), so its
+first run of a suite goes at the minimum and later ones explore. That policy then keeps one store across rounds (it
+starts cold in round 1 and keeps what it learned), so its figures include the cost of learning; after each of its rounds
+the bench prints what the broker learned (``GET /v1/profiles``). The profiling pass still runs, for reference only.
 
 Every run is a fresh in-process broker (but see ``--no-profiles``) on this machine's Docker engine (a node on
 ``--cores``, SQLite, the service's defaults: a malleable run starts as many workers as the cores it starts on).

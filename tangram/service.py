@@ -76,7 +76,8 @@ async def running_broker(config: Config, managers: list[ResourceManager] | None 
 
 async def serve(config: Config, insecure: bool = False) -> None:
     """Serve until SIGTERM or SIGINT. With ``[store] leader_election``, first stand by until this broker leads.
-    ``insecure``: listen on a non-loopback address even with ``[auth] required = false`` (``tangram.server.bind_auth``)."""
+    ``insecure``: listen on a non-loopback address even with ``[auth] required = false``
+    (``tangram.server.bind_auth``)."""
     check_bind(config.server.host, config.access.auth.required, insecure=insecure)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

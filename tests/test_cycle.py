@@ -1,5 +1,6 @@
-"""The scheduling cycle (``tangram/sched/cycle.py``) driven by hand, as vLLM's scheduler tests drive theirs: submit, pass,
-apply, end, assert. Its manager is the real counted one (``managers/basic/manager.py``); no broker, no store, no clock."""
+"""The scheduling cycle (``tangram/sched/cycle.py``) driven by hand, as vLLM's scheduler tests drive theirs: submit,
+pass, apply, end, assert. Its manager is the real counted one (``managers/basic/manager.py``); no broker, no store, no
+clock."""
 
 from __future__ import annotations
 

@@ -94,7 +94,8 @@ def test_the_contract_sees_the_whole_tree() -> None:
     assert len(MODULES) > 100 and "tangram.broker" in MODULES and "managers.cpu.manager" in MODULES
     assert {"tangram.core.action", "tangram.core.seam", "tangram.core.errors"} <= set(CORE)
     ours, outside = reaches("tangram.service")
-    assert "managers.cpu.manager" in ours and "aiohttp" in outside  # it follows imports: a broken walk would pass anything
+    # it follows imports: a broken walk would pass anything
+    assert "managers.cpu.manager" in ours and "aiohttp" in outside
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))
@@ -136,9 +137,9 @@ def test_the_store_rebuilds_records_without_the_request_parser() -> None:
 
 
 def test_a_broker_without_agent_nodes_never_imports_ray() -> None:
-    """Ray is for scale-out only (``managers/remote/broker/ray_agents.py``, imported when a node has ``agent = true``): the
-    one-machine broker, its CLI and every manager load without it."""
-    probe = ("import sys, tangram.cli, tangram.service, managers.cpu.manager, managers.gpu.manager, managers.cpu.sandbox_backends; "
-             "print('ray' in sys.modules)")
+    """Ray is for scale-out only (``managers/remote/broker/ray_agents.py``, imported when a node has
+    ``agent = true``): the one-machine broker, its CLI and every manager load without it."""
+    probe = ("import sys, tangram.cli, tangram.service, managers.cpu.manager, managers.gpu.manager, "
+             "managers.cpu.sandbox_backends; print('ray' in sys.modules)")
     answer = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=ROOT)
     assert answer.stdout.strip() == "False"

@@ -1,6 +1,6 @@
 """The Ray cluster's boundary (issue 35): a cluster on one machine keeps every listener and peer on 127.0.0.1
-(``managers/remote/broker/ray_loopback.py``), and the broker joins with ``[ray] auth = "token"`` only a cluster that refuses a
-wrong token (``managers/remote/broker/ray_auth_probe.py``)."""
+(``managers/remote/broker/ray_loopback.py``), and the broker joins with ``[ray] auth = "token"`` only a cluster that
+refuses a wrong token (``managers/remote/broker/ray_auth_probe.py``)."""
 
 from __future__ import annotations
 

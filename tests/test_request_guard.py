@@ -1,5 +1,6 @@
-"""What a request must be before a handler sees it (``tangram/server/request_guard.py``), against real brokers on loopback:
-bodies declared JSON, only loopback ``Host`` and ``Origin`` while auth is off, and half-sent requests dropped."""
+"""What a request must be before a handler sees it (``tangram/server/request_guard.py``), against real brokers on
+loopback: bodies declared JSON, only loopback ``Host`` and ``Origin`` while auth is off, and half-sent requests
+dropped."""
 
 from __future__ import annotations
 

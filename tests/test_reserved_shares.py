@@ -1,5 +1,5 @@
-"""The order that makes SLO reservations hold (``tangram/sched/reserved_shares.py``): a reserved task's actions first up to
-its reservation, counting what its running actions hold, every other action in the order it had."""
+"""The order that makes SLO reservations hold (``tangram/sched/reserved_shares.py``): a reserved task's actions first up
+to its reservation, counting what its running actions hold, every other action in the order it had."""
 
 from __future__ import annotations
 

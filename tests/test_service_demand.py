@@ -1,6 +1,6 @@
-"""Demand per reward service (``managers/gpu/service_demand.py``): the exponentially weighted arrival rate (steady, young,
-decaying), run GPU-seconds learned per GPU type from actions' ends, the speed prior that carries them to types not
-seen yet, measured speeds and loads; and ``gpu_types.bound_of``, which gives each service its prior's bound."""
+"""Demand per reward service (``managers/gpu/service_demand.py``): the exponentially weighted arrival rate (steady,
+young, decaying), run GPU-seconds learned per GPU type from actions' ends, the speed prior that carries them to types
+not seen yet, measured speeds and loads; and ``gpu_types.bound_of``, which gives each service its prior's bound."""
 
 from __future__ import annotations
 

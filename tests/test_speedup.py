@@ -1,5 +1,5 @@
-"""The learned speed-up model (``tangram.sched.speedup`` through ``DurationModel``): runs of a suite whose real curve the
-client never declares, scheduled by the service's own scheduler and dispatch, on a moldable and a malleable
+"""The learned speed-up model (``tangram.sched.speedup`` through ``DurationModel``): runs of a suite whose real curve
+the client never declares, scheduled by the service's own scheduler and dispatch, on a moldable and a malleable
 manager; bad observations; the declared bounds; persistence through the store."""
 
 from __future__ import annotations

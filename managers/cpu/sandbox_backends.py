@@ -2,8 +2,8 @@
 default image when the node starts; or, only where the config says so in so many words (``backend = "local"`` and
 ``unsandboxed = true``), this host's processes, in no sandbox. Exec never falls back to them: a node without its
 engine or image does not start, and the error names the fix. For a node with ``agent = true``, that node's agent
-(``managers/remote/broker/ray_agents.py``) opens one of these on its node. The CPU manager takes this as its default factory; a
-caller that makes sandboxes otherwise (the simulator, a node agent) passes its own."""
+(``managers/remote/broker/ray_agents.py``) opens one of these on its node. The CPU manager takes this as its default
+factory; a caller that makes sandboxes otherwise (the simulator, a node agent) passes its own."""
 
 from __future__ import annotations
 

@@ -11,8 +11,8 @@ The scheduler never learns what a container, a GPU or an API is. It sees, per ma
 * ``execute`` — run an action on its allocation and return its result.
 
 What a manager adds to the scheduling cycle beyond these verbs (a setup cost for HRRS, a look at the queue after each
-pass, a view of every action) it offers as ``plugins``, which the cycle (``tangram/sched/cycle.py``) runs at its extension
-points.
+pass, a view of every action) it offers as ``plugins``, which the cycle (``tangram/sched/cycle.py``) runs at its
+extension points.
 """
 
 from __future__ import annotations

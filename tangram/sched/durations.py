@@ -5,11 +5,12 @@ the rest an expected duration (the paper uses historical averages). Two things a
 
 - an EWMA of the observed duration normalised to one unit by the declared profile (``t1``): the expected duration
   of actions that are not elastic, and what ``GET /v1/profiles`` shows as T1;
-- for elastic actions, a speed-up model fitted to their runs (``tangram.sched.speedup``): ``T(m, W) = s·(a + [W > 1]·(d
-  + c·W/min(m, W))) + b·P(m)`` around the declared ``P(m)`` and size ``s``. It is what the scheduler uses once an
-  action's signature has run elastically; before that the declaration alone (Eq. 1) with the declared ``t1`` or the
-  EWMA's. An action with neither runs at its minimum, or, where its workers follow its units (the elastic pytest
-  runner), malleable from its minimum into the units no estimated action gains from (``malleable.deferred``).
+- for elastic actions, a speed-up model fitted to their runs (``tangram.sched.speedup``):
+  ``T(m, W) = s·(a + [W > 1]·(d + c·W/min(m, W))) + b·P(m)`` around the declared ``P(m)`` and size ``s``. It is
+  what the scheduler uses once an action's signature has run elastically; before that the declaration alone (Eq. 1)
+  with the declared ``t1`` or the EWMA's. An action with neither runs at its minimum, or, where its workers follow
+  its units (the elastic pytest runner), malleable from its minimum into the units no estimated action gains from
+  (``malleable.deferred``).
 """
 
 from __future__ import annotations

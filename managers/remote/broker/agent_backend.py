@@ -1,9 +1,10 @@
-"""A node's sandboxes driven through its node agent (``managers/remote/node/node_agent.py``): a ``SandboxBackend`` like the
-Docker and local ones, so the CPU manager runs a node behind an agent exactly as one on its own host.
+"""A node's sandboxes driven through its node agent (``managers/remote/node/node_agent.py``): a ``SandboxBackend`` like
+the Docker and local ones, so the CPU manager runs a node behind an agent exactly as one on its own host.
 
-The transport is a function ``call(method, *args)`` that returns the agent's reply; ``managers/remote/broker/ray_agents.py``
-makes one over a Ray actor. A transport failure (the agent or its node is gone) arrives as an error reply like any
-other, with ``lost`` set, so the environment is reported lost and the action fails with a code.
+The transport is a function ``call(method, *args)`` that returns the agent's reply;
+``managers/remote/broker/ray_agents.py`` makes one over a Ray actor. A transport failure (the agent or its node is gone)
+arrives as an error reply like any other, with ``lost`` set, so the environment is reported lost and the action fails
+with a code.
 """
 
 from __future__ import annotations

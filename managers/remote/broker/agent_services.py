@@ -2,8 +2,8 @@
 ``ServiceBackend`` like the torch worker and SGLang, so the GPU manager runs a node behind an agent exactly as one
 on its own host (issue 17).
 
-The transport is a ``ServiceLink``; ``managers/remote/broker/ray_service_agents.py`` makes one over a Ray actor. A transport
-failure (the agent or its node gone) arrives as an error reply like any other: ``service_unavailable`` or
+The transport is a ``ServiceLink``; ``managers/remote/broker/ray_service_agents.py`` makes one over a Ray actor. A
+transport failure (the agent or its node gone) arrives as an error reply like any other: ``service_unavailable`` or
 ``node_lost``, after which the GPU manager makes the instance afresh before it answers again.
 """
 

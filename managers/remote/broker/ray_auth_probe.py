@@ -3,9 +3,9 @@ cluster started without ``RAY_AUTH_MODE=token`` accepts any token. So the cluste
 token, and must refuse.
 
 Ray loads the token and the mode once per process, so the question is asked from a fresh process: this module run
-as ``python -m managers.remote.broker.ray_auth_probe GCS_ADDRESS``, which reads one key from the GCS with Ray's own GCS client
-(one round trip; about 1 s in all, most of it importing Ray). It exits 0 when the GCS refused the token, 1 when it
-answered, and with a traceback on anything else.
+as ``python -m managers.remote.broker.ray_auth_probe GCS_ADDRESS``, which reads one key from the GCS with Ray's own GCS
+client (one round trip; about 1 s in all, most of it importing Ray). It exits 0 when the GCS refused the token, 1 when
+it answered, and with a traceback on anything else.
 """
 
 from __future__ import annotations

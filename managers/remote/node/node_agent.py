@@ -1,9 +1,9 @@
 """A node agent: one node's sandbox backend behind plain, picklable calls (issue 17).
 
-The agent runs on its node (``managers/remote/broker/ray_agents.py`` places it there as a Ray actor) and opens that node's own
-backend, so the node keeps the fast path (cgroup files and the executor's unix socket) that only works on the
-engine's host. A broker elsewhere drives it through ``managers/remote/broker/agent_backend.py``, which is a ``SandboxBackend``
-like any other: the CPU manager does not know that a node is remote.
+The agent runs on its node (``managers/remote/broker/ray_agents.py`` places it there as a Ray actor) and opens that
+node's own backend, so the node keeps the fast path (cgroup files and the executor's unix socket) that only works on the
+engine's host. A broker elsewhere drives it through ``managers/remote/broker/agent_backend.py``, which is a
+``SandboxBackend`` like any other: the CPU manager does not know that a node is remote.
 
 Every call answers as ``managers/remote/replies.py`` says, so a sandbox error crosses the process boundary with its
 code intact, and comes through ``FencedAgent.call``, so a deposed leader's call is refused before it has any effect

@@ -1,10 +1,10 @@
 """A service agent: one GPU node's reward-service instances of one kind behind plain, picklable calls (issue 17).
 
-The agent runs on its GPU node (``managers/remote/broker/ray_service_agents.py`` places it there as a Ray actor) and holds that
-node's own backend (the torch worker, or SGLang servers), so weights move between the node's host memory and its
-GPUs without crossing the network. A broker elsewhere drives it through ``managers/remote/broker/agent_services.py``, a
-``ServiceBackend`` like any other: the GPU manager's chunks, admission and LRU residency do not know the node is
-remote.
+The agent runs on its GPU node (``managers/remote/broker/ray_service_agents.py`` places it there as a Ray actor) and
+holds that node's own backend (the torch worker, or SGLang servers), so weights move between the node's host memory and
+its GPUs without crossing the network. A broker elsewhere drives it through
+``managers/remote/broker/agent_services.py``, a ``ServiceBackend`` like any other: the GPU manager's chunks, admission
+and LRU residency do not know the node is remote.
 
 Every call answers as ``managers/remote/replies.py`` says, and comes through ``FencedAgent.call`` with its broker's
 epoch. The agent checks a request as the REST API does (the same parser and limits): the cluster is the trust
