@@ -15,6 +15,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from managers.remote.broker.ray_loopback import keep_ray_on_loopback
 from sandboxes.backend import LABEL_BROKER
 from tangram.store import Base, Store
+from tests import needs
 from tests.docker_nodes import SESSION_BROKER_PREFIX, USERNS_ENV, configured_engines, labelled_containers
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -80,6 +81,10 @@ async def store(store_url: str) -> AsyncIterator[Store]:
         await opened.close()
 
 # ------------------------------------------------- end of store fixtures ---------------------------------------
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    needs.mark(items)
 
 
 @pytest.fixture

@@ -41,6 +41,8 @@ from tangram.server.openapi import openapi_document
 from tests.docker_nodes import new_broker_id
 from tests.harness import Live, live_broker
 
+pytestmark = pytest.mark.slow  # schemathesis walks every operation
+
 #: fixed, so a CI failure reproduces; another (TANGRAM_FUZZ_SEED) for a held-out run
 SEED = int(os.environ.get("TANGRAM_FUZZ_SEED", "7"))
 EXAMPLES_PER_OPERATION = int(os.environ.get("TANGRAM_FUZZ_EXAMPLES", "25"))

@@ -267,6 +267,7 @@ async def test_the_store_keeps_tokens_by_hash_and_revocations_once(store: Store)
         await store.add_token(StoredToken(id="tok_other", sha256=first.sha256, task="b", note="", created_at=1.0))
 
 
+@pytest.mark.slow
 async def test_cli_tokens_reach_a_running_broker(tmp_path):
     path = tmp_path / "tangram.toml"
     write_config(path, str(tmp_path / "tangram.db"), "")

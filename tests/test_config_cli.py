@@ -102,6 +102,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_serve_and_status_end_to_end(tmp_path):
     port = free_port()
     config = tmp_path / "tangram.toml"
@@ -200,6 +201,7 @@ def call(url: str, method: str, token: str | None = None, body: dict[str, Any] |
         return error.code, json.loads(error.read())
 
 
+@pytest.mark.slow
 def test_reload_keeps_the_admin_named_by_the_environment(tmp_path):
     """``POST /v1/admin/reload`` reads the config file again; the admin that only $TANGRAM_ADMIN_TOKEN_SHA256 names
     stays the admin (else a reload would lock the operator out), and the file's new task token applies."""

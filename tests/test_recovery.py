@@ -25,6 +25,8 @@ from sandboxes.local import kill_marked
 from tests.docker_nodes import cpu_config, docker_engines, labelled_containers, new_broker_id
 from tests.harness import live_broker, live_upstream
 
+pytestmark = pytest.mark.slow  # brokers in subprocesses, killed and restarted
+
 
 def free_port() -> int:
     with socket.socket() as probe:

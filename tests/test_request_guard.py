@@ -16,6 +16,8 @@ from tangram.server.auth import token_sha256
 from tests.docker_nodes import local_cpu
 from tests.harness import Live, live_broker, until
 
+pytestmark = pytest.mark.slow  # waits out the server's request timeouts
+
 LEASES: dict[str, Any] = {"basic": {"lease.local": {"concurrency": 4, "lease_ttl_s": 30.0}}, "cpu": {"enabled": False}}
 ADMIN = "tgm_request-guard-admin"
 #: the cross-site request that ran `id` as root: a page's form or fetch in no-cors mode sends text/plain

@@ -29,6 +29,8 @@ from tangram.service import running_broker
 from tests.docker_nodes import cpu_config, docker_engines, new_broker_id
 from tests.harness import live_broker
 
+pytestmark = pytest.mark.slow  # brokers started in subprocesses
+
 TOKEN = re.compile(r"^(tgm_[A-Za-z0-9_-]{43})$", re.MULTILINE)
 LEASE = b'{"task": "t", "kind": "lease", "demand": {"lease.local": 1}, "spec": {"ttl_s": 1}}'
 

@@ -11,6 +11,8 @@ from tangram.sim import scenarios
 from tangram.sim.assumptions import parse
 from tangram.sim.cluster import ApiModel, Costs, HeteroParams, StaticServing
 
+pytestmark = pytest.mark.slow  # whole scenarios simulated per assumption
+
 
 def test_overrides_are_typed_and_later_items_win():
     assumed = parse(["costs.pod_bind_per_s=200", "mopd.zipf=0", "api.concurrency=384", "costs.api_retries=0",

@@ -13,6 +13,8 @@ from tangram.sim.cluster import Cluster
 from tangram.sim.trace import Call, Trace, Trajectory
 from tangram.sim.training import StepParams, step_seed, train
 
+pytestmark = pytest.mark.slow  # ten RL steps simulated
+
 
 def one_tool_call(seed: int) -> Trace:
     """A step whose one trajectory thinks 2 s, then runs a tool call of ``seed % 1000 + 1`` seconds."""

@@ -13,6 +13,8 @@ from tangram.sim.cluster import Costs
 from tangram.sim.scenarios import SCENARIOS, SENSITIVITY_DOPS, TRIED, VARIATIONS
 from tangram.sim.workloads import CodingParams
 
+pytestmark = pytest.mark.slow  # each scenario simulated end to end
+
 #: the smallest scale that keeps the paper's node density (one CPU node of 256 cores)
 QUICK = "0.2"
 #: scenarios with a test of their own below, which also checks what every scenario writes

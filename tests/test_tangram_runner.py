@@ -31,6 +31,8 @@ from managers.cpu.long_tests import LONG_TESTS_ENV, LONG_TESTS_LINE, TESTS_KEPT
 from sandboxes.image import DEFAULT_IMAGE
 from tests.docker_nodes import docker_engines
 
+pytestmark = pytest.mark.slow  # real pytest suites run under the runner
+
 RUNNER_DIR = Path(__file__).resolve().parent.parent / "sandboxes" / "pytest_runner"
 #: the counts of pytest's last line, without warnings and time (which may differ)
 COUNTS = re.compile(r"(\d+) (passed|failed|skipped|xfailed|xpassed|errors?|deselected)\b")
