@@ -63,13 +63,12 @@ class Cycle:
                                            overdue_floor_s) if hrrs else None
         #: GPUs reserved for SLO-planned tasks, put ahead in each pass; set by SLO admission
         self.reserved_shares: ReservedShares | None = None
-        plugins = {id(manager): manager.plugins() for manager in self.managers}
-        self._setup_costs_of = {id(m): p.setup_costs for m in self.managers
-                                if (p := plugins[id(m)]).setup_costs is not None}
-        self.foresight: list[Foresight] = [p.foresight for p in plugins.values() if p.foresight is not None] \
+        plugins = [(manager, manager.plugins()) for manager in self.managers]
+        self._setup_costs_of = {id(m): p.setup_costs for m, p in plugins if p.setup_costs is not None}
+        self.foresight: list[Foresight] = [p.foresight for _, p in plugins if p.foresight is not None] \
             if foresight is None else list(foresight)
         #: told of every action queued and ended
-        self.watchers: list[ActionWatcher] = [watcher for p in plugins.values() for watcher in p.watchers]
+        self.watchers: list[ActionWatcher] = [watcher for _, p in plugins for watcher in p.watchers]
         self.environment_host = next((m for m in self.managers if isinstance(m, EnvironmentHost)), None)
         #: how long the last pass took to plan (filters, orders and the scheduler), in seconds
         self.last_pass_s = 0.0
