@@ -39,6 +39,7 @@ from managers.remote.broker.agent_backend import AgentBackend
 from managers.remote.node.node_agent import NodeAgent
 from managers.remote.replies import Reply
 from sandboxes.backend import Leftover, NodeHardware, Sandbox, SandboxBackend, SandboxSpec
+from sandboxes.exec_wire import ExecRequest, ExecResult
 from tangram.config import parse_config
 from tangram.service import running_broker
 
@@ -51,8 +52,8 @@ class InstantSandbox(Sandbox):
     async def set_cores(self, cores: frozenset[int]) -> None:
         pass
 
-    async def run(self, request: dict[str, Any]) -> dict[str, Any]:
-        return {"exit_code": 0, "stdout": "", "stderr": "", "duration_s": 0.0}
+    async def run(self, request: ExecRequest) -> ExecResult:
+        return ExecResult(exit_code=0)
 
     async def destroy(self) -> None:
         pass

@@ -18,7 +18,7 @@ import time
 from tangram.core.action import Action
 from tangram.leadership import Leadership, fence
 from tangram.parse import parse_action
-from tangram.store import Store
+from tangram.store.store import Store
 
 
 def action(seq: int) -> Action:

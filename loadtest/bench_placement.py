@@ -20,7 +20,8 @@ import statistics
 from typing import Any
 
 from managers.gpu.gpu_types import GPU_TYPES
-from managers.gpu.placement import NodeGroup, ServiceLoad, place, place_greedy, place_type_blind
+from managers.gpu.placement import place, place_greedy, place_type_blind
+from managers.gpu.placement_problem import NodeGroup, ServiceLoad
 
 GPUS_PER_NODE = 8
 #: the types an instance draws from

@@ -18,11 +18,13 @@ import base64
 import statistics
 import time
 import uuid
+from dataclasses import replace
 from pathlib import Path
 
 from loadtest.suites import DEFAULT_CACHE_DIR, SUITES, fetch
 from sandboxes.backend import Sandbox, SandboxSpec
 from sandboxes.docker import DockerBackend
+from sandboxes.exec_wire import ExecRequest
 from sandboxes.image import DEFAULT_IMAGE
 
 RUNTIMES = ("runc", "runsc")
@@ -41,22 +43,22 @@ async def one_round(engine: str, runtime: str, suite: str, actions: int) -> dict
     sandbox: Sandbox = await backend.create(spec)
     created_s = time.perf_counter() - started
     try:
-        request = {"op": "run", "command": "true", "cpus": [0], "output_limit": 4096, "timeout_s": 60, "reap": True}
+        request = ExecRequest("true", cores=(0,), output_limit=4096, timeout_s=60, reap=True)
         for _ in range(10):  # warm
             await sandbox.execute("a", request)
         overheads = []
         for _ in range(actions):
             started = time.perf_counter()
             executed = await sandbox.execute("a", request)
-            overheads.append(time.perf_counter() - started - executed.response["duration_s"])
-        unpack = {**request, "command": "tar --no-same-owner -xzf suite.tar.gz", "timeout_s": 120}
+            overheads.append(time.perf_counter() - started - executed.result.duration_s)
+        unpack = replace(request, command="tar --no-same-owner -xzf suite.tar.gz", timeout_s=120)
         await sandbox.execute("a", unpack)
-        test = {**request, "command": f"python3 -m pytest -q -p no:cacheprovider {fetched.suite.test_args}",
-                "cwd": f"/workspace/{fetched.root}", "timeout_s": 600}
+        test = replace(request, command=f"python3 -m pytest -q -p no:cacheprovider {fetched.suite.test_args}",
+                       cwd=f"/workspace/{fetched.root}", timeout_s=600)
         started = time.perf_counter()
         executed = await sandbox.execute("a", test)
         suite_s = time.perf_counter() - started
-        tail = executed.response["stdout"].strip().splitlines()[-1:]
+        tail = executed.result.stdout.strip().splitlines()[-1:]
     finally:
         await sandbox.destroy()
         await backend.close()

@@ -12,7 +12,8 @@ from rich.console import Console
 from rich.table import Table
 from sqlalchemy import select
 
-from tangram.store import ActionRow, Store
+from tangram.store.store import Store
+from tangram.store.tables import ActionRow
 
 if TYPE_CHECKING:
     from loadtest.soak import Soak, SoakOptions

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from tangram.core.action import Action
 from tangram.core.errors import Unprocessable
 from tangram.core.malleable import WorkerCost, Workers
-from tangram.core.seam import Allocation, Fit, PoolStatus, ResourceManager
+from tangram.core.seam import Allocation, Fit, PoolStatus, Resizing, ResourceManager
 
 
 class CountedFit(Fit):
@@ -69,7 +69,7 @@ class CountedUnitsManager(ResourceManager[None]):
     def __init__(self, capacity: Mapping[str, Mapping[str, int]], resizable: frozenset[str] = frozenset()) -> None:
         self.capacity = {resource: dict(pools) for resource, pools in capacity.items()}
         self.in_use = {resource: {pool: 0 for pool in pools} for resource, pools in capacity.items()}
-        self._resizable = frozenset(resizable)
+        self._resizing = {resource: CountedResizing(self, resource) for resource in resizable}
 
     @property
     def resources(self) -> Mapping[str, int]:
@@ -98,30 +98,8 @@ class CountedUnitsManager(ResourceManager[None]):
             self.in_use[resource][pools[resource]] += n
         return Allocation(action.id, dict(units), dict(pools), placement={r: {"pool": p} for r, p in pools.items()})
 
-    def resizable(self, resource: str) -> bool:
-        return resource in self._resizable
-
-    def workers(self, action: Action, resource: str, units: int, expected_s: float,
-                learned: WorkerCost | None = None) -> Workers:
-        # Counted units have no worker start-up cost to weigh (the CPU manager's ``workers_for``), so a malleable
-        # action may grow to its largest demand, within one pool (its units never span pools).
-        if not self.resizable(resource):
-            return Workers(units)
-        return Workers(max(units, min(action.demands[resource].max, self.largest_pool(resource))))
-
-    def resize(self, allocation: Allocation[None], resource: str, units: int) -> None:
-        if not self.resizable(resource):
-            raise NotImplementedError(f"{self.name} cannot resize {resource!r}")
-        if allocation.released:
-            raise RuntimeError(f"resize of released allocation {allocation.action_id}")
-        if units < 0:
-            raise ValueError(f"negative units of {resource}: {units}")
-        pool = allocation.pools[resource]
-        delta = units - allocation.units[resource]
-        if self.in_use[resource][pool] + delta > self.capacity[resource][pool]:
-            raise RuntimeError(f"over-allocation of {resource} in {pool}: scheduler and manager disagree")
-        self.in_use[resource][pool] += delta
-        allocation.units[resource] = units
+    def resizing(self, resource: str) -> CountedResizing | None:
+        return self._resizing.get(resource)
 
     def release(self, allocation: Allocation[None]) -> None:
         if allocation.released:
@@ -133,3 +111,33 @@ class CountedUnitsManager(ResourceManager[None]):
     def status(self) -> list[PoolStatus]:
         return [PoolStatus(resource, pool, cap, self.in_use[resource][pool])
                 for resource, pools in self.capacity.items() for pool, cap in pools.items()]
+
+
+class CountedResizing(Resizing[None]):
+    """Resizes in the books only: counted units run nothing, so there is nothing to move."""
+
+    def __init__(self, manager: CountedUnitsManager, resource: str) -> None:
+        self.manager = manager
+        self.resource = resource
+
+    def workers(self, action: Action, units: int, expected_s: float, learned: WorkerCost | None = None) -> Workers:
+        # Counted units have no worker start-up cost to weigh (the CPU manager's ``workers_for``), so a malleable
+        # action may grow to its largest demand, within one pool (its units never span pools).
+        return Workers(max(units, min(action.demands[self.resource].max, self.manager.largest_pool(self.resource))))
+
+    def resize(self, allocation: Allocation[None], units: int) -> None:
+        resource = self.resource
+        if allocation.released:
+            raise RuntimeError(f"resize of released allocation {allocation.action_id}")
+        if units < 0:
+            raise ValueError(f"negative units of {resource}: {units}")
+        pool = allocation.pools[resource]
+        in_use = self.manager.in_use[resource]
+        delta = units - allocation.units[resource]
+        if in_use[pool] + delta > self.manager.capacity[resource][pool]:
+            raise RuntimeError(f"over-allocation of {resource} in {pool}: scheduler and manager disagree")
+        in_use[pool] += delta
+        allocation.units[resource] = units
+
+    async def apply(self, allocation: Allocation[None]) -> None:
+        """Nothing to move: the books are all there is."""

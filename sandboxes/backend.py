@@ -15,8 +15,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from sandboxes.core_pins import CorePins
-from sandboxes.executor import DEFAULT_OUTPUT_LIMIT, UNKNOWN_OP
-from sandboxes.executor_answer import BadAnswer, bounded_run_answer
+from sandboxes.exec_wire import ExecRequest, ExecResult
+from sandboxes.executor import UNKNOWN_OP
+from sandboxes.executor_answer import BadAnswer
 from sandboxes.executor_client import ExecutorUnavailable, call
 
 #: labels every broker-made container carries, so a restarted broker can find, adopt or reap them
@@ -142,10 +143,10 @@ class Leftover:
 
 @dataclass(frozen=True)
 class Executed:
-    """What ``Sandbox.execute`` answers: the executor's response, and why the sandbox could not be narrowed or
+    """What ``Sandbox.execute`` answers: the executor's result, and why the sandbox could not be narrowed or
     frozen after the command (the command's result stands; the sandbox should be taken as lost), or None."""
 
-    response: dict[str, Any]
+    result: ExecResult
     unsettled: str | None = None
 
 
@@ -159,25 +160,23 @@ class Sandbox(abc.ABC):
     def _pins(self) -> CorePins:
         return CorePins()
 
-    async def execute(self, tag: str, request: dict[str, Any]) -> Executed:
-        """Run one executor request tagged ``tag`` on its "cpus": the sandbox widens to the union of its running
-        commands' cores first and narrows to those still running (frozen when none) after. The command starts on
-        the cores of a ``repin`` that came before it. The answer is the executor's word, checked and cut to the
-        request's ``output_limit`` (``sandboxes/executor_answer.py``). Raises ``SandboxError`` as ``run`` and
-        ``set_cores`` do, and ``executor_bad_answer`` for an answer out of protocol."""
-        cores = self._pins.start(tag, frozenset(request["cpus"]))  # before any await: a repin now finds it
+    async def execute(self, tag: str, request: ExecRequest) -> Executed:
+        """Run one command tagged ``tag`` on its cores: the sandbox widens to the union of its running commands'
+        cores first and narrows to those still running (frozen when none) after. The command starts on the cores
+        of a ``repin`` that came before it. Raises ``SandboxError`` as ``run`` and ``set_cores`` do, and
+        ``executor_bad_answer`` for an answer out of protocol."""
+        cores = self._pins.start(tag, frozenset(request.cores))  # before any await: a repin now finds it
         try:
             async with self._pins.lock:
                 await self.set_cores(self._pins.union())
-            answer = await self.run({**request, "cpus": sorted(cores), "tag": tag})
-            response = bounded_run_answer(answer, request.get("output_limit", DEFAULT_OUTPUT_LIMIT))
+            result = await self.run(replace(request, cores=tuple(sorted(cores)), tag=tag))
         except BadAnswer as error:
             raise SandboxError("executor_bad_answer", f"the sandbox's executor answered out of protocol: {error}") \
                 from None
         finally:
             self._pins.end(tag)
             unsettled = await self._settle()
-        return Executed(response, unsettled)
+        return Executed(result, unsettled)
 
     async def _settle(self) -> str | None:
         try:
@@ -210,10 +209,12 @@ class Sandbox(abc.ABC):
         """
 
     @abc.abstractmethod
-    async def run(self, request: dict[str, Any]) -> dict[str, Any]:
-        """Run one executor request (see ``sandboxes/executor.py``) and return its response.
+    async def run(self, request: ExecRequest) -> ExecResult:
+        """Run one command through the sandbox's executor and return its answer, checked and cut to the request's
+        ``output_limit`` (``ExecResult.from_wire``).
 
-        Raise ``SandboxError(lost=True)`` when the sandbox died under the command.
+        Raise ``SandboxError(lost=True)`` when the sandbox died under the command, ``BadAnswer`` for an answer out
+        of protocol.
         """
 
     @abc.abstractmethod

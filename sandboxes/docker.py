@@ -52,6 +52,7 @@ from sandboxes.backend import (
     repin_via_executor,
 )
 from sandboxes.cgroup import CFS_PERIOD_US, ContainerCgroup, cpu_list
+from sandboxes.exec_wire import ExecRequest, ExecResult
 from sandboxes.executor_answer import BadAnswer, frame_limit
 from sandboxes.executor_client import EXECUTOR_PATH, ExecutorUnavailable, call, encode_once, wait_ready
 from sandboxes.id_mapping import IdMapping
@@ -218,15 +219,18 @@ class DockerSandbox(Sandbox):
             log.warning("sandbox %s runs an executor from an older broker: its commands follow the cgroup only "
                         "(a grow does not reach a running command)", self.container.short_id)
 
-    async def run(self, request: dict[str, Any]) -> dict[str, Any]:
+    async def run(self, request: ExecRequest) -> ExecResult:
+        wire = request.to_wire()
         try:
             if self.socket is not None:
-                return await call(self.socket, request)
-            return await self.backend.off_loop(self._run_via_engine, request)
+                answer = await call(self.socket, wire)
+            else:
+                answer = await self.backend.off_loop(self._run_via_engine, wire)
         except ExecutorUnavailable as error:
             state = await self.backend.off_loop(self._state)
             raise SandboxError("environment_lost", f"the sandbox died under the command ({error}); container "
                                                    f"state: {state}", lost=True) from None
+        return ExecResult.from_wire(answer, request.output_limit)
 
     def _run_via_engine(self, request: dict[str, Any]) -> dict[str, Any]:
         """The executor in one-shot mode under ``docker exec``; its answer (stdout) is read up to the frame an

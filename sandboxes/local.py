@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from sandboxes.backend import (
     SandboxSpec,
     repin_via_executor,
 )
+from sandboxes.exec_wire import ExecRequest, ExecResult
 from sandboxes.executor_client import EXECUTOR_PATH, ExecutorUnavailable, call, wait_ready
 from sandboxes.untrusted_paths import UntrustedPath, read_regular
 
@@ -81,12 +83,14 @@ class LocalSandbox(Sandbox):
             raise SandboxError("repin_failed", "this environment's executor predates re-pinning (adopted from an "
                                                "older broker): its command cannot change cores")
 
-    async def run(self, request: dict[str, Any]) -> dict[str, Any]:
+    async def run(self, request: ExecRequest) -> ExecResult:
+        """The command with the environment's memory as each process's limit: no cgroup holds it here."""
         try:
-            return await call(self.socket, {**request, "memory_bytes": self.memory_bytes})
+            answer = await call(self.socket, replace(request, memory_bytes=self.memory_bytes).to_wire())
         except ExecutorUnavailable as error:
             raise SandboxError("environment_lost", f"the environment's executor is gone ({error})",
                                lost=True) from None
+        return ExecResult.from_wire(answer, request.output_limit)
 
     async def destroy(self) -> None:
         if self.destroyed:

@@ -24,6 +24,7 @@ from rich.text import Text
 
 from tangram.config import load_config, with_ray
 from tangram.core.errors import ConfigError
+from tangram.sched.profile import SchedulerProfile
 from tangram.sim.commands import add_commands as add_simulation_commands
 
 
@@ -46,6 +47,12 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"tangram: {error.message}", file=sys.stderr)
         return 1
     return 0
+
+
+def _scheduler_profile(path: str) -> SchedulerProfile:
+    """The ``[scheduler]`` profile of a broker's config file, for the simulator; the whole file is checked as
+    ``serve`` checks it."""
+    return load_config(path).scheduler
 
 
 def _fetch(url: str, token: str | None = None) -> Any:
@@ -179,7 +186,7 @@ def _status(args: argparse.Namespace) -> int:
 
 async def _with_store(args: argparse.Namespace, work: Any) -> Any:
     """Run ``work(store)`` on the store of the config (``--config``, ``$TANGRAM_CONFIG``, ``$TANGRAM_STORE_URL``)."""
-    from tangram.store import Store
+    from tangram.store.store import Store
 
     store = await Store.open(load_config(args.config).store.url)
     try:
@@ -358,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
                        "(and re-import everywhere)")
     build.add_argument("--force", action="store_true", help="import even into engines that already have the image")
     build.set_defaults(func=_image_build)
-    add_simulation_commands(commands)
+    add_simulation_commands(commands, _scheduler_profile)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -8,7 +8,7 @@ import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from pydantic import Field, PlainValidator, StrictStr
 
@@ -31,8 +31,9 @@ from tangram.core.config_tables import (
 from tangram.core.errors import ConfigError
 from tangram.core.names import NAME
 from tangram.parse import Limits
+from tangram.sched.profile import SchedulerProfile, refuse_moved
+from tangram.sched.tenants import CAP_NAMES, TaskCaps, Tenancy
 from tangram.slo.plan import SloPlan
-from tangram.tenants import CAP_NAMES, TaskCaps, Tenancy
 
 DEFAULT_DB = "sqlite+aiosqlite:///tangram.db"
 
@@ -115,24 +116,20 @@ class ServerConfig:
 
 
 @dataclass(frozen=True)
-class SchedulerConfig:
-    __pydantic_config__ = TABLE
+class SchedulerConfig(SchedulerProfile):
+    """``[scheduler]``: the scheduler profile (``tangram/sched/profile.py``), which the simulator takes too, and the
+    broker's bounds on what it holds."""
 
-    policy: StrictStr = "fcfs"
-    #: a queue order per resource other than ``policy``: "hrrs" groups same-service reward actions to save
-    #: restores (``tangram/sched/setup_order.py``), e.g. ``order = {gpu = "hrrs"}``
-    order: dict[str, Literal["fcfs", "hrrs"]] = field(default_factory=dict)
-    #: under "hrrs", an action is overdue, and goes ahead of those that are not, once it has waited twice the mean
-    #: wait of the actions queued with it, but at least ``overdue_floor_s`` and at most ``max_wait_s`` (the
-    #: starvation bound)
-    max_wait_s: Seconds = 60.0
-    overdue_floor_s: Seconds = 10.0
-    depth: Count = 2
-    horizon: NonNegative = 64
-    default_duration_s: Seconds = 1.0
-    ewma_alpha: Annotated[float, Field(strict=True, gt=0, le=1)] = 0.2
+    #: submits beyond get 503
     max_queue: NonNegative = 100_000
+    #: finished records stay in memory this long (always in the store)
     retain_s: Seconds = 600.0
+
+
+def parse_scheduler(raw: Any) -> SchedulerConfig:
+    """``[scheduler]``; a key it held before the profile is refused naming where it went."""
+    refuse_moved(raw)
+    return table(SchedulerConfig, raw, "scheduler")
 
 
 @dataclass(frozen=True)
@@ -218,7 +215,7 @@ def parse_config(raw: dict[str, Any]) -> Config:
     config = with_ray(Config(
         server=table(ServerConfig, raw.get("server", {}), "server"),
         access=parse_access(raw),
-        scheduler=table(SchedulerConfig, raw.get("scheduler", {}), "scheduler"),
+        scheduler=parse_scheduler(raw.get("scheduler", {})),
         store=check_store(table(StoreConfig, raw.get("store", {}), "store")),
         limits=table(Limits, raw.get("limits", {}), "limits"),
         pools=table(Pools, raw.get("pools", {}), "pools"),
@@ -233,9 +230,10 @@ def parse_config(raw: dict[str, Any]) -> Config:
     duplicate = next((n for n in names if names.count(n) > 1), None)
     if duplicate:
         raise ConfigError(duplicate, "resource is declared twice")
-    for resource in config.scheduler.order:
+    for resource in config.scheduler.queue_order_by_resource:
         if resource not in names:
-            raise ConfigError(f"scheduler.order.{resource}", f"names no resource of this broker; it has {names}")
+            raise ConfigError(f"scheduler.queue_order_by_resource.{resource}",
+                              f"names no resource of this broker; it has {names}")
     if config.server.status_keep_s < config.server.status_interval_s:
         raise ConfigError("server.status_keep_s", "must be at least server.status_interval_s")
     return config

@@ -31,7 +31,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from tangram.core.fencing import Fencing
-from tangram.store import Deposed, Fence
+from tangram.store.fence import Deposed, Fence
 
 log = logging.getLogger("tangram")
 

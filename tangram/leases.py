@@ -14,8 +14,8 @@ from tangram.core.action import Action, Kind, State
 from tangram.core.errors import Conflict, NotFound
 from tangram.core.seam import Allocation, Lessor, ResourceManager
 from tangram.sched import dispatch
-from tangram.store import Store
-from tangram.tenants import TaskLedger
+from tangram.sched.tenants import TaskLedger
+from tangram.store.store import Store
 
 Held = list[tuple[ResourceManager, Allocation]]
 

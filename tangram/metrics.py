@@ -52,7 +52,9 @@ class SloFigures(NamedTuple):
     last_slowdown: float | None
 
 
-class _SloCollector(Collector):
+class SloCollector(Collector):
+    """The planned tasks' SLO figures, read at each scrape (SLO admission registers it)."""
+
     def __init__(self, figures: Callable[[], Iterable[SloFigures]]) -> None:
         self.figures = figures
 
@@ -118,9 +120,6 @@ class Metrics:
     def watch(self, queue_depth: Callable[[], dict[str, int]],
               units: Callable[[], Iterable[tuple[str, str, int, int]]]) -> None:
         self.registry.register(_StateCollector(queue_depth, units))
-
-    def watch_slo(self, figures: Callable[[], Iterable[SloFigures]]) -> None:
-        self.registry.register(_SloCollector(figures))
 
     def record_finish(self, action: Action) -> None:
         labels = (action.kind.value, action.task)

@@ -20,6 +20,7 @@ from managers.counted import CountedUnitsManager
 from managers.cpu.manager import CpuManager
 from managers.gpu.config import wanted
 from managers.gpu.manager import GpuManager
+from managers.gpu.slo_view import GpuSloView
 from tangram.broker import Broker
 from tangram.config import Config
 from tangram.core.fencing import Fencing, leading
@@ -30,7 +31,9 @@ from tangram.server.auth import AUTH
 from tangram.server.bind_auth import check_bind, token_for_bind
 from tangram.server.request_guard import http_settings
 from tangram.server.standby import stand_by
-from tangram.store import Fence, Store
+from tangram.slo.admission import SloAdmission
+from tangram.store.fence import Fence
+from tangram.store.store import Store
 
 log = logging.getLogger("tangram")
 
@@ -57,21 +60,20 @@ async def running_broker(config: Config, managers: list[ResourceManager] | None 
     """A started broker and its app; everything is closed and flushed on exit. ``managers``: others than the
     config's (a benchmark's node agents with modelled sandboxes); ``fenced_by``: the leader's fence on its store."""
     store = await Store.open(config.store.url, fence=fenced_by)
-    scheduler = config.scheduler
-    managers = build_managers(config) if managers is None else managers
-    broker = Broker(managers, store, policy=scheduler.policy, order=scheduler.order, max_wait_s=scheduler.max_wait_s,
-                    overdue_floor_s=scheduler.overdue_floor_s,
-                    depth=scheduler.depth, horizon=scheduler.horizon,
-                    default_duration_s=scheduler.default_duration_s, ewma_alpha=scheduler.ewma_alpha,
-                    max_queue=scheduler.max_queue, retain_s=scheduler.retain_s)
     try:
-        await broker.start()
-        yield broker, build_app(broker, config.server, config.limits, config.access)
-    finally:
+        scheduler = config.scheduler
+        managers = build_managers(config) if managers is None else managers
+        gpu = next((manager for manager in managers if isinstance(manager, GpuManager)), None)
+        slo = SloAdmission(None if gpu is None else GpuSloView(gpu), store, config.access.slo_plans)
+        broker = Broker(managers, store, scheduler, plugins=[slo.plugins()], max_queue=scheduler.max_queue,
+                        retain_s=scheduler.retain_s)
         try:
+            await broker.start()
+            yield broker, build_app(broker, config.server, config.limits, slo, config.access)
+        finally:
             await broker.close()
-        finally:  # whatever a manager's close raised, pending records still reach the database
-            await store.close()
+    finally:  # whatever a manager's close raised, pending records still reach the database
+        await store.close()
 
 
 async def serve(config: Config, insecure: bool = False) -> None:

@@ -14,7 +14,8 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from managers.remote.broker.ray_loopback import keep_ray_on_loopback
 from sandboxes.backend import LABEL_BROKER
-from tangram.store import Base, Store
+from tangram.store.store import Store
+from tangram.store.tables import Base
 from tests import needs
 from tests.docker_nodes import SESSION_BROKER_PREFIX, USERNS_ENV, configured_engines, labelled_containers
 

@@ -20,7 +20,9 @@ from clients.errors import ForbiddenError, NotFoundError, UnauthorizedError
 from tangram.config import parse_config
 from tangram.core.errors import ConfigError
 from tangram.server.auth import mint, new_token, token_sha256
-from tangram.store import Store, StoredToken, TokenRow
+from tangram.store.store import Store
+from tangram.store.tables import TokenRow
+from tangram.store.tokens import StoredToken
 from tests.docker_nodes import local_cpu
 from tests.harness import broker_from_file, live_broker
 

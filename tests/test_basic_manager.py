@@ -306,11 +306,6 @@ def test_a_body_and_a_text_body_together_are_unprocessable(checker: BasicManager
     assert err.value.field == "spec.body_text"
 
 
-def test_api_actions_are_not_completed_synchronously(checker: BasicManager) -> None:
-    action = api()
-    assert checker.complete_now(action, checker.allocate(action, {"api.search": 1}, {"api.search": "default"})) is None
-
-
 def test_good_api_spec_passes(checker: BasicManager) -> None:
     checker.validate(api(method="POST", path="/v1/search/%20x", query={"q": "a", "n": 3},
                          headers={"Authorization": "Bearer t"}, body={"k": [1, 2]}))
@@ -359,7 +354,7 @@ async def test_lease_is_held_until_its_ttl_then_reported_until_released() -> Non
     manager = BasicManager([BasicResourceConfig("lease.slot", concurrency=2, lease_ttl_s=30)], clock=clock)
     action = lease({"lease.slot": 2}, ttl_s=10)
     allocation = allocate(manager, action)
-    outcome = await manager.execute(action, allocation)
+    outcome = manager.grant(action, allocation)
     assert outcome.hold
     assert outcome.result == {"lease_id": action.id, "expires_in_s": 10.0, "units": {"lease.slot": 2}}
     assert (row(manager, "lease.slot").in_use, row(manager, "lease.slot").extra["leases"]) == (2, 1)
@@ -383,9 +378,8 @@ async def test_lease_ttl_defaults_to_the_resource_maximum_and_early_release_clea
                             BasicResourceConfig("lease.wide", concurrency=2, lease_ttl_s=300)], clock=clock)
     short, long = lease({"lease.slot": 1, "lease.wide": 1}), lease({"lease.wide": 1})
     short_alloc, long_alloc = allocate(manager, short), allocate(manager, long)
-    granted = manager.complete_now(short, short_alloc)  # granted without a task
-    assert granted is not None and granted.result["expires_in_s"] == 30.0
-    assert (await manager.execute(long, long_alloc)).result["expires_in_s"] == 300.0
+    assert manager.grant(short, short_alloc).result["expires_in_s"] == 30.0
+    assert manager.grant(long, long_alloc).result["expires_in_s"] == 300.0
     assert manager.next_change_in() == pytest.approx(30.0)
     manager.release(short_alloc)  # the client returned it early
     assert manager.next_change_in() == pytest.approx(300.0)

@@ -17,6 +17,7 @@ import pytest
 
 from tangram.config import ADMIN_TOKEN_ENV, load_config, parse_config
 from tangram.core.errors import ConfigError
+from tangram.sched.profile import DEFAULT_PROFILE, MOVED, ElasticArgs, EstimateArgs, HrrsArgs
 from tangram.server.auth import new_token, token_sha256
 from tangram.slo.plan import SloPlan
 
@@ -27,10 +28,10 @@ SLO = {"slowdown": 1.2, "service": "judge", "actions": 8, "action_s": 2.0, "othe
 @pytest.mark.parametrize("raw,key", [
     ({"server": {"prot": 1}}, "server.prot"),
     ({"server": {"port": "80"}}, "server.port"),
-    ({"scheduler": {"depth": 0}}, "scheduler.depth"),
+    ({"scheduler": {"elastic": {"depth": 0}}}, "scheduler.elastic.depth"),
     ({"server": {"status_interval_s": 0}}, "server.status_interval_s"),
     ({"server": {"status_interval_s": 5, "status_keep_s": 1}}, "server.status_keep_s"),
-    ({"scheduler": {"horizon": -1}}, "scheduler.horizon"),
+    ({"scheduler": {"elastic": {"horizon": -1}}}, "scheduler.elastic.horizon"),
     ({"basic": {"api.x": {}}}, "basic.api.x.concurrency"),
     ({"basic": {"api.x": {"concurrency": 0}}}, "basic.api.x.concurrency"),
     ({"basic": {"api.x": {"concurrency": 1, "upstream": {"base_url": "ftp://x"}}}}, "basic.api.x.upstream.base_url"),
@@ -39,8 +40,16 @@ SLO = {"slowdown": 1.2, "service": "judge", "actions": 8, "action_s": 2.0, "othe
     ({"pools": {"lease.local": {"n0": 1}}}, "lease.local"),
     ({"extra": {}}, "extra"),
     ({"ray": {"auth": "maybe"}}, "ray.auth"),
-    ({"scheduler": {"order": {"gpux": "hrrs"}}}, "scheduler.order.gpux"),  # no such resource
-    ({"scheduler": {"order": {"lease.local": "sjf"}}}, "scheduler.order.lease.local"),
+    ({"scheduler": {"queue_order_by_resource": {"gpux": "hrrs"}}}, "scheduler.queue_order_by_resource.gpux"),
+    ({"scheduler": {"queue_order_by_resource": {"lease.local": "sjf"}}},
+     "scheduler.queue_order_by_resource.lease.local"),  # no such order
+    ({"scheduler": {"queue_order": "sjf"}}, "scheduler.queue_order"),
+    ({"scheduler": {"sjf": {}}}, "scheduler.sjf"),  # no such plugin
+    ({"scheduler": {"fcfs": {}}}, "scheduler.fcfs"),  # a plugin without arguments
+    ({"scheduler": {"hrrs": {"max_wait": 1.0}}}, "scheduler.hrrs.max_wait"),  # no such argument
+    ({"scheduler": {"hrrs": {"max_wait_s": -1.0}}}, "scheduler.hrrs.max_wait_s"),
+    ({"scheduler": {"elastic": {"share_by": "size"}}}, "scheduler.elastic.share_by"),
+    ({"scheduler": {"estimates": {"ewma_alpha": 1.5}}}, "scheduler.estimates.ewma_alpha"),
     ({"cpu": {"ray_address": "head:6379"}}, "cpu.ray_address"),
     ({"gpu": {"ray": {"address": "head:6379"}}}, "gpu.ray"),
     ({"tasks": {"t": {"slo": {**SLO, "slowdown": 0.9}}}}, "tasks.t.slo.slowdown"),  # out of SloPlan's range
@@ -81,6 +90,61 @@ def test_the_ray_section_reaches_both_managers_and_older_keys_say_where_they_wen
     assert parse_config({}).cpu.ray.auth == "token"  # the default refuses a cluster without its token
     with pytest.raises(ConfigError, match=r"now \[ray\] auth"):
         parse_config({"cpu": {"ray_auth": "none"}})
+
+
+SCHEDULER_PROFILE = """
+[scheduler]
+queue_order = "fcfs"
+queue_order_by_resource = { "lease.local" = "hrrs" }
+max_queue = 500
+
+[scheduler.hrrs]
+max_wait_s = 30.0
+overdue_floor_s = 5.0
+
+[scheduler.elastic]
+depth = 3
+horizon = 32
+share_by = "remaining"
+
+[scheduler.estimates]
+default_duration_s = 2.0
+ewma_alpha = 0.5
+arrivals = false
+"""
+
+
+def test_the_scheduler_profile_is_read_from_its_plugin_tables(tmp_path):
+    path = tmp_path / "t.toml"
+    path.write_text(SCHEDULER_PROFILE)
+    scheduler = load_config(path).scheduler
+    assert scheduler.ordered_by("hrrs", ["lease.local", "cpu"]) == ["lease.local"]
+    assert scheduler.ordered_by("fcfs", ["lease.local", "cpu"]) == ["cpu"]
+    assert scheduler.hrrs == HrrsArgs(max_wait_s=30.0, overdue_floor_s=5.0)
+    assert scheduler.elastic == ElasticArgs(depth=3, horizon=32, share_by="remaining")
+    assert scheduler.estimates == EstimateArgs(default_duration_s=2.0, ewma_alpha=0.5, arrivals=False)
+    assert scheduler.max_queue == 500 and "max_queue" not in scheduler.to_json()  # the broker's, not the profile's
+    assert parse_config({}).scheduler.to_json() == DEFAULT_PROFILE.to_json()
+    assert parse_config({"server": {"max_wait_s": 10.0}}).server.max_wait_s == 10.0  # ?wait=true's bound stays
+
+
+#: each key ``[scheduler]`` held before the profile, and the place it moved to (table, key)
+MOVED_TO = {"policy": ("", "queue_order"), "order": ("", "queue_order_by_resource"),
+            "max_wait_s": ("hrrs", "max_wait_s"), "overdue_floor_s": ("hrrs", "overdue_floor_s"),
+            "depth": ("elastic", "depth"), "horizon": ("elastic", "horizon"),
+            "default_duration_s": ("estimates", "default_duration_s"), "ewma_alpha": ("estimates", "ewma_alpha")}
+
+
+@pytest.mark.parametrize("key", sorted(MOVED_TO))
+def test_a_scheduler_key_the_profile_moved_is_refused_naming_its_new_place(key):
+    plugin, new_key = MOVED_TO[key]
+    with pytest.raises(ConfigError) as error:
+        parse_config({"scheduler": {key: 1}})
+    place = f"[scheduler.{plugin}] {new_key}" if plugin else f"[scheduler] {new_key}"
+    assert error.value.key == f"scheduler.{key}" and place in str(error.value), str(error.value)
+    table = getattr(DEFAULT_PROFILE, plugin) if plugin else DEFAULT_PROFILE
+    assert hasattr(table, new_key), "the new place exists"
+    assert set(MOVED_TO) == set(MOVED)
 
 
 def test_environment_names_the_file_and_overrides_the_store_url(tmp_path):

@@ -11,6 +11,7 @@ import pytest
 
 from sandboxes.backend import Sandbox, SandboxError
 from sandboxes.core_pins import MAX_EARLY_TAGS, CorePins
+from sandboxes.exec_wire import ExecRequest, ExecResult
 
 
 class RecordingSandbox(Sandbox):
@@ -29,17 +30,18 @@ class RecordingSandbox(Sandbox):
     async def set_action_cores(self, tag: str, cores: frozenset[int]) -> None:
         self.calls.append(("set_action_cores", tag, sorted(cores)))
 
-    async def run(self, request: dict[str, Any]) -> dict[str, Any]:
-        self.calls.append(("run", request["tag"], request["cpus"]))
-        await self.release.setdefault(request["tag"], asyncio.Event()).wait()
-        return {"exit_code": 0, "tag": request["tag"]}
+    async def run(self, request: ExecRequest) -> ExecResult:
+        assert request.tag is not None
+        self.calls.append(("run", request.tag, list(request.cores)))
+        await self.release.setdefault(request.tag, asyncio.Event()).wait()
+        return ExecResult(exit_code=0)
 
     async def destroy(self) -> None:
         pass
 
 
-def request(*cores: int) -> dict[str, Any]:
-    return {"op": "run", "command": "true", "cpus": list(cores)}
+def request(*cores: int) -> ExecRequest:
+    return ExecRequest("true", cores=cores)
 
 
 async def started(sandbox: RecordingSandbox, tag: str) -> None:
@@ -52,8 +54,7 @@ async def test_one_command_widens_then_freezes_its_sandbox() -> None:
     sandbox.release["a"] = asyncio.Event()
     sandbox.release["a"].set()
     executed = await sandbox.execute("a", request(2, 3))
-    assert executed.response["exit_code"] == 0 and executed.unsettled is None
-    assert "tag" not in executed.response  # the executor's answer, as far as the broker reads it
+    assert executed.result.exit_code == 0 and executed.unsettled is None
     assert sandbox.calls == [("set_cores", [2, 3]), ("run", "a", [2, 3]), ("set_cores", [])]
 
 
@@ -99,7 +100,7 @@ async def test_a_failed_settle_keeps_the_result_and_says_why() -> None:
     sandbox.fail_set_cores = SandboxError("environment_lost", "the container is gone", lost=True)
     sandbox.release["a"].set()
     executed = await running
-    assert executed.response["exit_code"] == 0
+    assert executed.result.exit_code == 0
     assert executed.unsettled == "the container is gone"
 
 

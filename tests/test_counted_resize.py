@@ -12,9 +12,8 @@ from tangram.core.action import Action, Demand, Elasticity, Kind
 from tangram.core.seam import Allocation, ResourceManager
 from tangram.sched import dispatch
 from tangram.sched.cycle import Cycle
-from tangram.sched.durations import DurationModel
-from tangram.sched.queue import FCFSQueue
-from tangram.sched.scheduler import Plan, Resize, Scheduler
+from tangram.sched.profile import EstimateArgs, SchedulerProfile
+from tangram.sched.scheduler import Plan, Resize
 
 POOLS = {"n0": 8, "n1": 8}
 
@@ -27,7 +26,7 @@ class Harness:
     def __init__(self, pools: dict[str, int] = POOLS) -> None:
         self.pools = pools
         self.manager = CountedUnitsManager({"cpu": pools}, resizable=frozenset({"cpu"}))
-        self.cycle = Cycle([self.manager], Scheduler([self.manager], DurationModel()), FCFSQueue(), arrivals=None)
+        self.cycle = Cycle([self.manager], SchedulerProfile(estimates=EstimateArgs(arrivals=False)))
         self.running: Running = {}
         self.submitted: set[str] = set()
         self.started: set[str] = set()
@@ -196,15 +195,14 @@ def test_resize_refuses_over_allocation_and_non_resizable_resources():
     manager = CountedUnitsManager({"cpu": {"n0": 4}, "gpu": {"g0": 2}}, resizable=frozenset({"cpu"}))
     action = Action(task="t", kind=Kind.EXEC, demands={"cpu": Demand.range(1, 4), "gpu": Demand.fixed(1)})
     allocation = manager.allocate(action, {"cpu": 2, "gpu": 1}, {"cpu": "n0", "gpu": "g0"})
-    assert manager.resizable("cpu") and not manager.resizable("gpu")
-    manager.resize(allocation, "cpu", 4)
+    cpu = manager.resizing("cpu")
+    assert cpu is not None and manager.resizing("gpu") is None
+    cpu.resize(allocation, 4)
     assert manager.in_use["cpu"]["n0"] == 4 and allocation.units["cpu"] == 4
     with pytest.raises(RuntimeError):
-        manager.resize(allocation, "cpu", 5)
+        cpu.resize(allocation, 5)
     assert manager.in_use["cpu"]["n0"] == 4  # a refused resize changes nothing
-    with pytest.raises(NotImplementedError):
-        manager.resize(allocation, "gpu", 2)
-    manager.resize(allocation, "cpu", 1)
+    cpu.resize(allocation, 1)
     assert manager.in_use["cpu"]["n0"] == 1
     manager.release(allocation)
     assert manager.in_use == {"cpu": {"n0": 0}, "gpu": {"g0": 0}}

@@ -16,6 +16,7 @@ import pytest
 from sandboxes.backend import SandboxSpec
 from sandboxes.cgroup import ContainerCgroup
 from sandboxes.docker import DockerBackend
+from sandboxes.exec_wire import ExecRequest
 from sandboxes.image import DEFAULT_IMAGE
 from tangram.core.action import Kind
 from tests.docker_nodes import cpu_config, docker_engines, labelled_containers, new_broker_id
@@ -388,8 +389,8 @@ async def test_fast_path_repins_a_running_command_onto_other_cores():
     threaded = "import threading, time; threading.Thread(target=time.sleep, args=(60,)).start(); time.sleep(60)"
     try:
         await sandbox.set_cores(frozenset({0}))
-        command = asyncio.create_task(sandbox.run({"command": f"sleep {mark} & python3 -c '{threaded}' {mark}; wait",
-                                                   "cpus": [0], "tag": "act-1", "timeout_s": 60}))
+        command = asyncio.create_task(sandbox.run(ExecRequest(f"sleep {mark} & python3 -c '{threaded}' {mark}; wait",
+                                                              cores=(0,), tag="act-1", timeout_s=60)))
         deadline = time.monotonic() + 15
         while len(marked_threads(mark)) < 4 and time.monotonic() < deadline:  # sh, sleep, python's two threads
             await asyncio.sleep(0.05)

@@ -11,7 +11,7 @@ import pytest
 
 from managers.cpu.config import CpuNodeConfig, on_this_host, parse_cpu_config
 from managers.cpu.cores import CorePool
-from managers.cpu.exec_spec import ExecLimits, executor_request, parse_exec_spec, rewrite_pytest, runner_report
+from managers.cpu.exec_spec import ExecLimits, exec_request, parse_exec_spec, rewrite_pytest, runner_report
 from managers.cpu.long_tests import (
     LONG_TESTS_ENV,
     LONG_TESTS_LINE,
@@ -62,65 +62,63 @@ def test_pytest_rewrite_only_touches_plain_invocations():
     assert rewrite_pytest("echo pytest_plugins", ["-n", "4"]) == "echo pytest_plugins"
 
 
-def test_executor_request_substitutes_parallelism():
+def test_exec_request_substitutes_parallelism():
     """The runner by default, for more than one worker (its count, and the cores it started on, which its workers
     follow); the executor is asked to make it importable. xdist on request; plain pytest for one worker."""
     spec = parse_exec_spec({"command": "make -j{parallel_num} && pytest", "pytest_parallel": True,
                             "env": {"A": "1"}}, ExecLimits())
-    request = executor_request(spec, (2, 3), 10.0, "/workspace", {"TANGRAM_ACTION_ID": "x"})
-    assert request["command"] == ("make -j2 && pytest -p tangram_runner --tangram-workers=2 --tangram-launch-cores=2 "
-                                  "--tangram-long-tests")
-    assert request["pytest_runner"] is True
-    assert request["cpus"] == [2, 3] and request["cwd"] == "/workspace"
-    assert request["env"] == {"A": "1", "TANGRAM_ACTION_ID": "x", "TANGRAM_NUM_CPUS": "2"}
-    xdist = executor_request(spec, (2, 3), 10.0, "/workspace", {}, runner="xdist")
-    assert xdist["command"] == "make -j2 && pytest -n 2" and "pytest_runner" not in xdist
+    request = exec_request(spec, (2, 3), 10.0, "/workspace", {"TANGRAM_ACTION_ID": "x"})
+    assert request.command == ("make -j2 && pytest -p tangram_runner --tangram-workers=2 --tangram-launch-cores=2 "
+                               "--tangram-long-tests")
+    assert request.pytest_runner is True and request.reap is True
+    assert request.cores == (2, 3) and request.cwd == "/workspace" and request.timeout_s == 10.0
+    assert request.env == {"A": "1", "TANGRAM_ACTION_ID": "x", "TANGRAM_NUM_CPUS": "2"}
+    xdist = exec_request(spec, (2, 3), 10.0, "/workspace", {}, runner="xdist")
+    assert xdist.command == "make -j2 && pytest -n 2" and not xdist.pytest_runner
     argv = parse_exec_spec({"command": ["pytest", "-q"], "pytest_parallel": True}, ExecLimits())
-    plain = executor_request(argv, (0,), 1.0, "/w", {})
-    assert plain["command"] == ["pytest", "-q"] and "pytest_runner" not in plain  # one core, fixed: plain pytest
+    plain = exec_request(argv, (0,), 1.0, "/w", {})
+    assert plain.command == ("pytest", "-q") and not plain.pytest_runner  # one core, fixed: plain pytest
     one = parse_exec_spec({"command": "pytest -q", "pytest_parallel": True}, ExecLimits())
-    assert executor_request(one, (5,), 1.0, "/w", {})["command"] == "pytest -q"
-    assert executor_request(one, (5,), 1.0, "/w", {}, runner="xdist")["command"] == "pytest -q"
-    malleable = executor_request(argv, (0,), 1.0, "/w", {}, workers=4, tag="act_1")
-    assert malleable["command"] == ["pytest", "-p", "tangram_runner", "--tangram-workers=4",
-                                    "--tangram-launch-cores=1", "--tangram-long-tests", "-q"]
-    assert malleable["cpus"] == [0]
-    assert malleable["env"]["TANGRAM_NUM_CPUS"] == "4" and malleable["tag"] == "act_1"
-    assert executor_request(one, (0,), 1.0, "/w", {}, workers=1)["command"] == "pytest -q"
-    assert executor_request(argv, (0,), 1.0, "/w", {}, workers=4, runner="xdist")["command"] == \
-        ["pytest", "-n", "4", "-q"]
+    assert exec_request(one, (5,), 1.0, "/w", {}).command == "pytest -q"
+    assert exec_request(one, (5,), 1.0, "/w", {}, runner="xdist").command == "pytest -q"
+    malleable = exec_request(argv, (0,), 1.0, "/w", {}, workers=4)
+    assert malleable.command == ("pytest", "-p", "tangram_runner", "--tangram-workers=4", "--tangram-launch-cores=1",
+                                 "--tangram-long-tests", "-q")
+    assert malleable.cores == (0,) and malleable.env["TANGRAM_NUM_CPUS"] == "4"
+    assert exec_request(one, (0,), 1.0, "/w", {}, workers=1).command == "pytest -q"
+    assert exec_request(argv, (0,), 1.0, "/w", {}, workers=4, runner="xdist").command == ("pytest", "-n", "4", "-q")
     no_pytest = parse_exec_spec({"command": "make test", "pytest_parallel": True}, ExecLimits())
-    assert "pytest_runner" not in executor_request(no_pytest, (0, 1), 1.0, "/w", {})
+    assert not exec_request(no_pytest, (0, 1), 1.0, "/w", {}).pytest_runner
 
 
 def test_a_run_whose_workers_follow_its_cores_starts_one_per_core_on_one_core_too():
     """Capped at 8 and started on one core, it runs the runner with one worker (so that it can grow), and its
     command sees one; under xdist (an adopted older executor) it starts on its cores and runs plain on one."""
     argv = parse_exec_spec({"command": ["pytest", "-q"], "pytest_parallel": True}, ExecLimits())
-    one = executor_request(argv, (3,), 1.0, "/w", {}, workers=8, follows=True)
-    assert one["command"] == ["pytest", "-p", "tangram_runner", "--tangram-workers=1", "--tangram-launch-cores=1",
-                              "--tangram-long-tests", "-q"] and one["pytest_runner"] is True
-    assert one["env"]["TANGRAM_NUM_CPUS"] == "1"
+    one = exec_request(argv, (3,), 1.0, "/w", {}, workers=8, follows=True)
+    assert one.command == ("pytest", "-p", "tangram_runner", "--tangram-workers=1", "--tangram-launch-cores=1",
+                           "--tangram-long-tests", "-q") and one.pytest_runner
+    assert one.env["TANGRAM_NUM_CPUS"] == "1"
     two = parse_exec_spec({"command": "cd r && python3 -m pytest -x", "pytest_parallel": True}, ExecLimits())
-    assert executor_request(two, (0, 1), 1.0, "/w", {}, workers=8, follows=True)["command"] == \
+    assert exec_request(two, (0, 1), 1.0, "/w", {}, workers=8, follows=True).command == \
         "cd r && python3 -m pytest -p tangram_runner --tangram-workers=2 --tangram-launch-cores=2 " \
         "--tangram-long-tests -x"
-    assert executor_request(two, (0, 1), 1.0, "/w", {}, workers=8, follows=True, runner="xdist")["command"] == \
+    assert exec_request(two, (0, 1), 1.0, "/w", {}, workers=8, follows=True, runner="xdist").command == \
         "cd r && python3 -m pytest -n 2 -x"
-    assert executor_request(argv, (3,), 1.0, "/w", {}, workers=8, follows=True, runner="xdist")["command"] == \
-        ["pytest", "-q"]
+    assert exec_request(argv, (3,), 1.0, "/w", {}, workers=8, follows=True, runner="xdist").command == \
+        ("pytest", "-q")
 
 
 def test_the_runner_gets_its_signatures_long_tests_and_xdist_does_not():
     spec = parse_exec_spec({"command": "pytest -q", "pytest_parallel": True}, ExecLimits())
     long_tests = {"tests/test_slow.py::test_a": 12.5}
-    request = executor_request(spec, (0, 1), 1.0, "/w", {}, long_tests=long_tests)
-    assert json.loads(request["env"][LONG_TESTS_ENV]) == long_tests
-    assert LONG_TESTS_ENV not in executor_request(spec, (0, 1), 1.0, "/w", {})["env"]
-    assert LONG_TESTS_ENV not in executor_request(spec, (0, 1), 1.0, "/w", {}, long_tests={})["env"]
-    assert LONG_TESTS_ENV not in executor_request(spec, (0, 1), 1.0, "/w", {}, runner="xdist",
-                                                  long_tests=long_tests)["env"]
-    assert LONG_TESTS_ENV not in executor_request(spec, (0,), 1.0, "/w", {}, long_tests=long_tests)["env"]  # plain
+    request = exec_request(spec, (0, 1), 1.0, "/w", {}, long_tests=long_tests)
+    assert json.loads(request.env[LONG_TESTS_ENV]) == long_tests
+    assert LONG_TESTS_ENV not in exec_request(spec, (0, 1), 1.0, "/w", {}).env
+    assert LONG_TESTS_ENV not in exec_request(spec, (0, 1), 1.0, "/w", {}, long_tests={}).env
+    assert LONG_TESTS_ENV not in exec_request(spec, (0, 1), 1.0, "/w", {}, runner="xdist",
+                                              long_tests=long_tests).env
+    assert LONG_TESTS_ENV not in exec_request(spec, (0,), 1.0, "/w", {}, long_tests=long_tests).env  # plain
 
 
 def test_long_tests_are_read_from_the_runners_line_as_untrusted_input():

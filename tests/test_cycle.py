@@ -10,13 +10,12 @@ from pathlib import Path
 
 from managers.basic.manager import BasicManager, BasicResourceConfig
 from tangram.core.action import Action, Demand, Kind
-from tangram.core.seam import Allocation, ResourceManager
+from tangram.core.seam import Allocation, CyclePlugins, ResourceManager
 from tangram.sched.cycle import Cycle
-from tangram.sched.durations import DurationModel
-from tangram.sched.queue import FCFSQueue
+from tangram.sched.profile import DEFAULT_PROFILE, ElasticArgs, EstimateArgs, HrrsArgs, SchedulerProfile
 from tangram.sched.reserved_shares import ReservedShares
-from tangram.sched.scheduler import Plan, Scheduler
-from tangram.tenants import TaskCaps, Tenancy
+from tangram.sched.scheduler import Plan
+from tangram.sched.tenants import TaskCaps, Tenancy
 
 ROOT = Path(__file__).resolve().parent.parent
 RESOURCE = "lease.slots"
@@ -43,12 +42,13 @@ class Log:
 class Bench:
     """A cycle over ``slots`` counted units, applying each plan as the broker does (starts, in plan order)."""
 
-    def __init__(self, slots: int = 2) -> None:
+    def __init__(self, slots: int = 2, reserved: dict[str, int] | None = None) -> None:
         self.manager = BasicManager([BasicResourceConfig(name=RESOURCE, concurrency=slots)], clock=lambda: 0.0)
         self.log = Log()
-        self.cycle = Cycle([self.manager], Scheduler([self.manager], DurationModel()), FCFSQueue(), arrivals=None,
-                           foresight=[self.log])
-        self.cycle.watchers.append(self.log)
+        shares = ReservedShares(RESOURCE)
+        shares.reserve(reserved or {})
+        self.cycle = Cycle([self.manager], SchedulerProfile(estimates=EstimateArgs(arrivals=False)),
+                           plugins=[CyclePlugins(reserve_order=shares, watchers=(self.log,))], foresight=[self.log])
         self.running: dict[str, tuple[Action, list[tuple[ResourceManager, Allocation]]]] = {}
 
     def submit(self, name: str, task: str = "t", now: float = 0.0) -> Action:
@@ -123,12 +123,27 @@ def test_a_task_at_its_running_cap_waits_while_another_task_goes() -> None:
 
 
 def test_a_reserved_task_goes_ahead_of_earlier_actions_up_to_its_reservation() -> None:
-    bench = Bench(slots=1)
-    bench.cycle.reserved_shares = ReservedShares(RESOURCE)
-    bench.cycle.reserved_shares.reserve({"slo": 1})
+    bench = Bench(slots=1, reserved={"slo": 1})
     bench.submit("early", task="other")
     bench.submit("owed", task="slo")
     assert bench.pass_once() == ["owed"]
+
+
+def test_the_cycle_takes_its_plugins_and_their_arguments_from_the_profile() -> None:
+    manager = BasicManager([BasicResourceConfig(name=RESOURCE, concurrency=1)], clock=lambda: 0.0)
+    default = Cycle([manager], DEFAULT_PROFILE)
+    assert default.setup_order is None and default.arrivals is not None  # FCFS, arrivals on
+    profile = SchedulerProfile(queue_order_by_resource={RESOURCE: "hrrs", "gpu": "hrrs"},
+                               hrrs=HrrsArgs(max_wait_s=30.0, overdue_floor_s=5.0),
+                               elastic=ElasticArgs(depth=3, horizon=32, share_by="remaining"),
+                               estimates=EstimateArgs(default_duration_s=2.0, ewma_alpha=0.5, arrivals=False))
+    cycle = Cycle([manager], profile)
+    assert cycle.setup_order is not None and cycle.setup_order.resources == {RESOURCE}  # no manager owns "gpu"
+    assert (cycle.setup_order.max_wait_s, cycle.setup_order.overdue_floor_s) == (30.0, 5.0)
+    scheduler = cycle.scheduler
+    assert (scheduler.depth, scheduler.horizon, scheduler.share_by_remaining) == (3, 32, True)
+    assert (cycle.durations.default_s, cycle.durations.alpha, cycle.arrivals) == (2.0, 0.5, None)
+    assert Cycle([manager], SchedulerProfile(queue_order="hrrs")).setup_order is not None  # every resource
 
 
 def test_the_pass_is_composed_once_and_both_the_broker_and_the_simulator_run_it() -> None:

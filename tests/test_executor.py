@@ -33,6 +33,7 @@ import pytest_asyncio
 from sandboxes import executor as ex
 from sandboxes.backend import SandboxError, SandboxSpec, repin_via_executor
 from sandboxes.docker import DockerSandbox
+from sandboxes.exec_wire import ExecRequest
 from sandboxes.executor_client import (
     EXECUTOR_PATH,
     ExecutorUnavailable,
@@ -600,8 +601,8 @@ async def test_local_sandbox_set_action_cores_reaches_its_executor(tmp_path: Pat
     try:
         await sandbox.set_action_cores("act-3", frozenset({second}))
         probe = [sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"]
-        result = await sandbox.run({"command": probe, "cpus": [first], "tag": "act-3"})
-        assert result["stdout"].strip() == f"[{second}]", result
+        result = await sandbox.run(ExecRequest(tuple(probe), cores=(first,), tag="act-3"))
+        assert result.stdout.strip() == f"[{second}]", result
         with pytest.raises(SandboxError) as refused:
             await sandbox.set_action_cores("act-3", frozenset())
         assert not refused.value.lost and "cpus" in refused.value.message

@@ -15,7 +15,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
 from sandboxes.backend import LABEL_ENV
-from tangram.store import Store
+from tangram.store.store import Store
 from tests.conftest import PG_URL_ENV, reset_database
 from tests.docker_nodes import cpu_config, docker_engines
 from tests.harness import Live, live_broker

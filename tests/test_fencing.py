@@ -33,12 +33,14 @@ from managers.remote.broker.ray_agents import open_agent_backend
 from managers.remote.broker.ray_cluster import gpu_node_resource, node_resource
 from managers.remote.broker.ray_service_agents import RayServiceLink
 from sandboxes.backend import NODE_UNAVAILABLE, SandboxError, SandboxSpec
+from sandboxes.exec_wire import ExecRequest
 from tangram.config import parse_config
 from tangram.core.errors import ActionFailed
 from tangram.core.fencing import DEPOSED, Fencing, leading
 from tangram.leadership import LOCK_KEY, Leadership, asyncpg_dsn, fence
 from tangram.service import LOST_LEADERSHIP_EXIT
-from tangram.store import Deposed, Store
+from tangram.store.fence import Deposed
+from tangram.store.store import Store
 from tests.docker_nodes import local_cpu, new_broker_id
 from tests.harness import live_broker, live_upstream
 from tests.ray_clusters import two_node_cluster
@@ -91,10 +93,9 @@ async def test_a_node_agent_refuses_an_older_epoch_and_that_broker_stops_sending
             assert new.deposed_by is None
             assert await new_backend.adopt(cpu.broker_id) == []  # the refused call made no sandbox on the node
             sandbox = await new_backend.create(spec("env-new"))
-            executed = await sandbox.execute("act-1", {"op": "run", "command": "echo fine", "env": {},
-                                                        "cwd": sandbox.workdir, "timeout_s": 10,
-                                                        "output_limit": 1024, "cpus": [0], "reap": True})
-            assert executed.response["stdout"] == "fine\n", executed
+            executed = await sandbox.execute("act-1", ExecRequest("echo fine", cores=(0,), cwd=sandbox.workdir,
+                                                                  timeout_s=10, output_limit=1024, reap=True))
+            assert executed.result.stdout == "fine\n", executed
             await sandbox.destroy()
         agent = ray.get_actor(f"tangram-agent-{cpu.broker_id}-n1")
         ray.kill(agent, no_restart=False)  # Ray starts it again

@@ -106,7 +106,7 @@ async def test_eoe_cycle_keeps_every_result_correct_while_evicting(tmp_path, ref
 async def restores_for_alternating_services(tmp_path: Path, order: str) -> tuple[int, list[str]]:
     """Eight actions alternating two services on one GPU that holds one of them, submitted at once: the restores
     they cost, and the order the services ran in."""
-    config = {"cpu": {"enabled": False}, "scheduler": {"order": {"gpu": order}},
+    config = {"cpu": {"enabled": False}, "scheduler": {"queue_order_by_resource": {"gpu": order}},
               "gpu": gpu_section({"a": service(dops=[1]), "b": service(dops=[1])}, gpus=1)}
     async with live_broker(config, str(tmp_path / f"{order}.sqlite")) as live:
         status, body = await live.call("POST", "/v1/actions:batch",
@@ -329,6 +329,7 @@ async def test_sglang_services_through_the_manager_evict_and_recover_from_a_cras
         crashed = await run("rm-b")
         assert crashed["state"] == "failed" and crashed["error"]["code"] == "service_unavailable"
         assert crashed["error"]["gpus"] == [0]
+        assert crashed["timings"]["restore_s"] == 0.0  # a failure records its restore too (none: it was resident)
         revived = await run("rm-b")
         assert revived["state"] == "succeeded" and revived["result"]["restored"]
         assert revived["result"]["scores"] == pytest.approx([fake_reward(t) for t in texts])

@@ -12,21 +12,10 @@ import pytest
 from loadtest.bench_placement import instance
 from managers.gpu.config import parse_gpu_config
 from managers.gpu.gpu_types import GPU_TYPES, GpuType, fits, speed
-from managers.gpu.placement import (
-    TIE_BREAK,
-    NodeGroup,
-    Placement,
-    ServiceLoad,
-    _dive,
-    _instance,
-    _relaxation,
-    _t_high,
-    _throughput,
-    node_groups,
-    place,
-    place_greedy,
-    place_type_blind,
-)
+from managers.gpu.placement import Placement, place, place_greedy, place_type_blind
+from managers.gpu.placement_greedy import dive
+from managers.gpu.placement_model import TIE_BREAK, bound_on_t, lp_relaxation
+from managers.gpu.placement_problem import NodeGroup, ServiceLoad, node_groups, problem_instance, throughput
 
 #: two made-up types: compute-bound work runs 3x faster on FAST, memory-bound work as fast on both
 SLOW = GpuType(tflops=100, hbm_gb_per_s=1000, h2d_gb_per_s=32, memory_mb=24_000)
@@ -189,8 +178,8 @@ def test_on_host_tight_instances_the_greedy_comes_within_10_percent_of_the_ilp(s
     services, groups = instance(random.Random(seed), *size, 0.4)
     ilp = place(services, groups, time_limit_s=30)
     assert ilp.method == "ilp"
-    problem, _ = _instance(tuple(services), tuple(groups), None)
-    plain = _throughput(problem, *_dive(problem, _relaxation(problem, _t_high(problem)), look_ahead=False))
+    problem, _ = problem_instance(tuple(services), tuple(groups), None)
+    plain = throughput(problem, *dive(problem, lp_relaxation(problem, bound_on_t(problem)), look_ahead=False))
     assert plain < ilp.objective / short
     greedy = place_greedy(services, groups)
     check_feasible(greedy, services, groups, GPU_TYPES["h100"])

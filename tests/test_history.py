@@ -11,6 +11,7 @@ import pytest
 
 from managers.counted import CountedUnitsManager
 from tangram.parse import parse_action
+from tangram.server.broker_views import broker_stats, resource_rows
 from tangram.server.history import History
 from tests.harness import Live, live_broker
 
@@ -98,7 +99,7 @@ async def test_utilization_sums_units_over_each_resources_pools(db):
         holder = parse_action({"task": "t", "kind": "lease", "demand": {"sim_cores": 3}})
         held = [counted.allocate(holder, {"sim_cores": 3}, {"sim_cores": "n0"}),
                 counted.allocate(holder, {"sim_cores": 2}, {"sim_cores": "n1"})]
-        rows = {(r["resource"], r["pool"]): r["in_use"] for r in live.broker.resources()}
+        rows = {(r["resource"], r["pool"]): r["in_use"] for r in resource_rows(live.broker)}
         assert rows == {("lease.x", "default"): 1, ("sim_cores", "n0"): 3, ("sim_cores", "n1"): 2}
         taken = History(live.broker).sample()
         assert taken.utilization == {"lease.x": 1 / 3, "sim_cores": 5 / 8}
@@ -116,7 +117,7 @@ async def test_queue_depth_and_counts_are_the_brokers(db):
         taken = History(live.broker).sample()
         assert taken.queued == {"lease.x": 2, "sim_cores": 0}
         assert (taken.queued_total, taken.running, taken.leases) == (2, 0, 3)
-        assert taken.to_json()["queued_total"] == live.broker.stats()["queued"]
+        assert taken.to_json()["queued_total"] == broker_stats(live.broker)["queued"]
 
 
 async def test_the_periodic_task_keeps_sampling_until_cancelled(db):

@@ -18,8 +18,8 @@ from tangram.core.errors import (
     Unavailable,
     Unprocessable,
 )
+from tangram.sched.tenants import OverCap
 from tangram.server.http_errors import STATUS, headers_of, status_of
-from tangram.tenants import OverCap
 
 
 def test_every_domain_error_class_has_its_own_row() -> None:

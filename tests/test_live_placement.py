@@ -16,7 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from managers.gpu.config import GpuNodeConfig
 from managers.gpu.gpu_types import GPU_TYPES
 from managers.gpu.live_placement import LivePlacement, PlacementCollector, PlacementInput, ServiceFigures, SolveMethod
-from managers.gpu.placement import Placement, ServiceLoad, node_groups, place, place_greedy
+from managers.gpu.placement import Placement, place, place_greedy
+from managers.gpu.placement_problem import ServiceLoad, node_groups
 from managers.gpu.service_demand import ServiceDemand
 from tangram.core.action import Action, Demand, Kind
 

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from managers.cpu.config import CpuConfig, CpuNodeConfig
 from managers.cpu.manager import CpuManager
 from managers.cpu.node import CpuNode
+from managers.cpu.resizing import CpuResizing
 from sandboxes.docker import DockerSandbox
 from tangram.core.action import Action, Demand, Elasticity, Kind
 from tangram.core.malleable import (
@@ -139,6 +140,12 @@ def test_progress_is_work_done_at_the_estimated_speed() -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def resizing(cpu: CpuManager) -> CpuResizing:
+    resizing = cpu.resizing("cpu")
+    assert resizing is not None
+    return resizing
+
+
 def manager(cores: int = 8) -> CpuManager:
     config = CpuNodeConfig(name="n", cores=tuple(range(cores)), numa=(tuple(range(cores // 2)),
                                                                         tuple(range(cores // 2, cores))),
@@ -170,16 +177,16 @@ def test_cores_stay_exclusive_under_random_resizes(steps: list[tuple[str, int, i
             allocation = held[who]
             now = len(allocation.handle[2])
             if units <= now + len(node.cores.free):
-                cpu.resize(allocation, "cpu", units)
+                resizing(cpu).resize(allocation, units)
                 assert len(allocation.handle[2]) == units == allocation.units["cpu"]
                 assert allocation.placement["cpu"]["cores"] == list(allocation.handle[2])
         elif op == "end" and who in held:
             allocation = held.pop(who)
             cpu.release(allocation)
             cpu.release(allocation)  # idempotent
-            asyncio.run(cpu.apply_resize(allocation))  # a resize applied after the end: nothing happens
+            asyncio.run(resizing(cpu).apply(allocation))  # a resize applied after the end: nothing happens
             with pytest.raises(RuntimeError, match="released"):
-                cpu.resize(allocation, "cpu", units)
+                resizing(cpu).resize(allocation, units)
         taken = [c for a in held.values() for c in a.handle[2]]
         assert len(taken) == len(set(taken)), "a core is held by two actions"
         assert set(taken).isdisjoint(node.cores.free)
@@ -189,9 +196,9 @@ def test_cores_stay_exclusive_under_random_resizes(steps: list[tuple[str, int, i
 def test_shrink_keeps_the_numa_node_holding_most_of_the_cores() -> None:
     cpu = manager()
     allocation = cpu.allocate(elastic(0), {"cpu": 6}, {"cpu": "n"})  # 4 on one NUMA node, 2 on the other
-    cpu.resize(allocation, "cpu", 4)
+    resizing(cpu).resize(allocation, 4)
     assert allocation.placement["cpu"]["numa_nodes"] == [0] or allocation.placement["cpu"]["numa_nodes"] == [1]
-    cpu.resize(allocation, "cpu", 5)  # its own NUMA node is full: the fifth core comes from the other
+    resizing(cpu).resize(allocation, 5)  # its own NUMA node is full: the fifth core comes from the other
     assert len(allocation.placement["cpu"]["numa_nodes"]) == 2
 
 
@@ -249,11 +256,11 @@ async def wait_output(live: Live, action_id: str, text: str, timeout_s: float = 
 
 def test_workers_stay_within_the_actions_maximum() -> None:
     action = elastic(0)  # 1-8 cores
-    assert manager().workers(action, "cpu", 2, expected_s=10.0) == Workers(2)  # one worker per starting core
+    assert resizing(manager()).workers(action, 2, expected_s=10.0) == Workers(2)  # one worker per starting core
     cpu = CpuManager(CpuConfig(nodes=manager().config.nodes, worker_overhead=0.5, worker_start_s=0.25))
     cpu.add_node(CpuNode(cpu.config.nodes[0], NoSandboxes()))
-    assert cpu.workers(action, "cpu", 2, expected_s=0.25) == Workers(3)  # 50% of 0.25 s on 2 cores pays one worker
-    assert cpu.workers(action, "cpu", 2, expected_s=100.0) == Workers(8)  # a long run: its maximum, not the node's
+    assert resizing(cpu).workers(action, 2, expected_s=0.25) == Workers(3)  # 50% of 0.25 s on 2 cores pays one worker
+    assert resizing(cpu).workers(action, 2, expected_s=100.0) == Workers(8)  # a long run: its maximum, not the node's
 
 
 @pytest.mark.parametrize("command", ["cd repo && python3 -m pytest -q", ["pytest", "-q"]])
@@ -266,14 +273,14 @@ def test_a_pytest_run_the_runner_takes_may_grow_to_its_maximum(command: str | li
                       elasticity=Elasticity("cpu", t1=10.0), spec=spec, id="a")
 
     test_run = {"command": command, "pytest_parallel": True}
-    assert manager().workers(run(test_run, 4), "cpu", 1, expected_s=10.0) == Workers(4, follows=True)
-    assert manager(2).workers(run(test_run, 4), "cpu", 1, expected_s=10.0) == Workers(2, follows=True)
-    assert manager().workers(run({"command": command}, 4), "cpu", 1, expected_s=10.0) == Workers(1)
-    assert manager().workers(run({"command": "make test", "pytest_parallel": True}, 4), "cpu", 1,
+    assert resizing(manager()).workers(run(test_run, 4), 1, expected_s=10.0) == Workers(4, follows=True)
+    assert resizing(manager(2)).workers(run(test_run, 4), 1, expected_s=10.0) == Workers(2, follows=True)
+    assert resizing(manager()).workers(run({"command": command}, 4), 1, expected_s=10.0) == Workers(1)
+    assert resizing(manager()).workers(run({"command": "make test", "pytest_parallel": True}, 4), 1,
                              expected_s=10.0) == Workers(1)
     xdist = CpuManager(CpuConfig(nodes=manager().config.nodes, pytest_runner="xdist"))
     xdist.add_node(CpuNode(xdist.config.nodes[0], NoSandboxes()))
-    assert xdist.workers(run(test_run, 4), "cpu", 1, expected_s=10.0) == Workers(1)
+    assert resizing(xdist).workers(run(test_run, 4), 1, expected_s=10.0) == Workers(1)
 
 
 def scheduler_on(runner: Literal["tangram", "xdist"]) -> tuple[Scheduler, CpuManager, dict[str, tuple[Action, Any]]]:

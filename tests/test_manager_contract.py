@@ -156,3 +156,12 @@ def test_an_action_of_another_kind_holding_cores_has_no_exec_spec_to_parse():
                     spec={"service": "s", "input": {"pairs": [["a", "b"]]}})
     assert manager.fit().try_add(action, {"cpu": 1})
     assert manager.environment_demand(action) is None and manager.environment_of(action) is None
+
+
+def test_the_seam_keeps_to_its_verbs() -> None:
+    """A feature that needs more from a manager adds a plugin (``CyclePlugins``) or a capability object
+    (``Resizing``), not another method every manager and the broker must know by name."""
+    methods = {name for name, value in vars(ResourceManager).items()
+               if not name.startswith("_") and (callable(value) or isinstance(value, property))}
+    assert methods == {"resources", "largest_pool", "fit", "allocate", "release", "resizing", "execute", "validate",
+                       "status", "plugins", "start", "close"}

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from tangram.cli import main
-from tangram.sim import scenarios
+from tangram.sim import coding_scenarios
 from tangram.sim.assumptions import parse
 from tangram.sim.cluster import ApiModel, Costs, HeteroParams, StaticServing
 
@@ -54,7 +54,7 @@ def test_what_cannot_be_set_is_refused_naming_the_item(item, reason):
 def test_a_changed_assumption_reaches_the_runs_it_concerns(tmp_path, capsys, monkeypatch):
     """A faster control plane speeds up the pods and nothing else; uniform teacher popularity shrinks the static
     deployment's queue."""
-    monkeypatch.setattr(scenarios, "CODING_BATCHES", (128, 256))  # two batches show it; six take minutes
+    monkeypatch.setattr(coding_scenarios, "CODING_BATCHES", (128, 256))  # two batches show it; six take minutes
     runs = {}
     for name, extra in (("assumed", []), ("fast-pods", ["--set", "costs.pod_bind_per_s=1000",
                                                        "--set", "costs.pod_start_s=0.5"])):

@@ -6,14 +6,16 @@ from __future__ import annotations
 import pytest
 
 from managers.gpu.gpu_types import GPU_TYPES, speed
+from tangram.sched.profile import DEFAULT_PROFILE
 from tangram.sim.assumptions import parse
 from tangram.sim.broker_station import gpu_node_configs
 from tangram.sim.cluster import Cluster, ServiceModel
 from tangram.sim.engine import simulate
+from tangram.sim.gpu_scenarios import hetero_cluster
 from tangram.sim.placement import solve, trace_loads
 from tangram.sim.policies import POLICIES, broker
 from tangram.sim.records import CallRecord
-from tangram.sim.scenarios import NONE_ASSUMED, hetero_cluster
+from tangram.sim.scenario_common import NONE_ASSUMED
 from tangram.sim.trace import Call, Trace, Trajectory
 
 #: one GPU of each type; a teacher that scores (compute-bound) and a judge that generates (memory-bound)
@@ -40,7 +42,7 @@ def test_the_ilp_confines_the_compute_bound_service_to_the_h100_and_it_runs_fast
     placement = solve("ilp", MIXED, gpu_node_configs(MIXED), loads)
     assert placement.method == "ilp" and placement.variants("teacher") == ("h100",)
     assert "h20" in placement.variants("judge")
-    placed = simulate(trace(), MIXED, broker(placement="ilp", loads=loads), "placed")
+    placed = simulate(trace(), MIXED, broker(DEFAULT_PROFILE, placement="ilp", loads=loads), "placed")
     blind = simulate(trace(), MIXED, POLICIES["tangram"], "blind")
     assert {r.pool.split(":")[0] for r in teacher_calls(placed.records)} == {"gpu0"}
     assert "gpu1" in {r.pool.split(":")[0] for r in teacher_calls(blind.records)}
@@ -73,14 +75,15 @@ def test_an_untyped_cluster_is_all_reference_type() -> None:
 def test_the_managers_own_placement_learns_the_loads_as_the_run_goes() -> None:
     """No oracle: the GPU manager measures each service's demand from the actions themselves and solves its own
     placement (``[gpu] placement = "ilp"``) inline on the virtual clock; with the typed fit, as in the service."""
-    live = simulate(trace(), MIXED, broker(typed_fit=True, live_placement="ilp"), "live").summary()["live_placement"]
+    live = simulate(trace(), MIXED, broker(DEFAULT_PROFILE, typed_fit=True, live_placement="ilp"),
+                    "live").summary()["live_placement"]
     assert live["solves"] == {"ilp": 1}  # the first pass; the run ends before the next is due
     assert live["loads"]["judge"] > live["loads"]["teacher"] > 0
     assert live["last"]["method"] == "ilp" and set(live["last"]["shares"]["teacher"]) == {"h100"}
 
 
 def test_the_typed_fit_keeps_the_scorer_off_the_h20_while_an_h100_frees_soon_enough() -> None:
-    typed = simulate(trace(), MIXED, broker(typed_fit=True), "typed")
+    typed = simulate(trace(), MIXED, broker(DEFAULT_PROFILE, typed_fit=True), "typed")
     blind = simulate(trace(), MIXED, POLICIES["tangram"], "blind")
     assert {r.pool.split(":")[0] for r in teacher_calls(typed.records)} == {"gpu0"}
     assert "gpu1" in {r.pool.split(":")[0] for r in teacher_calls(blind.records)}

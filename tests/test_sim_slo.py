@@ -9,10 +9,11 @@ from dataclasses import replace
 import pytest
 
 from tangram.cli import main
+from tangram.sched.profile import DEFAULT_PROFILE
 from tangram.sim.assumptions import Assumptions
 from tangram.sim.cluster import Cluster, Costs, ServiceModel
 from tangram.sim.policies import POLICIES, broker
-from tangram.sim.scenarios import _admitted
+from tangram.sim.slo_scenario import _admitted
 from tangram.sim.slo_workload import SloTaskParams, slo_tasks
 from tangram.sim.task_steps import SloTask, StepFeed, attainment, run_steps
 from tangram.sim.trace import Call
@@ -54,7 +55,7 @@ def test_steps_on_one_gpu_take_the_slowest_rollout_the_queued_rewards_and_the_tr
 def test_a_task_sharing_the_gpu_is_slower_and_its_attainment_says_so():
     a, b = _task("a", [[1.0] * 2] * 2, work_s=4.0), _task("b", [[1.0] * 2] * 2, work_s=4.0)
     b = replace(b, plan=replace(b.plan, slowdown=1.2))
-    shared, stats = run_steps([a, b], _cluster(1, "a", "b"), broker(slo_plans={"b": b.plan}), "pool")
+    shared, stats = run_steps([a, b], _cluster(1, "a", "b"), broker(DEFAULT_PROFILE, slo_plans={"b": b.plan}), "pool")
     alone = run_steps([b], _cluster(1, "b"), POLICIES["tangram"], "solo")[0]["b"]
     # the first steps meet: a's rewards were asked first and go first; b's wait 8 s behind them (and a restore)
     assert shared["a"][0] == alone[0] < shared["b"][0]
@@ -129,7 +130,8 @@ def test_a_reserved_task_goes_ahead_of_a_queue_asked_before_it_up_to_its_reserva
     steps: dict[int, dict[str, list[float]]] = {}
     for gpus in (0, 1, 2):
         reserved = {"b": gpus} if gpus else {}
-        steps[gpus] = run_steps([a, b], _cluster(2, "a", "b"), broker(slo_plans={"b": b.plan}, reserved=reserved),
+        steps[gpus] = run_steps([a, b], _cluster(2, "a", "b"),
+                                broker(DEFAULT_PROFILE, slo_plans={"b": b.plan}, reserved=reserved),
                                 f"reserved {gpus}")[0]
     # unreserved, b's rewards start after all of a's (a's last two end at 1 + 1 + 4 * 4 = 18); training 10 s
     assert steps[0]["b"][0] == pytest.approx(18 + 1 + 4 + 10, abs=0.01)

@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tangram.cli import main
-from tangram.sim import scenarios
+from tangram.config import load_config
+from tangram.sched.cycle import Cycle
+from tangram.sim import broker_station, coding_scenarios, sensitivity
 from tangram.sim.cluster import Costs
-from tangram.sim.scenarios import SCENARIOS, SENSITIVITY_DOPS, TRIED, VARIATIONS
+from tangram.sim.scenario_common import NONE_ASSUMED, cpu_cluster
+from tangram.sim.scenarios import SCENARIOS
+from tangram.sim.sensitivity import SENSITIVITY_DOPS, TRIED, VARIATIONS
 from tangram.sim.workloads import CodingParams
 
 pytestmark = pytest.mark.slow  # each scenario simulated end to end
@@ -51,8 +56,8 @@ def test_a_scale_that_cannot_keep_the_node_density_is_refused(capsys):
     with pytest.raises(SystemExit) as refused:
         main(["simulate", "dop", "--scale", "0.1"])
     assert refused.value.code == 2 and "multiple of 1/5" in capsys.readouterr().err
-    quick = scenarios._cpu(round(1280 * 0.2), 0.2, scenarios.NONE_ASSUMED)  # one node of full density...
-    full = scenarios._cpu(1280, 1.0, scenarios.NONE_ASSUMED)
+    quick = cpu_cluster(round(1280 * 0.2), 0.2, NONE_ASSUMED)  # one node of full density...
+    full = cpu_cluster(1280, 1.0, NONE_ASSUMED)
     assert (quick.cpu_nodes, quick.cores_per_node) == (1, full.cores_per_node) == (1, 256)
     assert quick.costs.pod_bind_per_s == pytest.approx(full.costs.pod_bind_per_s / 5)  # ... binding a fifth
 
@@ -62,7 +67,7 @@ DOP_BATCHES = (128, 256, 1280)
 
 
 def test_dop_compares_every_fixed_dop_over_seeds(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(scenarios, "CODING_BATCHES", DOP_BATCHES)
+    monkeypatch.setattr(coding_scenarios, "CODING_BATCHES", DOP_BATCHES)
     out_json, out_png = tmp_path / "dop.json", tmp_path / "dop.png"
     assert main(["simulate", "dop", "--scale", QUICK, "--seeds", "1,2", "--json", str(out_json),
                  "--plot", str(out_png)]) == 0
@@ -100,9 +105,36 @@ def test_dop_compares_every_fixed_dop_over_seeds(tmp_path, capsys, monkeypatch):
     assert f"{first['median']:#.3g}" in printed.out and f"({first['min']:#.3g}–{first['max']:#.3g})" in printed.out
 
 
+def test_simulate_runs_the_scheduler_profile_of_a_config_file_and_names_it(tmp_path, monkeypatch, capsys):
+    """``--config``: the broker's policies build their cycles from the file's ``[scheduler]``, and the output says
+    which; a file the broker would refuse is refused here too."""
+    monkeypatch.setattr(coding_scenarios, "CODING_BATCHES", (128,))
+    built: list[Cycle] = []
+
+    class Recorded(Cycle):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            built.append(self)
+
+    monkeypatch.setattr(broker_station, "Cycle", Recorded)
+    config = tmp_path / "broker.toml"
+    config.write_text('[scheduler]\nqueue_order = "hrrs"\n[scheduler.elastic]\nhorizon = 16\n')
+    out_json = tmp_path / "coding-batch.json"
+    assert main(["simulate", "coding-batch", "--scale", QUICK, "--config", str(config), "--json", str(out_json)]) == 0
+    profile = json.loads(out_json.read_text())["profile"]
+    assert profile == {"config": str(config), **load_config(config).scheduler.to_json()}
+    assert profile["queue_order"] == "hrrs" and profile["elastic"]["horizon"] == 16
+    assert built and all(c.setup_order is not None and c.setup_order.resources == {"cpu"} for c in built)
+    assert all(c.scheduler.horizon == 16 for c in built)
+    assert "scheduler profile: [scheduler] of" in capsys.readouterr().out
+    config.write_text('[scheduler]\norder = {cpu = "hrrs"}\n')
+    assert main(["simulate", "coding-batch", "--scale", QUICK, "--config", str(config)]) == 2
+    assert "now [scheduler] queue_order_by_resource" in capsys.readouterr().err
+
+
 def test_coding_scenarios_set_the_broker_beside_ideal_pods(tmp_path, monkeypatch):
-    monkeypatch.setattr(scenarios, "CODING_BATCHES", (128, 512))  # two of each, not six and five: minutes
-    monkeypatch.setattr(scenarios, "CODING_CAPACITIES", (768, 1280))
+    monkeypatch.setattr(coding_scenarios, "CODING_BATCHES", (128, 512))  # two of each, not six and five: minutes
+    monkeypatch.setattr(coding_scenarios, "CODING_CAPACITIES", (768, 1280))
     for scenario in ("coding-batch", "coding-capacity"):
         out_json, out_png = tmp_path / f"{scenario}.json", tmp_path / f"{scenario}.png"
         assert main(["simulate", scenario, "--scale", QUICK, "--json", str(out_json), "--plot", str(out_png)]) == 0
@@ -144,14 +176,14 @@ def test_every_tried_assumption_names_real_fields_and_is_one_row():
 
 
 def test_sensitivity_varies_one_assumption_at_a_time(tmp_path, monkeypatch):
-    monkeypatch.setattr(scenarios, "VARIATIONS",
+    monkeypatch.setattr(sensitivity, "VARIATIONS",
                         tuple(v for v in VARIATIONS if (v[0], v[1]) in SENSITIVITY_RUN))
     out_json, out_png = tmp_path / "sensitivity.json", tmp_path / "sensitivity.png"
     assert main(["simulate", "sensitivity", "--scale", QUICK, "--json", str(out_json), "--plot", str(out_png)]) == 0
     body = json.loads(out_json.read_text())
     check_written(body, "sensitivity", out_png)
     acts: dict[tuple[int, str], float] = {(p["x"], p["policy"]): p["mean_trajectory_act_s"] for p in body["points"]}
-    rows = [("defaults", "-"), *((name, label) for name, label, *_ in scenarios.VARIATIONS)]
+    rows = [("defaults", "-"), *((name, label) for name, label, *_ in sensitivity.VARIATIONS)]
     assert len(rows) == len(SENSITIVITY_RUN) + 1
     assert set(acts) == {(i, policy) for i in range(len(rows))
                          for policy in ("tangram", *SENSITIVITY_DOPS, "pods-ideal")}

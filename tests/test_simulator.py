@@ -14,8 +14,10 @@ import pytest
 
 from managers.cpu.exec_spec import PytestRunner
 from tangram.core.action import Demand
+from tangram.sched.cycle import Cycle
+from tangram.sched.profile import DEFAULT_PROFILE, ElasticArgs, HrrsArgs
 from tangram.sim import policies, workloads
-from tangram.sim.broker_station import ELASTIC_TEST
+from tangram.sim.broker_station import ELASTIC_TEST, BrokerStation
 from tangram.sim.cluster import ApiModel, Cluster, Costs, ServiceModel, StaticServing, startup_cpu_s
 from tangram.sim.engine import Policy, simulate
 from tangram.sim.records import CallRecord, RunResult
@@ -393,7 +395,7 @@ def test_fixed_dop_waits_for_its_cores() -> None:
     cluster = Cluster(cpu_nodes=1, cores_per_node=16, costs=CPU_COSTS)
     trace = hand_trace(*(one_call(f"t{i}", Call("test", 0.0, 32.0, efficiency=FLAT, estimate_s=32.0))
                          for i in range(2)))
-    r = by_key(run(trace, cluster, policies.broker(test_demand=Demand.fixed(16))))
+    r = by_key(run(trace, cluster, policies.broker(DEFAULT_PROFILE, test_demand=Demand.fixed(16))))
     first, second = r[("t0", 0)], r[("t1", 0)]
     # t0: start 0, exec 32/16 = 2, overhead 0.5 + 0.01: finish 2.51; t1 starts then, finish 5.02
     assert first.finish_s == pytest.approx(2.51)
@@ -669,3 +671,27 @@ def test_serverless_loads_at_the_static_dop_where_the_broker_takes_every_idle_gp
     assert (serverless.units, serverless.overhead_s, serverless.exec_s) == (4, pytest.approx(0.5), pytest.approx(1.0))
     # the broker gives a lone call the node's 8: restore 0.25 s, exec 3 / (0.55 x 8)
     assert (broker.units, broker.overhead_s, broker.exec_s) == (8, pytest.approx(0.25), pytest.approx(3 / 4.4))
+
+
+def test_the_broker_policies_build_their_cycle_from_the_scheduler_profile() -> None:
+    """A station runs the profile it is given, as the broker does; a variant changes only what its name says, and an
+    order for a resource the cluster lacks is unused."""
+    gpus = Cluster(gpu_node_sizes=(1,), services=(ServiceModel("rm"),))
+    cores = Cluster(cpu_nodes=1, cores_per_node=4)
+    profile = dataclasses.replace(DEFAULT_PROFILE, queue_order_by_resource={"gpu": "hrrs"},
+                                  hrrs=HrrsArgs(max_wait_s=30.0), elastic=ElasticArgs(horizon=16))
+
+    def cycle_of(cluster: Cluster, policy: Policy) -> Cycle:
+        station = policy(cluster)["reward" if cluster.gpu_node_sizes else "test"]
+        assert isinstance(station, BrokerStation)
+        return station.cycle
+
+    ordered = cycle_of(gpus, policies.broker(profile))
+    assert ordered.setup_order is not None and ordered.setup_order.resources == {"gpu"}
+    assert ordered.setup_order.max_wait_s == 30.0 and ordered.scheduler.horizon == 16
+    assert cycle_of(gpus, policies.POLICIES["tangram"]).setup_order is None  # the default profile: FCFS
+    assert cycle_of(cores, policies.broker(profile)).setup_order is None
+    paper = cycle_of(gpus, policies.named_policies(profile)["tangram-paper"])
+    assert paper.arrivals is None and paper.setup_order is not None and paper.scheduler.horizon == 16
+    srpt = cycle_of(gpus, policies.named_policies(DEFAULT_PROFILE)["tangram-srpt"]).scheduler
+    assert srpt.share_by_remaining and srpt.depth == DEFAULT_PROFILE.elastic.depth

@@ -28,7 +28,7 @@ from tangram.sched.durations import DurationModel
 from tangram.sched.scheduler import Scheduler
 from tangram.sched.speedup import Run, Speedup, SpeedupFit, declared
 from tangram.sim.broker_station import NoSandboxes
-from tangram.store import Store
+from tangram.store.store import Store
 from tests.docker_nodes import cpu_config, docker_engines
 from tests.harness import live_broker
 

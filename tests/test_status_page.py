@@ -21,6 +21,7 @@ from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
 
 from tangram.config import parse_config
+from tangram.server.broker_views import broker_stats, resource_rows
 from tangram.server.history import History
 from tangram.server.status_page import HISTORY
 from tangram.service import running_broker
@@ -247,7 +248,7 @@ async def test_live_charts_follow_the_broker_and_survive_its_loss(db, browser):
             charts = await in_page(browser, READ_CHARTS)
             _, history = await live.call("GET", "/v1/status/history")
             shown = [s for s in history["samples"] if s["t"] <= float(header["last_t"])]
-            stats, rows = live.broker.stats(), live.broker.resources()
+            stats, rows = broker_stats(live.broker), resource_rows(live.broker)
 
             assert [header["queued"], header["running"], header["leases"]] == \
                 [str(stats["queued"]), str(stats["running"]), str(stats["leases"])] == ["3", "0", "8"]

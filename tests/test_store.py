@@ -19,7 +19,8 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from tangram.core.action import Action, Demand, State
 from tangram.parse import parse_action
 from tangram.records import action_from_stored, stored_record
-from tangram.store import ActionRow, Store, TransitionRow
+from tangram.store.store import Store
+from tangram.store.tables import ActionRow, TransitionRow
 
 FIELDS = [f.name for f in dataclasses.fields(Action)]
 

@@ -12,7 +12,7 @@ import pytest
 
 from clients import AsyncTangramClient
 from clients.errors import OverloadedError
-from tangram.tenants import AUTHENTICATED_DEFAULTS, TaskCaps, Tenancy
+from tangram.sched.tenants import AUTHENTICATED_DEFAULTS, TaskCaps, Tenancy
 from tests.docker_nodes import local_cpu
 from tests.harness import Live, live_broker, live_upstream
 

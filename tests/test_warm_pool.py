@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from sandboxes.backend import LABEL_ENV, LABEL_WARM, Sandbox, SandboxError, SandboxSpec
+from sandboxes.exec_wire import ExecRequest, ExecResult
 from sandboxes.warm_pool import CreateRate, WarmPool
 from tests.docker_nodes import cpu_config, docker_engines, labelled_containers
 from tests.harness import Live, live_broker, until
@@ -73,8 +74,8 @@ class CountingSandbox(Sandbox):
     async def set_cores(self, cores: frozenset[int]) -> None:
         pass
 
-    async def run(self, request: dict[str, Any]) -> dict[str, Any]:
-        return {}
+    async def run(self, request: ExecRequest) -> ExecResult:
+        return ExecResult()
 
     async def destroy(self) -> None:
         self.destroyed = True

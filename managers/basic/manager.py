@@ -31,7 +31,7 @@ from tangram.core.action import Action, Kind
 from tangram.core.config_tables import TABLE, Count, PositiveSeconds, table
 from tangram.core.errors import ConfigError, Unprocessable
 from tangram.core.schema import Schema, parse
-from tangram.core.seam import Allocation, Fit, Outcome, PoolStatus, ResourceManager
+from tangram.core.seam import Allocation, CyclePlugins, Fit, Outcome, PoolStatus, ResourceManager
 
 __all__ = ["BasicManager", "BasicResourceConfig", "UpstreamConfig"]
 
@@ -240,15 +240,10 @@ class BasicManager(ResourceManager[None]):
 
     # -- execution ----------------------------------------------------------------------------------------
 
-    def complete_now(self, action: Action, allocation: Allocation[None]) -> Outcome | None:
-        """A lease grant needs no I/O, so the broker can finish it without a task."""
-        return self._grant(action, allocation) if action.kind is Kind.LEASE else None
-
     async def execute(self, action: Action, allocation: Allocation[None]) -> Outcome:
+        """Proxy an ``api`` action upstream (a ``lease`` is granted at once: ``grant``)."""
         if action.kind is Kind.API:
             return await self._proxy(action, allocation)
-        if action.kind is Kind.LEASE:
-            return self._grant(action, allocation)
         raise NotImplementedError(f"{self.name} does not execute {action.kind.value} actions")
 
     async def _proxy(self, action: Action, allocation: Allocation[None]) -> Outcome:
@@ -274,7 +269,7 @@ class BasicManager(ResourceManager[None]):
                 return
             await asyncio.sleep(wait)
 
-    def _grant(self, action: Action, allocation: Allocation[None]) -> Outcome:
+    def grant(self, action: Action, allocation: Allocation[None]) -> Outcome:
         ttl = self._lease_ttl(action)
         # the grant is the parsed spec's last reader; a held lease may stay in memory for its whole TTL, and the
         # model (an instance and its fields-set, both tracked by the garbage collector) would be scanned by every
@@ -313,6 +308,9 @@ class BasicManager(ResourceManager[None]):
         """
         now = self._clock() if now is None else now
         return [action_id for action_id, expiry in self._leases.items() if expiry <= now]
+
+    def plugins(self) -> CyclePlugins:
+        return CyclePlugins(next_change_in=self.next_change_in)
 
     def next_change_in(self) -> float | None:
         """Seconds until the earliest lease expiry, or until a demand refused for quota in the last pass fits."""

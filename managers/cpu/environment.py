@@ -50,3 +50,8 @@ class Environment:
                 "state": self.state.value,
                 "created_at": self.created_at, "last_used": self.last_used, "running_actions": len(self.running),
                 "lost_reason": self.lost_reason, "sandbox": self.sandbox.describe() if self.sandbox else None}
+
+
+#: a CPU allocation's handle: the environment it runs in (None: deleted since submit, the action fails at run),
+#: its node and its cores
+CpuHandle = tuple[Environment | None, str, tuple[int, ...]]

@@ -3,7 +3,7 @@
 An environment is reserved on a node (its memory counts at once), its sandbox is created by its first action (or by
 ``POST /v1/environments``), it is frozen between actions, reaped when idle past the TTL, taken over under its old id
 after a restart, and marked lost when its sandbox dies. The CPU manager decides which node and which cores; this
-component keeps the environments themselves and answers the per-task caps (``tangram.tenants``).
+component keeps the environments themselves and answers the per-task caps (``tangram.sched.tenants``).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class Environments(Mapping[str, Environment]):
         self.nodes = nodes
         self._by_id: dict[str, Environment] = {}
         self._by_trajectory: dict[tuple[str, str], Environment] = {}
-        #: per task: its environments and the MiB they reserve (for per-task caps, tangram.tenants)
+        #: per task: its environments and the MiB they reserve (for per-task caps, tangram.sched.tenants)
         self._task_count: Counter[str] = Counter()
         self._task_memory_mb: Counter[str] = Counter()
         self._reaper: asyncio.Task[None] | None = None

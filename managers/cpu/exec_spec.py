@@ -1,4 +1,4 @@
-"""The ``spec`` of an ``exec`` action, validated at submit, and the executor request built from it at run time."""
+"""The ``spec`` of an ``exec`` action, validated at submit, and the ``ExecRequest`` built from it at run time."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from pydantic import Discriminator, Field, Tag, TypeAdapter
 
 from managers.cpu.long_tests import LONG_TESTS_ENV
 from sandboxes.backend import SANDBOX_USER
+from sandboxes.exec_wire import ExecRequest
 from tangram.core.config_tables import TABLE, Count
 from tangram.core.errors import BadRequest, TooLarge, Unprocessable
 from tangram.core.names import Name, json_pattern
@@ -261,34 +262,27 @@ def runner_report(stdout: str) -> dict[str, str | None]:
     return {"runner": "plain" if detail.startswith("plain pytest") else "tangram", "detail": detail}
 
 
-def executor_request(spec: ExecSpec, cores: tuple[int, ...], timeout_s: float, workdir: str,
-                     extra_env: Mapping[str, str], *, workers: int | None = None, follows: bool = False,
-                     tag: str | None = None, runner: PytestRunner = "tangram",
-                     long_tests: Mapping[str, float] | None = None) -> dict[str, Any]:
+def exec_request(spec: ExecSpec, cores: tuple[int, ...], timeout_s: float, workdir: str,
+                 extra_env: Mapping[str, str], *, workers: int | None = None, follows: bool = False,
+                 runner: PytestRunner = "tangram", long_tests: Mapping[str, float] | None = None) -> ExecRequest:
     """Elasticity at run time: ``{parallel_num}`` and ``TANGRAM_NUM_CPUS`` become the worker count (the granted
     core count unless the action is malleable, ``workers``, and started with more workers than cores, and its
     workers do not follow its cores); with ``pytest_parallel``, ``pytest`` runs on workers (``pytest_flags``), and
     the executor puts the runner's directory on PYTHONPATH where it is asked to. The runner gets the tests its
-    signature's earlier runs found long (``managers.cpu.long_tests``). ``tag`` names the command for a later re-pin
-    (``op: cpus``)."""
+    signature's earlier runs found long (``managers.cpu.long_tests``). What it leaves running is reaped after it."""
     n = len(cores) if follows or not workers else workers
     flags = pytest_flags(runner, n, len(cores), follows) if runs_pytest(spec) else []
-    rewritten = bool(flags)
+    command: str | tuple[str, ...]
     if isinstance(spec.command, str):
         text = spec.command.replace("{parallel_num}", str(n))
-        command: str | list[str] = rewrite_pytest(text, flags) if flags else text
+        command = rewrite_pytest(text, flags) if flags else text
     else:
-        command = [p.replace("{parallel_num}", str(n)) for p in spec.command]
-        command[1:1] = flags
+        argv = [p.replace("{parallel_num}", str(n)) for p in spec.command]
+        command = (*argv[:1], *flags, *argv[1:])
+    with_runner = bool(flags) and runner == "tangram"
     env = {**spec.env, **extra_env, "TANGRAM_NUM_CPUS": str(n)}
-    request = {"op": "run", "command": command, "env": env, "cwd": spec.cwd or workdir, "timeout_s": timeout_s,
-               "output_limit": spec.output_limit, "cpus": list(cores), "reap": True}
-    if rewritten and runner == "tangram":
-        request["pytest_runner"] = True
-        if long_tests:
-            env[LONG_TESTS_ENV] = json.dumps(dict(long_tests))
-    if tag is not None:
-        request["tag"] = tag
-    if spec.background:
-        request["background"] = True
-    return request
+    if with_runner and long_tests:
+        env[LONG_TESTS_ENV] = json.dumps(dict(long_tests))
+    return ExecRequest(command=command, cores=cores, env=env, cwd=spec.cwd or workdir, timeout_s=timeout_s,
+                       output_limit=spec.output_limit, reap=True, background=spec.background,
+                       pytest_runner=with_runner)

@@ -19,23 +19,24 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from prometheus_client import Counter as MetricCounter
 
+from managers.cpu.action_result import action_result
 from managers.cpu.config import CpuConfig, CpuNodeConfig, on_this_host
-from managers.cpu.environment import Environment, EnvState
+from managers.cpu.environment import CpuHandle, Environment, EnvState
 from managers.cpu.environments import Environments
-from managers.cpu.exec_spec import ExecSpec, ExecSpecBody, executor_request, parse_exec_spec, runner_report, runs_pytest
+from managers.cpu.exec_spec import ExecSpec, ExecSpecBody, exec_request, parse_exec_spec, runner_report
 from managers.cpu.long_tests import LongTests, long_tests_from
 from managers.cpu.node import CpuNode
+from managers.cpu.resizing import CpuResizing
 from managers.cpu.sandbox_backends import SandboxFactory, open_sandbox_backend
 from sandboxes.backend import NODE_UNAVAILABLE, Leftover, SandboxBackend, SandboxError
 from tangram.core.action import Action, Kind
 from tangram.core.errors import ActionFailed, Conflict, NotFound, Unprocessable
 from tangram.core.fencing import current
-from tangram.core.malleable import WorkerCost, Workers, workers_for
-from tangram.core.seam import Allocation, Fit, MetricsRegistry, Outcome, PoolStatus, ResourceManager
+from tangram.core.seam import Allocation, CyclePlugins, Fit, Outcome, PoolStatus, ResourceManager
 
 if TYPE_CHECKING:
     from managers.remote.broker.ray_membership import RayMembership
@@ -122,11 +123,6 @@ class CpuFit(Fit):
         return tuple(self.before)
 
 
-#: a CPU allocation's handle: the environment it runs in (None: deleted since submit, the action fails at run),
-#: its node and its cores
-CpuHandle = tuple[Environment | None, str, tuple[int, ...]]
-
-
 #: what a non-exec action holding cores reads as: no environment, image, memory or files of its own
 NOT_EXEC = ExecSpec(command=())
 
@@ -150,6 +146,7 @@ class CpuManager(ResourceManager[CpuHandle]):
                                          "record) or unknown (its line missing from the output)", ["runner"],
                                          registry=None)
         self.long_tests = LongTests()
+        self._resizing = CpuResizing(self)
 
     # -- lifecycle ------------------------------------------------------------------------------------------
 
@@ -367,46 +364,8 @@ class CpuManager(ResourceManager[CpuHandle]):
         return Allocation(action.id, dict(units), dict(pools), placement={RESOURCE: placement},
                           handle=(env, node.name, cores))
 
-    def resizable(self, resource: str) -> bool:
-        return resource == RESOURCE and self.config.malleable
-
-    def workers(self, action: Action, resource: str, units: int, expected_s: float,
-                learned: WorkerCost | None = None) -> Workers:
-        """A pytest run the elastic runner takes follows its cores up to the action's maximum (the runner forks a
-        worker for each core added: none is started ahead). Any other command gets ``workers_for`` at the learned
-        worker cost, else at ``worker_start_s`` of CPU per worker, shared by the starting cores."""
-        cap = min(action.demands[resource].max, self.largest_pool(resource))
-        if self.config.pytest_runner == "tangram" and runs_pytest(self.exec_spec(action)):
-            return Workers(max(units, cap), follows=True)
-        cost = learned or WorkerCost(self.config.worker_start_s / units)
-        return Workers(workers_for(units, cap, expected_s, cost, self.config.worker_overhead))
-
-    def resize(self, allocation: Allocation[CpuHandle], resource: str, units: int) -> None:
-        if allocation.released:
-            raise RuntimeError(f"resize of released allocation {allocation.action_id}")
-        env, node_name, cores = allocation.held()
-        pool = self.nodes[node_name].cores
-        cores = pool.shrink(cores, units) if units < len(cores) else pool.grow(cores, units - len(cores))
-        allocation.handle = (env, node_name, cores)
-        allocation.units[resource] = units
-        if RESOURCE in allocation.placement:
-            allocation.placement[RESOURCE] = {**allocation.placement[RESOURCE], "cores": list(cores),
-                                              "numa_nodes": pool.numa_of(cores)}
-
-    async def apply_resize(self, allocation: Allocation[CpuHandle]) -> None:
-        """Move this action's command onto its new cores (its sandbox widens or narrows with it). An action whose
-        command has not started yet (its sandbox is being created) or has ended is left alone: ``execute`` reads
-        the allocation's cores when it starts the command."""
-        env, _, cores = allocation.held()
-        if env is None or allocation.released or env.sandbox is None or allocation.action_id not in env.running:
-            return
-        try:
-            await env.sandbox.repin(allocation.action_id, frozenset(cores))
-        except SandboxError as error:
-            if error.lost:
-                self.environments.mark_lost(env, error.message)
-            raise ActionFailed("resize_failed", f"moving the command onto cores {list(cores)} failed: "
-                                                f"{error.message}", environment=env.id) from None
+    def resizing(self, resource: str) -> CpuResizing | None:
+        return self._resizing if resource == RESOURCE and self.config.malleable else None
 
     def release(self, allocation: Allocation[CpuHandle]) -> None:
         if allocation.released or allocation.handle is None:
@@ -458,11 +417,11 @@ class CpuManager(ResourceManager[CpuHandle]):
             held = action.malleable
             # an executor adopted from an older broker has no runner beside it: xdist on the cores it starts on
             runner = "xdist" if getattr(sandbox, "old_executor", False) else self.config.pytest_runner
-            request = executor_request(spec, cores, max(remaining, 0.001), sandbox.workdir,
-                                       {"TANGRAM_ACTION_ID": action.id, "TANGRAM_ENVIRONMENT": env.id},
-                                       workers=held.workers if held is not None else None,
-                                       follows=held is not None and held.follows, tag=action.id, runner=runner,
-                                       long_tests=self.long_tests.hint((action.task, action.signature)))
+            request = exec_request(spec, cores, max(remaining, 0.001), sandbox.workdir,
+                                   {"TANGRAM_ACTION_ID": action.id, "TANGRAM_ENVIRONMENT": env.id},
+                                   workers=held.workers if held is not None else None,
+                                   follows=held is not None and held.follows, runner=runner,
+                                   long_tests=self.long_tests.hint((action.task, action.signature)))
             env.running.add(action.id)
             try:
                 current().check()  # a deposed leader runs no more commands (tangram/core/fencing.py)
@@ -479,31 +438,12 @@ class CpuManager(ResourceManager[CpuHandle]):
         finally:
             if env.ephemeral and not env.running:
                 await self.environments.destroy(env)
-        result = self._result(executed.response, env, allocation.held()[2], setup_s)
-        if request.get("pytest_runner"):
-            result["pytest_runner"] = runner_report(result.get("stdout") or "")
+        result = action_result(executed.result, env, allocation.held()[2], setup_s)
+        if request.pytest_runner:
+            result["pytest_runner"] = runner_report(executed.result.stdout)
             self.pytest_runs.labels(result["pytest_runner"]["runner"]).inc()
-            self.long_tests.learn((action.task, action.signature), long_tests_from(result.get("stdout") or ""))
+            self.long_tests.learn((action.task, action.signature), long_tests_from(executed.result.stdout))
         return Outcome(result)
 
-    def register_metrics(self, registry: MetricsRegistry) -> None:
-        registry.register(self.pytest_runs)
-
-    def _result(self, response: dict[str, Any], env: Environment, cores: tuple[int, ...],
-                setup_s: float) -> dict[str, Any]:
-        output = {k: response.get(k) for k in ("exit_code", "signal", "stdout", "stderr", "stdout_bytes",
-                                               "stderr_bytes", "stdout_truncated", "stderr_truncated",
-                                               "duration_s")}
-        if response.get("pid") is not None:  # a background command's
-            output["pid"] = response["pid"]
-        where = {"environment": env.id, "node": env.node, "cores": list(cores), "setup_s": round(setup_s, 6)}
-        if response.get("error"):
-            raise ActionFailed("exec_error", response["error"], **where)
-        if response.get("timed_out"):
-            raise ActionFailed("timed_out", "the command ran past the action's deadline; it was killed with its "
-                                            "whole process tree", **output, **where)
-        if response.get("oom_killed"):
-            raise ActionFailed("out_of_memory", f"the command exceeded the environment's memory limit "
-                                                f"({env.memory_mb} MiB) and was killed; the environment is still "
-                                                f"usable", **output, **where)
-        return {**output, **where}
+    def plugins(self) -> CyclePlugins:
+        return CyclePlugins(metrics=lambda registry: registry.register(self.pytest_runs))

@@ -19,15 +19,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import Counter
 
 from managers.gpu.host_tier import CopyState, HostCopy, HostTierFull
 from reward_services.backend import ServiceError, ServiceSpec
+from tangram.core.action import Action, Kind
 from tangram.core.errors import ActionFailed
 from tangram.core.learned import LearnedSeconds
 
@@ -44,6 +46,15 @@ LOAD_EWMA_ALPHA = 0.3
 #: times a restore asks for its service's host copy when a load lands and the copy is dropped again before the
 #: restore reads it (only when host memory is short for the restores starting at once)
 HOST_COPY_ATTEMPTS = 3
+#: queued reward actions whose services prefetch considers, in the order they will run
+PREFETCH_LOOKAHEAD = 256
+
+
+def queued_services(upcoming: Iterable[Action], service_of: Callable[[Action], str]) -> Iterator[str]:
+    """The services prefetch plans for (``DiskTier.prefetch_plan``): those of the first ``PREFETCH_LOOKAHEAD``
+    queued reward actions, in the order they will run."""
+    rewards = (action for action in upcoming if action.kind is Kind.REWARD)
+    return (service_of(action) for action in itertools.islice(rewards, PREFETCH_LOOKAHEAD))
 
 
 class DiskTier:
@@ -51,9 +62,9 @@ class DiskTier:
 
     def __init__(self, nodes: Mapping[str, GpuNode], services: Mapping[str, ServiceSpec],
                  may_run: Callable[[str, GpuNode], bool] = lambda service, node: True) -> None:
-        self._nodes = nodes  # the manager's own mapping: nodes that join are seen
+        self._nodes = nodes  # the manager's nodes, read live: nodes that join are seen
         self._services = services
-        #: whether a service's actions may run on a node (``GpuManager.may_run``): a copy elsewhere serves none
+        #: whether a service's actions may run on a node (``ServiceConfinement.may_run``): a copy elsewhere serves none
         self._may_run = may_run
         #: each service's expected load, from the loads seen: its host copy at the assumed rate until one is
         self.load_time = LearnedSeconds(lambda name: services[name].host_memory_mb / LOAD_PRIOR_MB_PER_S,

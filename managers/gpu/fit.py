@@ -11,11 +11,13 @@ from typing import Protocol
 
 from managers.gpu.chunk_operator import ChunkOperator
 from managers.gpu.chunks import Chunk, after_allocating
+from managers.gpu.confinement import ServiceConfinement
 from managers.gpu.delay_wait import DelayWaits
 from managers.gpu.disk_tier import DiskTier
 from managers.gpu.node import RESOURCE, GpuNode
-from managers.gpu.residency import SlotState
 from managers.gpu.service_demand import ServiceDemand
+from managers.gpu.setup_costs import SetupCosts
+from managers.gpu.slot import SlotState
 from reward_services.requests import RewardRequest
 from tangram.core.action import Action
 from tangram.core.dparrange import DPOperator
@@ -26,21 +28,21 @@ from tangram.core.seam import Fit
 class FitSubject(Protocol):
     """What the fit reads of the GPU manager."""
 
-    nodes: dict[str, GpuNode]
     typed_fit: bool
     wait_for_resident: bool
-    #: service -> the nodes a placement confines it to (absent: every node)
-    allowed: dict[str, frozenset[str]]
     waits: DelayWaits
     restore_time: LearnedSeconds
     disk: DiskTier
     demand: ServiceDemand
+    #: the nodes a placement confines each service to
+    confinement: ServiceConfinement
+    #: an action's expected time on a node, its restore included (the typed fit)
+    setup: SetupCosts
+
+    @property
+    def nodes(self) -> Mapping[str, GpuNode]: ...
 
     def reward_request(self, action: Action) -> RewardRequest: ...
-
-    def may_run(self, service: str, node: GpuNode) -> bool: ...
-
-    def expected_s(self, service: str, node: GpuNode, k: int, resident: bool) -> float: ...
 
 
 #: a node the fit ranks for an action: (expected end on typed nodes, not resident, host copy not in host memory,
@@ -102,10 +104,10 @@ class GpuFit(Fit):
             for name, node in self.manager.nodes.items():
                 level = self.free[name].smallest_fitting_level(k)
                 if service in node.services and level is not None and node.lost is None and name not in self.kept \
-                        and self.manager.may_run(service, node):
+                        and self.manager.confinement.may_run(service, node):
                     resident = node.resident_on_free_chunk(service, dops, self.free[name])
                     in_host = node.tier is None or node.tier.holds(service)
-                    ends = self.manager.expected_s(service, node, k, resident) if self.typed else 0.0
+                    ends = self.manager.setup.expected_s(service, node, k, resident) if self.typed else 0.0
                     options.append((ends, not resident, not in_host, -self.free[name].free_gpus, level, name))
             self._best_of[key] = min(options, default=None)
         return self._best_of[key]
@@ -113,10 +115,10 @@ class GpuFit(Fit):
     def _confine(self, action: Action, service: str, k: int) -> None:
         """An action refused while a node its service is not placed on has room for it waits for its own nodes
         without holding back the actions placed elsewhere: those nodes are kept from later actions instead."""
-        if service not in self.manager.allowed:  # every node is its own: nothing elsewhere to let go ahead
+        if service not in self.manager.confinement.allowed:  # every node is its own: nothing elsewhere to let go ahead
             return
         nodes = self.manager.nodes
-        mine = [name for name, node in nodes.items() if self.manager.may_run(service, node)]
+        mine = [name for name, node in nodes.items() if self.manager.confinement.may_run(service, node)]
         if len(mine) < len(nodes) and any(self.free[name].smallest_fitting_level(k) is not None
                                           for name, node in nodes.items() if name not in mine
                                           and service in node.services and node.lost is None):
@@ -149,15 +151,16 @@ class GpuFit(Fit):
         manager = self.manager
         here = manager.demand.gpu_s(service, manager.nodes[best[-1]].config.type) / k
         busy = [manager.demand.gpu_s(service, node.config.type) / k for name, node in manager.nodes.items()
-                if node.lost is None and service in node.services and manager.may_run(service, node)
+                if node.lost is None and service in node.services and manager.confinement.may_run(service, node)
                 and self.free[name].smallest_fitting_level(k) is None]
         return max(0.0, here - min(busy, default=here))
 
     def _resident_somewhere(self, service: str, dops: tuple[int, ...]) -> bool:
         if self._resident is None:
+            may_run = self.manager.confinement.may_run
             self._resident = {(slot.service, slot.chunk.size) for node in self.manager.nodes.values()
                               if node.lost is None for slot in node.residency.slots.values()
-                              if slot.state is SlotState.RESIDENT and self.manager.may_run(slot.service, node)}
+                              if slot.state is SlotState.RESIDENT and may_run(slot.service, node)}
         return any((service, k) in self._resident for k in dops)
 
     def holds_back(self, action: Action) -> bool:

@@ -1,7 +1,7 @@
 """The GPU manager's own placement of reward services over its node groups (issue 18), re-solved as demand moves.
 
 Every ``interval_s``, and at once after services are added or nodes leave or join, the placement of
-``gpu_placement.py`` is solved again over the groups of the nodes in service, from the loads and speeds that
+``placement.py`` is solved again over the groups of the nodes in service, from the loads and speeds that
 ``ServiceDemand`` measures, and each service is confined to the nodes of the groups where it gets a variant
 (``GpuManager.place_services``). A service with no measured load is left free to run anywhere: a placement never
 decides from nothing. The previous variants are passed to the solver, which keeps them when that costs nothing, so
@@ -24,7 +24,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from managers.gpu.gpu_types import Bound, GpuType
-from managers.gpu.placement import NodeGroup, Placement, ServiceLoad, TypedNode, node_groups, place, place_greedy
+from managers.gpu.placement import Placement, place, place_greedy
+from managers.gpu.placement_problem import NodeGroup, ServiceLoad, TypedNode, node_groups
 from managers.gpu.service_demand import ServiceDemand
 
 log = logging.getLogger("tangram.gpu")

@@ -9,7 +9,8 @@ from collections.abc import Sequence
 from managers.gpu.chunks import Chunk, ChunkAllocator, Preference
 from managers.gpu.config import GpuNodeConfig
 from managers.gpu.host_tier import HostTier
-from managers.gpu.residency import Residency, SlotState
+from managers.gpu.residency import Residency
+from managers.gpu.slot import SlotState
 from managers.remote.broker.node_standing import NodeStanding
 from reward_services.backend import ServiceBackend
 

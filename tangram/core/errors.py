@@ -84,6 +84,8 @@ class ActionFailed(Exception):
         self.code = code
         self.message = message
         self.details = details
+        #: seconds it spent making the resource ready before it failed (as ``Outcome.restore_s``)
+        self.restore_s: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"code": self.code, "message": self.message, **self.details}

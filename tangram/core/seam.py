@@ -55,17 +55,32 @@ class Foresight(Protocol):
     def foresee(self, upcoming: Iterable[Action]) -> None: ...
 
 
+class ReserveOrder(Protocol):
+    """Puts the queued actions owed reserved units ahead of the rest, given what runs now (SLO admission's
+    reserved GPU shares, ``tangram/sched/reserved_shares.py``)."""
+
+    def order(self, queue: Iterable[Action], running: Iterable[Action]) -> Iterable[Action]: ...
+
+
 @dataclass(frozen=True, slots=True)
 class CyclePlugins:
-    """What a manager adds to the scheduling cycle; each absent by default."""
+    """What a manager, or a feature built beside the managers (SLO admission), adds to the scheduling cycle and the
+    loop around it; each absent by default."""
 
     #: seconds each action (by id) would spend getting the manager's resource ready if it started now (a GPU
     #: service's restore when it is not resident), for a setup-aware queue order (HRRS); absent from the dict: none
     setup_costs: Callable[[Sequence[Action]], dict[str, float]] | None = None
     foresight: Foresight | None = None
+    #: the order after the queue order: actions owed reserved units first (at most one in a cycle)
+    reserve_order: ReserveOrder | None = None
     #: what the manager learns from every action queued and ended, not only those it runs (the GPU manager's
     #: demand per service)
     watchers: Sequence[ActionWatcher] = ()
+    #: seconds until capacity frees up by itself (quota windows, a restore ending); None if never: the loop that
+    #: drives the cycle wakes for it
+    next_change_in: Callable[[], float | None] | None = None
+    #: adds the manager's own Prometheus metrics (restores, evictions, ...) to the broker's registry
+    metrics: Callable[[MetricsRegistry], None] | None = None
 
 
 #: what a manager keeps in its allocations to find their resources again (the CPU manager: environment, node and
@@ -97,6 +112,9 @@ class Outcome:
 
     result: Any
     hold: bool = False
+    #: seconds of the execution spent making the resource ready (a GPU service's restore), which depend on where
+    #: the action ran, not on the action: the broker records it on the action, and duration models leave it out
+    restore_s: float | None = None
 
 
 @dataclass(slots=True)
@@ -153,6 +171,27 @@ class Fit(abc.ABC):
         return BasicOperator()
 
 
+class Resizing(abc.ABC, Generic[Handle]):
+    """How running allocations of one resource change size (``ResourceManager.resizing``): the scheduler lends their
+    units above the floor to queued actions and shares spare units among them (``tangram/core/malleable.py``)."""
+
+    def workers(self, action: Action, units: int, expected_s: float, learned: WorkerCost | None = None) -> Workers:
+        """The workers a malleable action started on ``units`` gets (the most units it can later use, or the cap
+        of workers that follow its units); ``learned``: what its workers were seen to cost, when its signature has
+        run with several."""
+        return Workers(units)
+
+    @abc.abstractmethod
+    def resize(self, allocation: Allocation[Handle], units: int) -> None:
+        """Change a running allocation to ``units`` in the same pool, in the books at once: units given up are free
+        for the next allocation, units added are taken. ``apply`` makes it real."""
+
+    @abc.abstractmethod
+    async def apply(self, allocation: Allocation[Handle]) -> None:
+        """Move the running action onto its allocation's current units. Raise ``ActionFailed`` if it cannot: the
+        caller then ends the action (a shrink that did not happen must not leave two actions on one unit)."""
+
+
 class ResourceManager(abc.ABC, Generic[Handle]):
     """Owns some resource types: their capacity, topology, allocation and the execution of some action kinds."""
 
@@ -183,36 +222,14 @@ class ResourceManager(abc.ABC, Generic[Handle]):
     def release(self, allocation: Allocation[Handle]) -> None:
         """Return an allocation's units. Idempotent."""
 
-    def resizable(self, resource: str) -> bool:
-        """Whether running allocations of ``resource`` can change size (elastic actions on it are malleable)."""
-        return False
-
-    def workers(self, action: Action, resource: str, units: int, expected_s: float,
-                learned: WorkerCost | None = None) -> Workers:
-        """The workers a malleable action started on ``units`` gets (the most units it can later use, or the cap
-        of workers that follow its units); ``learned``: what its workers were seen to cost, when its signature has
-        run with several."""
-        return Workers(units)
-
-    def resize(self, allocation: Allocation[Handle], resource: str, units: int) -> None:
-        """Change a running allocation to ``units`` of ``resource`` in the same pool, in the books at once: units
-        given up are free for the next allocation, units added are taken. ``apply_resize`` makes it real."""
-        raise NotImplementedError(f"{self.name} cannot resize {resource!r}")
-
-    async def apply_resize(self, allocation: Allocation[Handle]) -> None:
-        """Move the running action onto its allocation's current units. Raise ``ActionFailed`` if it cannot: the
-        caller then ends the action (a shrink that did not happen must not leave two actions on one unit)."""
+    def resizing(self, resource: str) -> Resizing[Handle] | None:
+        """How running allocations of ``resource`` change size; None when they cannot (elastic actions on it are
+        then moldable, not malleable)."""
+        return None
 
     async def execute(self, action: Action, allocation: Allocation[Handle]) -> Outcome:
         """Run ``action`` on ``allocation``. Raise ``ActionFailed`` for expected failures."""
         raise NotImplementedError(f"{self.name} executes no actions")
-
-    def complete_now(self, action: Action, allocation: Allocation[Handle]) -> Outcome | None:
-        """Finish an action synchronously when it needs no I/O (granting a lease); None means use ``execute``.
-
-        Saves a task per action on the hottest path: thousands of lease grants a second.
-        """
-        return None
 
     def validate(self, action: Action) -> None:
         """Reject at submit what this manager could never run (raise ``BadRequest`` naming the field)."""
@@ -221,16 +238,10 @@ class ResourceManager(abc.ABC, Generic[Handle]):
     def status(self) -> list[PoolStatus]:
         """Capacity and use per resource and pool."""
 
-    def next_change_in(self) -> float | None:
-        """Seconds until capacity frees up by itself (quota windows, lease TTLs); None if never."""
-        return None
-
     def plugins(self) -> CyclePlugins:
-        """What this manager adds to the scheduling cycle (asked once, when the cycle is built)."""
+        """What this manager adds to the scheduling cycle and the loop around it (asked once, when the cycle is
+        built)."""
         return CyclePlugins()
-
-    def register_metrics(self, registry: MetricsRegistry) -> None:
-        """Add this manager's own Prometheus metrics (restores, evictions, ...) to the broker's registry."""
 
     async def start(self) -> None:
         """Open connections, start background work."""
@@ -245,6 +256,10 @@ class Lessor(Protocol):
 
     The broker asks it which leases expired, and after a restart has it hold again the leases a previous process
     granted and nobody returned: the clients still use those units."""
+
+    def grant(self, action: Action, allocation: Allocation[Any]) -> Outcome:
+        """Grant a ``lease`` action at once: it needs no I/O, so the broker finishes it without a task (the hottest
+        path: thousands of grants a second). The allocation is held until the lease is returned or expires."""
 
     def expired_leases(self, now: float | None = None) -> list[str]:
         """Ids of the leases whose TTL has passed and that are not released yet."""

@@ -3,8 +3,8 @@
 A pass runs fixed extension points in this order:
 
 1. queue filters: the per-task caps (``tenants.TaskLedger``), then the allocation back-off (``backoff``);
-2. the queue order: as queued (FCFS), or setup-aware (HRRS, ``setup_order``) on the resources configured for it;
-3. the reserve order: the queued actions owed an SLO reservation first (``reserved_shares``);
+2. the queue order: as queued (FCFS), or setup-aware (HRRS, ``setup_order``) where the profile (``profile``) says;
+3. the reserve order: the queued actions owed an SLO reservation first (``reserved_shares``, from SLO admission);
 4. the scheduler (``scheduler``), whose plan the caller applies (shrinks, starts, grows);
 5. foresight: told of the queued actions that did not start, in the pass's order (GPU prefetch).
 
@@ -20,27 +20,33 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 
 from tangram.core.action import Action, Kind
-from tangram.core.seam import ActionWatcher, Allocation, Foresight, ResourceManager
+from tangram.core.seam import (
+    ActionWatcher,
+    Allocation,
+    CyclePlugins,
+    Foresight,
+    MetricsRegistry,
+    ReserveOrder,
+    ResourceManager,
+)
 from tangram.sched import dispatch
 from tangram.sched.arrivals import ArrivalModel, Expected
 from tangram.sched.backoff import AllocationBackoff
 from tangram.sched.durations import DurationModel
-from tangram.sched.queue import QueuePolicy
-from tangram.sched.reserved_shares import ReservedShares
+from tangram.sched.profile import SchedulerProfile
+from tangram.sched.queue import FCFSQueue, QueuePolicy
 from tangram.sched.scheduler import Placement, Plan, Resize, Scheduler
 from tangram.sched.setup_order import SetupAwareOrder
-from tangram.tenants import EnvironmentHost, TaskLedger
+from tangram.sched.tenants import EnvironmentHost, TaskLedger
 
 
 class Cycle:
-    """The queue and the pass over it; ``hrrs``: the resources whose queued actions are ordered by HRRS, each
-    ahead of later ones once overdue (after twice the mean wait of those queued with it, at least
-    ``overdue_floor_s`` and at most ``max_wait_s``). The managers' plugins (``CyclePlugins``) join the extension
-    points; ``foresight`` replaces theirs (the simulator models the GPU manager's prefetch)."""
+    """The queue and the pass over it, its plugins and their arguments from ``profile`` (``profile.py``). The
+    managers' plugins (``CyclePlugins``) and ``plugins`` built beside them (SLO admission's) join the extension
+    points; ``foresight`` replaces the managers' (the simulator models the GPU manager's prefetch)."""
 
-    def __init__(self, managers: Sequence[ResourceManager], scheduler: Scheduler, queue: QueuePolicy, *,
-                 arrivals: ArrivalModel | None, hrrs: Sequence[str] = (), max_wait_s: float = 60.0,
-                 overdue_floor_s: float = 10.0, foresight: Sequence[Foresight] | None = None) -> None:
+    def __init__(self, managers: Sequence[ResourceManager], profile: SchedulerProfile, *,
+                 plugins: Sequence[CyclePlugins] = (), foresight: Sequence[Foresight] | None = None) -> None:
         self.managers = list(managers)
         self.owner: dict[str, ResourceManager] = {}
         self.executor: dict[Kind, ResourceManager] = {}
@@ -52,23 +58,32 @@ class Cycle:
                 self.owner[resource] = manager
             for kind in manager.kinds:
                 self.executor[kind] = manager
-        self.scheduler = scheduler
-        self.durations: DurationModel = scheduler.durations
-        self.arrivals = arrivals
-        self.queue = queue
+        estimates, elastic = profile.estimates, profile.elastic
+        self.durations = DurationModel(alpha=estimates.ewma_alpha, default_s=estimates.default_duration_s)
+        self.scheduler = Scheduler(self.managers, self.durations, depth=elastic.depth, horizon=elastic.horizon,
+                                   share_by_remaining=elastic.share_by == "remaining")
+        self.arrivals = ArrivalModel(alpha=estimates.ewma_alpha) if estimates.arrivals else None
+        self.queue: QueuePolicy = FCFSQueue()
         #: per-task caps: none until the broker sets a tenancy
         self.ledger = TaskLedger()
         self.backoff = AllocationBackoff()
-        self.setup_order = SetupAwareOrder(hrrs, self.durations.duration, self._setup_costs, max_wait_s,
-                                           overdue_floor_s) if hrrs else None
-        #: GPUs reserved for SLO-planned tasks, put ahead in each pass; set by SLO admission
-        self.reserved_shares: ReservedShares | None = None
-        plugins = [(manager, manager.plugins()) for manager in self.managers]
-        self._setup_costs_of = {id(m): p.setup_costs for m, p in plugins if p.setup_costs is not None}
-        self.foresight: list[Foresight] = [p.foresight for _, p in plugins if p.foresight is not None] \
+        hrrs = profile.ordered_by("hrrs", self.owner)
+        self.setup_order = SetupAwareOrder(hrrs, self.durations.duration, self._setup_costs, profile.hrrs.max_wait_s,
+                                           profile.hrrs.overdue_floor_s) if hrrs else None
+        own = [(manager, manager.plugins()) for manager in self.managers]
+        every = [p for _, p in own] + list(plugins)
+        self._setup_costs_of = {id(m): p.setup_costs for m, p in own if p.setup_costs is not None}
+        self.foresight: list[Foresight] = [p.foresight for p in every if p.foresight is not None] \
             if foresight is None else list(foresight)
+        reserve_orders = [p.reserve_order for p in every if p.reserve_order is not None]
+        if len(reserve_orders) > 1:
+            raise ValueError(f"one reserve order at most; plugins give {len(reserve_orders)}")
+        #: the queued actions owed reserved units first (SLO admission's GPU shares)
+        self.reserve_order: ReserveOrder | None = reserve_orders[0] if reserve_orders else None
         #: told of every action queued and ended
-        self.watchers: list[ActionWatcher] = [watcher for _, p in plugins for watcher in p.watchers]
+        self.watchers: list[ActionWatcher] = [watcher for p in every for watcher in p.watchers]
+        self._change_hints = [p.next_change_in for p in every if p.next_change_in is not None]
+        self._metrics = [p.metrics for p in every if p.metrics is not None]
         self.environment_host = next((m for m in self.managers if isinstance(m, EnvironmentHost)), None)
         #: how long the last pass took to plan (filters, orders and the scheduler), in seconds
         self.last_pass_s = 0.0
@@ -107,8 +122,8 @@ class Cycle:
             queue = [action for action in queue if not self.backoff.waiting(action.id, now)]
         if self.setup_order is not None:
             queue = self.setup_order.order(queue, now)
-        if self.reserved_shares is not None:
-            queue = self.reserved_shares.order(queue, running)
+        if self.reserve_order is not None:
+            queue = self.reserve_order.order(queue, running)
         foreseeing = [foresight for foresight in self.foresight if foresight.foresees]
         if foreseeing and not isinstance(queue, list):
             queue = list(queue)  # read again after the pass
@@ -140,6 +155,15 @@ class Cycle:
             for action_id, seconds in setup_costs(actions).items():
                 costs[action_id] = max(costs.get(action_id, 0.0), seconds)
         return costs
+
+    def next_change_in(self) -> float | None:
+        """Seconds until some manager's capacity frees up by itself (the earliest); None if none will."""
+        return min((hint for change_in in self._change_hints if (hint := change_in()) is not None), default=None)
+
+    def register_metrics(self, registry: MetricsRegistry) -> None:
+        """Add the managers' own metrics to ``registry``."""
+        for register in self._metrics:
+            register(registry)
 
     # -- applying a plan, and learning from ends ---------------------------------------------------------
 

@@ -41,14 +41,17 @@ def start(owner: dict[str, ResourceManager], durations: DurationModel, placement
 
 def resize(owner: dict[str, ResourceManager], allocations: Allocations, decision: Resize, now: float) -> Allocation:
     """Change a running action's units in the owning manager's books and on its record; returns the allocation
-    (``apply_resize`` of the manager makes it real)."""
+    (``apply`` of the resource's ``Resizing`` makes it real)."""
     action, resource = decision.action, decision.resource
     held = action.malleable
     if held is None:
         raise ValueError(f"action {action.id} is not malleable")
     manager = owner[resource]
+    resizing = manager.resizing(resource)
+    if resizing is None:
+        raise ValueError(f"{manager.name} cannot resize {resource!r}")
     allocation = next(a for m, a in allocations if m is manager)
-    manager.resize(allocation, resource, decision.units)
+    resizing.resize(allocation, decision.units)
     held.resize(decision.units, now)
     action.units[resource] = decision.units
     action.placement.update(allocation.placement)

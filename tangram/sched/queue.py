@@ -17,8 +17,6 @@ from tangram.core.action import Action
 class QueuePolicy(abc.ABC):
     """Waiting actions in scheduling order."""
 
-    name: str
-
     @abc.abstractmethod
     def push(self, action: Action) -> None: ...
 
@@ -46,8 +44,6 @@ class QueuePolicy(abc.ABC):
 class FCFSQueue(QueuePolicy):
     """First come, first served by submission sequence number (the paper's choice against starvation)."""
 
-    name = "fcfs"
-
     def __init__(self) -> None:
         self._actions: dict[str, Action] = {}
         self._last_seq = -1
@@ -72,13 +68,3 @@ class FCFSQueue(QueuePolicy):
 
     def __contains__(self, action_id: str) -> bool:
         return action_id in self._actions
-
-
-POLICIES: dict[str, type[QueuePolicy]] = {FCFSQueue.name: FCFSQueue}
-
-
-def make_queue(policy: str) -> QueuePolicy:
-    try:
-        return POLICIES[policy]()
-    except KeyError:
-        raise ValueError(f"unknown queue policy {policy!r}; known: {sorted(POLICIES)}") from None

@@ -6,7 +6,7 @@ puts the task's queued actions ahead of every other action on the resource while
 plus the minimum units of those put ahead, stay within ``g_k``; its other actions, and every unreserved task's, keep
 the order they had. With the reservations summing to at most the pool, a reserved task waits for its GPUs only as
 long as the actions holding them run, and the scheduler's per-resource blocking keeps later actions from taking a
-GPU it is owed. Among the actions put ahead, the order they had (FCFS, or HRRS with ``[scheduler] order``) stands.
+GPU it is owed. Among the actions put ahead, the order they had (FCFS, or HRRS with ``[scheduler] queue_order``) stands.
 """
 
 from __future__ import annotations

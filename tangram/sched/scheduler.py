@@ -142,7 +142,7 @@ class Scheduler:
             key = action.key_resource
             if key is None or not (self.durations.scalable(action) or self._grows_unknown(action, key)):
                 placements.append(self._placement(action, action.min_units(), fits))
-            elif self.owner[key].resizable(key):
+            elif self.owner[key].resizing(key) is not None:
                 shared.setdefault(key, []).append(action)
             else:
                 groups[key].append(action)
@@ -197,9 +197,9 @@ class Scheduler:
     def _grows_unknown(self, action: Action, resource: str) -> bool:
         """Whether an elastic action whose duration is not known yet runs malleable (its profile ``deferred``): only
         where its workers follow its units, so growing into idle units and giving them back costs it nothing."""
-        manager = self.owner[resource]
-        return manager.resizable(resource) and manager.workers(
-            action, resource, action.demands[resource].min, self.durations.default_s).follows
+        resizing = self.owner[resource].resizing(resource)
+        return resizing is not None and resizing.workers(
+            action, action.demands[resource].min, self.durations.default_s).follows
 
     def _placement(self, action: Action, units: dict[str, int], fits: dict[int, Fit]) -> Placement:
         pools = {r: fits[id(self.owner[r])].pool_of(action, r) for r in units}
@@ -212,6 +212,8 @@ class Scheduler:
                fits: dict[int, Fit], now: float, placements: list[Placement], resizes: list[Resize]) -> None:
         """Start every member and share each pool's spare units among its malleable actions (water-filling)."""
         manager = self.owner[resource]
+        resizing = manager.resizing(resource)
+        assert resizing is not None, f"{resource} holds malleable actions, so its manager resizes it"
         fit = fits[id(manager)]
         spare: dict[str, int] = {}
         # a member of unknown duration has its floor from step 1, as any action not shared: only more is shared
@@ -246,8 +248,7 @@ class Scheduler:
                     demand[resource] = k
                     placement = self._placement(action, demand, fits)
                     expected = self.durations.duration(action, k)
-                    placement.workers = manager.workers(action, resource, k, expected,
-                                                        self.durations.worker_cost(action, k))
+                    placement.workers = resizing.workers(action, k, expected, self.durations.worker_cost(action, k))
                     placements.append(placement)
                 elif k != running_as.units:
                     resizes.append(Resize(action, resource, k))

@@ -21,6 +21,7 @@ from tangram.core.action import Action
 from tangram.core.errors import BadRequest, ConfigError, Conflict, RequestError, TooLarge, Unprocessable
 from tangram.parse import FLAGS, Limits, parse_action_json, parse_batch_json, to_action
 from tangram.server.auth import AUTH, add_auth, authenticate, own_task, principal_of
+from tangram.server.broker_views import broker_stats, resource_rows
 from tangram.server.common import BROKER, LIMITS, SERVER, json_response, read_body, read_json
 from tangram.server.environments_api import add_environment_routes, largest_node_memory
 from tangram.server.http_errors import headers_of, status_of
@@ -29,6 +30,7 @@ from tangram.server.profiles_api import add_profile_routes
 from tangram.server.request_guard import body_in_time, guard_requests
 from tangram.server.services_api import add_service_routes, catalog_of
 from tangram.server.status_page import add_status_routes
+from tangram.slo.admission import SloAdmission
 from tangram.slo.api import SLO, add_slo_routes
 
 log = logging.getLogger("tangram.server.api")
@@ -133,7 +135,7 @@ async def release_lease(request: web.Request) -> web.Response:
 async def resources(request: web.Request) -> web.Response:
     broker = request.app[BROKER]
     catalog = catalog_of(broker)
-    return json_response({"resources": broker.resources(), "stats": broker.stats(),
+    return json_response({"resources": resource_rows(broker), "stats": broker_stats(broker),
                           "slo": request.app[SLO].summary(),
                           "placement": catalog.describe_placement() if catalog is not None else None})
 
@@ -236,9 +238,10 @@ async def reload(request: web.Request) -> web.Response:
                           "tokens": sum(1 for token in auth.describe() if token["revoked_at"] is None)})
 
 
-def build_app(broker: Broker, server: ServerConfig, limits: Limits,
+def build_app(broker: Broker, server: ServerConfig, limits: Limits, slo: SloAdmission,
               access: AccessConfig | None = None) -> web.Application:
-    """The REST app; ``access`` (tokens and per-task caps) defaults to none: open, no caps."""
+    """The REST app; ``slo``: the SLO admission the broker's cycle runs; ``access`` (tokens and per-task caps)
+    defaults to none: open, no caps."""
     access = access or AccessConfig()
     app = web.Application(middlewares=[errors_as_json, guard_requests, authenticate, body_in_time],
                           client_max_size=server.max_body_bytes)
@@ -258,7 +261,7 @@ def build_app(broker: Broker, server: ServerConfig, limits: Limits,
     add_environment_routes(app)
     add_profile_routes(app)
     add_service_routes(app)
-    add_slo_routes(app, access.slo_plans)
+    add_slo_routes(app, slo)
     add_status_routes(app, interval_s=server.status_interval_s, keep_s=server.status_keep_s)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)

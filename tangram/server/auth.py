@@ -35,7 +35,8 @@ from tangram.core.errors import BadRequest, Conflict, Forbidden, NotFound, Unaut
 from tangram.core.names import Name
 from tangram.core.schema import Schema, parse_json
 from tangram.server.common import BROKER, json_response, read_body
-from tangram.store import Store, StoredToken
+from tangram.store.store import Store
+from tangram.store.tokens import StoredToken
 
 log = logging.getLogger("tangram.server.auth")
 

@@ -16,9 +16,9 @@ from tangram.core.action import Kind
 from tangram.core.errors import BadRequest, NotFound, Unprocessable
 from tangram.core.names import Name
 from tangram.core.schema import Schema, parse_json
+from tangram.sched.tenants import EnvironmentHost
 from tangram.server.auth import listed_task, own_task, principal_of
 from tangram.server.common import BROKER, json_response, read_body
-from tangram.tenants import EnvironmentHost
 
 
 class EnvironmentRequest(Schema):

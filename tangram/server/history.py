@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tangram.broker import Broker
+from tangram.server.broker_views import resource_rows
 
 log = logging.getLogger("tangram.server.history")
 
@@ -79,7 +80,7 @@ class History:
         since = self.samples[-1].t if self.samples else self._opened
         broker = self.broker
         depth = broker.queue.depth_by_resource()
-        utilization = utilization_by_resource(broker.resources())
+        utilization = utilization_by_resource(resource_rows(broker))
         finished_total = self._finished_total()
         taken = Sample(t=now, utilization=utilization, queued={r: depth.get(r, 0) for r in utilization},
                        queued_total=len(broker.queue), running=len(broker.running), leases=len(broker.leases),

@@ -26,19 +26,17 @@ from managers.gpu.host_tier import CopyState, HostTierFull
 from managers.gpu.manager import GpuManager
 from managers.gpu.node import GpuNode
 from managers.gpu.placement import Method
-from managers.gpu.residency import SlotState
+from managers.gpu.switch_plan import plan_switch
 from reward_services.backend import ServiceBackend, ServiceInstance, ServiceSpec
 from sandboxes.backend import Leftover, Sandbox, SandboxBackend, SandboxSpec
 from tangram.core.action import Action, Demand, Kind
 from tangram.core.malleable import Workers
-from tangram.core.seam import Allocation, ResourceManager
+from tangram.core.seam import Allocation, CyclePlugins, ResourceManager
 from tangram.sched import dispatch
-from tangram.sched.arrivals import ArrivalModel
 from tangram.sched.cycle import Cycle
-from tangram.sched.durations import DurationModel
-from tangram.sched.queue import FCFSQueue
+from tangram.sched.profile import DEFAULT_PROFILE, SchedulerProfile
 from tangram.sched.reserved_shares import ReservedShares
-from tangram.sched.scheduler import Plan, Resize, Scheduler
+from tangram.sched.scheduler import Plan, Resize
 from tangram.sim.cluster import Cluster, Costs, startup_cpu_s
 from tangram.sim.engine import CallRun
 from tangram.sim.execution import Execution
@@ -169,20 +167,19 @@ def action_for(run: CallRun, seq: int, now: float, test_demand: Demand = ELASTIC
 
 
 class BrokerStation:
-    def __init__(self, cluster: Cluster, *, test_demand: Demand = ELASTIC_TEST, depth: int = 2,
-                 horizon: int = 64, malleable: bool = True, share_by_remaining: bool = False,
-                 arrivals: bool = True, worker_overhead: float = CpuConfig.worker_overhead,
-                 static_dops: bool = False, order: str = "fcfs", max_wait_s: float = 60.0,
-                 overdue_floor_s: float = 10.0,
-                 prefetch: bool = True, wait_for_resident: bool = False,
+    def __init__(self, cluster: Cluster, profile: SchedulerProfile = DEFAULT_PROFILE, *,
+                 test_demand: Demand = ELASTIC_TEST, malleable: bool = True,
+                 worker_overhead: float = CpuConfig.worker_overhead,
+                 static_dops: bool = False, prefetch: bool = True, wait_for_resident: bool = False,
                  slo_plans: Mapping[str, SloPlan] | None = None, reserved: Mapping[str, int] | None = None,
                  placement: Method | None = None,
                  loads: Mapping[str, float] | None = None, live_placement: PlacementChoice = "none",
                  typed_fit: bool = False) -> None:
-        """``placement`` confines each reward service to the nodes of the GPU types where the placement of that
-        method (``tangram/sim/placement.py``) gives it a variant, computed once at the start from ``loads`` (service
-        -> GPU-seconds per second on the reference type; the scenario's oracle, ``trace_loads``); None: every
-        service on every node, today's broker. ``live_placement`` and ``typed_fit`` are the GPU manager's own
+        """``profile``: the scheduler profile (``[scheduler]``), from which the station builds its cycle as the
+        broker does. ``placement`` confines each reward service to the nodes of the GPU types where the placement of
+        that method (``tangram/sim/placement.py``) gives it a variant, computed once at the start from ``loads``
+        (service -> GPU-seconds per second on the reference type; the scenario's oracle, ``trace_loads``); None:
+        every service on every node, today's broker. ``live_placement`` and ``typed_fit`` are the GPU manager's own
         ``[gpu] placement`` (solved from the demand it measures as the run goes) and ``typed_fit``. ``reserved``:
         the GPUs SLO admission reserves per task (``tangram/slo/plan.py``), put ahead as the broker does."""
         self.cluster = cluster
@@ -195,16 +192,17 @@ class BrokerStation:
         self.gpu = next((m for m in self.managers if isinstance(m, GpuManager)), None)
         # with ``static_dops`` a service runs only at its static deployment's DoP: loaded on demand, never resized
         self.dops = {s.name: (s.static_dop,) if static_dops else s.dops for s in cluster.services}
-        #: the broker's own pass; "hrrs": reward actions in the setup-aware order of ``[scheduler] order``, and
-        #: prefetch modelled here (``foresee``)
-        scheduler = Scheduler(self.managers, DurationModel(), depth=depth, horizon=horizon,
-                              share_by_remaining=share_by_remaining)
-        self.cycle = Cycle(self.managers, scheduler, FCFSQueue(), arrivals=ArrivalModel() if arrivals else None,
-                           hrrs=("gpu",) if order == "hrrs" and self.gpu is not None else (),
-                           max_wait_s=max_wait_s, overdue_floor_s=overdue_floor_s, foresight=(self,))
+        #: the broker's own attainment estimate (``tangram/slo/attainment.py``) of the tasks with ``slo_plans``
+        self.slo: SloAttainment | None = None
+        if slo_plans:
+            self.slo = SloAttainment(lambda action: str(action.spec["service"]), "gpu")
+            self.slo.plan(slo_plans)
+        shares = ReservedShares("gpu")
+        shares.reserve(reserved or {})
+        #: the broker's own pass, with prefetch modelled here (``foresee``); SLO admission's plugins as given
+        self.cycle = Cycle(self.managers, profile, foresight=(self,), plugins=[CyclePlugins(
+            reserve_order=shares, watchers=() if self.slo is None else (self.slo,))])
         self.queue = self.cycle.queue
-        self.cycle.reserved_shares = ReservedShares("gpu")
-        self.cycle.reserved_shares.reserve(reserved or {})
         self.calls: dict[str, CallRun] = {}
         self.running: dict[str, tuple[Action, list[tuple[ResourceManager, Allocation]]]] = {}
         self.finishing: list[tuple[float, int, str, int]] = []  # (finish, seq, action id, execution version)
@@ -222,12 +220,6 @@ class BrokerStation:
         self.loads: dict[tuple[str, str], float] = {}
         self.disk_free_at: dict[str, float] = {}
         self.disk_loads = 0
-        #: the broker's own attainment estimate (``tangram/slo/attainment.py``) of the tasks with ``slo_plans``
-        self.slo: SloAttainment | None = None
-        if slo_plans:
-            self.slo = SloAttainment(lambda action: str(action.spec["service"]), "gpu")
-            self.slo.plan(slo_plans)
-            self.cycle.watchers.append(self.slo)
         self.generates = {s.name for s in cluster.services if s.generates}
         #: (node, service) -> times faster than on the reference type; node -> a restore's time over the reference's
         self.speed: dict[tuple[str, str], float] = {}
@@ -275,6 +267,8 @@ class BrokerStation:
             action, allocations = self.running.pop(action_id)
             dispatch.release(allocations)
             action.execution_s = self.calls[action_id].exec_s + self.calls[action_id].overhead_s
+            if action.kind is Kind.REWARD:  # as the broker records an Outcome's restore_s on its action
+                action.restore_s = self.calls[action_id].overhead_s
             if action.malleable is not None:
                 self.calls[action_id].resizes = action.malleable.resizes
             action.finished_at = now
@@ -293,8 +287,8 @@ class BrokerStation:
         self.dirty = False
         self.cycle.pass_once(now, [action for action, _ in self.running.values()], lambda plan: self._apply(plan, now))
         self.pass_ms.append(self.cycle.last_pass_s * 1e3)
-        hints = [h for m in self.managers if (h := m.next_change_in()) is not None]
-        self.wake_at = now + min(hints) if hints and len(self.queue) else None
+        hint = self.cycle.next_change_in()
+        self.wake_at = now + hint if hint is not None and len(self.queue) else None
 
     def _apply(self, plan: Plan, now: float) -> None:
         for decision in plan.shrinks():
@@ -354,8 +348,7 @@ class BrokerStation:
             run.exec_s = call.duration(run.units) / self.speed[(node_name, str(call.target))]
             run.pool = f"{node_name}:{chunk.start}+{chunk.size}"
             restore = self._make_resident(self.gpu.nodes[node_name], str(call.target), chunk)  # type: ignore[union-attr]
-            run.overhead_s = restore
-            action.restore_s = restore
+            run.overhead_s = restore  # what GpuManager.execute's Outcome carries as restore_s
         else:
             run.units = 1
             run.exec_s = call.work_s
@@ -365,21 +358,23 @@ class BrokerStation:
         return run.finish_s
 
     def _make_resident(self, node: GpuNode, service: str, chunk: Any) -> float:
-        """The GPU manager's residency steps (``plan_restore``'s LRU victims, then ``evicted`` and ``restored``:
-        the calls ``GpuManager`` makes around its real evictions and restores), timed by the cost model."""
+        """The GPU manager's switch (``plan_switch``'s decision, booked by ``commit``, then ``evicted`` and
+        ``restored``: the calls ``GpuManager`` makes around its real evictions and restores), timed by the cost
+        model. Evictions and the restore are done at once in the books; a broken instance never occurs here."""
         slot = node.residency.slot(service, chunk)
         assert slot is not None, "every service has a slot on every chunk of each DoP it supports"
         node.residency.touch(slot)
-        if slot.state is SlotState.RESIDENT:
+        plan = plan_switch(node.residency, slot)
+        if not plan.restore:
             return 0.0
-        victims = node.residency.plan_restore(slot)
-        for victim, _ in victims:
+        node.residency.commit(plan)
+        for victim, _ in plan.victims:
             node.residency.evicted(victim)
         node.residency.restored(slot)
         self.restores += 1
-        self.evictions += len(victims)
+        self.evictions += len(plan.victims)
         shard_gb = slot.instance.spec.host_memory_mb / 1024 / chunk.size
-        seconds = self._host_copy(node, service) + (self.costs.evict_s if victims else 0.0) \
+        seconds = self._host_copy(node, service) + (self.costs.evict_s if plan.victims else 0.0) \
             + shard_gb / self.costs.h2d_gb_per_s * self.restore_factor[node.name]
         self.gpu.restore_time.observe(service, seconds)  # type: ignore[union-attr]
         return seconds

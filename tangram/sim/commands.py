@@ -6,7 +6,9 @@ import argparse
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -15,13 +17,18 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Column, Table
 
+from tangram.sched.profile import DEFAULT_PROFILE, SchedulerProfile
 from tangram.sim.assumptions import parse
 from tangram.sim.cluster import Cluster, ServiceModel, gpu_nodes
 from tangram.sim.engine import simulate
-from tangram.sim.policies import POLICIES
-from tangram.sim.scenarios import JUDGE, SCENARIOS, Outcome, check_scale, search_api
+from tangram.sim.policies import POLICIES, named_policies
+from tangram.sim.scenario_common import JUDGE, Outcome, check_scale, search_api
+from tangram.sim.scenarios import SCENARIOS
 from tangram.sim.trace import Trace
 from tangram.sim.workloads import CodingParams, MopdParams, SearchParams, ai_coding, deepsearch, mopd
+
+#: reads a broker's config file and gives its ``[scheduler]`` profile (the CLI's, which validates the whole file)
+ProfileLoader = Callable[[str], SchedulerProfile]
 
 WORKLOADS = {"ai_coding": lambda batch, seed: ai_coding(CodingParams(batch=batch), seed),
              "mopd": lambda batch, seed: mopd(MopdParams(batch=batch), seed),
@@ -63,11 +70,19 @@ def over_seeds(outcomes: list[Outcome], seeds: list[int]) -> Outcome:
     return replace(outcomes[0], figures=figures)
 
 
-def _simulate(args: argparse.Namespace) -> int:
+def _profile(load_profile: ProfileLoader, config: str | None) -> tuple[SchedulerProfile, dict[str, Any]]:
+    """The scheduler profile of the ``--config`` file (the broker's defaults without one), and how the output
+    names it."""
+    profile = DEFAULT_PROFILE if config is None else load_profile(config)
+    return profile, {"config": config, **profile.to_json()}
+
+
+def _simulate(load_profile: ProfileLoader, args: argparse.Namespace) -> int:
     """Run the scenarios with a progress bar over them (each run's summary line under it); on a console that is
     not a terminal (CI logs) the lines are printed instead."""
     names = list(SCENARIOS) if args.scenario == "all" else [args.scenario]
     assumed = parse(args.set)  # each item was checked as it was read
+    profile, named = _profile(load_profile, args.config)
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
     console = Console()
@@ -88,17 +103,17 @@ def _simulate(args: argparse.Namespace) -> int:
         for name in names:
             bar.update(overall, description=name)
             started = time.perf_counter()
-            outcomes = [SCENARIOS[name](args.scale, seed, on_run, assumed) for seed in seeds]
+            outcomes = [SCENARIOS[name](args.scale, seed, on_run, assumed, profile) for seed in seeds]
             wall_s = round(time.perf_counter() - started, 1)
             if len(seeds) == 1:
                 outcome = outcomes[0]
                 body: dict[str, Any] = {**outcome.to_json(), "scale": args.scale, "assumed": assumed.to_json(),
-                                        "seed": seeds[0], "wall_s": wall_s}
+                                        "profile": named, "seed": seeds[0], "wall_s": wall_s}
             else:  # the aggregate's figures, and each seed's run as it would have been written alone
                 outcome = over_seeds(outcomes, seeds)
                 aggregate = {k: v for k, v in outcome.to_json().items() if k != "points"}
-                body = {**aggregate, "scale": args.scale, "assumed": assumed.to_json(), "seeds": seeds,
-                        "wall_s": wall_s,
+                body = {**aggregate, "scale": args.scale, "assumed": assumed.to_json(), "profile": named,
+                        "seeds": seeds, "wall_s": wall_s,
                         "runs": [{**o.to_json(), "scale": args.scale, "seed": seed}
                                  for o, seed in zip(outcomes, seeds)]}
             json_path = args.json if args.json and len(names) == 1 else (Path(args.out) / f"{name}.json"
@@ -112,6 +127,8 @@ def _simulate(args: argparse.Namespace) -> int:
 
                 plot(outcome, plot_path)
             bar.console.print(_table(outcome, seeds))
+            if args.config:
+                bar.console.print(f"scheduler profile: [scheduler] of {args.config}", markup=False)
             if assumed.overrides:
                 bar.console.print(f"assumptions changed: {', '.join(f'{k} = {v}' for k, v in assumed.to_json().items())}")
             bar.console.print(f"{name}: {body['wall_s']} s wall" + (f", {json_path}" if json_path else "")
@@ -143,22 +160,29 @@ def cluster_for(trace: Trace, cores: int, cpu_nodes: int, gpus: int) -> Cluster:
                    gpu_node_sizes=gpu_nodes(gpus) if services else (), services=services, apis=apis)
 
 
-def _trace_run(args: argparse.Namespace) -> int:
+def _trace_run(load_profile: ProfileLoader, args: argparse.Namespace) -> int:
     trace = Trace.load(args.trace)
+    profile, named = _profile(load_profile, args.config)
     try:
         cluster = cluster_for(trace, args.cores, args.cpu_nodes, args.gpus)
     except ValueError as error:
         print(f"tangram: {error}", file=sys.stderr)
         return 2
     rows = []
+    policies = named_policies(profile)
     for policy in args.policy or ["tangram", "baseline"]:
-        summary = simulate(trace, cluster, POLICIES[policy], policy).summary()
-        rows.append(summary)
+        summary = simulate(trace, cluster, policies[policy], policy).summary()
+        rows.append({**summary, "profile": named})
         print(f"{policy:>12}: mean ACT per trajectory {summary['mean_trajectory_act_s']:.2f} s, mean ACT "
               f"{summary['mean_act_s']:.3f} s, failed {summary['failed_calls']}, {summary['wall_s']:.1f} s wall")
     if args.json:
         Path(args.json).write_bytes(orjson.dumps(rows, option=orjson.OPT_INDENT_2))
     return 0
+
+
+CONFIG_HELP = ("a broker's TOML config: the broker's policies run its [scheduler] profile (each variant changes only "
+               "what its name says; an order for a resource the scenario lacks is unused); default: the broker's "
+               "defaults")
 
 
 def _assumption(text: str) -> str:
@@ -191,7 +215,8 @@ def _seed_list(text: str) -> list[int]:
     return seeds
 
 
-def add_commands(commands: Any) -> None:
+def add_commands(commands: Any, load_profile: ProfileLoader) -> None:
+    """``simulate`` and ``trace``; ``load_profile`` reads ``--config``."""
     simulate_parser = commands.add_parser("simulate", help="reproduce one of the paper's evaluation scenarios in the "
                                                            "simulator (or all of them)")
     simulate_parser.add_argument("scenario", choices=[*SCENARIOS, "all"])
@@ -208,7 +233,8 @@ def add_commands(commands: Any) -> None:
     simulate_parser.add_argument("--json", help="write the figures and every point here")
     simulate_parser.add_argument("--plot", help="write a PNG plot here")
     simulate_parser.add_argument("--out", help="directory for SCENARIO.json and SCENARIO.png (with 'all')")
-    simulate_parser.set_defaults(func=_simulate)
+    simulate_parser.add_argument("--config", help=CONFIG_HELP)
+    simulate_parser.set_defaults(func=partial(_simulate, load_profile))
 
     trace = commands.add_parser("trace", help="make a workload trace, or run a saved one in the simulator")
     trace_commands = trace.add_subparsers(dest="trace_command", required=True)
@@ -226,4 +252,5 @@ def add_commands(commands: Any) -> None:
     run.add_argument("--cpu-nodes", type=int, default=5)
     run.add_argument("--gpus", type=int, default=40)
     run.add_argument("--json")
-    run.set_defaults(func=_trace_run)
+    run.add_argument("--config", help=CONFIG_HELP)
+    run.set_defaults(func=partial(_trace_run, load_profile))

@@ -15,15 +15,8 @@ from typing import Any
 
 from managers.gpu.config import GpuNodeConfig
 from managers.gpu.gpu_types import REFERENCE_TYPE
-from managers.gpu.placement import (
-    Method,
-    Placement,
-    ServiceLoad,
-    node_groups,
-    place,
-    place_greedy,
-    place_type_blind,
-)
+from managers.gpu.placement import Method, Placement, place, place_greedy, place_type_blind
+from managers.gpu.placement_problem import ServiceLoad, node_groups
 from tangram.sim.cluster import Cluster
 from tangram.sim.trace import Trace
 

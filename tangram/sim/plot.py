@@ -6,7 +6,7 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
-from tangram.sim.scenarios import Outcome
+from tangram.sim.scenario_common import Outcome
 
 #: fixed DoPs in one sequential palette, light (DoP 1) to dark (DoP 32)
 DOP_SHADES = {"dop1": "#fdd0a2", "dop2": "#fdae6b", "dop4": "#fd8d3c", "dop8": "#f16913", "dop16": "#d94801",

@@ -30,6 +30,7 @@ from typing import Any, TypeGuard
 import aiohttp
 
 from tangram.core.action import Demand
+from tangram.sched.profile import DEFAULT_PROFILE
 from tangram.sim import policies
 from tangram.sim.cluster import Cluster
 from tangram.sim.engine import Stalled, simulate
@@ -314,7 +315,8 @@ async def compare(trace: Trace, url: str, cluster: Cluster | None = None, *,
     """The simulator's prediction and the real broker's figures for the same trace, and their ratios.
 
     ``cluster`` defaults to the broker's CPU nodes (``cluster_of``). The simulated broker gets the same elastic
-    range for test runs as the replay sends (1..min(32, largest node)). ``options`` go to ``replay``.
+    range for test runs as the replay sends (1..min(32, largest node)), and the default scheduler profile (a broker's
+    API does not tell its own). ``options`` go to ``replay``.
     """
     check_replayable(trace)
     own = session is None
@@ -326,7 +328,8 @@ async def compare(trace: Trace, url: str, cluster: Cluster | None = None, *,
             cluster = cluster_of(await broker_resources(url, session))
         max_cores = options.pop("max_cores", None) or min(MAX_TEST_CORES, cluster.cores_per_node)
         demand = Demand.range(1, max_cores) if max_cores > 1 else Demand.fixed(1)
-        simulated = simulate(trace, cluster, policies.broker(test_demand=demand), "simulated").summary()
+        simulated = simulate(trace, cluster, policies.broker(DEFAULT_PROFILE, test_demand=demand),
+                             "simulated").summary()
         real = (await replay(trace, url, session=session, max_cores=max_cores, **options)).summary()
     finally:
         if own:

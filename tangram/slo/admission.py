@@ -24,17 +24,17 @@ from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from managers.gpu.manager import RESTORE_PRIOR_MB_PER_S, GpuManager
-from managers.gpu.node import RESOURCE
 from reward_services.backend import ServiceSpec
-from tangram.broker import Broker
 from tangram.core.action import Action, Kind
 from tangram.core.config_tables import table
 from tangram.core.errors import ConfigError, Conflict, NotFound, Unavailable, Unprocessable
-from tangram.metrics import SloFigures
+from tangram.core.seam import CyclePlugins, MetricsRegistry
+from tangram.metrics import SloCollector, SloFigures
 from tangram.sched.reserved_shares import ReservedShares
 from tangram.slo.attainment import Attainment, SloAttainment
 from tangram.slo.plan import Pool, Prediction, SloPlan, first_breach, predict, reservations
+from tangram.slo.pool import GpuPool
+from tangram.store.store import Store
 
 log = logging.getLogger("tangram.slo")
 
@@ -62,12 +62,12 @@ def finite(value: float | None) -> float | None:
 
 
 class SloAdmission:
-    def __init__(self, broker: Broker, config_plans: Mapping[str, SloPlan]) -> None:
-        """Admit the config's plans (``ConfigError`` naming ``tasks.NAME.slo...`` if they are refused) and have
-        the broker feed the tracker; the store's plans come in with ``load``."""
-        manager = broker.executor.get(Kind.REWARD)
-        self.manager = manager if isinstance(manager, GpuManager) else None
-        self.store = broker.store
+    def __init__(self, gpus: GpuPool | None, store: Store, config_plans: Mapping[str, SloPlan]) -> None:
+        """Admit the config's plans on ``gpus`` (None: the broker has no GPU manager; ``ConfigError`` naming
+        ``tasks.NAME.slo...`` if they are refused); the store's plans come in with ``load``. The broker's cycle
+        runs it through ``plugins``."""
+        self.gpus = gpus
+        self.store = store
         self.config_plans = dict(config_plans)
         self.stored: dict[str, SloPlan] = {}
         #: stored plans not admitted at start (the config or the pool changed since): task -> why
@@ -77,32 +77,35 @@ class SloAdmission:
         refusal = self.refusal(self.config_plans)
         if refusal is not None:
             raise refusal.config_error()
-        self.tracker = SloAttainment(self._service_of, RESOURCE)
+        resource = gpus.resource if gpus is not None else "gpu"
+        self.tracker = SloAttainment(self._service_of, resource)
         #: the GPUs reserved for the plans in force, which the broker's passes put ahead
-        self.shares = broker.cycle.reserved_shares = ReservedShares(RESOURCE)
+        self.shares = ReservedShares(resource)
         #: the pool the reservations in force were worked out on
         self._reserved_on: Pool | None = None
         self._in_force()
-        broker.cycle.watchers.extend((self.tracker, self))
-        broker.metrics.watch_slo(self._figures)
+
+    def plugins(self) -> CyclePlugins:
+        """The reserve order, the tracker and this admission as watchers (reservations that follow the pool), and
+        the SLO figures as metrics."""
+        return CyclePlugins(reserve_order=self.shares, watchers=(self.tracker, self), metrics=self._register)
+
+    def _register(self, registry: MetricsRegistry) -> None:
+        registry.register(SloCollector(self._figures))
 
     @property
     def plans(self) -> dict[str, SloPlan]:
         return {**self.stored, **self.config_plans}
 
     def _service_of(self, action: Action) -> str:
-        assert self.manager is not None, "reward actions run on the GPU manager"
-        return self.manager.reward_request(action).service
+        assert self.gpus is not None, "reward actions run on the GPU manager"
+        return self.gpus.service_of(action)
 
     def pool(self, adding: Sequence[ServiceSpec] = ()) -> Pool | None:
-        """The GPUs of the manager's nodes and each service's expected restore; ``adding``: services a reload
-        would add, at the manager's prior (no restore of theirs has been seen)."""
-        if self.manager is None:
+        """The GPUs in service and each service's expected restore; ``adding``: services a reload would add."""
+        if self.gpus is None:
             return None
-        restore = {name: self.manager.restore_time.estimate(name) for name in self.manager.services}
-        for spec in adding:
-            restore.setdefault(spec.name, spec.host_memory_mb / RESTORE_PRIOR_MB_PER_S)
-        return Pool(sum(node.config.gpus for node in self.manager.nodes.values() if node.lost is None), restore)
+        return Pool(self.gpus.gpus_in_service(), self.gpus.expected_restore_s(adding))
 
     def refusal(self, plans: Mapping[str, SloPlan], adding: Sequence[ServiceSpec] = ()) -> Refusal | None:
         """Why ``plans`` cannot all be in force together, or None."""

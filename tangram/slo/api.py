@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 
 from aiohttp import web
 from pydantic import TypeAdapter
@@ -11,7 +11,7 @@ from pydantic import TypeAdapter
 from tangram.core.errors import Unprocessable
 from tangram.core.names import NAME, NAME_REASON
 from tangram.core.schema import parse_json
-from tangram.server.common import BROKER, json_response, read_body
+from tangram.server.common import json_response, read_body
 from tangram.slo.admission import SloAdmission
 from tangram.slo.plan import SloPlan
 
@@ -50,10 +50,9 @@ async def _loading(app: web.Application) -> AsyncIterator[None]:
     yield
 
 
-def add_slo_routes(app: web.Application, config_plans: Mapping[str, SloPlan]) -> None:
-    """Admit the config's plans on ``app[BROKER]`` (``ConfigError`` if refused), the store's as the app starts,
-    and serve the routes."""
-    app[SLO] = SloAdmission(app[BROKER], config_plans)
+def add_slo_routes(app: web.Application, slo: SloAdmission) -> None:
+    """Serve ``slo``'s routes; it admits the store's plans as the app starts."""
+    app[SLO] = slo
     app.cleanup_ctx.append(_loading)
     app.router.add_get("/v1/tasks/slo", list_plans)
     app.router.add_put("/v1/tasks/{task}/slo", put_plan)

@@ -16,6 +16,7 @@ from typing import Any
 
 from managers.remote.replies import Reply
 from sandboxes.backend import Executed, Leftover, Sandbox, SandboxBackend, SandboxError, SandboxSpec
+from sandboxes.exec_wire import ExecRequest, ExecResult
 
 log = logging.getLogger("tangram.cpu")
 
@@ -46,11 +47,11 @@ class AgentSandbox(Sandbox):
     async def set_cores(self, cores: frozenset[int]) -> None:
         answer(await self._call("set_cores", self.env_id, cores))
 
-    async def run(self, request: dict[str, Any]) -> dict[str, Any]:
-        response: dict[str, Any] = answer(await self._call("run", self.env_id, request))
-        return response
+    async def run(self, request: ExecRequest) -> ExecResult:
+        result: ExecResult = answer(await self._call("run", self.env_id, request))
+        return result
 
-    async def execute(self, tag: str, request: dict[str, Any]) -> Executed:
+    async def execute(self, tag: str, request: ExecRequest) -> Executed:
         """The agent's sandbox pins, runs and settles: one round trip rather than three."""
         executed: Executed = answer(await self._call("execute", self.env_id, tag, request))
         return executed

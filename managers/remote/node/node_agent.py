@@ -22,6 +22,7 @@ from typing import Any
 from managers.cpu.exec_spec import ExecLimits, check_files
 from managers.remote.replies import FencedAgent, replying
 from sandboxes.backend import Executed, Leftover, NodeHardware, Sandbox, SandboxBackend, SandboxError, SandboxSpec
+from sandboxes.exec_wire import ExecRequest, ExecResult
 from tangram.core.errors import RequestError
 
 log = logging.getLogger("tangram.agent")
@@ -111,12 +112,12 @@ class NodeAgent(FencedAgent):
         await sandbox.set_cores(cores)
 
     @replying
-    async def run(self, env_id: str, request: dict[str, Any]) -> dict[str, Any]:
+    async def run(self, env_id: str, request: ExecRequest) -> ExecResult:
         sandbox = await self._held(env_id)
         return await sandbox.run(request)
 
     @replying
-    async def execute(self, env_id: str, tag: str, request: dict[str, Any]) -> Executed:
+    async def execute(self, env_id: str, tag: str, request: ExecRequest) -> Executed:
         """One action's command with its pinning and settling, in the one call an action costs the broker."""
         sandbox = await self._held(env_id)
         return await sandbox.execute(tag, request)

@@ -12,7 +12,8 @@ auth is on (tenants then need not trust each other), ``AUTHENTICATED_DEFAULTS`` 
   queued actions will create; a submit or ``POST /v1/environments`` that needs one more beyond gets 429, and the
   scheduling pass starts no action that would create one beyond (another request may have taken the room since).
 
-``TaskLedger`` keeps the per-task counts the broker needs to check them cheaply.
+``TaskLedger`` keeps the per-task counts the broker needs to check them cheaply. The cycle owns it: its
+``admissible`` is the pass's first queue filter, and submits are checked against the same counts.
 """
 
 from __future__ import annotations

@@ -1,0 +1,36 @@
+"""What an ``exec`` action answers its client, from what the executor answered about its command.
+
+Why apart from the manager: the result's fields and the failures a command can end in (the executor refused it, it
+ran past its deadline, it ran out of memory) are the action's contract with its client, not the manager's book-keeping
+of nodes and cores.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from managers.cpu.environment import Environment
+from sandboxes.exec_wire import ExecResult
+from tangram.core.errors import ActionFailed
+
+
+def action_result(result: ExecResult, env: Environment, cores: tuple[int, ...], setup_s: float) -> dict[str, Any]:
+    """The action's result: the command's exit, output and duration, and where it ran (its environment, node,
+    cores and the seconds its sandbox took to be ready). Raises ``ActionFailed`` for a command the executor could
+    not run, one killed at its deadline and one killed for its memory (with its output, for the client to see)."""
+    output: dict[str, Any] = {"exit_code": result.exit_code, "signal": result.signal, "stdout": result.stdout,
+                              "stderr": result.stderr, "stdout_bytes": result.stdout_bytes,
+                              "stderr_bytes": result.stderr_bytes, "stdout_truncated": result.stdout_truncated,
+                              "stderr_truncated": result.stderr_truncated, "duration_s": result.duration_s}
+    if result.pid is not None:  # a background command's
+        output["pid"] = result.pid
+    where = {"environment": env.id, "node": env.node, "cores": list(cores), "setup_s": round(setup_s, 6)}
+    if result.error:
+        raise ActionFailed("exec_error", result.error, **where)
+    if result.timed_out:
+        raise ActionFailed("timed_out", "the command ran past the action's deadline; it was killed with its whole "
+                                        "process tree", **output, **where)
+    if result.oom_killed:
+        raise ActionFailed("out_of_memory", f"the command exceeded the environment's memory limit ({env.memory_mb} "
+                                            f"MiB) and was killed; the environment is still usable", **output, **where)
+    return {**output, **where}
