@@ -109,10 +109,12 @@ class Executor:
                                          stdin=subprocess.DEVNULL, stdout=log, stderr=log)
 
     def stop(self) -> int:
+        """Stop it with SIGTERM; one that has not exited after a generous bound (a loaded machine slows only the
+        exit, a hang does not end) is killed and the test fails."""
         if self.proc.poll() is None:
             self.proc.terminate()
         try:
-            return self.proc.wait(timeout=10)
+            return self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
