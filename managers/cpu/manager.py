@@ -29,7 +29,7 @@ from managers.cpu.environment import CpuHandle, Environment, EnvState
 from managers.cpu.environments import Environments
 from managers.cpu.exec_spec import ExecSpec, ExecSpecBody, exec_request, parse_exec_spec, runner_report
 from managers.cpu.long_tests import LongTests, long_tests_from
-from managers.cpu.node import CpuNode
+from managers.cpu.node import RESOURCE, CpuNode
 from managers.cpu.resizing import CpuResizing
 from managers.cpu.sandbox_backends import SandboxFactory, open_sandbox_backend
 from sandboxes.backend import NODE_UNAVAILABLE, Leftover, SandboxBackend, SandboxError
@@ -43,7 +43,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tangram.cpu")
 
-RESOURCE = "cpu"
 DEADLINE_MARGIN_S = 0.25  # the executor kills at the deadline minus this, so partial output comes back even
 # when killing a large process tree (a fork bomb) takes a while
 

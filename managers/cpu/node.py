@@ -8,6 +8,9 @@ from managers.cpu.cores import CorePool
 from managers.remote.broker.node_standing import NodeStanding
 from sandboxes.backend import SandboxBackend
 
+#: the resource the CPU manager owns: cores
+RESOURCE = "cpu"
+
 
 class CpuNode(NodeStanding):
     """One node's cores, memory budget, sandbox budget and sandbox backend."""

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from managers.cpu.environment import CpuHandle
 from managers.cpu.exec_spec import runs_pytest
+from managers.cpu.node import RESOURCE
 from sandboxes.backend import SandboxError
 from tangram.core.action import Action
 from tangram.core.errors import ActionFailed
@@ -19,7 +20,6 @@ from tangram.core.seam import Allocation, Resizing
 if TYPE_CHECKING:
     from managers.cpu.manager import CpuManager
 
-RESOURCE = "cpu"
 
 
 class CpuResizing(Resizing[CpuHandle]):

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, ItemsView, Iterator, KeysView, Mapping, Sequence, ValuesView
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import fields, replace
 
 from managers.gpu.config import GpuConfig, on_this_host
+from managers.gpu.dict_view import DictView
 from managers.gpu.node import RESOURCE
 from reward_services.backend import ServiceSpec
 from reward_services.requests import RewardRequest, parse_reward_input, parse_reward_spec
@@ -19,38 +20,20 @@ from tangram.core.errors import BadRequest, ConfigError, Conflict, NotFound, Una
 log = logging.getLogger("tangram.gpu")
 
 
-class ServiceCatalog(Mapping[str, ServiceSpec]):
+class ServiceCatalog(DictView[str, ServiceSpec]):
     """Each service's spec by name, read-only outside; ``config`` is the running ``[gpu]`` config (sized for this
     host), whose services a reload extends."""
 
     def __init__(self, config: GpuConfig) -> None:
         self.config = config
-        self._specs = {spec.name: spec for spec in config.services}
+        super().__init__({spec.name: spec for spec in config.services})
         #: services added at runtime and not yet served: "preparing", or "failed: ..." with the reason
         self.preparing: dict[str, str] = {}
         self._preparations: set[asyncio.Task[None]] = set()
 
-    def __getitem__(self, name: str) -> ServiceSpec:
-        return self._specs[name]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._specs)
-
-    def __len__(self) -> int:
-        return len(self._specs)
-
-    def keys(self) -> KeysView[str]:
-        return self._specs.keys()
-
-    def values(self) -> ValuesView[ServiceSpec]:
-        return self._specs.values()
-
-    def items(self) -> ItemsView[str, ServiceSpec]:
-        return self._specs.items()
-
     def serving(self) -> list[ServiceSpec]:
         """The services whose actions run now: all but those added at runtime and not prepared yet."""
-        return [spec for name, spec in self._specs.items() if name not in self.preparing]
+        return [spec for name, spec in self._items.items() if name not in self.preparing]
 
     # -- a reward spec against its service ------------------------------------------------------------------
 
@@ -64,9 +47,9 @@ class ServiceCatalog(Mapping[str, ServiceSpec]):
         """The reward spec checked against its service; kept on the action."""
         body = parse_reward_spec(action.spec)
         name = body.service
-        spec = self._specs.get(name)
+        spec = self._items.get(name)
         if spec is None:
-            raise NotFound("spec.service", f"no reward service {name!r}; this broker serves {sorted(self._specs)}")
+            raise NotFound("spec.service", f"no reward service {name!r}; this broker serves {sorted(self._items)}")
         demand = action.demands.get(RESOURCE)
         if demand is None:
             raise Unprocessable("demand.gpu", f'reward actions run on GPUs: add "gpu": {spec.dops[0]} (or a set '
@@ -99,11 +82,11 @@ class ServiceCatalog(Mapping[str, ServiceSpec]):
                                "gpu.nodes") if field.name == "nodes" else f"gpu.{field.name}"
                 raise Conflict(changed, "changes need a restart (a reload adds services only)")
         given = {spec.name: spec for spec in new.services}
-        for name, spec in self._specs.items():
+        for name, spec in self._items.items():
             if given.get(name) != spec:
                 raise Conflict(f"gpu.services.{name}", "changing or removing a running service needs a restart "
                                                        "(a reload adds services only)")
-        return [spec for spec in new.services if spec.name not in self._specs]
+        return [spec for spec in new.services if spec.name not in self._items]
 
     def add(self, added: Sequence[ServiceSpec], prepare: Callable[[list[str]], Awaitable[None]]) -> list[str]:
         """Serve ``added`` (admitted on every node) once ``prepare`` has prepared them, which starts now; their
@@ -112,7 +95,7 @@ class ServiceCatalog(Mapping[str, ServiceSpec]):
         names = [spec.name for spec in added]
         self.config = replace(self.config, services=(*self.config.services, *added))
         for spec in added:
-            self._specs[spec.name] = spec
+            self._items[spec.name] = spec
             self.preparing[spec.name] = "preparing"
         task = asyncio.create_task(self._prepare_added(names, prepare), name="tangram-prepare-added-services")
         self._preparations.add(task)

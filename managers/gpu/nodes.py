@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Collection, ItemsView, Iterator, KeysView, Mapping, Sequence, ValuesView
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 from managers.gpu.admission import admit
 from managers.gpu.catalog import ServiceCatalog
 from managers.gpu.config import GpuConfig, GpuNodeConfig
+from managers.gpu.dict_view import DictView
 from managers.gpu.node import GpuNode
 from managers.gpu.preparation import prepare_instances
 from reward_services.backend import ServiceBackend, ServiceSpec
@@ -21,38 +22,20 @@ log = logging.getLogger("tangram.gpu")
 BackendFactory = Callable[[str, GpuNodeConfig, GpuConfig], ServiceBackend]
 
 
-class GpuNodes(Mapping[str, GpuNode]):
+class GpuNodes(DictView[str, GpuNode]):
     """Each node by name, in the order they came."""
 
     def __init__(self, catalog: ServiceCatalog, make_backend: BackendFactory) -> None:
         self._catalog = catalog
         self._make_backend = make_backend
-        self._nodes: dict[str, GpuNode] = {}
-
-    def __getitem__(self, name: str) -> GpuNode:
-        return self._nodes[name]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._nodes)
-
-    def __len__(self) -> int:
-        return len(self._nodes)
-
-    def keys(self) -> KeysView[str]:
-        return self._nodes.keys()
-
-    def values(self) -> ValuesView[GpuNode]:
-        return self._nodes.values()
-
-    def items(self) -> ItemsView[str, GpuNode]:
-        return self._nodes.items()
+        super().__init__({})
 
     def add(self, node: GpuNode) -> None:
-        self._nodes[node.name] = node
+        self._items[node.name] = node
 
     def type_of(self, name: str) -> str | None:
         """A node's GPU type; None for a node unknown."""
-        node = self._nodes.get(name)
+        node = self._items.get(name)
         return node.config.type if node is not None else None
 
     def backends(self, node: GpuNodeConfig, services: Sequence[ServiceSpec] | None = None,
@@ -75,7 +58,7 @@ class GpuNodes(Mapping[str, GpuNode]):
 
     async def prepare_in_service(self, names: Collection[str]) -> None:
         """Prepare the instances of ``names`` on every node in service (a lost node prepares them when it is back)."""
-        for node in self._nodes.values():
+        for node in self._items.values():
             if node.lost is None:
                 await self.prepare(node, names)
 
@@ -86,11 +69,11 @@ class GpuNodes(Mapping[str, GpuNode]):
         services = [*self._catalog.config.services, *added]
         names = {spec.name for spec in added}
         admitted: dict[str, GpuNode] = {}
-        for node in self._nodes.values():  # nothing is changed before every node admits them
+        for node in self._items.values():  # nothing is changed before every node admits them
             scratch = GpuNode(node.config, self.backends(node.config, services, node.backends))
             admit(scratch, services)
             admitted[node.name] = scratch
-        for node in self._nodes.values():
+        for node in self._items.values():
             scratch = admitted[node.name]
             node.backends.update(scratch.backends)
             node.services = scratch.services
@@ -107,7 +90,7 @@ class GpuNodes(Mapping[str, GpuNode]):
 
     def check_serving(self, service: str) -> None:
         """``Unavailable`` while no node that serves ``service`` is in service."""
-        serving = [node for node in self._nodes.values() if service in node.services]
+        serving = [node for node in self._items.values() if service in node.services]
         if all(node.lost is not None for node in serving):
             why = "; ".join(f"{node.name}: {node.lost}" for node in serving) or "none has joined yet"
             raise Unavailable("spec.service", f"no GPU node of service {service!r} is in service now ({why}); retry "
@@ -115,7 +98,7 @@ class GpuNodes(Mapping[str, GpuNode]):
 
     async def close(self) -> None:
         """Close every instance and backend of the nodes in service (a lost node's agents were let go with it)."""
-        for node in self._nodes.values():
+        for node in self._items.values():
             await asyncio.gather(*node.loads.values())  # loads never raise
             if node.lost is not None:
                 continue
