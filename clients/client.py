@@ -8,6 +8,7 @@ exponentially with jitter, and honour ``Retry-After``.
 from __future__ import annotations
 
 import asyncio
+import base64
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -105,9 +106,9 @@ class AsyncTangramClient:
         return backoff_s(attempt, self.backoff_s, self.max_backoff_s)
 
     async def _request(self, method: str, path: str, *, body: Any = None, params: dict[str, str] | None = None,
-                       timeout_s: float | None = None) -> tuple[int, Any]:
-        """One API call with bounded retries on connection errors and 429/503; returns (status, JSON body) or
-        raises the typed error of the broker's answer."""
+                       timeout_s: float | None = None, raw_answer: bool = False) -> tuple[int, Any]:
+        """One API call with bounded retries on connection errors and 429/503; returns (status, JSON body, or the
+        body's bytes with ``raw_answer``) or raises the typed error of the broker's answer."""
         timeout = aiohttp.ClientTimeout(total=timeout_s or self.request_timeout_s)
         attempt = 0
         started = time.monotonic()
@@ -127,6 +128,8 @@ class AsyncTangramClient:
                 await asyncio.sleep(self._delay(attempt, None))
                 attempt += 1
                 continue
+            if raw_answer and status < 400:
+                return status, raw
             try:
                 payload = orjson.loads(raw) if raw else None
             except orjson.JSONDecodeError:
@@ -243,8 +246,10 @@ class AsyncTangramClient:
         record: ``result`` has ``exit_code``, ``stdout``, ``stderr``, ``environment``. A non-zero exit code is a
         succeeded action; timeouts, lost sandboxes and memory kills raise ``ActionError``. Other keyword
         arguments are spec fields (``files``, ``env``, ``cwd``, ``memory_mb``, ``image``, ``pytest_parallel``,
-        ``output_limit``, ``environment``, ``sandbox_user``; ``background=True`` answers at once with
-        ``result["pid"]``)."""
+        ``output_limit``, ``environment``, ``sandbox_user``; ``run_timeout_s`` bounds the command's own run while
+        ``timeout_s`` is the deadline from submission, queueing included; ``stdin`` is text or ``{"base64": ...}``;
+        ``user`` a uid, ``"UID:GID"`` or a user name of the image; ``background=True`` answers at once with
+        ``result["pid"]``). A timed-out action's error says which limit fired in ``error["limit"]``."""
         command = command if isinstance(command, str) else list(command)
         return await self.run("exec", {"cpu": cores}, {"command": command, **spec}, task=task,
                               trajectory=trajectory, elasticity=elasticity, timeout_s=timeout_s,
@@ -303,6 +308,20 @@ class AsyncTangramClient:
     async def delete_environment(self, environment_id: str) -> dict[str, Any]:
         _, payload = await self._request("DELETE", f"/v1/environments/{environment_id}")
         return payload
+
+    async def write_files(self, environment_id: str, files: Mapping[str, str | bytes]) -> dict[str, Any]:
+        """Write files (relative path -> text, or bytes) into an environment at any time: after the commands
+        running there end, before those submitted after. Answers ``{"environment", "files", "bytes"}``."""
+        body = {"files": {path: content if isinstance(content, str) else
+                          {"base64": base64.b64encode(content).decode()} for path, content in files.items()}}
+        _, payload = await self._request("PUT", f"/v1/environments/{environment_id}/files", body=body)
+        return payload
+
+    async def read_file(self, environment_id: str, path: str) -> bytes:
+        """A file's bytes from an environment's working directory, or an uncompressed tar for a directory."""
+        _, data = await self._request("GET", f"/v1/environments/{environment_id}/files", params={"path": path},
+                                      raw_answer=True)
+        return bytes(data)
 
     # -- broker ---------------------------------------------------------------------------------------------
 

@@ -98,6 +98,12 @@ class TangramClient:
     def delete_environment(self, environment_id: str) -> dict[str, Any]:
         return self._call(self._client.delete_environment(environment_id))
 
+    def write_files(self, environment_id: str, files: Mapping[str, str | bytes]) -> dict[str, Any]:
+        return self._call(self._client.write_files(environment_id, files))
+
+    def read_file(self, environment_id: str, path: str) -> bytes:
+        return self._call(self._client.read_file(environment_id, path))
+
     def resources(self) -> dict[str, Any]:
         return self._call(self._client.resources())
 

@@ -39,7 +39,7 @@ DEFAULT_URL = "http://127.0.0.1:8300"
 
 #: keys of the tool's ``config:`` in verl's tool YAML (``type`` is verl's own: ``native``)
 CONFIG_KEYS = frozenset({"type", "broker_url", "task", "cores", "elasticity", "memory_mb", "image", "timeout_s",
-                         "output_limit", "pytest_parallel", "signature", "retries"})
+                         "output_limit", "pytest_parallel", "signature", "retries", "run_timeout_s"})
 #: keys of a sample's ``tools_kwargs.<tool>.create_kwargs``
 CREATE_KEYS = frozenset({"files"})
 
@@ -159,7 +159,8 @@ class BrokerShellTool(BaseTool):
     ``config`` (the YAML ``config:``): ``broker_url``, ``task`` (the RL task's name at the broker), ``cores`` (a
     count, ``[min, max]`` or ``{min, max}``; default 1), ``elasticity`` (the action's elasticity object, e.g.
     ``{resource: cpu, efficiency: {"1": 1.0, "4": 0.8}}``), ``memory_mb`` and ``image`` (the sandbox's, first action
-    only), ``timeout_s`` (per command, queueing included), ``output_limit`` (bytes per stream), ``pytest_parallel``
+    only), ``timeout_s`` (per command, queueing included), ``run_timeout_s`` (per command, its own run only: a
+    command that waited in the queue is not cut short for it), ``output_limit`` (bytes per stream), ``pytest_parallel``
     (rewrite ``pytest`` to ``pytest -n N``), ``signature`` (the learned-duration key; default the tool's name) and
     ``retries`` (client retries on connection errors and 429/503).
 
@@ -177,14 +178,15 @@ class BrokerShellTool(BaseTool):
         task = config.get("task")
         if not isinstance(task, str) or not task:
             raise ValueError(f"{type(self).__name__} config: task must name the RL task at the broker")
-        for key, kind in (("timeout_s", (int, float)), ("memory_mb", int), ("output_limit", int), ("retries", int)):
+        for key, kind in (("timeout_s", (int, float)), ("run_timeout_s", (int, float)), ("memory_mb", int),
+                          ("output_limit", int), ("retries", int)):
             value = config.get(key)
             if value is not None and (isinstance(value, bool) or not isinstance(value, kind) or value < 0):
                 raise ValueError(f"{type(self).__name__} config: {key} must be a non-negative number, got {value!r}")
         self.elasticity = dict(config["elasticity"]) if config.get("elasticity") else None
         self.timeout_s: float | None = config.get("timeout_s")
         self.sandbox_spec = {key: config[key] for key in ("memory_mb", "image") if config.get(key) is not None}
-        self.command_spec = {key: config[key] for key in ("output_limit", "pytest_parallel")
+        self.command_spec = {key: config[key] for key in ("output_limit", "pytest_parallel", "run_timeout_s")
                              if config.get(key) is not None}
         self.clients = LoopClients(str(config.get("broker_url") or DEFAULT_URL), task, int(config.get("retries", 3)))
         # verl's BaseTool takes None (it falls back to get_openai_tool_schema), though its annotation says otherwise
@@ -221,8 +223,8 @@ class BrokerShellTool(BaseTool):
         trajectory = getattr(kwargs.get("agent_data"), "request_id", None)
         spec: dict[str, Any] = {"command": command, **self.command_spec}
         if trajectory is None or trajectory not in self._environments:
-            # the sandbox is made by this command: send what it starts with (the broker refuses files for a
-            # sandbox that exists, rather than dropping them)
+            # the sandbox is made by this command: send what it starts with (not again with each call: the broker
+            # would write them over what the trajectory's commands made of them)
             spec.update(self.sandbox_spec)
             files = self._files.get(instance_id)
             if files:
@@ -271,6 +273,21 @@ class BrokerShellTool(BaseTool):
     async def release(self, instance_id: str, **kwargs: Any) -> None:
         """End of one call: forget the call's files. The trajectory's sandbox stays for its next call."""
         self._files.pop(instance_id, None)
+
+    async def write_files(self, trajectory: str, files: Mapping[str, str | bytes]) -> dict[str, Any]:
+        """Write files into the sandbox of ``trajectory`` (verl's ``request_id``) between its commands, e.g. a test
+        suite for a reward; ``LookupError`` when none of its commands has made one yet."""
+        return await self.clients.current().write_files(self._environment(trajectory), files)
+
+    async def read_file(self, trajectory: str, path: str) -> bytes:
+        """A file (or a tar of a directory) from the sandbox of ``trajectory``, e.g. what a reward scores."""
+        return await self.clients.current().read_file(self._environment(trajectory), path)
+
+    def _environment(self, trajectory: str) -> str:
+        environment = self._environments.get(trajectory)
+        if environment is None:
+            raise LookupError(f"trajectory {trajectory!r} has no sandbox from this tool yet")
+        return environment
 
     async def release_trajectory(self, trajectory: str) -> bool:
         """Delete the sandbox of a finished trajectory (verl's ``request_id``); True when there was one. Failures

@@ -12,13 +12,16 @@ import functools
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from sandboxes.core_pins import CorePins
 from sandboxes.exec_wire import ExecRequest, ExecResult
 from sandboxes.executor import UNKNOWN_OP
 from sandboxes.executor_answer import BadAnswer
 from sandboxes.executor_client import ExecutorUnavailable, call
+from sandboxes.file_wire import FileOp, FileRefused
+
+T = TypeVar("T")
 
 #: labels every broker-made container carries, so a restarted broker can find, adopt or reap them
 LABEL_MANAGED = "org.arl-tangram.managed"
@@ -185,6 +188,35 @@ class Sandbox(abc.ABC):
         except SandboxError as error:
             return error.message
         return None
+
+    async def files(self, op: FileOp[T]) -> T:
+        """One file op through the executor (``sandboxes/file_wire.py``), holding no cores: an idle sandbox is
+        thawed for it on the cpuset it last had, and frozen again after; no command starts meanwhile (the pins'
+        lock). Its caller orders it with the sandbox's commands (``managers/cpu/turns.py``). Raises
+        ``SandboxError``: the executor's refusal under its ``file_*`` code, or as ``run`` does."""
+        async with self._pins.lock:
+            idle = not self._pins.union()
+            try:
+                if idle:
+                    await self.thaw()
+                return op.answer(await self.exchange(op.to_wire(self.workdir)))
+            except FileRefused as refused:
+                raise SandboxError(refused.code, refused.message) from None
+            except BadAnswer as error:
+                raise SandboxError("executor_bad_answer", f"the sandbox's executor answered out of protocol: "
+                                                          f"{error}") from None
+            finally:
+                if idle:
+                    await self.set_cores(frozenset())
+
+    async def thaw(self) -> None:
+        """Let an idle sandbox run on the cpuset it has, holding no cores of its own (a file op); this default
+        does nothing, for a backend that never freezes a sandbox."""
+
+    async def exchange(self, request: dict[str, Any]) -> dict[str, Any]:
+        """One request to the sandbox's executor and its JSON answer (a file op's). Raise
+        ``SandboxError(lost=True)`` when the executor is gone."""
+        raise SandboxError("files_unsupported", f"{type(self).__name__} sandboxes offer no file ops")
 
     async def repin(self, tag: str, cores: frozenset[int]) -> None:
         """Move the running command tagged ``tag`` onto ``cores`` (a malleable action grew or shrank), widening or

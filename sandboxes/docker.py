@@ -75,6 +75,9 @@ ADOPT_CONCURRENCY = 32
 READ_ONLY_ROOT_TMPFS = {"/tmp": "rw,exec,nosuid,nodev,size=64m,mode=1777"}
 #: how much of a one-shot executor's stderr the engine path keeps, for the message when it fails
 ENGINE_STDERR_TAIL_BYTES = 4096
+#: Linux caps one argv string at 128 KiB (MAX_ARG_STRLEN): a larger one-shot request (a large stdin) cannot reach
+#: the executor through `docker exec`, and is refused before it would look like a dead executor
+ENGINE_REQUEST_CHARS = 128 * 1024 - 1
 #: in a sandbox's host directory, the subdirectory shared with it as SOCKET_DIR_IN_CONTAINER: the sandbox can write
 #: there, so nothing in it is trusted (``sandboxes/untrusted_paths.py``)
 SOCKET_SUBDIR = "sock"
@@ -86,6 +89,11 @@ CLAIM_FILE = "claimed.json"
 SEALED_OWNER_OF_ROOT = 65534
 #: the elastic pytest runner, beside the executor in the sandbox as in this package (the executor finds it there)
 RUNNER_IN_EXECUTOR_DIR = "pytest_runner/tangram_runner.py"
+#: the executor's file ops, beside it (it imports them from there)
+FILES_IN_EXECUTOR_DIR = "executor_files.py"
+#: the largest request the engine path passes to the executor's one-shot mode, as its one argv string (MAX_ARG_STRLEN
+#: is 128 KiB), leaving room for the rest of the command line
+MAX_ONCE_ARGUMENT_BYTES = 120 * 1024
 #: the engine's log of a sandbox (its executor's stderr, and whatever a command writes there): one file, capped
 CONTAINER_LOG = {"max-size": "1m", "max-file": "1"}
 
@@ -232,10 +240,52 @@ class DockerSandbox(Sandbox):
                                                    f"state: {state}", lost=True) from None
         return ExecResult.from_wire(answer, request.output_limit)
 
+    async def thaw(self) -> None:
+        """Fast path: the freezer off, the cpuset left as it is. Engine path: ``docker unpause``."""
+        if self.cgroup is not None:
+            try:
+                self.cgroup.set_frozen(False)
+            except OSError as error:
+                raise SandboxError("environment_lost", f"container {self.container.short_id} is gone: {error}",
+                                   lost=True) from None
+        elif self.frozen:
+            await self.backend.off_loop(self._unpause)
+        self.frozen = False
+
+    def _unpause(self) -> None:
+        try:
+            self.container.unpause()
+        except docker.errors.APIError as error:
+            raise SandboxError("environment_lost", f"container {self.container.short_id} cannot be thawed: "
+                                                   f"{error.explanation or error}", lost=True) from None
+
+    async def exchange(self, request: dict[str, Any]) -> dict[str, Any]:
+        """A file op: through the executor's socket, or on the engine path its one-shot mode, whose request is one
+        argv string (Linux caps one at 128 KiB, so larger writes need the fast path or a node agent)."""
+        try:
+            if self.socket is not None:
+                return await call(self.socket, request)
+            if len(encode_once(request)) > MAX_ONCE_ARGUMENT_BYTES:
+                raise SandboxError("file_too_large", f"files: more than {MAX_ONCE_ARGUMENT_BYTES * 3 // 4} bytes "
+                                                     f"in one request to a sandbox on engine {self.backend.engine} "
+                                                     f"(no fast path there): send fewer at a time")
+            answer: dict[str, Any] = await self.backend.off_loop(self._run_via_engine, request)
+            return answer
+        except ExecutorUnavailable as error:
+            state = await self.backend.off_loop(self._state)
+            raise SandboxError("environment_lost", f"the sandbox's executor is gone ({error}); container state: "
+                                                   f"{state}", lost=True) from None
+
     def _run_via_engine(self, request: dict[str, Any]) -> dict[str, Any]:
         """The executor in one-shot mode under ``docker exec``; its answer (stdout) is read up to the frame an
         honest executor sends for the request, its stderr up to a small tail."""
-        command = ["python3", EXECUTOR_IN_CONTAINER, "once", encode_once(request), "--oom-counter", "auto", "--reap"]
+        encoded = encode_once(request)
+        if len(encoded) > ENGINE_REQUEST_CHARS:
+            raise SandboxError("request_too_large", f"the command's request ({len(encoded)} characters encoded, with "
+                                                    f"its stdin) does not fit one argument of `docker exec`, which "
+                                                    f"a remote engine's sandbox is reached by ({ENGINE_REQUEST_CHARS}"
+                                                    f"); send less stdin, or write it to a file first")
+        command = ["python3", EXECUTOR_IN_CONTAINER, "once", encoded, "--oom-counter", "auto", "--reap"]
         api = self.container.client.api
         limit = frame_limit(request)
         stdout, stderr = bytearray(), bytearray()
@@ -496,6 +546,7 @@ class DockerBackend(SandboxBackend):
     def _copy_in(container: Container, spec: SandboxSpec) -> None:
         """Put the executor and the spec's files in the created container, before it starts."""
         executor = _Tree(".", {"executor.py": Path(EXECUTOR_PATH).read_bytes(),
+                               FILES_IN_EXECUTOR_DIR: (Path(EXECUTOR_PATH).parent / FILES_IN_EXECUTOR_DIR).read_bytes(),
                                RUNNER_IN_EXECUTOR_DIR: (Path(EXECUTOR_PATH).parent / RUNNER_IN_EXECUTOR_DIR)
                                .read_bytes()}, (0, 0), "executor.py")
         workspace = _Tree(".", spec.files, spec.owner)

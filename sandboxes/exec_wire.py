@@ -10,6 +10,7 @@ broker store or serve more than it asked for (the frame itself is bounded before
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,6 +47,10 @@ class ExecRequest:
     background: bool = False
     #: the elastic pytest runner shipped beside the executor goes on the command's PYTHONPATH
     pytest_runner: bool = False
+    #: written to the command's standard input, then closed; None: /dev/null
+    stdin: bytes | None = None
+    #: who the command runs as: a uid, "UID:GID" or a user name in the sandbox; None: the executor's user
+    user: int | str | None = None
 
     def to_wire(self) -> dict[str, Any]:
         """The executor's JSON request; fields at the executor's defaults are left out."""
@@ -61,6 +66,10 @@ class ExecRequest:
         for flag in ("reap", "background", "pytest_runner"):
             if getattr(self, flag):
                 wire[flag] = True
+        if self.stdin is not None:
+            wire["stdin"] = base64.b64encode(self.stdin).decode("ascii")
+        if self.user is not None:
+            wire["user"] = self.user
         return wire
 
 

@@ -5,10 +5,11 @@ executor runs inside the sandbox (a container, or a plain local process standing
 socket, and runs commands with CPU affinity, a timeout that kills the whole process tree, size-capped output
 capture and OOM detection; a round trip for `true` is ~1 ms plus process spawn.
 
-It is copied into arbitrary user images, so it is a single stdlib-only file that runs on any python3 >= 3.8.
+It is copied into arbitrary user images, so it is stdlib-only (with executor_files.py beside it) and runs on any
+python3 >= 3.8.
 
 Wire protocol (both directions): 4-byte big-endian unsigned length, then that many bytes of UTF-8 JSON.
-Requests carry "op": "ping", "run" (the default) or "cpus":
+Requests carry "op": "ping", "run" (the default), "cpus", "write" or "read":
 
 * run: see run_command for the fields and the response. An optional "tag" names the command for "cpus";
   "pytest_runner": true puts the elastic pytest runner shipped beside this file on the command's PYTHONPATH.
@@ -16,6 +17,8 @@ Requests carry "op": "ping", "run" (the default) or "cpus":
   process in its tree, onto those cpus (a malleable action whose cores grow or shrink while it runs); answers
   {"ok": true, "processes": N re-pinned} or {"ok": false, "error": "..."}. When no command tagged T runs yet,
   the cpus are remembered and a later run tagged T starts on them instead of its own "cpus".
+* write, read: files under the working directory, resolved here in the sandbox (executor_files.py, shipped beside
+  this file).
 
 Modes:
     python3 executor.py serve --socket PATH [--oom-counter auto|none|FILE] [--reap]
@@ -38,7 +41,9 @@ import json
 import math
 import os
 import platform
+import pwd
 import resource
+import select
 import selectors
 import signal
 import socket
@@ -48,10 +53,18 @@ import sys
 import threading
 import time
 
+try:  # run as a script, beside this file (in a sandbox)
+    import executor_files
+except ImportError:  # imported as sandboxes.executor (the broker, tests)
+    from sandboxes import executor_files
+
 PROTOCOL_VERSION = 1
-MAX_REQUEST_BYTES = 16 * 1024 * 1024
+# a write's files arrive base64-encoded in one request: 16 MiB of files ([cpu.limits] max_files_bytes) and their JSON
+MAX_REQUEST_BYTES = 24 * 1024 * 1024
 DEFAULT_OUTPUT_LIMIT = 1024 * 1024
 READ_CHUNK = 65536
+#: the longest the accepting thread waits between looks at the stop signals (the wakeup pipe wakes it sooner)
+SIGNAL_CHECK_MS = 200
 POLL_INTERVAL_S = 0.005  # only used when os.pidfd_open is unavailable (python < 3.9 or kernel < 5.3)
 # After the main process exits, read at most this much more: a background process that keeps writing
 # into the inherited pipes must not keep the response from coming back.
@@ -548,8 +561,76 @@ def _while_pids_full(start, exceptions):
             time.sleep(POLL_INTERVAL_S)
 
 
-def _spawn(argv, env, cwd, cpus, memory_bytes, output=subprocess.PIPE):
-    """Start the child in a new session with stdin=/dev/null and stdout/stderr to ``output`` (piped).
+def _stdin_of(request):
+    """The run's "stdin" (base64) as bytes, or None: the command reads /dev/null."""
+    data = request.get("stdin")
+    if data is None:
+        return None
+    if not isinstance(data, str):
+        raise RequestError(f"stdin: must be a base64 string or null, got {type(data).__name__}")
+    try:
+        return base64.b64decode(data.encode("ascii"), validate=True)
+    except (ValueError, binascii.Error):
+        raise RequestError("stdin: is not valid base64")
+
+
+def _user_of(request):
+    """The run's "user" (a uid, "UID:GID" or a name in this sandbox's /etc/passwd) as (uid, gid, groups, env), or
+    None: the command runs as this executor. Only root may run it as anyone else; ``groups`` are a named user's
+    supplementary groups (none for ids), ``env`` its HOME, USER and LOGNAME where the passwd database has it."""
+    user = request.get("user")
+    if user is None:
+        return None
+    entry = None
+    if _is_int(user) and user >= 0:
+        uid, gid = user, None
+    elif isinstance(user, str) and user.count(":") == 1 and all(p.isdigit() for p in user.split(":")):
+        uid, gid = (int(p) for p in user.split(":"))
+    elif isinstance(user, str) and user and ":" not in user and "\0" not in user:
+        try:
+            entry = pwd.getpwnam(user)
+        except KeyError:
+            raise RequestError(f"user: no user {user!r} in the sandbox's /etc/passwd")
+        uid, gid = entry.pw_uid, entry.pw_gid
+    else:
+        raise RequestError(f'user: must be a uid, "UID:GID" or a user name, got {user!r}')
+    if entry is None:
+        try:
+            entry = pwd.getpwuid(uid)
+        except KeyError:
+            pass  # any uid may run; one the image does not name gets its own number as its group
+    if gid is None:
+        gid = uid if entry is None else entry.pw_gid
+    if (uid, gid) == (os.geteuid(), os.getegid()):
+        return None
+    if not _can_switch_users():
+        raise RequestError(f"user: the sandbox runs as {os.geteuid()}:{os.getegid()} without the capabilities to "
+                           f"change users (CAP_SETUID, CAP_SETGID), and cannot run a command as {uid}:{gid}")
+    if sys.version_info < (3, 9):  # noqa: UP036 - the executor runs on any image's python3 >= 3.8
+        raise RequestError("user: needs python3 >= 3.9 in the sandbox's image")
+    groups = os.getgrouplist(entry.pw_name, gid) if entry is not None and isinstance(user, str) and \
+        ":" not in user else []
+    env = {} if entry is None else {"HOME": entry.pw_dir, "USER": entry.pw_name, "LOGNAME": entry.pw_name}
+    return uid, gid, groups, env
+
+
+def _can_switch_users():
+    """Whether this executor may set a child's uid and gid: CAP_SETUID and CAP_SETGID in its effective set (a
+    Docker sandbox drops every capability, root's too; an unsandboxed local process as root keeps them)."""
+    wanted = (1 << 6) | (1 << 7)  # CAP_SETGID, CAP_SETUID
+    try:
+        with open("/proc/self/status", "r") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return int(line.split()[1], 16) & wanted == wanted
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
+
+
+def _spawn(argv, env, cwd, cpus, memory_bytes, output=subprocess.PIPE, stdin=None, user=None):
+    """Start the child in a new session with stdout/stderr to ``output`` (piped) and stdin piped where the run
+    has input to feed it (``stdin``), /dev/null otherwise; as ``user`` ((uid, gid, groups, env): _user_of) if given.
 
     CPU affinity: Linux affinity is per thread and a forked child inherits the forking thread's mask, so this
     thread narrows its own mask around Popen and restores it after. That keeps subprocess on its fast vfork
@@ -557,6 +638,11 @@ def _spawn(argv, env, cwd, cpus, memory_bytes, output=subprocess.PIPE):
     needs a preexec_fn (only the local-process backend uses it; containers use cgroup limits).
     """
     full_env = None
+    as_user = {}
+    if user is not None:
+        uid, gid, groups, user_env = user
+        as_user = {"user": uid, "group": gid, "extra_groups": groups}
+        env = {**user_env, **env}  # the request's own variables win
     if env:
         full_env = dict(os.environ)
         full_env.update(env)
@@ -573,9 +659,10 @@ def _spawn(argv, env, cwd, cpus, memory_bytes, output=subprocess.PIPE):
             raise RequestError(f"cpus: cannot set affinity to {cpus!r}: {exc.strerror or exc}")
     def start():
         with _children_lock:  # never held while waiting: the reapers free pids
-            started = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=output, stderr=output, cwd=cwd,
-                                       env=full_env, start_new_session=True, close_fds=True,
-                                       preexec_fn=preexec)  # noqa: PLW1509 - see docstring
+            started = subprocess.Popen(argv, stdin=subprocess.DEVNULL if stdin is None else subprocess.PIPE,
+                                       stdout=output, stderr=output, cwd=cwd, env=full_env,
+                                       start_new_session=True, close_fds=True, preexec_fn=preexec,  # noqa: PLW1509
+                                       **as_user)
             _register(started)
             return started
 
@@ -588,6 +675,9 @@ def _spawn(argv, env, cwd, cpus, memory_bytes, output=subprocess.PIPE):
             raise RequestError(f"cwd: directory does not exist: {cwd}")
         raise RequestError("command: executable not found: %s" % (exc.filename or argv[0]))
     except PermissionError as exc:
+        if cwd is not None and exc.filename == cwd:  # the user a command runs as may not enter the work dir
+            who = "" if user is None else f" to user {user[0]}:{user[1]}"
+            raise RequestError(f"cwd: permission denied{who}: {cwd} (give a cwd it may enter, e.g. /tmp)")
         raise RequestError("command: permission denied: %s" % (exc.filename or argv[0]))
     except NotADirectoryError:
         raise RequestError(f"cwd: not a directory: {cwd}")
@@ -657,6 +747,30 @@ class _Capture:
         return budget
 
 
+class _Feed:
+    """Writes a run's stdin to the command's pipe as the pipe takes it, then closes it (EOF)."""
+
+    __slots__ = ("data", "fd", "pipe", "sent")
+
+    def __init__(self, pipe, data):
+        self.pipe = pipe
+        self.fd = pipe.fileno()
+        self.data = memoryview(data)
+        self.sent = 0
+        os.set_blocking(self.fd, False)
+
+    def write(self):
+        """One non-blocking write: True while there is more to write, False once all is written or the command
+        stopped reading (EPIPE); the caller then unregisters and closes the pipe, which is the command's EOF."""
+        try:
+            self.sent += os.write(self.fd, self.data[self.sent:self.sent + READ_CHUNK])
+        except BlockingIOError:
+            return True
+        except OSError:
+            self.sent = len(self.data)
+        return self.sent < len(self.data)
+
+
 def _client_closed(sock):
     """True when the client hung up; a pipelined request (data) is left in the socket for later."""
     try:
@@ -676,15 +790,19 @@ def run_command(request, cancel_sock=None, oom_counter=None):
     memory_bytes (RLIMIT_AS, null: none), background (start_background), tag (names the command for the "cpus"
     op; cpus already sent for the tag replace the request's; a run with the tag of a running command takes the tag
     over), reap (what the command left running is killed once its answer is sent: wants_reap, reap_leftovers),
-    pytest_runner (_with_runner). cancel_sock: the client's socket; if it closes while the command runs, the tree
+    pytest_runner (_with_runner), stdin (base64, written to the command's stdin and then closed; null: /dev/null),
+    user (a uid, "UID:GID" or a user name of the sandbox: _user_of; null: this executor's user). cancel_sock: the client's socket; if it closes while the command runs, the tree
     is killed and ClientGone is raised. oom_counter: path of the cgroup file with `oom_kill N`.
     Errors of the executor itself come back in "error" with the other fields empty; it never raises for them.
     """
     start = time.monotonic()
     try:
         argv, env, cwd, timeout_s, output_limit, cpus, memory_bytes, tag = _validate(request)
+        stdin, user = _stdin_of(request), _user_of(request)
         if request.get("background", False) is not False:
-            return start_background(request, argv, env, cwd, cpus, memory_bytes, start)
+            if stdin is not None:
+                raise RequestError("stdin: a background run is answered before it reads; not with background")
+            return start_background(request, argv, env, cwd, cpus, memory_bytes, start, user)
     except RequestError as exc:
         return _empty_response(str(exc))
     try:
@@ -692,7 +810,7 @@ def run_command(request, cancel_sock=None, oom_counter=None):
             raise RequestError(f"cwd: directory does not exist: {cwd}")
         oom_before = read_oom_counter(oom_counter)
         cpus = _cpus_for(tag, cpus)
-        proc = _spawn(argv, env, cwd, cpus, memory_bytes)
+        proc = _spawn(argv, env, cwd, cpus, memory_bytes, stdin=stdin, user=user)
     except RequestError as exc:
         _untag(tag, None)
         return _empty_response(str(exc))
@@ -709,6 +827,9 @@ def run_command(request, cancel_sock=None, oom_counter=None):
         for cap in (out, err):
             os.set_blocking(cap.fd, False)
             sel.register(cap.fd, selectors.EVENT_READ, cap)
+        if stdin is not None:
+            feed = _Feed(proc.stdin, stdin)
+            sel.register(feed.fd, selectors.EVENT_WRITE, feed)
         if hasattr(os, "pidfd_open"):
             try:
                 pidfd = os.pidfd_open(proc.pid)
@@ -737,6 +858,10 @@ def run_command(request, cancel_sock=None, oom_counter=None):
                         cancelled = True
                     else:  # a pipelined request: stop watching, it is read after this response
                         sel.unregister(cancel_sock)
+                elif isinstance(source, _Feed):
+                    if not source.write():
+                        sel.unregister(source.fd)
+                        source.pipe.close()
                 elif not source.read():
                     sel.unregister(source.fd)
             if cancelled:
@@ -756,6 +881,8 @@ def run_command(request, cancel_sock=None, oom_counter=None):
             os.close(pidfd)
         proc.stdout.close()
         proc.stderr.close()
+        if proc.stdin is not None:
+            proc.stdin.close()
         if proc.returncode is None:  # an unexpected exception above: leave nothing running
             _untag(tag, proc.pid)
             kill_tree(proc.pid)
@@ -786,7 +913,7 @@ def run_command(request, cancel_sock=None, oom_counter=None):
     return response
 
 
-def start_background(request, argv, env, cwd, cpus, memory_bytes, start):
+def start_background(request, argv, env, cwd, cpus, memory_bytes, start, user=None):
     """Start a run with "background": true and answer at once with its pid (in the sandbox; also its process
     group's and session's, so killing that group ends it with what it started): it keeps running, its output discarded,
     until it ends, a later command kills it, or the sandbox goes. Only where a reap can end it with the sandbox
@@ -798,7 +925,7 @@ def start_background(request, argv, env, cwd, cpus, memory_bytes, start):
                            "environment")
     if cwd is not None and not os.path.isdir(cwd):
         raise RequestError(f"cwd: directory does not exist: {cwd}")
-    proc = _spawn(argv, {**env, BACKGROUND_VARIABLE: "1"}, cwd, cpus, memory_bytes, subprocess.DEVNULL)
+    proc = _spawn(argv, {**env, BACKGROUND_VARIABLE: "1"}, cwd, cpus, memory_bytes, subprocess.DEVNULL, user=user)
     _unregister(proc.pid)  # not a running command: the reap after each command spares it by its mark
     _background.append(proc)
     response = _empty_response()
@@ -826,7 +953,12 @@ def handle_request(request, cancel_sock=None, oom_counter=None):
             return set_tag_cpus(request)
         except Exception as exc:  # noqa: BLE001 - a bug here must not take the executor down
             return {"ok": False, "error": f"executor internal error: {exc!r}"}
-    return _empty_response(f"{UNKNOWN_OP} {op!r} (expected 'run', 'cpus' or 'ping')")
+    if op in ("write", "read"):
+        try:
+            return executor_files.handle(request)
+        except Exception as exc:  # noqa: BLE001 - a bug here must not take the executor down
+            return {"ok": False, "code": "file_io", "error": f"executor internal error: {exc!r}"}
+    return _empty_response(f"{UNKNOWN_OP} {op!r} (expected 'run', 'cpus', 'write', 'read' or 'ping')")
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -915,13 +1047,34 @@ def _refuse(conn, message):
         conn.close()
 
 
-class _Shutdown(BaseException):
-    """SIGTERM or SIGINT, raised in the main thread wherever it is. Not an ``Exception``: the handlers that keep the
-    executor alive (a failed log write, say) must not swallow its stop."""
+#: the signals that asked the executor to stop (SIGTERM, SIGINT), in the order they came
+_stop_signals = []  # type: list
 
 
 def _on_term(signum, frame):
-    raise _Shutdown()
+    """Note the stop; the accepting loop ends at its next wake. Raising here instead lost the stop: the handler can
+    run inside ``threading``'s own code (a thread's start waits on a lock), whose cleanup then fails with another
+    error that replaces it."""
+    _stop_signals.append(signum)
+
+
+def _wake_on_signals():
+    """A pipe the interpreter writes a byte to when a signal arrives, returned as its read end: the accepting thread
+    waits on it beside the listener, so a signal the kernel delivered to a connection's thread wakes it too."""
+    read_end, write_end = os.pipe()
+    for fd in (read_end, write_end):
+        os.set_blocking(fd, False)
+        os.set_inheritable(fd, False)
+    signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+    return read_end
+
+
+def _drain(fd):
+    try:
+        while os.read(fd, 4096):
+            pass
+    except BlockingIOError:
+        pass
 
 
 def serve(socket_path, oom_setting, reap=False):
@@ -950,11 +1103,20 @@ def serve(socket_path, oom_setting, reap=False):
         threading.Thread(target=_reaper_loop, args=(stop,), name="reaper", daemon=True).start()
     signal.signal(signal.SIGTERM, _on_term)
     signal.signal(signal.SIGINT, _on_term)
+    woken = _wake_on_signals()
+    waiting = select.poll()
+    for fd in (listener.fileno(), woken):
+        waiting.register(fd, select.POLLIN)
     reaper = "on" if _reaper_enabled else "off"
     _log(f"serving on {socket_path} (python {platform.python_version()}, oom counter: {oom_counter or 'off'}, "
          f"orphan reaper: {reaper})")
     try:
-        while True:
+        while not _stop_signals:
+            ready = {fd for fd, _event in waiting.poll(SIGNAL_CHECK_MS)}
+            if woken in ready:
+                _drain(woken)
+            if listener.fileno() not in ready or _stop_signals:
+                continue
             try:
                 conn, _addr = listener.accept()
             except OSError as exc:
@@ -968,8 +1130,6 @@ def serve(socket_path, oom_setting, reap=False):
                 _while_pids_full(worker.start, RuntimeError)
             except RuntimeError as exc:  # still no thread to be had: the sandbox is at its pids limit
                 _refuse(conn, f"executor: cannot serve the request ({exc}): the sandbox is at its pids limit")
-    except _Shutdown:
-        pass
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -26,7 +26,11 @@ class BadAnswer(Exception):
 
 def frame_limit(request: dict[str, Any]) -> int:
     """The largest frame an honest executor sends in answer to ``request`` (the executor's JSON, of any op)."""
-    if request.get("op", "run") != "run":
+    op = request.get("op", "run")
+    if op == "read":  # the file or tar, base64-encoded, at most the request's limit
+        limit = request.get("limit", 0)
+        return FRAME_OVERHEAD_BYTES + (4 * -(-limit // 3) if isinstance(limit, int) else 0)
+    if op != "run":
         return FRAME_OVERHEAD_BYTES
     output_limit = request.get("output_limit", DEFAULT_OUTPUT_LIMIT)
     streams = len(_STREAMS) * JSON_BYTES_PER_BYTE * output_limit if isinstance(output_limit, int) else 0

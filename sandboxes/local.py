@@ -92,6 +92,13 @@ class LocalSandbox(Sandbox):
                                lost=True) from None
         return ExecResult.from_wire(answer, request.output_limit)
 
+    async def exchange(self, request: dict[str, Any]) -> dict[str, Any]:
+        try:
+            return await call(self.socket, request)
+        except ExecutorUnavailable as error:
+            raise SandboxError("environment_lost", f"the environment's executor is gone ({error})",
+                               lost=True) from None
+
     async def destroy(self) -> None:
         if self.destroyed:
             return

@@ -335,7 +335,7 @@ class Broker:
             if action.submitted_at + action.timeout_s <= now:
                 self.cycle.dequeue(action.id)
                 self._finish(action, State.TIMED_OUT, error={
-                    "code": "timed_out", "message": f"still queued when its deadline of {action.timeout_s} s passed"})
+                    "code": "timed_out", "limit": "timeout_s", "message": f"still queued when its deadline of {action.timeout_s} s passed"})
         self.memory.forget_old(now, self.leases)
         if self.durations.dirty:  # a run of a speed-up model is always a profile's sample too
             self._save_learned()

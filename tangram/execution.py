@@ -166,7 +166,7 @@ class Executions:
             self.finish(action, State.SUCCEEDED, result=outcome.result, keep=running.allocations if hold else None)
         except TimeoutError:
             action.execution_s = time.time() - began
-            self.finish(action, State.TIMED_OUT, error={"code": "timed_out",
+            self.finish(action, State.TIMED_OUT, error={"code": "timed_out", "limit": "timeout_s",
                                                         "message": f"deadline of {action.timeout_s} s passed"})
         except asyncio.CancelledError:
             action.execution_s = time.time() - began

@@ -117,7 +117,7 @@ class ServicePlacementRow(ServicePlacement):
 class Placement(Schema):
     """The placement of reward services over GPU types in force (``GET /v1/resources``)."""
 
-    method: Literal["ilp", "greedy"] = Field(description="[gpu] placement, resolved")
+    method: Literal["ilp", "greedy"] = Field(description="[gpu.placement] method, resolved")
     solves: dict[str, int] = Field(description="solves so far, by the method that gave the answer")
     answered_by: Literal["ilp", "greedy"] | None = Field(description="the last solve's method (greedy when the ILP "
                                                                      "fell back); null before the first")
@@ -222,7 +222,7 @@ class Resources(Schema):
     stats: BrokerStats
     slo: list[TaskSlo] = Field(description="the tasks with an SLO plan (GET /v1/tasks/slo has their plans)")
     placement: Placement | None = Field(description="the GPU manager's placement of services over GPU types; null "
-                                                    "when it solves none ([gpu] placement)")
+                                                    "when it solves none ([gpu.placement] method)")
 
 
 class SloPrediction(Schema):

@@ -18,6 +18,7 @@ from tangram.store.store import Store
 from tangram.store.tables import Base
 from tests import needs
 from tests.docker_nodes import SESSION_BROKER_PREFIX, USERNS_ENV, configured_engines, labelled_containers
+from tests.slow_modules import left_out
 
 # ---------------------------------------------------------------------------------------------------------------
 # Store fixtures: every store test runs on real SQLite (a file under tmp_path) and on real PostgreSQL.
@@ -86,6 +87,11 @@ async def store(store_url: str) -> AsyncIterator[Store]:
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     needs.mark(items)
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """A module the ``-m`` expression leaves out whole is not imported (``tests/slow_modules.py``)."""
+    return True if left_out(collection_path, config.getoption("markexpr")) else None
 
 
 @pytest.fixture

@@ -23,6 +23,8 @@ DOCKER_HELPERS = frozenset({("tests.docker_nodes", "docker_engines"), ("tests.do
                             ("tests.docker_nodes", "labelled_containers")})
 RAY_HELPERS_MODULE = "tests.ray_clusters"
 POSTGRES_FIXTURES = frozenset({"postgres_url"})
+#: the markers set here
+NEEDS = ("docker", "ray", "browser", "postgres")
 
 
 def _package(value: Any) -> str:

@@ -128,6 +128,7 @@ async def test_abandoned_lease_comes_back_after_its_ttl(db):
         assert record["result"]["returned"] == "expired"
 
 
+@pytest.mark.slow  # seconds: left out of the fast lane
 async def test_thousand_api_actions_respect_concurrency_and_end_exactly_once(db):
     limit = 4
     async with live_upstream(delay_s=0.002) as upstream:

@@ -331,36 +331,33 @@ async def test_an_image_that_is_no_docker_reference_never_reaches_the_engine(db)
         assert labelled_containers(engine, config["cpu"]["broker_id"]) == []
 
 
-async def test_files_for_a_trajectory_that_has_its_environment_are_refused(db):
-    """Files are written when an environment is created; sent later they used to be dropped without a word. At
-    submit the trajectory's environment is known: 422 (but a replay of the action that made it, under its key, is
-    that action). An action queued before its trajectory's first one made the environment fails instead
-    (files_not_written), and its command does not run."""
+async def test_files_for_a_trajectory_that_has_its_environment_are_written_before_the_command(db):
+    """Files are written when an environment is created, and, sent with a later action, before its command once the
+    commands running there have ended (issue 38; they used to be refused). A replay of the action that made the
+    environment, under its key, is that action. An action queued before its trajectory's first one made the
+    environment writes its files too."""
     async with live_broker(one_node(docker_engines()[0]), db) as live:
         made = {**exec_action("cat a.txt", trajectory="f", files={"a.txt": "1"}), "idempotency_key": "f-1"}
         first = await run(live, made)
         assert first["result"]["stdout"] == "1"
         status, replay = await live.call("POST", "/v1/actions", json=made)  # a retry after a lost answer
         assert (status, replay["id"]) == (200, first["id"]), replay
-        status, body = await live.call("POST", "/v1/actions", json=exec_action("cat a.txt", trajectory="f",
-                                                                               files={"a.txt": "2"}))
-        assert (status, body["error"]["field"]) == (422, "spec.files") and first["result"]["environment"] in \
-            body["error"]["reason"], body
+        later = await run(live, exec_action("cat a.txt", trajectory="f", files={"a.txt": "2"}))
+        assert (later["result"]["stdout"], later["result"]["environment"]) == ("2", first["result"]["environment"])
         again = await run(live, exec_action("cat a.txt", trajectory="f"))
-        assert again["result"]["stdout"] == "1"
+        assert again["result"]["stdout"] == "2"
         # two actions of a new trajectory, both with files, submitted before either runs: the first makes it
         made = exec_action("sleep 0.3; cat a.txt", trajectory="g", files={"a.txt": "made"})
-        late = exec_action("echo ran > ran.txt", trajectory="g", files={"a.txt": "late"})
+        late = exec_action("echo ran > ran.txt; cat a.txt", trajectory="g", files={"a.txt": "late"})
         status, body = await live.call("POST", "/v1/actions:batch", json={"actions": [made, late]})
         assert status == 200, body
         made_id, late_id = (record["id"] for record in body["actions"])
         _, made_record = await live.call("GET", f"/v1/actions/{made_id}?wait=true")
         _, late_record = await live.call("GET", f"/v1/actions/{late_id}?wait=true")
-        assert made_record["result"]["stdout"] == "made", made_record
-        assert (late_record["state"], late_record["error"]["code"]) == ("failed", "files_not_written"), late_record
-        assert late_record["error"]["environment"] == made_record["result"]["environment"]
+        assert late_record["result"]["stdout"] == "late", late_record
+        assert late_record["result"]["environment"] == made_record["result"]["environment"]
         check = await run(live, exec_action("ls; cat a.txt", trajectory="g"))
-        assert check["result"]["stdout"] == "a.txt\nmade"  # the late command never ran: no ran.txt
+        assert check["result"]["stdout"] == "a.txt\nran.txt\nlate"
 
 
 def marked_threads(mark: str) -> dict[int, set[int]]:

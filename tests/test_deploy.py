@@ -609,6 +609,7 @@ async def prometheus_answers(http: aiohttp.ClientSession, url: str, query: str) 
     return list(body["data"]["result"])
 
 
+@pytest.mark.slow  # seconds: left out of the fast lane
 async def test_dashboard_queries_return_data_from_a_live_broker(tmp_path: Path) -> None:
     """Every metric the dashboard names is in a live broker's /metrics (with the GPU manager on CPU virtual GPUs, so
     the GPU metrics exist), and a real Prometheus scraping that broker with the shipped scrape job evaluates every
@@ -629,6 +630,7 @@ async def test_dashboard_queries_return_data_from_a_live_broker(tmp_path: Path) 
     assert empty == [], f"no data for {empty}; Prometheus log:\n{(tmp_path / 'prometheus.log').read_text()[-3000:]}"
 
 
+@pytest.mark.slow  # seconds: left out of the fast lane
 async def test_prometheus_reads_closed_metrics_with_the_admin_token_file(tmp_path: Path) -> None:
     """The way deploy/README.md gives to close /metrics (public_status = false) and still scrape it: the shipped
     job plus ``authorization`` with the admin token in a ``credentials_file`` is scraped by a real Prometheus,

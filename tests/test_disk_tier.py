@@ -157,6 +157,7 @@ def test_admission_with_a_disk_tier_refuses_a_copy_larger_than_host_memory_namin
     assert refused.value.key == "gpu.services.c.host_memory_mb" and "admission refused" in refused.value.reason
 
 
+@pytest.mark.slow  # seconds: left out of the fast lane
 async def test_over_rest_the_stages_show_in_results_metrics_and_status(tmp_path, reference_scores):
     config = {"cpu": {"enabled": False}, "gpu": tiered_config(tmp_path)}
     async with live_broker(config, str(tmp_path / "db.sqlite")) as live:

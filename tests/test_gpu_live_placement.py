@@ -57,7 +57,7 @@ def write_config(path: Path) -> None:
                 '[gpu.services.g]\nbackend = "sglang"\nmodel = "m"\ntask = "generate"\n'
                 'gpu_memory_mb = 100\nhost_memory_mb = 100\n')
     path.write_text(f'[store]\nurl = "sqlite+aiosqlite:///{path.parent / "tangram.db"}"\n[cpu]\nenabled = false\n'
-                    '[gpu]\nplacement_interval_s = 0.5\nplacement_window_s = 30\n' + nodes + services)
+                    '[gpu.placement]\ninterval_s = 0.5\nwindow_s = 30\n' + nodes + services)
 
 
 def reward(service: str) -> dict[str, Any]:

@@ -62,6 +62,7 @@ def reward(name: str, gpus: Any = 1, **extra: Any) -> dict[str, Any]:
             "spec": {"service": name, "input": {"pairs": PAIRS}}, **extra}
 
 
+@pytest.mark.slow  # seconds: left out of the fast lane
 async def test_eoe_cycle_keeps_every_result_correct_while_evicting(tmp_path, reference_scores):
     services = {name: service() for name in ("judge-a", "judge-b", "judge-c")}
     config = {"cpu": {"enabled": False}, "gpu": gpu_section(services)}  # 2 GPUs, one service fits per GPU
@@ -119,6 +120,7 @@ async def restores_for_alternating_services(tmp_path: Path, order: str) -> tuple
         return sum(r["result"]["restored"] for r in records), ran
 
 
+@pytest.mark.slow  # seconds: left out of the fast lane
 async def test_hrrs_groups_actions_of_the_resident_service_and_saves_restores(tmp_path):
     """The setup-aware order on the real GPU manager (torch worker, CPU virtual GPU): FCFS restores at every switch,
     HRRS runs the queued actions of the resident service first."""
@@ -346,7 +348,7 @@ async def test_run_times_are_learned_per_gpu_type_from_real_executions(tmp_path,
     the measured speed."""
     section = gpu_section({"a": service(dops=[1])}, nodes=2)
     section["nodes"]["n0"]["type"], section["nodes"]["n1"]["type"] = "h100", "a10"
-    section["placement_interval_s"] = 3600  # solved at the first pass, then when made stale
+    section["placement"] = {"interval_s": 3600}  # solved at the first pass, then when made stale
     config = {"cpu": {"enabled": False}, "gpu": section}
     async with live_broker(config, str(tmp_path / "db.sqlite")) as live:
         manager = next(m for m in live.broker.managers if isinstance(m, GpuManager))

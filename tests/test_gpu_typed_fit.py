@@ -55,8 +55,8 @@ def ran(manager: GpuManager, service: str, node: str, seconds: float, at: float,
 
 def test_the_typed_fit_sends_an_action_to_the_type_it_runs_fastest_on() -> None:
     clock = Clock()
-    typed = manager_of(clock, placement="none")
-    blind = manager_of(clock, placement="none", typed_fit=False)
+    typed = manager_of(clock, placement={"method": "none"})
+    blind = manager_of(clock, placement={"method": "none"}, fit={"typed": False})
     assert placed(blind, "a", clock.now) == "n0"  # blind to types: the node with the most free GPUs
     assert placed(typed, "a", clock.now) == "n1"  # the prior: an H100 runs a scorer 6.7x faster
     assert placed(typed, "g", clock.now) == "n0"  # and an H20 a generator 1.19x faster
@@ -64,7 +64,7 @@ def test_the_typed_fit_sends_an_action_to_the_type_it_runs_fastest_on() -> None:
 
 def test_measured_run_times_override_the_prior() -> None:
     clock = Clock()
-    manager = manager_of(clock, placement="none")
+    manager = manager_of(clock, placement={"method": "none"})
     for _ in range(3):  # measured here: a runs faster on the H20s than the datasheets say it could
         ran(manager, "a", "n0", 0.1, clock.now)
         ran(manager, "a", "n1", 1.0, clock.now)
@@ -74,7 +74,7 @@ def test_measured_run_times_override_the_prior() -> None:
 
 def test_a_restore_counts_against_a_node_where_the_service_is_not_resident() -> None:
     clock = Clock()
-    manager = manager_of(clock, placement="none")
+    manager = manager_of(clock, placement={"method": "none"})
     for _ in range(3):  # a's run takes 1 s on either type
         ran(manager, "a", "n0", 1.0, clock.now)
         ran(manager, "a", "n1", 1.0, clock.now, restore_s=0.0)
@@ -129,9 +129,9 @@ def test_one_type_needs_no_placement_unless_asked_for() -> None:
                                "services": {"a": {"backend": "torch", "model": "m", "gpu_memory_mb": 100,
                                                   "host_memory_mb": 100}}})
     assert GpuManager(config, make_backend=lambda *_: IdleBackend(), clock=clock).live is None
-    asked = parse_gpu_config({"placement": "greedy", "nodes": {"n0": {"gpus": 2, "gpu_memory_mb": 100,
-                                                                          "host_memory_mb": 1000,
-                                                                          "device_type": "cpu"}},
+    asked = parse_gpu_config({"placement": {"method": "greedy"},
+                              "nodes": {"n0": {"gpus": 2, "gpu_memory_mb": 100, "host_memory_mb": 1000,
+                                               "device_type": "cpu"}},
                               "services": {"a": {"backend": "torch", "model": "m", "gpu_memory_mb": 100,
                                                  "host_memory_mb": 100}}})
     live = GpuManager(asked, make_backend=lambda *_: IdleBackend(), clock=clock).live
@@ -142,7 +142,7 @@ def test_an_action_waits_for_a_busy_faster_type_as_long_as_the_slower_one_would_
     """The H100s busy, a scorer waits for one rather than run 6.7x slower on a free H20 at once: up to the run time
     it would lose there (delay scheduling across types), then it takes the H20."""
     clock = Clock()
-    manager = manager_of(clock, placement="none")
+    manager = manager_of(clock, placement={"method": "none"})
     scheduler = Scheduler([manager], DurationModel())
     first = [action_of(manager, "a", clock.now) for _ in range(3)]
     plan = scheduler.schedule(first, [], clock.now)
@@ -155,7 +155,7 @@ def test_an_action_waits_for_a_busy_faster_type_as_long_as_the_slower_one_would_
     clock.now += lost * 0.2
     (late,) = scheduler.schedule(first[2:], [], clock.now).placements
     assert late.pools["gpu"] == "n0"
-    blind = manager_of(clock, placement="none", typed_fit=False)  # without the typed fit, no wait
+    blind = manager_of(clock, placement={"method": "none"}, fit={"typed": False})  # without the typed fit, no wait
     plan = Scheduler([blind], DurationModel()).schedule([action_of(blind, "a", clock.now) for _ in range(7)], [],
                                                         clock.now)
     assert len(plan.placements) == 6

@@ -136,6 +136,7 @@ def test_the_store_rebuilds_records_without_the_request_parser() -> None:
     assert "tangram.parse" not in ours and not ours & {"tangram.server.api", "tangram.broker"}
 
 
+@pytest.mark.slow  # seconds: left out of the fast lane
 def test_a_broker_without_agent_nodes_never_imports_ray() -> None:
     """Ray is for scale-out only (``managers/remote/broker/ray_agents.py``, imported when a node has
     ``agent = true``): the one-machine broker, its CLI and every manager load without it."""

@@ -1,4 +1,4 @@
-"""``[gpu] wait_for_resident``: an action whose service is resident on busy GPUs lets the actions behind it take
+"""``[gpu.fit] wait_for_resident``: an action whose service is resident on busy GPUs lets the actions behind it take
 a free chunk, for up to one restore's time, then takes its place in the queue (delay scheduling,
 ``managers/gpu/delay_wait.py``). Instances are do-nothing stand-ins on a virtual clock; chunks, residency and the
 scheduler are the real ones."""
@@ -20,7 +20,7 @@ def two_nodes(clock: Clock, wait_for_resident: bool) -> GpuManager:
     resident on n0, which is free."""
     service = {"backend": "torch", "model": "m", "dops": [1], "gpu_memory_mb": 100, "host_memory_mb": 100}
     config = parse_gpu_config({
-        "wait_for_resident": wait_for_resident,
+        "fit": {"wait_for_resident": wait_for_resident},
         "nodes": {name: {"gpus": 1, "gpu_memory_mb": 100, "host_memory_mb": 300, "device_type": "cpu"}
                   for name in ("n0", "n1")},
         "services": {name: service for name in "abc"}})

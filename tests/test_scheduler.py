@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -122,6 +123,7 @@ def queues(draw):
     return actions
 
 
+@pytest.mark.slow  # seconds: left out of the fast lane
 @settings(max_examples=200, deadline=None)
 @given(queue=queues(), depth=st.integers(1, 3),
        busy=st.fixed_dictionaries({"cpu": st.integers(0, 8), "gpu": st.integers(0, 4)}))

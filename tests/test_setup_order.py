@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import pytest
+
 from tangram.core.action import Action
 from tangram.parse import parse_action
 from tangram.sched.setup_order import SetupAwareOrder
@@ -87,6 +89,7 @@ def starts_after(max_wait_s: float, steps: int, overdue_floor_s: float | None = 
     return None
 
 
+@pytest.mark.slow  # seconds: left out of the fast lane
 def test_every_action_starts_within_the_bound_whatever_arrives() -> None:
     """Adversarial arrivals: a resident service that overloads the GPU keeps the other one waiting for ever under
     the paper's rule alone (its ratio grows as W / 10 s, the oldest resident one's as W / 0.01 s with W growing as

@@ -74,7 +74,8 @@ def test_an_untyped_cluster_is_all_reference_type() -> None:
 
 def test_the_managers_own_placement_learns_the_loads_as_the_run_goes() -> None:
     """No oracle: the GPU manager measures each service's demand from the actions themselves and solves its own
-    placement (``[gpu] placement = "ilp"``) inline on the virtual clock; with the typed fit, as in the service."""
+    placement (``[gpu.placement] method = "ilp"``) inline on the virtual clock; with the typed fit, as in the
+    service."""
     live = simulate(trace(), MIXED, broker(DEFAULT_PROFILE, typed_fit=True, live_placement="ilp"),
                     "live").summary()["live_placement"]
     assert live["solves"] == {"ilp": 1}  # the first pass; the run ends before the next is due

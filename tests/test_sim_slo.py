@@ -93,6 +93,7 @@ def test_admission_takes_a_task_only_if_no_slo_breaks_and_goes_on_after_a_refusa
     assert names != [t.name for t in tasks[:len(admitted)]] or len(admitted) == len(tasks)
 
 
+@pytest.mark.slow  # seconds: left out of the fast lane
 def test_the_scenario_writes_each_admission_with_its_attainment(tmp_path):
     out_json, out_png = tmp_path / "slo.json", tmp_path / "slo.png"
     assert main(["simulate", "gpu-slo", "--scale", "0.2", "--set", "slo.candidates=8", "--set", "slo.steps=2",

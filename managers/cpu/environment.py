@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from managers.cpu.turns import Turns
 from sandboxes.backend import Sandbox
 
 
@@ -41,6 +42,8 @@ class Environment:
     last_used: float = field(default_factory=time.time)
     #: the ids of the actions running in it (their cores are the sandbox's own business: ``Sandbox.execute``)
     running: set[str] = field(default_factory=set)
+    #: its commands' and file ops' turns (``managers/cpu/turns.py``)
+    turns: Turns = field(default_factory=Turns, repr=False)
     lost_reason: str | None = None
     creating: asyncio.Task[Sandbox] | None = field(default=None, repr=False)
 

@@ -260,8 +260,9 @@ class Environments(Mapping[str, Environment]):
 
     async def delete(self, env_id: str) -> Environment:
         env = self.named(env_id)
-        if env.running:
-            raise Conflict("id", f"environment {env_id} runs {len(env.running)} action(s); cancel them first")
+        if env.running or env.turns.busy:
+            raise Conflict("id", f"environment {env_id} runs {len(env.running)} action(s) or a file op; cancel them "
+                                 f"first, or wait for them")
         await self.destroy(env)
         return env
 
@@ -277,7 +278,8 @@ class Environments(Mapping[str, Environment]):
             await asyncio.sleep(period)
             now = time.time()
             for env in list(self._by_id.values()):
-                if not env.running and env.creating is None and now - env.last_used > self.config.idle_ttl_s:
+                if not env.running and not env.turns.busy and env.creating is None \
+                        and now - env.last_used > self.config.idle_ttl_s:
                     log.info("environment %s idle for %.0f s: destroyed", env.id, now - env.last_used)
                     try:
                         await self.destroy(env)

@@ -47,6 +47,8 @@ class ExecLimits:
     max_files_bytes: Count = 16 << 20
     default_output_limit: Count = 1 << 20
     max_output_limit: Count = 16 << 20
+    #: bytes of ``spec.stdin`` (decoded); the executor's request frame carries them base64-encoded
+    max_stdin_bytes: Count = 1 << 20
 
 
 #: canonical base64: groups of four, padded with "=" (what the document can state, and the server then refuses the
@@ -59,6 +61,11 @@ class Base64File(Schema):
 
     base64: str = Field(pattern=explained(json_pattern(BASE64), "must be base64: A-Z, a-z, 0-9, + and / in groups "
                                                                 "of four, the last padded with ="))
+
+
+def _user_form(value: Any) -> str | None:
+    return tag("uid") if isinstance(value, int) and not isinstance(value, bool) else \
+        tag("name") if isinstance(value, str) else None
 
 
 def _command_form(value: Any) -> str | None:
@@ -79,6 +86,13 @@ FileContent = Annotated[Annotated[str, Tag(tag("text"))] | Annotated[Base64File,
 FilePath = Annotated[str, Field(pattern=explained("^[^/\x00][^\x00]*$", "must be a relative path (not starting "
                                                                         "with '/'), without NUL"))]
 Files = dict[FilePath, FileContent]
+USER_FORMS = 'must be a uid (an integer), "UID:GID" or a user name'
+#: a user name as Debian's adduser takes one, or "UID:GID"; a name is looked up in the sandbox's /etc/passwd
+EXEC_USER = re.compile(r"^(\d{1,9}:\d{1,9}|[A-Za-z_][A-Za-z0-9_.-]{0,31})\Z")
+#: who one command runs as (``spec.user``): resolved in the sandbox by its executor
+ExecUser = Annotated[Annotated[int, Field(ge=0, le=999_999_999), WHOLE, Tag(tag("uid"))]
+                     | Annotated[str, Field(pattern=explained(json_pattern(EXEC_USER), USER_FORMS)), Tag(tag("name"))],
+                     Discriminator(_user_form, custom_error_type="user_form", custom_error_message=USER_FORMS)]
 #: a Docker image reference as the engine parses one (distribution's grammar): ``[host[:port]/]path[:tag][@digest]``,
 #: a host only where it has a dot or a port (or is localhost), the path's components lower-case, a digest of an
 #: algorithm the engine knows. A bad one is refused here and never reaches the engine, which would answer an error
@@ -116,8 +130,9 @@ class ExecSpecBody(Schema):
     memory_mb: MemoryMb | None = None
     sandbox_user: SandboxUser | None = None
     files: Files | None = Field(default=None, description='relative path -> text or {"base64": "..."}; written when '
-                                                          'the environment is made, so only with its first action '
-                                                          '(422 for a trajectory that has one)')
+                                                          'the environment is made, or in an environment that has '
+                                                          'been made, before the command, once the commands running '
+                                                          'there have ended')
     pytest_parallel: bool | None = None
     output_limit: NonNegativeInteger | None = Field(default=None, description="bytes of output kept")
     background: bool | None = Field(default=None, description=(
@@ -126,6 +141,18 @@ class ExecSpecBody(Schema):
         "goes; the reap after each command spares it. It runs only while an action of its trajectory runs (an "
         "idle sandbox is frozen and holds no core), and counts against the sandbox's pids limit and memory. Needs "
         "a trajectory or an environment, on Docker sandboxes"))
+    run_timeout_s: float | None = Field(default=None, gt=0, description=(
+        "seconds the command may run, counted from its start in the sandbox (queueing and sandbox setup not "
+        "included); past it the command is killed and the action ends timed_out with limit \"run_timeout_s\". "
+        "At most the action's timeout_s, which stays the deadline from submission, queueing included"))
+    stdin: FileContent | None = Field(default=None, description=(
+        'the command\'s standard input: text or {"base64": "..."}, written to it and then closed (absent: '
+        '/dev/null); at most [cpu.limits] max_stdin_bytes (default 1 MiB) once decoded. Not with background'))
+    user: ExecUser | None = Field(default=None, description=(
+        'who this command runs as: a uid, "UID:GID" or a user name of the image (looked up in its /etc/passwd when '
+        'the command starts; an unknown name fails the action with exec_error). Default: the sandbox user. A '
+        'Docker sandbox holds no capability to change users (root\'s are dropped too), so there it must name the '
+        'environment\'s own user (422 for other ids, exec_error for another name)'))
 
 
 EXEC_SPEC = TypeAdapter(ExecSpecBody)
@@ -146,6 +173,12 @@ class ExecSpec:
     pytest_parallel: bool = False
     output_limit: int = 1 << 20
     background: bool = False
+    #: seconds of the command's own run (None: only the action's deadline bounds it)
+    run_timeout_s: float | None = None
+    #: fed to the command's standard input (None: /dev/null)
+    stdin: bytes | None = None
+    #: a uid, "UID:GID" or a user name (None: the sandbox user)
+    user: int | str | None = None
 
 
 def parse_exec_spec(spec: Mapping[str, Any], limits: ExecLimits, where: str = "spec") -> ExecSpec:
@@ -159,15 +192,38 @@ def parse_exec_spec(spec: Mapping[str, Any], limits: ExecLimits, where: str = "s
     output = limits.default_output_limit if body.output_limit is None else body.output_limit
     if output > limits.max_output_limit:
         raise Unprocessable(f"{where}.output_limit", f"must be an integer of bytes in [0, {limits.max_output_limit}]")
-    if body.environment is not None and (body.image is not None or body.memory_mb is not None or body.files
+    if body.environment is not None and (body.image is not None or body.memory_mb is not None
                                          or body.sandbox_user is not None):
-        raise Unprocessable(f"{where}.environment", "an existing environment already has its image, memory, user "
-                                                    "and files; drop image, memory_mb, sandbox_user and files")
+        raise Unprocessable(f"{where}.environment", "an existing environment already has its image, memory and "
+                                                    "user; drop image, memory_mb and sandbox_user")
+    stdin = None if body.stdin is None else _stdin(body.stdin, f"{where}.stdin", limits)
+    if stdin is not None and body.background:
+        raise Unprocessable(f"{where}.stdin", "a background command is answered before it reads anything; write "
+                                              "its input to a file and redirect it")
     return ExecSpec(command=command, env=env, cwd=body.cwd, environment=body.environment, image=body.image,
                     memory_mb=body.memory_mb, sandbox_user=body.sandbox_user,
                     files=decode_files(body.files or {}, f"{where}.files", limits),
                     pytest_parallel=bool(body.pytest_parallel), output_limit=output,
-                    background=bool(body.background))
+                    background=bool(body.background), run_timeout_s=body.run_timeout_s, stdin=stdin,
+                    user=body.user)
+
+
+def _stdin(content: str | Base64File, where: str, limits: ExecLimits) -> bytes:
+    """``spec.stdin``'s bytes; 413 past ``max_stdin_bytes``."""
+    data = _content_bytes(content, where)
+    if len(data) > limits.max_stdin_bytes:
+        raise TooLarge(where, f"is {len(data)} bytes; the limit is {limits.max_stdin_bytes}")
+    return data
+
+
+def _content_bytes(content: str | Base64File, where: str) -> bytes:
+    """A file's or stdin's bytes: text as UTF-8, or decoded base64 (422 when it is not)."""
+    if isinstance(content, str):
+        return content.encode()
+    try:
+        return base64.b64decode(content.base64, validate=True)
+    except (binascii.Error, ValueError):
+        raise Unprocessable(where, "is not valid base64") from None
 
 
 def decode_files(files: Files, where: str, limits: ExecLimits) -> dict[str, bytes]:
@@ -179,13 +235,7 @@ def decode_files(files: Files, where: str, limits: ExecLimits) -> dict[str, byte
     for path, content in files.items():
         field_name = f"{where}.{path}"
         normal = inside_workdir(path, field_name)
-        if isinstance(content, str):
-            data = content.encode()
-        else:
-            try:
-                data = base64.b64decode(content.base64, validate=True)
-            except (binascii.Error, ValueError):
-                raise Unprocessable(field_name, "is not valid base64") from None
+        data = _content_bytes(content, field_name)
         total += len(data)
         if total > limits.max_files_bytes:
             raise TooLarge(where, f"files exceed {limits.max_files_bytes} bytes in all")
@@ -285,4 +335,4 @@ def exec_request(spec: ExecSpec, cores: tuple[int, ...], timeout_s: float, workd
         env[LONG_TESTS_ENV] = json.dumps(dict(long_tests))
     return ExecRequest(command=command, cores=cores, env=env, cwd=spec.cwd or workdir, timeout_s=timeout_s,
                        output_limit=spec.output_limit, reap=True, background=spec.background,
-                       pytest_runner=with_runner)
+                       pytest_runner=with_runner, stdin=spec.stdin, user=spec.user)

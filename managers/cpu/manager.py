@@ -26,13 +26,15 @@ from prometheus_client import Counter as MetricCounter
 from managers.cpu.action_result import action_result
 from managers.cpu.config import CpuConfig, CpuNodeConfig, on_this_host
 from managers.cpu.environment import CpuHandle, Environment, EnvState
+from managers.cpu.environment_files import alone
 from managers.cpu.environments import Environments
 from managers.cpu.exec_spec import ExecSpec, ExecSpecBody, exec_request, parse_exec_spec, runner_report
 from managers.cpu.long_tests import LongTests, long_tests_from
 from managers.cpu.node import RESOURCE, CpuNode
 from managers.cpu.resizing import CpuResizing
 from managers.cpu.sandbox_backends import SandboxFactory, open_sandbox_backend
-from sandboxes.backend import NODE_UNAVAILABLE, Leftover, SandboxBackend, SandboxError
+from sandboxes.backend import NODE_UNAVAILABLE, Leftover, SandboxBackend, SandboxError, sandbox_owner
+from sandboxes.file_wire import WriteFiles
 from tangram.core.action import Action, Kind
 from tangram.core.errors import ActionFailed, Conflict, NotFound, Unprocessable
 from tangram.core.fencing import current
@@ -312,6 +314,9 @@ class CpuManager(ResourceManager[CpuHandle]):
         spec = self.exec_spec(action)
         if spec.background:
             self._check_background(action, spec)
+        if spec.run_timeout_s is not None and spec.run_timeout_s > action.timeout_s:
+            raise Unprocessable("spec.run_timeout_s", f"must be at most the action's timeout_s ({action.timeout_s} "
+                                                      f"s), the deadline from submission that bounds the run too")
         if spec.environment is not None:
             env = self.environments.get(spec.environment)
             if env is None or env.task != action.task:
@@ -319,19 +324,32 @@ class CpuManager(ResourceManager[CpuHandle]):
             if env.state is EnvState.LOST:
                 raise Conflict("spec.environment", f"environment {env.id} is lost ({env.lost_reason}); delete it "
                                                    f"and create another")
+            self._check_user(spec, env.sandbox_user)
             return
         self.environments.check_memory(spec.memory_mb, "spec.memory_mb")
         existing = self.environment_of(action)
+        self._check_user(spec, existing.sandbox_user if existing is not None else spec.sandbox_user)
         if existing is None:
             self.environments.check_room("spec")
-        elif spec.files:
-            raise Unprocessable("spec.files", f"trajectory {action.trajectory!r} has its environment {existing.id} "
-                                              f"already, and files are written only when an environment is "
-                                              f"created: write them with a command, or delete the environment")
         elif spec.sandbox_user is not None and spec.sandbox_user != existing.sandbox_user:
             raise Unprocessable("spec.sandbox_user", f"trajectory {action.trajectory!r} has its environment "
                                                      f"{existing.id} already, running as {existing.sandbox_user}: a "
                                                      f"user is chosen when an environment is created")
+
+    def _check_user(self, spec: ExecSpec, sandbox_user: str | None) -> None:
+        """A Docker sandbox drops every capability, root's too, so its executor cannot change users: ``spec.user``
+        may give the ids of the environment's own user only. A name is looked up in the image by the executor,
+        which refuses one of another user (exec_error); local processes are the executor's to judge."""
+        own = sandbox_user or self.config.sandbox_user
+        if spec.user is None or isinstance(spec.user, str) and ":" not in spec.user \
+                or any(node.config.backend == "local" for node in self.nodes.values()):
+            return
+        uid, gid = sandbox_owner(own)
+        if spec.user in (uid, f"{uid}:{gid}"):
+            return
+        raise Unprocessable("spec.user", f"the environment runs as {own} and its sandbox holds no capability to "
+                                         f"change users (all are dropped, root's too): give its own ids ({uid}:"
+                                         f"{gid}) or leave user out")
 
     def _check_background(self, action: Action, spec: ExecSpec) -> None:
         """A background command lives in an environment that outlives its action, in a container that can end it
@@ -391,13 +409,6 @@ class CpuManager(ResourceManager[CpuHandle]):
         if env is None:
             raise ActionFailed("environment_destroyed", f"environment {self.exec_spec(action).environment} was "
                                                         f"deleted after this action was submitted")
-        if self.exec_spec(action).files and env.reserved_by != action.id:
-            # its trajectory's environment was made after this action was submitted (by an action before it, or
-            # taken over at a restart): its files would be silently left out, so nothing runs
-            raise ActionFailed("files_not_written", f"spec.files: environment {env.id} of trajectory "
-                                                    f"{action.trajectory!r} was made before this action started, and "
-                                                    f"files are written only when an environment is created; the "
-                                                    f"command did not run", environment=env.id)
         try:
             return await self._execute_in(env, action, allocation)
         except ActionFailed as failure:
@@ -412,19 +423,26 @@ class CpuManager(ResourceManager[CpuHandle]):
             sandbox = await self.environments.sandbox(env)
             setup_s = time.perf_counter() - setup_started
             remaining = action.submitted_at + action.timeout_s - time.time() - DEADLINE_MARGIN_S
+            # the command's own limit counts from its start here, whatever it waited; the deadline still bounds it
+            limit, timeout_s = ("run_timeout_s", spec.run_timeout_s) \
+                if spec.run_timeout_s is not None and spec.run_timeout_s < remaining else ("timeout_s", remaining)
             cores = allocation.held()[2]  # as resized while the sandbox was being created
             held = action.malleable
             # an executor adopted from an older broker has no runner beside it: xdist on the cores it starts on
             runner = "xdist" if getattr(sandbox, "old_executor", False) else self.config.pytest_runner
-            request = exec_request(spec, cores, max(remaining, 0.001), sandbox.workdir,
+            request = exec_request(spec, cores, max(timeout_s, 0.001), sandbox.workdir,
                                    {"TANGRAM_ACTION_ID": action.id, "TANGRAM_ENVIRONMENT": env.id},
                                    workers=held.workers if held is not None else None,
                                    follows=held is not None and held.follows, runner=runner,
                                    long_tests=self.long_tests.hint((action.task, action.signature)))
             env.running.add(action.id)
             try:
-                current().check()  # a deposed leader runs no more commands (tangram/core/fencing.py)
-                executed = await sandbox.execute(action.id, request)
+                if spec.files and env.reserved_by != action.id:  # not written when the environment was made
+                    async with env.turns.alone():
+                        await alone(self.environments, env, WriteFiles(spec.files))
+                async with env.turns.command():
+                    current().check()  # a deposed leader runs no more commands (tangram/core/fencing.py)
+                    executed = await sandbox.execute(action.id, request)
             except SandboxError as error:
                 if error.lost:
                     self.environments.mark_lost(env, error.message)
@@ -437,7 +455,8 @@ class CpuManager(ResourceManager[CpuHandle]):
         finally:
             if env.ephemeral and not env.running:
                 await self.environments.destroy(env)
-        result = action_result(executed.result, env, allocation.held()[2], setup_s)
+        result = action_result(executed.result, env, allocation.held()[2], setup_s, limit, spec.run_timeout_s
+                               if limit == "run_timeout_s" else action.timeout_s)
         if request.pytest_runner:
             result["pytest_runner"] = runner_report(executed.result.stdout)
             self.pytest_runs.labels(result["pytest_runner"]["runner"]).inc()
@@ -445,4 +464,4 @@ class CpuManager(ResourceManager[CpuHandle]):
         return Outcome(result)
 
     def plugins(self) -> CyclePlugins:
-        return CyclePlugins(metrics=lambda registry: registry.register(self.pytest_runs))
+        return CyclePlugins(metrics=lambda registry: registry.register(self.pytest_runs), environments=self)

@@ -7,7 +7,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import fields, replace
+from dataclasses import fields, is_dataclass, replace
+from typing import Any
 
 from managers.gpu.config import GpuConfig, on_this_host
 from managers.gpu.dict_view import DictView
@@ -77,10 +78,10 @@ class ServiceCatalog(DictView[str, ServiceSpec]):
         """The services ``new`` adds; ``Conflict`` naming the field for any other change (a restart's)."""
         sized = on_this_host(new)  # as the running config was
         for field in fields(GpuConfig):
-            if field.name != "services" and getattr(sized, field.name) != getattr(self.config, field.name):
-                changed = next((f"gpu.nodes.{a.name}" for a, b in zip(sized.nodes, self.config.nodes) if a != b),
-                               "gpu.nodes") if field.name == "nodes" else f"gpu.{field.name}"
-                raise Conflict(changed, "changes need a restart (a reload adds services only)")
+            now, running = getattr(sized, field.name), getattr(self.config, field.name)
+            if field.name != "services" and now != running:
+                raise Conflict(_changed_key(field.name, now, running), "changes need a restart (a reload adds "
+                                                                       "services only)")
         given = {spec.name: spec for spec in new.services}
         for name, spec in self._items.items():
             if given.get(name) != spec:
@@ -119,3 +120,14 @@ class ServiceCatalog(DictView[str, ServiceSpec]):
         for task in list(self._preparations):
             task.cancel()
         await asyncio.gather(*self._preparations, return_exceptions=True)
+
+
+def _changed_key(name: str, new: Any, running: Any) -> str:
+    """The first key under ``[gpu] name`` that a reload changed: a node's table, or a key of a sub-table such as
+    ``[gpu.fit]``, so that the ``Conflict`` names what the file spells (``ray`` is a copy of ``[ray]``, not a
+    ``[gpu]`` table)."""
+    if name == "nodes":
+        return next((f"gpu.nodes.{a.name}" for a, b in zip(new, running) if a != b), "gpu.nodes")
+    if name != "ray" and is_dataclass(new) and type(new) is type(running):
+        return next(f"gpu.{name}.{f.name}" for f in fields(new) if getattr(new, f.name) != getattr(running, f.name))
+    return f"gpu.{name}"

@@ -1,4 +1,6 @@
-"""Configuration of the GPU manager: its nodes (GPUs, memory budgets) and the reward services it hosts."""
+"""Configuration of the GPU manager: its nodes (GPUs, memory budgets), the reward services it hosts, and the
+arguments of its fit (``[gpu.fit]``) and its live placement (``[gpu.placement]``). A key that ``[gpu]`` held before
+those tables is refused with the place it moved to (``refuse_moved``)."""
 
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from tangram.core.config_tables import (
 )
 from tangram.core.errors import ConfigError
 
-#: ``[gpu] placement``: "auto" (ILP on nodes of several types), "none", or the method to solve it with
+#: ``[gpu.placement] method``: "auto" (ILP on nodes of several types), "none", or the method to solve it with
 PlacementChoice = Literal["auto", "none", "ilp", "greedy"]
 
 #: what the torch worker computes (an embedding model); SGLang serves every task
@@ -79,6 +81,39 @@ class GpuJoinConfig:
 
 
 @dataclass(frozen=True)
+class GpuFitArgs:
+    """``[gpu.fit]``: the arguments of the GPU manager's fit (``managers/gpu/fit.py``), which places each reward
+    action on a node in a scheduling pass."""
+
+    __pydantic_config__ = TABLE
+
+    #: an action whose service is resident on busy GPUs waits up to one restore's time for them before it is
+    #: restored on free ones elsewhere (delay scheduling, ``managers/gpu/delay_wait.py``)
+    wait_for_resident: Flag = False
+    #: on nodes of more than one type, an action goes where it is expected to end first (its restore if not
+    #: resident there, plus its run time on that type as measured); off: the type-blind fit of one type
+    typed: Flag = True
+
+
+@dataclass(frozen=True)
+class GpuPlacementArgs:
+    """``[gpu.placement]``: the placement the GPU manager solves from the demand it measures
+    (``managers/gpu/live_placement.py``); its fit then looks only at the nodes each service is placed on."""
+
+    __pydantic_config__ = TABLE
+
+    #: which node groups each service may run on: "auto" is "ilp" when the nodes are of more than one type and
+    #: "none" otherwise (on one type every service would be placed on every node)
+    method: PlacementChoice = "auto"
+    #: how often the placement is solved again (also at once when services are added or nodes leave or join)
+    interval_s: PositiveSeconds = 30.0
+    #: the time constant of the demand the placement is solved for (``managers/gpu/service_demand.py``)
+    window_s: PositiveSeconds = 300.0
+    #: HiGHS's time limit per solve; past it the greedy's answer is taken
+    time_limit_s: PositiveSeconds = 1.0
+
+
+@dataclass(frozen=True)
 class GpuConfig:
     __pydantic_config__ = TABLE
 
@@ -89,35 +124,43 @@ class GpuConfig:
     #: where SGLang servers write their logs
     log_dir: Text = "/var/log/tangram/services" if os.geteuid() == 0 else f"/tmp/tangram-{os.geteuid()}/services"
     limits: RewardLimits = field(default_factory=RewardLimits)
-    #: an action whose service is resident on busy GPUs waits up to one restore's time for them before it is
-    #: restored on free ones elsewhere (delay scheduling, ``managers/gpu/delay_wait.py``)
-    wait_for_resident: Flag = False
     #: GPU nodes join (and leave) at runtime from the Ray cluster; absent: only the configured nodes serve
     join: GpuJoinConfig | None = None
     #: the ``[ray]`` section, for the nodes with ``agent = true`` and joining nodes (``parse_config`` sets it)
     ray: RayConfig = field(default_factory=RayConfig)
     #: GPU types by name: the shipped ones with the ``[gpu.types.NAME]`` tables merged in
     types: Mapping[str, GpuType] = field(default_factory=lambda: dict(GPU_TYPES))
-    #: which node groups each service may run on, solved from measured demand (``managers/gpu/live_placement.py``):
-    #: "auto" is "ilp" when the nodes are of more than one type and "none" otherwise (on one type every service
-    #: would be placed on every node)
-    placement: PlacementChoice = "auto"
-    #: how often the placement is solved again (also at once when services are added or nodes leave or join)
-    placement_interval_s: PositiveSeconds = 30.0
-    #: the time constant of the demand the placement is solved for (``managers/gpu/service_demand.py``)
-    placement_window_s: PositiveSeconds = 300.0
-    #: HiGHS's time limit per solve; past it the greedy's answer is taken
-    placement_time_limit_s: PositiveSeconds = 1.0
-    #: on nodes of more than one type, an action goes where it is expected to end first (its restore if not
-    #: resident there, plus its run time on that type as measured); off: the type-blind fit of one type
-    typed_fit: Flag = True
+    #: ``[gpu.fit]``: what the fit weighs where the nodes are busy or of several types
+    fit: GpuFitArgs = field(default_factory=GpuFitArgs)
+    #: ``[gpu.placement]``: the placement the manager solves from the demand it measures
+    placement: GpuPlacementArgs = field(default_factory=GpuPlacementArgs)
 
     @property
     def placement_method(self) -> Literal["ilp", "greedy"] | None:
-        """The placement the manager solves, "auto" resolved; None for none."""
-        if self.placement == "auto":
+        """The placement the manager solves, "auto" resolved by the nodes' types; None for none."""
+        method = self.placement.method
+        if method == "auto":
             return "ilp" if len({node.type for node in self.nodes}) > 1 else None
-        return None if self.placement == "none" else self.placement
+        return None if method == "none" else method
+
+
+#: the keys ``[gpu]`` held before they moved under the plugin that reads them, and where each went
+MOVED = {
+    "wait_for_resident": "[gpu.fit] wait_for_resident",
+    "typed_fit": "[gpu.fit] typed",
+    "placement": "[gpu.placement] method (\"auto\", \"none\", \"ilp\" or \"greedy\")",
+    "placement_interval_s": "[gpu.placement] interval_s",
+    "placement_window_s": "[gpu.placement] window_s",
+    "placement_time_limit_s": "[gpu.placement] time_limit_s",
+}
+
+
+def refuse_moved(raw: Mapping[str, Any]) -> None:
+    """Name where an older config's ``[gpu]`` key went, rather than calling it unknown. ``placement`` is moved
+    only when it is not a table: ``[gpu.placement]`` is its new form."""
+    for key, now in MOVED.items():
+        if key in raw and not (key == "placement" and isinstance(raw[key], dict)):
+            raise ConfigError(f"gpu.{key}", f"moved: now {now}")
 
 
 def parse_gpu_config(raw: Any) -> GpuConfig:
@@ -125,6 +168,7 @@ def parse_gpu_config(raw: Any) -> GpuConfig:
     inner = {"nodes", "services", "types"}
     if isinstance(raw, dict):
         check_no_ray_keys(raw, "gpu")
+        refuse_moved(raw)
     config = table(GpuConfig, {k: v for k, v in raw.items() if k not in inner} if isinstance(raw, dict) else raw,
                    "gpu")
     types = merge_types(raw.get("types", {}), "gpu.types")

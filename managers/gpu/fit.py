@@ -11,6 +11,7 @@ from typing import Protocol
 
 from managers.gpu.chunk_operator import ChunkOperator
 from managers.gpu.chunks import Chunk, after_allocating
+from managers.gpu.config import GpuFitArgs
 from managers.gpu.confinement import ServiceConfinement
 from managers.gpu.delay_wait import DelayWaits
 from managers.gpu.disk_tier import DiskTier
@@ -28,8 +29,8 @@ from tangram.core.seam import Fit
 class FitSubject(Protocol):
     """What the fit reads of the GPU manager."""
 
-    typed_fit: bool
-    wait_for_resident: bool
+    #: ``[gpu.fit]``: the typed fit, and whether to wait for a node where the service is resident
+    fit_args: GpuFitArgs
     waits: DelayWaits
     restore_time: LearnedSeconds
     disk: DiskTier
@@ -62,8 +63,8 @@ class GpuFit(Fit):
         self.deferred: set[str] = set()
         self._best_of: dict[tuple[str, int, tuple[int, ...]], Choice | None] = {}
         #: nodes of more than one type with the typed fit on: where an action is expected to end first comes first
-        self.typed = manager.typed_fit and len({node.config.type for node in manager.nodes.values()
-                                               if node.lost is None}) > 1
+        self.typed = manager.fit_args.typed and len({node.config.type for node in manager.nodes.values()
+                                                     if node.lost is None}) > 1
         #: (service, DoP) of the instances resident on nodes in service, read once per pass
         self._resident: set[tuple[str, int]] | None = None
         #: actions refused this pass only because the nodes their service is placed on are full (``place_services``)
@@ -135,7 +136,7 @@ class GpuFit(Fit):
         if not not_resident:
             return 0.0
         seconds = 0.0
-        if self.manager.wait_for_resident and self._resident_somewhere(service, dops):
+        if self.manager.fit_args.wait_for_resident and self._resident_somewhere(service, dops):
             seconds += self.manager.restore_time.estimate(service)
         if not_in_host and self.manager.disk.held(service):
             seconds += self.manager.disk.load_time.estimate(service)

@@ -9,10 +9,10 @@ the service fits, and it is restored from host memory, runs, and stays cached (`
 
 Pools are nodes. ``fit`` places an action on a node that already holds its service, at a DoP the action accepts,
 on a free chunk, else on the node with the most free GPUs (room for the elastic DP to scale actions up; inside a
-node, the buddy allocator's smallest fit keeps large chunks whole). With ``wait_for_resident`` an action whose
-service is resident only on busy GPUs waits for them up to one restore's time (``delay_wait.py``). The DP plans
-with the chunk operator, which follows the allocator's own transitions. ``place_services`` confines each service to
-the nodes a placement gives it (``placement.py``, ``confinement.py``): the fit then looks only there.
+node, the buddy allocator's smallest fit keeps large chunks whole). With ``[gpu.fit] wait_for_resident`` an action
+whose service is resident only on busy GPUs waits for them up to one restore's time (``delay_wait.py``). The DP
+plans with the chunk operator, which follows the allocator's own transitions. ``place_services`` confines each
+service to the nodes a placement gives it (``placement.py``, ``confinement.py``): the fit then looks only there.
 
 The class is a facade over one keeper per concern: services (``catalog.py``), nodes (``nodes.py``), Ray
 membership (``membership.py``), the fit, confinement, setup costs for HRRS, prefetch (``disk_tier.py``), switches
@@ -74,15 +74,15 @@ class GpuManager(ResourceManager[GpuHandle]):
         self.disk = DiskTier(self.nodes, self.services, self.confinement.may_run)
         #: actions deferred to wait for a node that holds their service (delay scheduling)
         self.waits = DelayWaits(clock)
-        self.wait_for_resident = config.wait_for_resident
-        self.typed_fit = config.typed_fit
+        #: ``[gpu.fit]``, read by each pass's fit
+        self.fit_args = config.fit
         #: each service's demand and run time per GPU type; the broker tells it of actions (``watchers``)
         self.demand = ServiceDemand(lambda action: self.reward_request(action).service, self.nodes.type_of,
                                     config.types, {spec.name: bound_of(spec.task) for spec in config.services},
-                                    config.placement_window_s)
+                                    config.placement.window_s)
         method = config.placement_method
         self.live = None if method is None else LivePlacement(
-            method, self.demand, config.placement_interval_s, config.placement_time_limit_s, clock, solve_inline)
+            method, self.demand, config.placement.interval_s, config.placement.time_limit_s, clock, solve_inline)
         self.setup = SetupCosts(self.nodes, self.confinement.may_run, self.reward_request, self.restore_time,
                                 self.demand, config.types)
         self.switch = ResidencySwitch(self.services, self.disk, self.restore_time)
@@ -221,7 +221,8 @@ class GpuManager(ResourceManager[GpuHandle]):
         return describe_services(self.services, self.nodes, self.demand, self.live)
 
     def describe_placement(self) -> dict[str, Any] | None:
-        """The placement in force (``GET /v1/resources``); None when the manager solves none (``[gpu] placement``)."""
+        """The placement in force (``GET /v1/resources``); None when the manager solves none
+        (``[gpu.placement] method``)."""
         return self.live.summary() if self.live is not None else None
 
     # -- execution ------------------------------------------------------------------------------------------

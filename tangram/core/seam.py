@@ -62,6 +62,20 @@ class ReserveOrder(Protocol):
     def order(self, queue: Iterable[Action], running: Iterable[Action]) -> Iterable[Action]: ...
 
 
+class EnvironmentHost(Protocol):
+    """A manager that keeps per-task environments (the CPU manager's sandboxes): what the per-task environment and
+    memory caps count (``tangram/sched/tenants.py``), and which trajectories are still open (the arrival model)."""
+
+    def environment_demand(self, action: Action) -> int | None:
+        """MiB of the environment ``action`` would create if it started now; None if it needs none."""
+
+    def task_usage(self, task: str) -> tuple[int, int]:
+        """The task's environments and the MiB they reserve."""
+
+    def holds_environment(self, task: str, trajectory: str) -> bool:
+        """Whether the trajectory still has its environment (it has not ended): its next action is to come."""
+
+
 @dataclass(frozen=True, slots=True)
 class CyclePlugins:
     """What a manager, or a feature built beside the managers (SLO admission), adds to the scheduling cycle and the
@@ -81,6 +95,9 @@ class CyclePlugins:
     next_change_in: Callable[[], float | None] | None = None
     #: adds the manager's own Prometheus metrics (restores, evictions, ...) to the broker's registry
     metrics: Callable[[MetricsRegistry], None] | None = None
+    #: the environments the per-task caps count, for the environment-caps filter and the submit checks (at most
+    #: one in a cycle)
+    environments: EnvironmentHost | None = None
 
 
 #: what a manager keeps in its allocations to find their resources again (the CPU manager: environment, node and

@@ -2,7 +2,8 @@
 
 A pass runs fixed extension points in this order:
 
-1. queue filters: the per-task caps (``tenants.TaskLedger``), then the allocation back-off (``backoff``);
+1. queue filters: the per-task caps (``tenants.TaskLedger``: running actions, and the environments and memory of
+   the manager whose plugins offer them), then the allocation back-off (``backoff``);
 2. the queue order: as queued (FCFS), or setup-aware (HRRS, ``setup_order``) where the profile (``profile``) says;
 3. the reserve order: the queued actions owed an SLO reservation first (``reserved_shares``, from SLO admission);
 4. the scheduler (``scheduler``), whose plan the caller applies (shrinks, starts, grows);
@@ -24,6 +25,7 @@ from tangram.core.seam import (
     ActionWatcher,
     Allocation,
     CyclePlugins,
+    EnvironmentHost,
     Foresight,
     MetricsRegistry,
     ReserveOrder,
@@ -37,7 +39,7 @@ from tangram.sched.profile import SchedulerProfile
 from tangram.sched.queue import FCFSQueue, QueuePolicy
 from tangram.sched.scheduler import Placement, Plan, Resize, Scheduler
 from tangram.sched.setup_order import SetupAwareOrder
-from tangram.sched.tenants import EnvironmentHost, TaskLedger
+from tangram.sched.tenants import TaskLedger
 
 
 class Cycle:
@@ -84,7 +86,11 @@ class Cycle:
         self.watchers: list[ActionWatcher] = [watcher for p in every for watcher in p.watchers]
         self._change_hints = [p.next_change_in for p in every if p.next_change_in is not None]
         self._metrics = [p.metrics for p in every if p.metrics is not None]
-        self.environment_host = next((m for m in self.managers if isinstance(m, EnvironmentHost)), None)
+        hosts = [p.environments for p in every if p.environments is not None]
+        if len(hosts) > 1:
+            raise ValueError(f"one environment host at most; plugins give {len(hosts)}")
+        #: the environments the per-task caps count (the CPU manager's), for the environment-caps filter
+        self.environment_host: EnvironmentHost | None = hosts[0] if hosts else None
         #: how long the last pass took to plan (filters, orders and the scheduler), in seconds
         self.last_pass_s = 0.0
 

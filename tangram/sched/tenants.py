@@ -22,13 +22,13 @@ import math
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Protocol, runtime_checkable
 
 import orjson
 
 from tangram.core.action import Action
 from tangram.core.config_tables import TABLE, NonNegative
 from tangram.core.errors import TooMany
+from tangram.core.seam import EnvironmentHost
 
 #: Retry-After for an environment or memory cap: room comes back when the task's sandboxes are deleted or idle out,
 #: which the broker cannot foresee
@@ -90,20 +90,6 @@ class OverCap(TooMany):
     def __init__(self, task: str, cap: str, limit: int, reason: str, retry_after_s: int) -> None:
         super().__init__("task", reason, retry_after_s, cap=cap, limit=limit)
         self.task = task
-
-
-@runtime_checkable
-class EnvironmentHost(Protocol):
-    """What a manager that keeps per-task environments (the CPU manager) tells the caps."""
-
-    def environment_demand(self, action: Action) -> int | None:
-        """MiB of the environment ``action`` would create if it started now; None if it needs none."""
-
-    def task_usage(self, task: str) -> tuple[int, int]:
-        """The task's environments and the MiB they reserve."""
-
-    def holds_environment(self, task: str, trajectory: str) -> bool:
-        """Whether the trajectory still has its environment (it has not ended): its next action is to come."""
 
 
 def spec_bytes(action: Action) -> int:

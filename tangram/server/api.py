@@ -23,6 +23,7 @@ from tangram.parse import FLAGS, Limits, parse_action_json, parse_batch_json, to
 from tangram.server.auth import AUTH, add_auth, authenticate, own_task, principal_of
 from tangram.server.broker_views import broker_stats, resource_rows
 from tangram.server.common import BROKER, LIMITS, SERVER, json_response, read_body, read_json
+from tangram.server.environment_files_api import add_environment_file_routes
 from tangram.server.environments_api import add_environment_routes, largest_node_memory
 from tangram.server.http_errors import headers_of, status_of
 from tangram.server.openapi import openapi_document
@@ -259,6 +260,7 @@ def build_app(broker: Broker, server: ServerConfig, limits: Limits, slo: SloAdmi
     app.router.add_delete("/v1/leases/{id}", release_lease)
     app.router.add_get("/v1/resources", resources)
     add_environment_routes(app)
+    add_environment_file_routes(app)
     add_profile_routes(app)
     add_service_routes(app)
     add_slo_routes(app, slo)

@@ -16,7 +16,7 @@ from tangram.core.action import Kind
 from tangram.core.errors import BadRequest, NotFound, Unprocessable
 from tangram.core.names import Name
 from tangram.core.schema import Schema, parse_json
-from tangram.sched.tenants import EnvironmentHost
+from tangram.core.seam import EnvironmentHost
 from tangram.server.auth import listed_task, own_task, principal_of
 from tangram.server.common import BROKER, json_response, read_body
 
@@ -48,7 +48,7 @@ class EnvironmentManager(EnvironmentHost, Protocol):
     environments: Environments
 
 
-def _manager(request: web.Request) -> EnvironmentManager:
+def environment_manager(request: web.Request) -> EnvironmentManager:
     manager = request.app[BROKER].executor.get(Kind.EXEC)
     if not isinstance(manager, EnvironmentManager):
         raise Unprocessable("path", "this broker has no CPU manager (enable [cpu] in its config)")
@@ -63,7 +63,7 @@ def largest_node_memory(broker: Broker) -> int | None:
 
 
 async def create_environment(request: web.Request) -> web.Response:
-    manager = _manager(request)
+    manager = environment_manager(request)
     body = parse_json(ENVIRONMENT_REQUEST, await read_body(request))
     task = own_task(body.task, principal_of(request))
     if task is None:
@@ -78,13 +78,13 @@ async def create_environment(request: web.Request) -> web.Response:
 
 
 async def list_environments(request: web.Request) -> web.Response:
-    manager = _manager(request)
+    manager = environment_manager(request)
     task = listed_task(request)
     envs = [e.to_json() for e in manager.environments.values() if task is None or e.task == task]
     return json_response({"environments": envs})
 
 
-def _environment(request: web.Request, manager: EnvironmentManager) -> Environment:
+def environment_named(request: web.Request, manager: EnvironmentManager) -> Environment:
     """The environment the path names, if the caller may see it; 404 otherwise."""
     env_id = request.match_info["id"]
     env = manager.environments.named(env_id)
@@ -95,12 +95,12 @@ def _environment(request: web.Request, manager: EnvironmentManager) -> Environme
 
 
 async def get_environment(request: web.Request) -> web.Response:
-    return json_response(_environment(request, _manager(request)).to_json())
+    return json_response(environment_named(request, environment_manager(request)).to_json())
 
 
 async def delete_environment(request: web.Request) -> web.Response:
-    manager = _manager(request)
-    env = await manager.environments.delete(_environment(request, manager).id)
+    manager = environment_manager(request)
+    env = await manager.environments.delete(environment_named(request, manager).id)
     return json_response(env.to_json())
 
 

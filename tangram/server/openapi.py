@@ -25,6 +25,7 @@ from tangram.records import (
     TokenRecord,
 )
 from tangram.server.auth import ADMIN_ROUTES, TOKEN_REQUEST
+from tangram.server.environment_files_api import FilesRequest
 from tangram.server.environments_api import EnvironmentRequest
 from tangram.slo.plan import SloPlan
 
@@ -278,6 +279,7 @@ def openapi_document(server: ServerConfig, limits: Limits, resources: Sequence[s
             "type": "object", "required": ["field", "reason"],
             "properties": {"field": {"type": "string"}, "reason": {"type": "string"}}}}},
         "EnvironmentRequest": _with_task(_generated(EnvironmentRequest, schemas_out), required=not secured),
+        "FilesRequest": _generated(FilesRequest, schemas_out),
         **{model.__name__: _generated(model, schemas_out) for model in RESPONSES},
     }
     schemas.update(schemas_out)
@@ -296,7 +298,7 @@ def openapi_document(server: ServerConfig, limits: Limits, resources: Sequence[s
                      "413": _error("body, command or files too large"),
                      "422": _error(f"matches the schemas but breaks a rule they cannot state (min <= max, the "
                                    f"elasticity resource in the demand, an exec demands cpu, a reward input fits the "
-                                   f"service's task, spec.files for a trajectory that has its environment), or can "
+                                   f"service's task), or can "
                                    f"never run here ({too_much_memory}, more units than any pool has)"),
                      "429": _over_cap("the task is at a cap (max_queued, max_queued_bytes, max_environments, "
                                       "max_memory_mb; the "
@@ -373,6 +375,44 @@ def openapi_document(server: ServerConfig, limits: Limits, resources: Sequence[s
                            "responses": {"200": _json(_ref("EnvironmentRecord"), "destroyed"),
                                          "404": _error("unknown id"), "409": _error("actions run in it"),
                                          "422": _error("no CPU manager")}}},
+            "/v1/environments/{id}/files": {
+                "put": {"operationId": "writeEnvironmentFiles",
+                        "summary": "Write files into an environment, after its running commands and before later ones",
+                        "parameters": [id_param],
+                        "requestBody": {"required": True, "content": {
+                            "application/json": {"schema": _ref("FilesRequest")},
+                            "application/x-tar": {"schema": {"type": "string", "format": "binary"}}}},
+                        "responses": {"200": _json({"type": "object", "required": ["environment", "files", "bytes"],
+                                                    "properties": {"environment": {"type": "string"},
+                                                                   "files": {"type": "integer"},
+                                                                   "bytes": {"type": "integer"}}}, "written"),
+                                      "400": _error("invalid request, or a body that is no uncompressed tar"),
+                                      "404": _error("unknown id, or a parent that is not there"),
+                                      "409": _error("the environment is lost"),
+                                      "413": _error("files past max_files or max_files_bytes, or body too large"),
+                                      "422": _error("a path that leaves the working directory (also through a link "
+                                                    "in the sandbox), a link, device or FIFO in a tar, a path that is "
+                                                    "a directory or special file, a write the sandbox's user may "
+                                                    "not make, no CPU manager"),
+                                      "503": _error("a command still runs there past max_wait_s, or the engine "
+                                                    "failed")}},
+                "get": {"operationId": "readEnvironmentFile",
+                        "summary": "Read a file (its bytes) or a directory (an uncompressed tar) of an environment",
+                        "parameters": [id_param, {"name": "path", "in": "query", "required": True,
+                                                  "schema": {"type": "string"},
+                                                  "description": "relative to the working directory; . for all"}],
+                        "responses": {"200": {"description": "the file's bytes, or a tar of the directory",
+                                              "content": {"application/octet-stream": {"schema": {
+                                                  "type": "string", "format": "binary"}},
+                                                          "application/x-tar": {"schema": {
+                                                              "type": "string", "format": "binary"}}}},
+                                      "400": _error("path missing"), "404": _error("unknown id or path"),
+                                      "409": _error("the environment is lost"),
+                                      "413": _error("the file or the directory's tar is past max_files_bytes"),
+                                      "422": _error("a path that leaves the working directory (also through a link "
+                                                    "in the sandbox), a FIFO, socket or device, no CPU manager"),
+                                      "503": _error("a command still runs there past max_wait_s, or the engine "
+                                                    "failed")}}},
             "/v1/services": {"get": {
                 "operationId": "listServices", "summary": "Reward services the GPU manager hosts, and where each is resident",
                 "responses": {"200": _json({"type": "object", "required": ["services"], "properties": {

@@ -1,7 +1,7 @@
 """What a request must be before any handler sees it, and how long the broker waits for it.
 
 * A body is JSON and says so: a request with a body (any method) must carry ``Content-Type: application/json``
-  (415 otherwise). A web page can send ``text/plain`` or a form to any address without asking first; it cannot
+  (415 otherwise), or the one other type its route takes (``OTHER_BODIES``: a tar of files). A web page can send ``text/plain`` or a form to any address without asking first; it cannot
   send ``application/json`` elsewhere without a CORS preflight, which this API never grants. A request without a
   body (``DELETE /v1/leases/{id}``, ``POST /v1/admin/drain`` with no options) needs no ``Content-Type``.
 * While auth is off, the broker answers only requests addressed to this host by a loopback name (``Host``) and,
@@ -29,6 +29,9 @@ from tangram.server.common import SERVER, json_response
 from tangram.server.loopback import host_header_is_loopback, origin_is_loopback
 
 JSON = "application/json"
+#: the routes that also take another body than JSON, and its type: like JSON, one that no page can send to another
+#: site without a CORS preflight (a tar of files for an environment)
+OTHER_BODIES = {("PUT", "/v1/environments/{id}/files"): "application/x-tar"}
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 TURN_AUTH_ON = ("to serve other hosts or pages, turn auth on ([auth] required = true with a token: `tangram token "
                 "create --admin`; a start on a non-loopback address does it by itself)")
@@ -43,9 +46,11 @@ def http_settings(server: ServerConfig) -> dict[str, Any]:
 @web.middleware
 async def guard_requests(request: web.Request, handler: Handler) -> web.StreamResponse:
     """415 for a body not declared JSON; 403 for a non-loopback ``Host`` or ``Origin`` while auth is off."""
-    if request.body_exists and request.content_type != JSON:
+    if request.body_exists and request.content_type != JSON and request.content_type != _other_body(request):
         declared = request.headers.get(hdrs.CONTENT_TYPE)
-        raise UnsupportedMediaType("content-type", f"must be {JSON} for a request with a body (got "
+        other = _other_body(request)
+        raise UnsupportedMediaType("content-type", f"must be {JSON}{'' if other is None else ' or ' + other} for a "
+                                                   f"request with a body (got "
                                                    f"{'none' if declared is None else repr(declared)})")
     if not request.app[AUTH].enabled:
         host = request.headers.get(hdrs.HOST)
@@ -57,6 +62,12 @@ async def guard_requests(request: web.Request, handler: Handler) -> web.StreamRe
             raise Forbidden("origin", f"this broker runs without auth, so it answers no web page of another host "
                                       f"(Origin was {origin!r}); {TURN_AUTH_ON}")
     return await handler(request)
+
+
+def _other_body(request: web.Request) -> str | None:
+    """The other body type the request's route takes, if any (``OTHER_BODIES``)."""
+    resource = request.match_info.route.resource
+    return None if resource is None else OTHER_BODIES.get((request.method, resource.canonical))
 
 
 @web.middleware

@@ -20,7 +20,7 @@ from managers.basic.manager import BasicManager, BasicResourceConfig
 from managers.cpu.config import CpuConfig, CpuNodeConfig
 from managers.cpu.manager import CpuManager
 from managers.cpu.node import CpuNode
-from managers.gpu.config import GpuConfig, GpuNodeConfig, PlacementChoice
+from managers.gpu.config import GpuConfig, GpuFitArgs, GpuNodeConfig, GpuPlacementArgs, PlacementChoice
 from managers.gpu.gpu_types import REFERENCE_TYPE, restore_factor, speed
 from managers.gpu.host_tier import CopyState, HostTierFull
 from managers.gpu.manager import GpuManager
@@ -91,7 +91,8 @@ def build_managers(cluster: Cluster, clock: Any, malleable: bool = True,
                    worker_overhead: float = CpuConfig.worker_overhead, wait_for_resident: bool = False,
                    live_placement: PlacementChoice = "none", typed_fit: bool = False) -> list[ResourceManager]:
     """The real managers over the cluster's resources, with modelled sandboxes and services. The GPU manager's
-    ``[gpu] placement`` and ``typed_fit`` are off unless asked for: a scenario names what it compares."""
+    ``[gpu.placement] method`` and ``[gpu.fit] typed`` are off unless asked for: a scenario names what it
+    compares."""
     managers: list[ResourceManager] = []
     if cluster.cpu_nodes:
         nodes = tuple(CpuNodeConfig(name=f"cpu{i}", cores=tuple(range(cluster.cores_per_node)),
@@ -109,8 +110,9 @@ def build_managers(cluster: Cluster, clock: Any, malleable: bool = True,
                                   gpu_memory_mb=s.gpu_memory_mb, host_memory_mb=s.host_memory_mb)
                       for s in cluster.services)
         gpu = GpuManager(GpuConfig(enabled=True, nodes=gpu_node_configs(cluster), services=specs,
-                                   wait_for_resident=wait_for_resident, types=cluster.gpu_types,
-                                   placement=live_placement, typed_fit=typed_fit),
+                                   types=cluster.gpu_types,
+                                   fit=GpuFitArgs(wait_for_resident=wait_for_resident, typed=typed_fit),
+                                   placement=GpuPlacementArgs(method=live_placement)),
                          make_backend=lambda *_: _ModelledBackend(), clock=clock, solve_inline=True)
         for node in gpu.nodes.values():  # as ``GpuManager.start`` leaves it: copies prepared in turn, LRU dropped
             tier = node.tier
@@ -180,8 +182,9 @@ class BrokerStation:
         that method (``tangram/sim/placement.py``) gives it a variant, computed once at the start from ``loads``
         (service -> GPU-seconds per second on the reference type; the scenario's oracle, ``trace_loads``); None:
         every service on every node, today's broker. ``live_placement`` and ``typed_fit`` are the GPU manager's own
-        ``[gpu] placement`` (solved from the demand it measures as the run goes) and ``typed_fit``. ``reserved``:
-        the GPUs SLO admission reserves per task (``tangram/slo/plan.py``), put ahead as the broker does."""
+        ``[gpu.placement] method`` (solved from the demand it measures as the run goes) and ``[gpu.fit] typed``;
+        ``wait_for_resident`` is ``[gpu.fit] wait_for_resident``. ``reserved``: the GPUs SLO admission reserves
+        per task (``tangram/slo/plan.py``), put ahead as the broker does."""
         self.cluster = cluster
         self.costs: Costs = cluster.costs
         self.test_demand = test_demand

@@ -167,8 +167,8 @@ HETERO_NODES = (8, 8, 4, 8, 8, 4)
 HETERO_TYPES = ("h100", "h100", "h100", "h20", "h20", "h20")
 #: its policies: the type-blind broker (every service on every node, the fit blind to types); the typed fit alone
 #: (each action where it is expected to end first; no placement), the stronger baseline; the GPU manager's own
-#: placement, solved from the demand it measures as the run goes (``[gpu] placement = "ilp"``, the default on a
-#: typed cluster); and the placement solved once from the trace's loads (an oracle), by the ILP and by the greedy
+#: placement, solved from the demand it measures as the run goes (``[gpu.placement] method = "ilp"``, the default on
+#: a typed cluster); and the placement solved once from the trace's loads (an oracle), by the ILP and by the greedy
 HETERO_POLICIES: dict[str, dict[str, Any]] = {
     "tangram": {},
     "tangram-typed": {"typed_fit": True},

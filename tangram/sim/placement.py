@@ -4,7 +4,7 @@ given to the GPU manager as the groups where each service has a variant (``GpuMa
 
 The loads are an oracle: the whole trace's reward work is known before the run starts, which a broker never knows.
 It measures what a placement is worth with its input right, against the manager's own placement from the demand it
-measures (``[gpu] placement``, ``managers/gpu/live_placement.py``).
+measures (``[gpu.placement]``, ``managers/gpu/live_placement.py``).
 """
 
 from __future__ import annotations

@@ -12,11 +12,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from managers.remote.replies import Reply
 from sandboxes.backend import Executed, Leftover, Sandbox, SandboxBackend, SandboxError, SandboxSpec
 from sandboxes.exec_wire import ExecRequest, ExecResult
+from sandboxes.file_wire import FileOp
+
+T = TypeVar("T")
 
 log = logging.getLogger("tangram.cpu")
 
@@ -58,6 +61,11 @@ class AgentSandbox(Sandbox):
 
     async def repin(self, tag: str, cores: frozenset[int]) -> None:
         answer(await self._call("repin", self.env_id, tag, cores))
+
+    async def files(self, op: FileOp[T]) -> T:
+        """The agent's sandbox thaws, exchanges and freezes: one round trip."""
+        done: T = answer(await self._call("files", self.env_id, op))
+        return done
 
     async def destroy(self) -> None:
         answer(await self._call("destroy", self.env_id))

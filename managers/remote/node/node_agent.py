@@ -23,7 +23,8 @@ from managers.cpu.exec_spec import ExecLimits, check_files
 from managers.remote.replies import FencedAgent, replying
 from sandboxes.backend import Executed, Leftover, NodeHardware, Sandbox, SandboxBackend, SandboxError, SandboxSpec
 from sandboxes.exec_wire import ExecRequest, ExecResult
-from tangram.core.errors import RequestError
+from sandboxes.file_wire import FileData, ReadFile, WriteFiles, Written
+from tangram.core.errors import RequestError, TooLarge
 
 log = logging.getLogger("tangram.agent")
 
@@ -113,19 +114,41 @@ class NodeAgent(FencedAgent):
 
     @replying
     async def run(self, env_id: str, request: ExecRequest) -> ExecResult:
+        self._check_request(request)
         sandbox = await self._held(env_id)
         return await sandbox.run(request)
 
     @replying
     async def execute(self, env_id: str, tag: str, request: ExecRequest) -> Executed:
         """One action's command with its pinning and settling, in the one call an action costs the broker."""
+        self._check_request(request)
         sandbox = await self._held(env_id)
         return await sandbox.execute(tag, request)
+
+    def _check_request(self, request: ExecRequest) -> None:
+        """A command's stdin within what the API lets through (``max_stdin_bytes``)."""
+        if request.stdin is not None and len(request.stdin) > self._limits.max_stdin_bytes:
+            raise SandboxError("bad_request", f"stdin: {len(request.stdin)} bytes; the limit is "
+                                              f"{self._limits.max_stdin_bytes}")
 
     @replying
     async def repin(self, env_id: str, tag: str, cores: frozenset[int]) -> None:
         sandbox = await self._held(env_id)
         await sandbox.repin(tag, cores)
+
+    @replying
+    async def files(self, env_id: str, op: WriteFiles | ReadFile) -> Written | FileData:
+        """A file op in the sandbox; a write's files are checked as the API checks them (paths inside the working
+        directory, bounded counts and bytes), a read is bounded by the same limit."""
+        try:
+            if isinstance(op, WriteFiles):
+                check_files({**dict.fromkeys(op.dirs, b""), **op.files}, "files", self._limits)
+            elif op.limit > self._limits.max_files_bytes:
+                raise TooLarge("path", f"a read is bounded by {self._limits.max_files_bytes} bytes")
+        except RequestError as error:
+            raise SandboxError("file_bad_request", f"{error.field}: {error.reason}") from None
+        sandbox = await self._held(env_id)
+        return await sandbox.files(op)
 
     @replying
     async def destroy(self, env_id: str) -> None:
