@@ -309,6 +309,17 @@ class AsyncTangramClient:
         _, payload = await self._request("DELETE", f"/v1/environments/{environment_id}")
         return payload
 
+    async def fork(self, environment_id: str, n: int | None = None, *,
+                   trajectories: Sequence[str] | None = None) -> list[dict[str, Any]]:
+        """``n`` new environments from an environment's files as they are once its running commands end (GRPO's
+        rollouts from one prepared state), each its own trajectory: ``trajectories`` (one per fork; ``n`` may be
+        left out), else ``<source trajectory or id>-fork-<i>``. Naming them makes a retried fork a 409, never a
+        second set. Answers the forks' records."""
+        params = {"n": str(n)} if n is not None else None
+        body = {"trajectories": list(trajectories)} if trajectories is not None else None
+        _, payload = await self._request("POST", f"/v1/environments/{environment_id}/fork", body=body, params=params)
+        return payload["environments"]
+
     async def write_files(self, environment_id: str, files: Mapping[str, str | bytes]) -> dict[str, Any]:
         """Write files (relative path -> text, or bytes) into an environment at any time: after the commands
         running there end, before those submitted after. Answers ``{"environment", "files", "bytes"}``."""

@@ -98,6 +98,10 @@ class TangramClient:
     def delete_environment(self, environment_id: str) -> dict[str, Any]:
         return self._call(self._client.delete_environment(environment_id))
 
+    def fork(self, environment_id: str, n: int | None = None, *,
+             trajectories: Sequence[str] | None = None) -> list[dict[str, Any]]:
+        return self._call(self._client.fork(environment_id, n, trajectories=trajectories))
+
     def write_files(self, environment_id: str, files: Mapping[str, str | bytes]) -> dict[str, Any]:
         return self._call(self._client.write_files(environment_id, files))
 

@@ -3,8 +3,8 @@
 submitted and waited for), measured in the same run, alternating: exec, write, read, exec, write, read...
 
 Each figure is a client's wall time for one HTTP request on loopback, the broker and the sandbox's executor on this
-machine: the write is a JSON body (base64) the broker decodes, checks and re-encodes for the executor, which writes
-it atomically; the read comes back as raw bytes.
+machine: the write is a JSON body (base64) the broker decodes and checks, then sends raw to the executor (after its
+frame's JSON), which writes it atomically; the read comes back raw from the executor and as raw bytes.
 
     python -m loadtest.bench_files [--engine unix:///var/run/docker.sock] [--rounds 200] [--size 1048576]
 """

@@ -257,6 +257,12 @@ class Sandbox(abc.ABC):
         """What clients see about where the sandbox lives (container id, directory)."""
         return {}
 
+    async def snapshot(self) -> str:
+        """An image of its filesystem as it is now, for forks to be created from (``SandboxSpec.image``); the
+        caller holds it idle (no command runs). Its backend's ``drop_snapshot`` removes it once unused."""
+        raise SandboxError("fork_unsupported", f"{type(self).__name__} sandboxes cannot be forked; fork needs a "
+                                               f"node with Docker sandboxes")
+
 
 async def repin_via_executor(socket_path: str, tag: str, cores: frozenset[int]) -> bool:
     """``Sandbox.set_action_cores`` for a sandbox whose executor serves on ``socket_path`` (op "cpus"). Returns
@@ -311,6 +317,10 @@ class SandboxBackend(abc.ABC):
 
     async def start(self) -> None:
         """Connect and check the node is usable."""
+
+    async def drop_snapshot(self, image: str) -> None:
+        """Remove a ``Sandbox.snapshot`` image if no sandbox is created from it any more (else the last one's
+        removal does); this default has none to remove."""
 
     async def close(self) -> None:
         """Drop connections (sandboxes are destroyed by the manager first)."""

@@ -96,6 +96,12 @@ FILES_IN_EXECUTOR_DIR = "executor_files.py"
 MAX_ONCE_ARGUMENT_BYTES = 120 * 1024
 #: the engine's log of a sandbox (its executor's stderr, and whatever a command writes there): one file, capped
 CONTAINER_LOG = {"max-size": "1m", "max-file": "1"}
+#: a fork's image (``DockerSandbox.snapshot``), and through it every container created from it: the last such
+#: container's removal removes the image
+LABEL_FORK = "org.arl-tangram.fork"
+#: what a snapshot image must not pass on from the container it was committed from: the forks get their own
+#: identity (``SandboxSpec.labels``), never the source's warm or one-action marks
+SNAPSHOT_CHANGES = [f"LABEL {LABEL_FORK}=1 {LABEL_WARM}= {LABEL_EPHEMERAL}="]
 
 
 @dataclass(frozen=True)
@@ -335,6 +341,26 @@ class DockerSandbox(Sandbox):
 
     def describe(self) -> dict[str, Any]:
         return {"container": self.container.short_id, "engine": self.backend.engine}
+
+    async def snapshot(self) -> str:
+        """``docker commit`` of the idle container, untagged: its writable layer written once, which each fork
+        then has as its image's top layer (measured faster here than copying the files into each fork:
+        ``loadtest/bench_fork.py``). Not paused by the engine: the caller holds the sandbox idle, frozen."""
+        return str(await self.backend.off_loop(self._commit))
+
+    def _commit(self) -> str:
+        self.container.reload()
+        if self.container.attrs.get("HostConfig", {}).get("ReadonlyRootfs"):
+            raise SandboxError("fork_unsupported", "a read-only-root sandbox keeps its work dir in a volume, which "
+                                                   "a fork cannot copy; fork needs [cpu] read_only_root = false")
+        try:
+            return str(self.container.commit(changes=SNAPSHOT_CHANGES, pause=False).id)
+        except docker.errors.NotFound:
+            raise SandboxError("environment_lost", f"container {self.container.short_id} is gone",
+                               lost=True) from None
+        except docker.errors.APIError as error:
+            raise SandboxError("fork_failed", f"engine {self.backend.engine} could not snapshot container "
+                                              f"{self.container.short_id}: {error.explanation or error}") from None
 
 
 class DockerBackend(SandboxBackend):
@@ -593,6 +619,23 @@ class DockerBackend(SandboxBackend):
             pass
         except docker.errors.APIError as error:
             log.warning("could not remove container %s: %s", container.short_id, error)
+            return
+        if container.labels.get(LABEL_FORK) == "1":
+            self._drop_image(container.attrs.get("Image", ""))
+
+    async def drop_snapshot(self, image: str) -> None:
+        await self.off_loop(self._drop_image, image)
+
+    def _drop_image(self, image: str) -> None:
+        """Remove a snapshot image unless a container still uses it (the last one's removal does it then)."""
+        assert self.client is not None
+        try:
+            self.client.images.remove(image, noprune=False)
+        except docker.errors.NotFound:
+            pass
+        except docker.errors.APIError as error:
+            if error.status_code != 409:  # 409: a fork still uses it
+                log.warning("could not remove snapshot image %s: %s", image, error)
 
     def _labelled(self, broker_id: str) -> list[Container]:
         assert self.client is not None

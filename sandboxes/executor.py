@@ -8,7 +8,9 @@ capture and OOM detection; a round trip for `true` is ~1 ms plus process spawn.
 It is copied into arbitrary user images, so it is stdlib-only (with executor_files.py beside it) and runs on any
 python3 >= 3.8.
 
-Wire protocol (both directions): 4-byte big-endian unsigned length, then that many bytes of UTF-8 JSON.
+Wire protocol (both directions): 4-byte big-endian unsigned length, then that many bytes of UTF-8 JSON. A file
+op's bytes travel raw after their frame (no base64 to encode and decode, no JSON to scan): the JSON's "payload" is
+their count (a write's request, a read's answer). In once mode they are base64 in the JSON's "payload" instead.
 Requests carry "op": "ping", "run" (the default), "cpus", "write" or "read":
 
 * run: see run_command for the fields and the response. An optional "tag" names the command for "cpus";
@@ -974,14 +976,17 @@ def _log(message):
 
 
 def _recv_exact(sock, n):
-    """n bytes, or None when the peer closed before sending them."""
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(min(n - len(buf), 1 << 20))
-        if not chunk:
+    """n bytes (a bytearray, received in place: a payload of MiBs is not copied), or None when the peer closed
+    before sending them."""
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        count = sock.recv_into(view[got:], min(n - got, 1 << 20))
+        if not count:
             return None
-        buf += chunk
-    return bytes(buf)
+        got += count
+    return buf
 
 
 def _encode(obj):
@@ -989,38 +994,75 @@ def _encode(obj):
 
 
 def _send(sock, obj):
+    """One answer frame; an answer's bytes "payload" follows its JSON raw, its length in the JSON's "payload"."""
+    payload = obj.get("payload") if isinstance(obj, dict) else None
+    if isinstance(payload, (bytes, bytearray)):
+        obj = dict(obj, payload=len(payload))
     body = _encode(obj)
     sock.sendall(_HEADER.pack(len(body)) + body)
+    if isinstance(payload, (bytes, bytearray)):
+        sock.sendall(payload)
+
+
+class BadFrame(Exception):
+    """A request not read whole (too large, or a payload it does not count): where the next frame starts is
+    unknown, so it is answered with this message and the connection is closed."""
+
+
+def _read_request(conn):
+    """One request with its payload: (request, None), (None, refusal) for one whose JSON does not parse, or None
+    when the peer closed first; raises BadFrame. A request's "payload" (a count of bytes) says that many raw bytes
+    follow its JSON; they replace the count, and the frame and they together are bounded by MAX_REQUEST_BYTES."""
+    header = _recv_exact(conn, _HEADER.size)
+    if header is None:
+        return None
+    (length,) = _HEADER.unpack(header)
+    if length > MAX_REQUEST_BYTES:
+        raise BadFrame(f"request: {length} bytes exceeds the {MAX_REQUEST_BYTES} byte limit")
+    body = _recv_exact(conn, length)
+    if body is None:
+        return None
+    try:
+        request = json.loads(body.decode("utf-8"))
+    except ValueError as exc:
+        return None, _empty_response(f"request: invalid JSON: {exc}")
+    payload = request.get("payload") if isinstance(request, dict) else None
+    if payload is not None:
+        if not isinstance(payload, int) or isinstance(payload, bool) or payload < 0:
+            raise BadFrame("payload: must be a count of bytes")
+        if length + payload > MAX_REQUEST_BYTES:
+            raise BadFrame(f"request: {length} bytes and a payload of {payload} exceed the {MAX_REQUEST_BYTES} "
+                           f"byte limit")
+        request["payload"] = _recv_exact(conn, payload)
+        if request["payload"] is None:
+            return None
+    return request, None
 
 
 def _serve_connection(conn, oom_counter):
     _connections.add(conn)
     try:
         while True:
-            header = _recv_exact(conn, _HEADER.size)
-            if header is None:
-                return
-            (length,) = _HEADER.unpack(header)
-            if length > MAX_REQUEST_BYTES:
-                _send(conn, _empty_response(f"request: {length} bytes exceeds the {MAX_REQUEST_BYTES} byte limit"))
-                return
-            body = _recv_exact(conn, length)
-            if body is None:
-                return
             try:
-                request = json.loads(body.decode("utf-8"))
-            except ValueError as exc:
-                response = _empty_response(f"request: invalid JSON: {exc}")
-            else:
-                try:
-                    response = handle_request(request, conn, oom_counter)
-                except ClientGone:
-                    return
-                if wants_reap(request):
-                    with _children_lock:  # the answer goes out first; no command starts before the sweep is done
-                        _send(conn, response)
-                        reap_leftovers()
-                    continue
+                read = _read_request(conn)
+            except BadFrame as error:
+                _send(conn, _empty_response(str(error)))
+                return
+            if read is None:
+                return
+            request, refusal = read
+            if refusal is not None:
+                _send(conn, refusal)
+                continue
+            try:
+                response = handle_request(request, conn, oom_counter)
+            except ClientGone:
+                return
+            if wants_reap(request):
+                with _children_lock:  # the answer goes out first; no command starts before the sweep is done
+                    _send(conn, response)
+                    reap_leftovers()
+                continue
             _send(conn, response)
     except OSError:
         return  # the client went away mid-response; nothing to tell anyone
@@ -1037,9 +1079,10 @@ def _refuse(conn, message):
     first: closing a unix socket with unread data resets it, and the client would see no answer at all."""
     try:
         conn.settimeout(REFUSE_READ_TIMEOUT_S)
-        header = _recv_exact(conn, _HEADER.size)
-        if header is not None and _HEADER.unpack(header)[0] <= MAX_REQUEST_BYTES:
-            _recv_exact(conn, _HEADER.unpack(header)[0])
+        try:
+            _read_request(conn)
+        except BadFrame:
+            pass
         _send(conn, _empty_response(message))
     except OSError:
         pass
@@ -1172,10 +1215,14 @@ def once(argument, oom_setting, reap=False):
     request = None
     try:
         request = decode_once(argument)
+        if isinstance(request, dict) and isinstance(request.get("payload"), str):  # no raw bytes in argv: base64
+            request["payload"] = base64.b64decode(request["payload"], validate=True)
     except (ValueError, binascii.Error, UnicodeError) as exc:
         response = _empty_response(f"request: cannot decode base64 JSON argument: {exc}")
     else:
         response = handle_request(request, None, resolve_oom_counter(oom_setting))
+    if isinstance(response.get("payload"), (bytes, bytearray)):  # nor on stdout: base64 in the JSON
+        response["payload"] = base64.b64encode(response["payload"]).decode("ascii")
     sys.stdout.buffer.write(_encode(response) + b"\n")  # bytes: stdout's encoding may be ASCII in an image
     sys.stdout.flush()
     if wants_reap(request):

@@ -4,7 +4,8 @@ Why: `docker exec` costs ~40 ms per call (API round trip, exec-instance creation
 tool actions on the broker's hot path. The executor runs inside the sandbox and takes commands over a unix
 socket (bind-mounted to the host for containers), so a round trip for `true` is ~1 ms plus process spawn.
 
-Protocol: each message is a 4-byte big-endian length followed by UTF-8 JSON. One request per connection here;
+Protocol: each message is a 4-byte big-endian length followed by UTF-8 JSON, then, when the JSON's "payload"
+counts them, that many raw bytes (a file op's: a write's files, a read's file). One request per connection here;
 closing the connection while a command runs makes the executor kill the command's process tree, which is how
 a broker deadline or a client cancel reaches the sandbox.
 """
@@ -22,7 +23,7 @@ from typing import Any
 
 import orjson
 
-from sandboxes.executor_answer import BadAnswer, frame_limit
+from sandboxes.executor_answer import BadAnswer, frame_limit, payload_limit
 from sandboxes.untrusted_paths import UntrustedPath, open_socket, via_descriptor
 
 __all__ = ["EXECUTOR_PATH", "ExecutorUnavailable", "call", "encode_once", "ping", "wait_ready"]
@@ -89,19 +90,35 @@ async def _connect(socket_path: str, timeout: float) -> socket.socket:
         delay = min(delay * 2, 0.05)
 
 
-def _frame(request: dict[str, Any]) -> bytes:
-    body = orjson.dumps(request)
-    return _HEADER.pack(len(body)) + body
+def _frame(request: dict[str, Any]) -> tuple[bytes, bytes]:
+    """The request's frame and the raw bytes after it: its "payload" (bytes), counted in the frame's JSON."""
+    payload = request.get("payload", b"")
+    body = orjson.dumps({**request, "payload": len(payload)} if "payload" in request else request)
+    return _HEADER.pack(len(body)) + body, payload
+
+
+async def _read_payload(reader: asyncio.StreamReader, request: dict[str, Any], response: Any, socket_path: str) \
+        -> None:
+    """The raw bytes after an answer whose JSON counts them in "payload", in place of the count; refused unread
+    when more than an honest executor sends for the request."""
+    if not isinstance(response, dict) or "payload" not in response:
+        return
+    length, limit = response["payload"], payload_limit(request)
+    if not isinstance(length, int) or isinstance(length, bool) or not 0 <= length <= limit:
+        raise BadAnswer(f"the executor at {socket_path} announced a payload of {length!r} bytes; an executor sends "
+                        f"at most {limit} for this request")
+    response["payload"] = await reader.readexactly(length)
 
 
 async def call(socket_path: str, request: dict[str, Any], *, connect_timeout: float = 5.0) -> dict[str, Any]:
     """Send one request and return the executor's response.
 
+    A request's "payload" (bytes) goes raw after its frame, and an answer's comes back as bytes in its "payload".
     Errors the executor reports about the command (bad field, missing cwd, ...) come back in the response's
     "error"; ExecutorUnavailable means the executor itself could not answer; BadAnswer, that it announced a frame
-    larger than the request allows (``sandboxes/executor_answer.py``), which is not read. If the awaiting task is
-    cancelled, the connection is aborted at once so the executor kills the running command, and CancelledError
-    propagates.
+    or payload larger than the request allows (``sandboxes/executor_answer.py``), which is not read. If the
+    awaiting task is cancelled, the connection is aborted at once so the executor kills the running command, and
+    CancelledError propagates.
     """
     sock = await _connect(socket_path, connect_timeout)
     try:
@@ -110,7 +127,10 @@ async def call(socket_path: str, request: dict[str, Any], *, connect_timeout: fl
         sock.close()
         raise
     try:
-        writer.write(_frame(request))
+        frame, payload = _frame(request)
+        writer.write(frame)
+        if payload:
+            writer.write(payload)
         await writer.drain()
         header = await reader.readexactly(_HEADER.size)
         (length,) = _HEADER.unpack(header)
@@ -119,6 +139,11 @@ async def call(socket_path: str, request: dict[str, Any], *, connect_timeout: fl
             raise BadAnswer(f"the executor at {socket_path} answered with a frame of {length} bytes, more than an "
                             f"executor sends for this request ({limit})")
         body = await reader.readexactly(length)
+        try:
+            response = orjson.loads(body)
+        except orjson.JSONDecodeError as exc:
+            raise ExecutorUnavailable(socket_path, f"malformed response: {exc}") from exc
+        await _read_payload(reader, request, response, socket_path)
     except asyncio.IncompleteReadError as exc:
         writer.transport.abort()
         raise ExecutorUnavailable(socket_path, f"connection closed before a full response "
@@ -130,10 +155,6 @@ async def call(socket_path: str, request: dict[str, Any], *, connect_timeout: fl
         writer.transport.abort()
         raise
     writer.close()
-    try:
-        response = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise ExecutorUnavailable(socket_path, f"malformed response: {exc}") from exc
     if not isinstance(response, dict):
         raise ExecutorUnavailable(socket_path, f"malformed response: {type(response).__name__}, not an object")
     return response
@@ -170,8 +191,11 @@ async def wait_ready(socket_path: str, timeout: float) -> dict[str, Any]:
 
 
 def encode_once(request: dict[str, Any]) -> str:
-    """The argument for `python3 executor.py once ARG` (used through `docker exec` for remote engines).
+    """The argument for `python3 executor.py once ARG` (used through `docker exec` for remote engines); a "payload"
+    (bytes) goes base64 in its JSON, an argument having no room for raw bytes.
 
     Linux caps one argv string at 128 KiB (MAX_ARG_STRLEN), so very large requests do not fit this path.
     """
+    if "payload" in request:
+        request = {**request, "payload": base64.b64encode(request["payload"]).decode("ascii")}
     return base64.urlsafe_b64encode(orjson.dumps(request)).decode("ascii")

@@ -9,20 +9,21 @@ frame limit, a read's answer by its ``limit``.
 
 Shipped beside executor.py, like it stdlib only, for any python3 >= 3.8.
 
-* write: {"op": "write", "root": DIR, "files": [{"path": P, "data": BASE64, "mode": M?}], "dirs": [{"path": P,
-  "mode": M?}]} makes the directories, then writes each file atomically (a temporary file renamed over it; an
-  existing file keeps its mode unless one is given); answers {"ok": true, "files": N, "bytes": B}.
-* read: {"op": "read", "root": DIR, "path": P, "limit": BYTES} answers {"ok": true, "type": "file", "data":
-  BASE64} for a regular file, or "type": "directory" with a tar of the directory (links stored as links, never
+* write: {"op": "write", "root": DIR, "files": [{"path": P, "size": N, "mode": M?}], "dirs": [{"path": P,
+  "mode": M?}], "payload": BYTES} makes the directories, then writes each file atomically (a temporary file renamed
+  over it; an existing file keeps its mode unless one is given), its bytes the next ``size`` of the payload (the
+  files' bytes one after another); answers {"ok": true, "files": N, "bytes": B}.
+* read: {"op": "read", "root": DIR, "path": P, "limit": BYTES} answers {"ok": true, "type": "file", "payload":
+  BYTES} for a regular file, or "type": "directory" with a tar of the directory (links stored as links, never
   followed), at most ``limit`` bytes either way.
+
+The payload is bytes here: executor.py carries it raw after the frame's JSON (or base64 in once mode).
 
 A refusal answers {"ok": false, "code": CODE, "error": MESSAGE}, the message starting with the path it is about.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
 import errno
 import os
 import stat
@@ -158,19 +159,22 @@ def write(request):
         except OSError as error:
             raise _os_error(error, shown) from None
     files = _entries(request, "files")
-    for entry in files:
+    payload = request.get("payload", b"")
+    sizes = [entry.get("size") for entry in files]
+    if not isinstance(payload, (bytes, bytearray)) or not all(
+            isinstance(size, int) and not isinstance(size, bool) and size >= 0 for size in sizes) \
+            or sum(sizes) != len(payload):
+        raise FileOpError("file_bad_request", "files: their sizes must be counts of bytes that add up to the payload")
+    view = memoryview(payload)  # each file's bytes written from the payload, not copied out of it
+    for entry, size in zip(files, sizes):
         shown = entry.get("path")
         relative = _relative(shown)
         mode = _mode(entry, shown)
         try:
-            data = base64.b64decode(entry.get("data", ""), validate=True)
-        except (binascii.Error, ValueError, TypeError):
-            raise FileOpError("file_bad_request", f"{shown}: data must be base64") from None
-        try:
-            _write_one(root, relative, data, mode, shown)
+            _write_one(root, relative, view[total:total + size], mode, shown)
         except OSError as error:
             raise _os_error(error, shown) from None
-        total += len(data)
+        total += size
     return {"ok": True, "files": len(files), "bytes": total}
 
 
@@ -196,7 +200,7 @@ def _tar(real, limit, shown):
     out = _Bounded(limit, shown)
     with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
         tar.add(real, arcname=".", recursive=True)  # links are stored as links: tarfile follows none by default
-    return bytes(out.buffer)
+    return out.buffer
 
 
 def read(request):
@@ -210,7 +214,7 @@ def read(request):
     try:
         info = os.lstat(real)
         if stat.S_ISDIR(info.st_mode):
-            return {"ok": True, "type": "directory", "data": base64.b64encode(_tar(real, limit, shown)).decode()}
+            return {"ok": True, "type": "directory", "payload": _tar(real, limit, shown)}
         if not stat.S_ISREG(info.st_mode):
             raise FileOpError("file_type", f"{shown}: is {_kind(info.st_mode)}; only a regular file or a directory "
                                            f"is read")
@@ -234,7 +238,7 @@ def read(request):
         raise _os_error(error, shown) from None
     if size > limit:
         raise FileOpError("file_too_large", f"{shown}: holds more than the limit of {limit} bytes")
-    return {"ok": True, "type": "file", "data": base64.b64encode(b"".join(chunks)).decode()}
+    return {"ok": True, "type": "file", "payload": b"".join(chunks)}
 
 
 def handle(request):

@@ -3,7 +3,9 @@ translation to and from its JSON; ``sandboxes/exec_wire.py`` is the same for a c
 
 Why: the CPU manager, the sandbox backends and a node's agent pass these values, so only this module and the executor
 know the wire's field names. A read's answer is the sandbox's word: it is checked against the request's limit as it is
-decoded (its frame was bounded before it was read: ``sandboxes/executor_answer.py``).
+decoded (its frame was bounded before it was read: ``sandboxes/executor_answer.py``). File bytes are the wire's
+"payload", raw after the frame on the executor's socket (``sandboxes/executor_client.py``): a write's files one after
+another, their sizes in the JSON, and a read's file; the one-shot mode carries them base64 instead.
 """
 
 from __future__ import annotations
@@ -59,8 +61,9 @@ class WriteFiles:
     def to_wire(self, root: str) -> dict[str, Any]:
         return {"op": "write", "root": root,
                 "dirs": [{"path": path, "mode": mode} for path, mode in self.dirs.items()],
-                "files": [{"path": path, "data": base64.b64encode(data).decode(), "mode": self.modes.get(path)}
-                          for path, data in self.files.items()]}
+                "files": [{"path": path, "size": len(data), "mode": self.modes.get(path)}
+                          for path, data in self.files.items()],
+                "payload": b"".join(self.files.values())}  # one file's bytes are not copied: join returns them
 
     def answer(self, wire: Mapping[str, Any]) -> Written:
         _refused(wire)
@@ -90,13 +93,13 @@ class ReadFile:
 
     def answer(self, wire: Mapping[str, Any]) -> FileData:
         _refused(wire)
-        kind, encoded = wire.get("type"), wire.get("data")
-        if kind not in ("file", "directory") or not isinstance(encoded, str):
-            raise BadAnswer(f"a read answered type {kind!r} with data of type {type(encoded).__name__}")
+        kind, payload = wire.get("type"), wire.get("payload")
+        if kind not in ("file", "directory") or not isinstance(payload, (bytes, str)):
+            raise BadAnswer(f"a read answered type {kind!r} with a payload of type {type(payload).__name__}")
         try:
-            data = base64.b64decode(encoded, validate=True)
+            data = payload if isinstance(payload, bytes) else base64.b64decode(payload, validate=True)
         except (binascii.Error, ValueError):
-            raise BadAnswer("a read answered data that is not base64") from None
+            raise BadAnswer("a read answered a payload that is not base64") from None
         if len(data) > self.limit:
             raise BadAnswer(f"a read answered {len(data)} bytes, more than its limit of {self.limit}")
         return FileData(kind == "directory", data)

@@ -33,7 +33,7 @@ from pydantic import BaseModel
 
 from managers.basic.manager import LeaseSpec
 from managers.basic.upstream import ApiSpec
-from managers.cpu.exec_spec import ExecSpecBody
+from managers.cpu.exec_spec import ExecLimits, ExecSpecBody
 from reward_services.requests import RewardSpecBody
 from tangram.config import ServerConfig
 from tangram.parse import Limits
@@ -79,7 +79,8 @@ def broker_config(run_dir: str) -> dict[str, Any]:
 #: test per operation from it. Its lazy from_fixture loader does not run under pytest 9.2 (it sets Node._nodeid).
 #: the spec type of each kind, as the config's managers declare them
 SPECS: dict[str, type[BaseModel]] = {"exec": ExecSpecBody, "reward": RewardSpecBody, "api": ApiSpec, "lease": LeaseSpec}
-DOCUMENT = openapi_document(ServerConfig(**SERVER), Limits(), RESOURCES, SPECS, max_memory_mb=NODE_MEMORY_MB)
+DOCUMENT = openapi_document(ServerConfig(**SERVER), Limits(), RESOURCES, SPECS, max_memory_mb=NODE_MEMORY_MB,
+                            max_fork=ExecLimits().max_fork)
 SCHEMA = schemathesis.openapi.from_dict(DOCUMENT, config=schemathesis.Config.from_dict({
     "seed": SEED,
     "generation": {"max-examples": EXAMPLES_PER_OPERATION, "deterministic": True, "database": "none"},

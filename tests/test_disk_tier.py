@@ -80,6 +80,7 @@ async def run(manager: GpuManager, name: str) -> dict[str, Any]:
         manager.release(allocation)
 
 
+@pytest.mark.slow  # seconds: left out of the fast lane
 async def test_copies_spill_to_disk_at_start_and_a_restore_loads_its_own(tmp_path, reference_scores):
     manager = GpuManager(parse_gpu_config(tiered_config(tmp_path)))
     await manager.start()
@@ -105,6 +106,7 @@ async def test_copies_spill_to_disk_at_start_and_a_restore_loads_its_own(tmp_pat
         await manager.close()
 
 
+@pytest.mark.slow  # seconds: left out of the fast lane
 async def test_prefetch_loads_the_next_queued_service_and_its_restore_skips_the_disk(tmp_path, reference_scores):
     manager = GpuManager(parse_gpu_config(tiered_config(tmp_path)))
     await manager.start()
@@ -125,6 +127,7 @@ async def test_prefetch_loads_the_next_queued_service_and_its_restore_skips_the_
         await manager.close()
 
 
+@pytest.mark.slow  # seconds: left out of the fast lane
 async def test_a_missing_weights_file_fails_the_action_with_the_reason_and_the_next_one_recovers(tmp_path):
     manager = GpuManager(parse_gpu_config(tiered_config(tmp_path)))
     await manager.start()

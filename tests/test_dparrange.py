@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -30,6 +31,7 @@ task = st.lists(st.integers(1, 6), min_size=1, max_size=4, unique=True).flatmap(
                              st.lists(st.floats(0.01, 100.0), min_size=len(counts), max_size=len(counts))))
 
 
+@pytest.mark.slow  # seconds: left out of the fast lane
 @settings(max_examples=300, deadline=None)
 @given(options=st.lists(task, min_size=1, max_size=5), free=st.integers(0, 14))
 def test_every_prefix_matches_brute_force(options, free):

@@ -182,8 +182,8 @@ def test_the_executor_keeps_file_ops_inside_its_root(tmp_path):
     os.mkfifo(root / "fifo")
 
     def write(path: str, data: bytes) -> dict[str, Any]:
-        return executor_files.handle({"op": "write", "root": str(root), "files": [
-            {"path": path, "data": base64.b64encode(data).decode()}]})
+        return executor_files.handle({"op": "write", "root": str(root), "files": [{"path": path, "size": len(data)}],
+                                      "payload": data})
 
     def read(path: str, limit: int = 100) -> dict[str, Any]:
         return executor_files.handle({"op": "read", "root": str(root), "path": path, "limit": limit})
@@ -191,14 +191,14 @@ def test_the_executor_keeps_file_ops_inside_its_root(tmp_path):
     assert write("a/b.txt", b"hi") == {"ok": True, "files": 1, "bytes": 2}
     os.chmod(root / "a" / "b.txt", 0o700)
     assert write("a/b.txt", b"again")["ok"] and (root / "a" / "b.txt").stat().st_mode & 0o777 == 0o700
-    assert base64.b64decode(read("a/b.txt")["data"]) == b"again"
+    assert read("a/b.txt")["payload"] == b"again"
     for path in ("out", "up/outside", "up/new/x", "../x"):
         assert write(path, b"x")["code"] == "file_outside", path
         assert read(path)["code"] in ("file_outside", "file_not_found"), path
     assert outside.read_text() == "keep" and not (tmp_path / "new").exists()
     assert read("fifo")["code"] == "file_type" and write("fifo", b"x")["code"] == "file_type"
     assert read("a/b.txt", limit=3)["code"] == "file_too_large"
-    with tarfile.open(fileobj=io.BytesIO(base64.b64decode(read("a", limit=10240)["data"]))) as tar:
+    with tarfile.open(fileobj=io.BytesIO(read("a", limit=10240)["payload"])) as tar:
         assert tar.getnames() == [".", "./b.txt"]
     assert read(".", limit=1000)["code"] == "file_too_large"
     assert not [name for name in os.listdir(root / "a") if name.startswith(".tangram-write")]

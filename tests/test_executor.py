@@ -34,6 +34,7 @@ from sandboxes import executor as ex
 from sandboxes.backend import SandboxError, SandboxSpec, repin_via_executor
 from sandboxes.docker import DockerSandbox
 from sandboxes.exec_wire import ExecRequest
+from sandboxes.executor_answer import BadAnswer
 from sandboxes.executor_client import (
     EXECUTOR_PATH,
     ExecutorUnavailable,
@@ -42,6 +43,7 @@ from sandboxes.executor_client import (
     ping,
     wait_ready,
 )
+from sandboxes.file_wire import FileData, ReadFile, WriteFiles
 from sandboxes.local import LocalProcessBackend, LocalSandbox
 
 # The executor must run on any python3 >= 3.8 in user images: point this at another interpreter to check that.
@@ -378,6 +380,7 @@ async def test_cancelling_the_call_kills_the_command(executor: Executor) -> None
         kill_marked(f"sleep {tag}")
 
 
+@pytest.mark.slow  # seconds: left out of the fast lane
 async def test_connections_run_concurrently(executor: Executor) -> None:
     tag = marker()
     try:
@@ -699,6 +702,103 @@ def test_oversized_request_is_rejected_and_closed(executor: Executor) -> None:
         answer = raw_recv(sock)
         assert answer is not None and "limit" in answer["error"]
         assert raw_recv(sock) is None, "connection closed after the oversized frame"
+
+
+async def test_file_bytes_travel_raw_and_every_byte_value_round_trips(executor: Executor, tmp_path: Path) -> None:
+    """A write's files and a read's file go raw after their frames; the JSON's "payload" counts them."""
+    every = bytes(range(256)) * 4097  # a little over 1 MiB: more than one recv
+    written = await call(executor.socket, WriteFiles({"a/every.bin": every, "b.bin": b"", "c.txt": b"\x00\n"})
+                         .to_wire(str(tmp_path)))
+    assert written == {"ok": True, "files": 3, "bytes": len(every) + 2}
+    assert (tmp_path / "a" / "every.bin").read_bytes() == every and (tmp_path / "c.txt").read_bytes() == b"\x00\n"
+    answer = await call(executor.socket, ReadFile("a/every.bin", len(every)).to_wire(str(tmp_path)))
+    assert answer["payload"] == every and ReadFile("a/every.bin", len(every)).answer(answer).data == every
+    with raw_connect(executor.socket) as sock:  # the raw frame: JSON counting the bytes, then the bytes
+        raw_send(sock, json.dumps({"op": "read", "root": str(tmp_path), "path": "c.txt", "limit": 10}).encode())
+        assert raw_reply(sock) == {"ok": True, "type": "file", "payload": 2}
+        assert sock.recv(16, socket.MSG_WAITALL) == b"\x00\n"
+        raw_send(sock, b'{"op": "ping"}')  # the connection goes on after the payload
+        assert raw_reply(sock)["ok"] is True
+
+
+@pytest.mark.parametrize("payload", [ex.MAX_REQUEST_BYTES, -1, "12", True])
+def test_a_payload_past_the_cap_or_not_a_count_is_refused_and_closed(executor: Executor, payload: Any) -> None:
+    with raw_connect(executor.socket) as sock:
+        raw_send(sock, json.dumps({"op": "write", "root": "/", "files": [], "payload": payload}).encode())
+        answer = raw_recv(sock)
+        assert answer is not None and answer["error"].startswith(("request", "payload")), answer
+        assert raw_recv(sock) is None, "connection closed after the refused frame"
+
+
+def test_a_payload_shorter_than_its_count_ends_the_connection_unanswered(executor: Executor) -> None:
+    with raw_connect(executor.socket) as sock:
+        raw_send(sock, json.dumps({"op": "write", "root": "/", "files": [{"path": "x", "size": 100}],
+                                   "payload": 100}).encode())
+        sock.sendall(b"x" * 10)
+        sock.shutdown(socket.SHUT_WR)
+        assert raw_recv(sock) is None
+    assert executor.proc.poll() is None
+
+
+def test_a_write_whose_sizes_do_not_add_up_to_its_payload_is_refused(tmp_path: Path) -> None:
+    request = {"op": "write", "root": str(tmp_path), "files": [{"path": "x", "size": 3}], "payload": b"ab"}
+    assert ex.handle_request(request)["code"] == "file_bad_request"
+    assert ex.handle_request({**request, "files": [{"path": "x", "size": -1}]})["code"] == "file_bad_request"
+    assert not (tmp_path / "x").exists()
+
+
+@asynccontextmanager
+async def answering(path: str, answer: bytes) -> AsyncIterator[None]:
+    """A fake executor at ``path`` that reads one request (its payload included) and sends ``answer`` bytes."""
+
+    def serve() -> None:
+        conn, _addr = server.accept()
+        with conn:
+            conn.settimeout(10)
+            length = struct.unpack(">I", conn.recv(4, socket.MSG_WAITALL))[0]
+            payload = json.loads(conn.recv(length, socket.MSG_WAITALL)).get("payload", 0)
+            conn.recv(payload, socket.MSG_WAITALL)
+            conn.sendall(answer)
+
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(1)
+    server.settimeout(10)
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        thread.join(timeout=15)
+        server.close()
+
+
+@pytest.mark.parametrize("announced", [11, -1, "3", None])
+async def test_an_answer_announcing_a_payload_past_the_read_limit_is_refused_unread(tmp_path: Path,
+                                                                                    announced: Any) -> None:
+    path = short_socket_path(tmp_path)
+    body = json.dumps({"ok": True, "type": "file", "payload": announced}).encode()
+    async with answering(path, struct.pack(">I", len(body)) + body + b"x" * 11):
+        with pytest.raises(BadAnswer, match="payload"):
+            await call(path, ReadFile("f", 10).to_wire("/"), connect_timeout=10)
+
+
+async def test_an_answer_whose_payload_ends_short_is_unavailable_not_a_hang(tmp_path: Path) -> None:
+    path = short_socket_path(tmp_path)
+    body = json.dumps({"ok": True, "type": "file", "payload": 10}).encode()
+    async with answering(path, struct.pack(">I", len(body)) + body + b"x" * 4):
+        with pytest.raises(ExecutorUnavailable, match="4 of 10 bytes"):
+            await asyncio.wait_for(call(path, ReadFile("f", 10).to_wire("/"), connect_timeout=10), 20)
+
+
+def test_once_mode_carries_file_bytes_as_base64(tmp_path: Path) -> None:
+    every = bytes(range(256))
+    for request in (WriteFiles({"every.bin": every}).to_wire(str(tmp_path)),
+                    ReadFile("every.bin", 256).to_wire(str(tmp_path))):
+        done = subprocess.run([EXECUTOR_PYTHON, EXECUTOR_PATH, "once", encode_once(request)],
+                              capture_output=True, timeout=30, check=False)
+        assert done.returncode == 0, done.stderr
+    assert ReadFile("every.bin", 256).answer(json.loads(done.stdout)) == FileData(False, every)
 
 
 def test_once_mode_runs_one_request() -> None:

@@ -130,6 +130,7 @@ async def test_hrrs_groups_actions_of_the_resident_service_and_saves_restores(tm
     assert hrrs == 2 and hrrs_ran == list("aaaabbbb"), hrrs_ran
 
 
+@pytest.mark.slow  # seconds: left out of the fast lane
 async def test_least_recently_used_service_is_evicted_first(tmp_path):
     services = {name: service() for name in ("a", "b", "c")}
     config = {"cpu": {"enabled": False}, "gpu": gpu_section(services, gpus=1, budget=250)}  # two fit on the GPU
@@ -290,6 +291,7 @@ async def test_cancelling_during_restore_leaves_the_gpu_reusable(tmp_path, refer
         assert record["result"]["scores"] == pytest.approx(reference_scores, abs=1e-5)
 
 
+@pytest.mark.slow  # seconds: left out of the fast lane
 async def test_sglang_services_through_the_manager_evict_and_recover_from_a_crash(tmp_path):
     """SGLang instances (the stand-in server, launched by the real backend): eviction between two services on one
     GPU, a killed server failing its action with ``service_unavailable``, and the next action starting it anew."""
@@ -342,6 +344,7 @@ async def test_sglang_services_through_the_manager_evict_and_recover_from_a_cras
     assert not [p for p in psutil.process_iter(["cmdline"]) if "tests.sglang_standin" in " ".join(p.info["cmdline"] or [])]
 
 
+@pytest.mark.slow  # seconds: left out of the fast lane
 async def test_run_times_are_learned_per_gpu_type_from_real_executions(tmp_path, reference_scores):
     """Two nodes of CPU virtual GPUs typed as an H100 node and an A10 node: the same CPU runs both, so the run times
     measured on each replace the datasheets' 8x speed ratio, and the placement the manager solves next is built on

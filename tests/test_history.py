@@ -79,6 +79,7 @@ async def test_act_percentiles_cover_only_the_actions_finished_in_each_interval(
         assert idle.act_s == {"act_p50_s": None, "act_p90_s": None, "act_p99_s": None}
 
 
+@pytest.mark.slow  # seconds: left out of the fast lane
 async def test_the_count_of_finished_actions_is_exact_beyond_the_recent_window(db):
     """``broker.recent`` keeps 1000 actions; the count comes from the finished counter, so it does not stop there."""
     async with live_broker({"basic": {"lease.many": {"concurrency": 1500}}, "cpu": {"enabled": False}}, db) as live:

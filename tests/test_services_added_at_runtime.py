@@ -40,6 +40,7 @@ async def service_states(live: Live) -> dict[str, str]:
     return {s["name"]: s["state"] for s in (await call(live, "GET", "/v1/services"))[1]["services"]}
 
 
+@pytest.mark.slow  # seconds: left out of the fast lane
 async def test_a_service_added_by_reload_is_prepared_then_served_and_one_that_does_not_fit_is_refused(tmp_path):
     path = tmp_path / "tangram.toml"
     write_config(path, {"a": {}})

@@ -230,6 +230,7 @@ async def test_evict_returns_only_once_the_driver_shows_the_memory_free(
         assert refused.value.code == "inference_failed"
 
 
+@pytest.mark.slow  # seconds: left out of the fast lane
 async def test_evict_fails_when_the_memory_is_not_freed_in_time(backend: SglangBackend, make_spec: SpecMaker) -> None:
     spec = make_spec("generate", env={"STANDIN_RELEASE_DELAY_S": "1"})
     async with prepared(backend, spec, (0,)) as instance:

@@ -125,6 +125,7 @@ def test_seed_changes_the_trace() -> None:
         SearchParams(batch=20), seed=2).to_json()
 
 
+@pytest.mark.slow  # seconds: left out of the fast lane
 def test_trace_save_load_round_trip(tmp_path: Path) -> None:
     trace = workloads.merged("all", coding_trace(), mopd_trace(), search_trace())
     path = tmp_path / "trace.json"

@@ -258,6 +258,7 @@ async def test_reload_admits_changed_plans_or_refuses_them_with_nothing_changed(
         assert set(await planned(live)) == {"loose"}
 
 
+@pytest.mark.slow  # seconds: left out of the fast lane
 async def test_attainment_of_real_reward_actions_in_metrics_the_api_and_tangram_status(tmp_path, capsys, monkeypatch):
     path = tmp_path / "tangram.toml"
     write_config(path, {"loose": LOOSE, "tight": TIGHT})
@@ -391,6 +392,7 @@ async def test_reservations_follow_the_pool_when_a_node_is_lost_and_comes_back(t
         assert {row["task"]: row["reserved_gpus"] for row in body["tasks"]} == {"loose": 0, "steady": 0}
 
 
+@pytest.mark.slow  # seconds: left out of the fast lane
 async def test_reservations_follow_a_restore_estimate_that_moves(tmp_path):
     """Service b's restores measured at 1 s instead of the 0.01 s prior (b's actions restore four times a phase):
     on four GPUs steady's SLO then breaks whatever is reserved (hand-checked with ``slo_plan.predict``: 1.308

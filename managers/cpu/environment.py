@@ -46,6 +46,8 @@ class Environment:
     turns: Turns = field(default_factory=Turns, repr=False)
     lost_reason: str | None = None
     creating: asyncio.Task[Sandbox] | None = field(default=None, repr=False)
+    #: a fork's: the snapshot image of its source its sandbox is created from (``managers/cpu/environment_fork.py``)
+    snapshot: str | None = field(default=None, repr=False)
 
     def to_json(self) -> dict[str, Any]:
         return {"id": self.id, "task": self.task, "trajectory": self.trajectory, "node": self.node,

@@ -13,7 +13,7 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 
 from managers.cpu.config import CpuConfig
 from managers.cpu.environment import Environment, EnvState
@@ -179,9 +179,25 @@ class Environments(Mapping[str, Environment]):
         except SandboxError as error:
             raise ActionFailed(error.code, error.message, environment=env.id) from None
 
+    def create_from(self, env: Environment, image: Awaitable[str]) -> None:
+        """Start creating ``env``'s sandbox from the image ``image`` gives (a fork's snapshot of its source); its
+        actions and ``sandbox`` wait for it meanwhile, never creating it from its base image."""
+        async def create() -> Sandbox:
+            try:
+                env.snapshot = await image
+            except BaseException:
+                env.creating = None
+                await self.destroy(env)
+                raise
+            return await self._create(env)
+
+        env.creating = asyncio.create_task(create(), name=f"tangram-create-{env.id}")
+        env.creating.add_done_callback(lambda task: task.cancelled() or task.exception())
+
     async def _create(self, env: Environment) -> Sandbox:
         node = self.nodes[env.node]
-        spec = self.config.sandbox_spec(env.id, env.task, env.trajectory, env.image, env.memory_mb, files=env.files,
+        spec = self.config.sandbox_spec(env.id, env.task, env.trajectory, env.snapshot or env.image, env.memory_mb,
+                                        files=env.files,
                                         ephemeral=env.ephemeral, created_at=env.created_at,
                                         user=env.sandbox_user or self.config.sandbox_user)
         try:

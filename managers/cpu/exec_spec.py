@@ -49,6 +49,8 @@ class ExecLimits:
     max_output_limit: Count = 16 << 20
     #: bytes of ``spec.stdin`` (decoded); the executor's request frame carries them base64-encoded
     max_stdin_bytes: Count = 1 << 20
+    #: environments one ``POST /v1/environments/{id}/fork`` makes at most
+    max_fork: Count = 64
 
 
 #: canonical base64: groups of four, padded with "=" (what the document can state, and the server then refuses the

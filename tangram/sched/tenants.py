@@ -202,11 +202,16 @@ class TaskLedger:
     def check_environment(self, task: str, trajectory: str | None, memory_mb: int, host: EnvironmentHost) -> None:
         """``POST /v1/environments``: room for one more environment of ``memory_mb`` MiB, or ``OverCap``. Queued
         actions of ``trajectory`` would have created it: it is not counted twice."""
+        self.check_environments(task, [trajectory], memory_mb, host)
+
+    def check_environments(self, task: str, trajectories: list[str | None], memory_mb: int,
+                           host: EnvironmentHost) -> None:
+        """Room for one more environment of ``memory_mb`` MiB per trajectory (a fork's), or ``OverCap``."""
         caps = self.caps(task)
         if caps.limits_environments:
-            seen: set[object] = set() if trajectory is None else {(task, trajectory)}
+            seen: set[object] = {(task, trajectory) for trajectory in trajectories if trajectory is not None}
             pending = _new_environments(self.queued.get(task, {}).values(), host, seen)
-            self._room(task, caps, host, pending, [memory_mb])
+            self._room(task, caps, host, pending, [memory_mb] * len(trajectories))
 
     def _check_environments(self, task: str, caps: TaskCaps, host: EnvironmentHost, actions: list[Action]) -> None:
         seen: set[object] = set()

@@ -24,6 +24,7 @@ from tangram.server.auth import AUTH, add_auth, authenticate, own_task, principa
 from tangram.server.broker_views import broker_stats, resource_rows
 from tangram.server.common import BROKER, LIMITS, SERVER, json_response, read_body, read_json
 from tangram.server.environment_files_api import add_environment_file_routes
+from tangram.server.environment_fork_api import add_environment_fork_routes, max_fork
 from tangram.server.environments_api import add_environment_routes, largest_node_memory
 from tangram.server.http_errors import headers_of, status_of
 from tangram.server.openapi import openapi_document
@@ -167,7 +168,7 @@ async def openapi(request: web.Request) -> web.Response:
              if kind in manager.spec_types}
     return json_response(openapi_document(request.app[SERVER], request.app[LIMITS], list(broker.owner), specs,
                                           secured=auth.enabled, public_status=auth.access.auth.public_status,
-                                          max_memory_mb=largest_node_memory(broker)))
+                                          max_memory_mb=largest_node_memory(broker), max_fork=max_fork(broker)))
 
 
 async def _optional_json(request: web.Request) -> dict[str, Any]:
@@ -261,6 +262,7 @@ def build_app(broker: Broker, server: ServerConfig, limits: Limits, slo: SloAdmi
     app.router.add_get("/v1/resources", resources)
     add_environment_routes(app)
     add_environment_file_routes(app)
+    add_environment_fork_routes(app)
     add_profile_routes(app)
     add_service_routes(app)
     add_slo_routes(app, slo)

@@ -26,6 +26,7 @@ from tangram.records import (
 )
 from tangram.server.auth import ADMIN_ROUTES, TOKEN_REQUEST
 from tangram.server.environment_files_api import FilesRequest
+from tangram.server.environment_fork_api import ForkRequest
 from tangram.server.environments_api import EnvironmentRequest
 from tangram.slo.plan import SloPlan
 
@@ -256,11 +257,12 @@ STATUS_PATHS = {"/", "/ui", "/v1/status/history", "/v1/resources", "/metrics"}
 
 def openapi_document(server: ServerConfig, limits: Limits, resources: Sequence[str] = (),
                      specs: Mapping[str, type[BaseModel]] | None = None, *, secured: bool = False,
-                     public_status: bool = True, max_memory_mb: int | None = None) -> dict[str, Any]:
+                     public_status: bool = True, max_memory_mb: int | None = None,
+                     max_fork: int | None = None) -> dict[str, Any]:
     """``resources``: the names this broker has; a demand naming another is a 400, so the document lists them.
     ``specs``: the spec type of each kind this broker executes (its managers' ``spec_types``); an action is then
     one of those kinds, tagged by ``kind``. ``max_memory_mb``: the largest CPU node's memory, the most a sandbox
-    may reserve.
+    may reserve; ``max_fork``: the most forks one request makes (None: no CPU manager).
     ``secured``: auth is on, so the document has bearer auth, its 401/403 answers and the admin endpoints."""
     id_param = {"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}
     wait_params = [
@@ -280,6 +282,7 @@ def openapi_document(server: ServerConfig, limits: Limits, resources: Sequence[s
             "properties": {"field": {"type": "string"}, "reason": {"type": "string"}}}}},
         "EnvironmentRequest": _with_task(_generated(EnvironmentRequest, schemas_out), required=not secured),
         "FilesRequest": _generated(FilesRequest, schemas_out),
+        "ForkRequest": _generated(ForkRequest, schemas_out),
         **{model.__name__: _generated(model, schemas_out) for model in RESPONSES},
     }
     schemas.update(schemas_out)
@@ -413,6 +416,33 @@ def openapi_document(server: ServerConfig, limits: Limits, resources: Sequence[s
                                                     "in the sandbox), a FIFO, socket or device, no CPU manager"),
                                       "503": _error("a command still runs there past max_wait_s, or the engine "
                                                     "failed")}}},
+            "/v1/environments/{id}/fork": {
+                "post": {"operationId": "forkEnvironment",
+                         "summary": "Make n environments from one's files, once its running commands end, each its "
+                                    "own trajectory (Docker sandboxes)",
+                         "parameters": [id_param, {"name": "n", "in": "query", "required": False,
+                                                   "schema": {"type": "integer", "minimum": 1,
+                                                              **({} if max_fork is None else {"maximum": max_fork})},
+                                                   "description": "how many, at most [cpu.limits] max_fork; left "
+                                                                  "out: as many as the body's trajectories"}],
+                         "requestBody": {"required": False, "content": {"application/json": {
+                             "schema": _ref("ForkRequest")}}},
+                         "responses": {"201": _json({"type": "object", "required": ["source", "environments"],
+                                                     "properties": {"source": {"type": "string"},
+                                                                    "environments": {"type": "array", "items": _ref(
+                                                                        "EnvironmentRecord")}}}, "the forks"),
+                                       "400": _error("n out of range"),
+                                       "404": _error("unknown id"),
+                                       "409": _error("a trajectory has an environment, or the source is lost"),
+                                       "422": _error("neither n nor trajectories, trajectories not one per "
+                                                     "fork, a sandbox that cannot be "
+                                                     "forked (local processes, a node agent, read_only_root), no "
+                                                     "CPU manager"),
+                                       "429": _over_cap("the task's max_environments or max_memory_mb (named by "
+                                                        "cap), cpu.max_environments, or the source's node has not "
+                                                        "the memory for the forks now"),
+                                       "503": _error("a command still runs there past max_wait_s, or the engine "
+                                                     "failed")}}},
             "/v1/services": {"get": {
                 "operationId": "listServices", "summary": "Reward services the GPU manager hosts, and where each is resident",
                 "responses": {"200": _json({"type": "object", "required": ["services"], "properties": {
