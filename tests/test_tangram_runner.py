@@ -83,8 +83,11 @@ def suite(tmp_path: Path) -> Path:
 
 def pytest_run(where: Path, *args: str, env: dict[str, str] | None = None,
                basetemp: Path | None = None) -> subprocess.CompletedProcess[str]:
-    """``python -m pytest`` in ``where`` with the runner importable."""
-    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-W", "ignore::pytest.PytestWarning",
+    """``python -m pytest`` in ``where`` with the runner importable. Without pytest-rerunfailures: installed beside
+    pytest-xdist (as in this project's dev environment), it starts a server thread at configure, and the runner then
+    rightly runs plain pytest (a thread would not survive the fork)."""
+    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:rerunfailures",
+               "-W", "ignore::pytest.PytestWarning",
                "--basetemp", str(basetemp or where / "tmp"), *args]
     full_env = {**os.environ, "PYTHONPATH": str(RUNNER_DIR), **(env or {})}
     return subprocess.run(command, check=False, cwd=where, env=full_env, capture_output=True, text=True,
@@ -296,7 +299,7 @@ def test_the_workers_follow_the_cores(tmp_path: Path, change: str) -> None:
     with open(log, "w") as out:
         process = subprocess.Popen(
             ["taskset", "-c", ",".join(map(str, sorted(start))), sys.executable, "-m", "pytest", "-q", "-p",
-             "no:cacheprovider", "-W", "ignore::pytest.PytestWarning",
+             "no:cacheprovider", "-p", "no:rerunfailures", "-W", "ignore::pytest.PytestWarning",
              *runner(len(start), f"--tangram-launch-cores={len(start)}")],
             cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(RUNNER_DIR)}, stdout=out, stderr=subprocess.STDOUT,
             text=True)
