@@ -15,22 +15,10 @@ from sandboxes import executor as ex
 from sandboxes.exec_wire import ExecRequest
 from tangram.core.errors import BadRequest, TooLarge, Unprocessable
 from tests.docker_nodes import cpu_config, docker_engines, local_cpu
-from tests.harness import Live, live_broker
+from tests.harness import live_broker
+from tests.test_cpu_docker import exec_action, run
 
 BINARY = bytes(range(256)) * 4
-
-
-def exec_body(command: str, *, trajectory: str | None = "traj-1", **spec: Any) -> dict[str, Any]:
-    body: dict[str, Any] = {"task": "t", "kind": "exec", "demand": {"cpu": 1}, "spec": {"command": command, **spec}}
-    if trajectory is not None:
-        body["trajectory"] = trajectory
-    return body
-
-
-async def run(live: Live, body: dict[str, Any], **extra: Any) -> dict[str, Any]:
-    status, record = await live.call("POST", "/v1/actions?wait=true", json={**body, **extra})
-    assert status == 200, record
-    return record
 
 
 # -- the spec --------------------------------------------------------------------------------------------------
@@ -127,22 +115,22 @@ async def test_run_timeout_counts_the_run_only_and_says_which_limit_fired(tmp_pa
     """Under a queue held busy (the one core taken by another trajectory's long command), an action with a short
     ``run_timeout_s`` and a long ``timeout_s`` runs fully after waiting longer than its ``run_timeout_s``."""
     async with live_broker({"cpu": local_cpu(run_dir)}, str(tmp_path / "t.db")) as live:
-        _, busy = await live.call("POST", "/v1/actions", json=exec_body("sleep 2.5", trajectory="busy"))
+        _, busy = await live.call("POST", "/v1/actions", json=exec_action("sleep 2.5", trajectory="busy"))
         while (await live.call("GET", f"/v1/actions/{busy['id']}"))[1]["state"] != "running":
             await asyncio.sleep(0.05)
-        waited = await run(live, exec_body("sleep 0.3; echo ran", trajectory="short", run_timeout_s=1),
+        waited = await run(live, exec_action("sleep 0.3; echo ran", trajectory="short", run_timeout_s=1),
                            timeout_s=30)
         assert waited["state"] == "succeeded" and waited["result"]["stdout"] == "ran\n", waited
         assert waited["started_at"] - waited["submitted_at"] > 1.5  # it waited longer than its run_timeout_s
-        killed = await run(live, exec_body("echo begun; sleep 30", trajectory="short", run_timeout_s=0.5),
+        killed = await run(live, exec_action("echo begun; sleep 30", trajectory="short", run_timeout_s=0.5),
                            timeout_s=30)
         assert killed["state"] == "timed_out" and killed["error"]["limit"] == "run_timeout_s", killed
         assert "run_timeout_s" in killed["error"]["message"] and killed["error"]["stdout"] == "begun\n"
         # a run_timeout_s longer than what is left of the deadline: the deadline fires
-        deadline = await run(live, exec_body("sleep 30", trajectory="short", run_timeout_s=1.9), timeout_s=2)
+        deadline = await run(live, exec_action("sleep 30", trajectory="short", run_timeout_s=1.9), timeout_s=2)
         assert deadline["state"] == "timed_out" and deadline["error"]["limit"] == "timeout_s", deadline
         status, answer = await live.call("POST", "/v1/actions", json={
-            **exec_body("true", run_timeout_s=60), "timeout_s": 10})
+            **exec_action("true", run_timeout_s=60), "timeout_s": 10})
         assert (status, answer["error"]["field"]) == (422, "spec.run_timeout_s"), answer
 
 
@@ -150,13 +138,13 @@ async def test_stdin_reaches_the_command_and_its_cap_is_a_413(tmp_path, run_dir:
     config = local_cpu(run_dir)
     config["limits"] = {"max_stdin_bytes": 2048}
     async with live_broker({"cpu": config}, str(tmp_path / "t.db")) as live:
-        record = await run(live, exec_body("cat", stdin="to the command\n"))
+        record = await run(live, exec_action("cat", stdin="to the command\n"))
         assert record["result"]["stdout"] == "to the command\n", record
-        record = await run(live, exec_body("base64 -w0", stdin={"base64": base64.b64encode(BINARY[:1024]).decode()}))
+        record = await run(live, exec_action("base64 -w0", stdin={"base64": base64.b64encode(BINARY[:1024]).decode()}))
         assert base64.b64decode(record["result"]["stdout"]) == BINARY[:1024], record
-        status, answer = await live.call("POST", "/v1/actions", json=exec_body("cat", stdin="x" * 2049))
+        status, answer = await live.call("POST", "/v1/actions", json=exec_action("cat", stdin="x" * 2049))
         assert (status, answer["error"]["field"]) == (413, "spec.stdin"), answer
-        status, answer = await live.call("POST", "/v1/actions", json=exec_body("cat", stdin={"base64": "@@"}))
+        status, answer = await live.call("POST", "/v1/actions", json=exec_action("cat", stdin={"base64": "@@"}))
         assert status == 400 and answer["error"]["field"].startswith("spec.stdin"), answer
 
 
@@ -170,20 +158,20 @@ async def test_user_in_a_docker_sandbox_names_its_own_user_only(tmp_path) -> Non
     engine = docker_engines()[0]
     config = cpu_config({"n1": {"backend": "docker", "engine": engine, "cores": "0-1", "memory_mb": 4096}})
     async with live_broker(config, str(tmp_path / "t.db")) as live:
-        record = await run(live, exec_body("id -u; cat", user="root", stdin="in\n", trajectory="as-root",
+        record = await run(live, exec_action("id -u; cat", user="root", stdin="in\n", trajectory="as-root",
                                            sandbox_user="root"))
         assert record["state"] == "succeeded" and record["result"]["stdout"] == "0\nin\n", record
         for user in (1000, "1000:1000"):  # the default sandbox user (1000:1000), by its ids
-            record = await run(live, exec_body("id -u", user=user, trajectory="plain"))
+            record = await run(live, exec_action("id -u", user=user, trajectory="plain"))
             assert record["result"]["stdout"] == "1000\n", record
         for user, trajectory in ((1234, "plain"), ("65534:65534", "as-root")):
-            status, answer = await live.call("POST", "/v1/actions", json=exec_body("id -u", user=user,
+            status, answer = await live.call("POST", "/v1/actions", json=exec_action("id -u", user=user,
                                                                                    trajectory=trajectory))
             assert (status, answer["error"]["field"]) == (422, "spec.user"), answer
             assert "holds no capability to change users" in answer["error"]["reason"]
-        other = await run(live, exec_body("id -u", user="nobody", trajectory="as-root"))
+        other = await run(live, exec_action("id -u", user="nobody", trajectory="as-root"))
         assert other["state"] == "failed" and other["error"]["code"] == "exec_error", other
         assert other["error"]["message"].startswith("user: the sandbox runs as 0:0 without the capabilities")
-        unknown = await run(live, exec_body("id -u", user="no-such-user", trajectory="as-root"))
+        unknown = await run(live, exec_action("id -u", user="no-such-user", trajectory="as-root"))
         assert unknown["state"] == "failed" and unknown["error"]["code"] == "exec_error", unknown
         assert "user: no user 'no-such-user'" in unknown["error"]["message"]
