@@ -6,11 +6,24 @@
 # scripts and tests: [tool.mypy] in pyproject.toml) and the suite. Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-eval "$(bash scripts/start-postgres.sh)"
+
+# Run a setup script that prints export lines and take them into this shell. ``eval "$(script)"`` alone would hide
+# the script's failure (eval of an empty string succeeds) and run the suite without what it needs; the scripts are
+# idempotent, so a failure (a package mirror's hiccup) is retried once, then ends the run.
+setup() {
+    local exports
+    if ! exports=$(bash "$@"); then
+        echo "test.sh: $* failed; trying it once more" >&2
+        exports=$(bash "$@") || { echo "test.sh: $* failed twice; see its messages above" >&2; exit 1; }
+    fi
+    eval "$exports"
+}
+
+setup scripts/start-postgres.sh
 TANGRAM_EXTRAS=dev source scripts/venv.sh
-eval "$(bash scripts/start-docker.sh)"
-bash scripts/install-chromium.sh
-eval "$(bash scripts/install-prometheus.sh)"
+setup scripts/start-docker.sh
+setup scripts/install-chromium.sh
+setup scripts/install-prometheus.sh
 export HF_HUB_OFFLINE=1  # the reward model comes from a Python package; nothing is downloaded
 python -m ruff check .
 python -m mypy
