@@ -24,8 +24,8 @@ from rich.text import Text
 
 from tangram.config import load_config, with_ray
 from tangram.core.errors import ConfigError
-from tangram.sched.profile import SchedulerProfile
 from tangram.sim.commands import add_commands as add_simulation_commands
+from tangram.sim.deployment import Deployment
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -49,10 +49,10 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _scheduler_profile(path: str) -> SchedulerProfile:
-    """The ``[scheduler]`` profile of a broker's config file, for the simulator; the whole file is checked as
-    ``serve`` checks it."""
-    return load_config(path).scheduler
+def _deployment(path: str) -> Deployment:
+    """What a broker's config file deploys, for the simulator; the whole file is checked as ``serve`` checks it."""
+    config = load_config(path)
+    return Deployment(config.scheduler, config.cpu, config.gpu, config.basic)
 
 
 def _fetch(url: str, token: str | None = None) -> Any:
@@ -365,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
                        "(and re-import everywhere)")
     build.add_argument("--force", action="store_true", help="import even into engines that already have the image")
     build.set_defaults(func=_image_build)
-    add_simulation_commands(commands, _scheduler_profile)
+    add_simulation_commands(commands, _deployment)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

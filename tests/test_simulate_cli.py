@@ -229,3 +229,44 @@ def test_trace_run_refuses_a_cluster_without_the_resources_the_trace_needs(tmp_p
     assert main(["trace", "make", "mopd", "--batch", "3", "--out", str(trace)]) == 0
     assert main(["trace", "run", str(trace), "--gpus", "0"]) == 2
     assert "--gpus" in capsys.readouterr().err
+
+
+def test_trace_run_simulates_the_cluster_a_config_deploys(tmp_path, capsys):
+    """``--config`` without a shape flag: the file's CPU nodes, GPU nodes and services are the simulated cluster
+    (the rows say so); a shape flag still wins; what the simulator cannot model is refused naming the key."""
+    coding, mopd = tmp_path / "coding.json", tmp_path / "mopd.json"
+    assert main(["trace", "make", "ai_coding", "--batch", "12", "--seed", "4", "--out", str(coding)]) == 0
+    assert main(["trace", "make", "mopd", "--batch", "3", "--out", str(mopd)]) == 0
+    config, report = tmp_path / "broker.toml", tmp_path / "r.json"
+    cpu_nodes = "".join(f'[cpu.nodes.n{i}]\ncores = [0, 1, 2, 3, 4, 5]\nmemory_mb = 65536\n' for i in range(3))
+    config.write_text('[scheduler]\nqueue_order = "hrrs"\n' + cpu_nodes)
+    assert main(["trace", "run", str(coding), "--policy", "tangram", "--config", str(config),
+                 "--json", str(report)]) == 0
+    row = json.loads(report.read_text())[0]
+    assert row["cluster"]["source"] == f"deployed by {config}" and row["profile"]["queue_order"] == "hrrs"
+    assert (row["cluster"]["cpu_nodes"], row["cluster"]["cores_per_node"]) == (3, 6)
+    assert row["calls"] == sum(len(t["calls"]) for t in json.loads(coding.read_text())["trajectories"])
+    assert main(["trace", "run", str(coding), "--policy", "tangram", "--config", str(config), "--cores", "80",
+                 "--json", str(report)]) == 0
+    assert json.loads(report.read_text())[0]["cluster"]["source"] == "--cores 80 --cpu-nodes 5 --gpus 40"
+
+    config.write_text(cpu_nodes + '[cpu.nodes.big]\ncores = [0, 1, 2, 3, 4, 5, 6, 7]\nmemory_mb = 65536\n')
+    capsys.readouterr()
+    assert main(["trace", "run", str(coding), "--config", str(config)]) == 2
+    assert "cpu.nodes.big.cores: 8 cores, where cpu.nodes.n0.cores has 6" in capsys.readouterr().err
+
+    gpu_nodes = "".join(f'[gpu.nodes.g{i}]\ngpus = 4\ngpu_memory_mb = 40960\nhost_memory_mb = 100000\n'
+                        f'device_type = "cpu"\ntype = "{kind}"\n' for i, kind in enumerate(("h100", "h20")))
+    teacher = 'backend = "sglang"\nmodel = "m"\ntask = "score"\ngpu_memory_mb = 20480\nhost_memory_mb = 16384\n'
+    config.write_text('[cpu]\nenabled = false\n' + gpu_nodes + f'[gpu.services.teacher0]\n{teacher}')
+    assert main(["trace", "run", str(mopd), "--config", str(config)]) == 2
+    assert "gpu.services: the trace calls reward service 'teacher4'; the config serves ['teacher0']" in \
+        capsys.readouterr().err
+    config.write_text(config.read_text() + f'dops = [1, 2]\n[gpu.services.teacher4]\n{teacher}')
+    assert main(["trace", "run", str(mopd), "--config", str(config), "--json", str(report)]) == 0
+    rows = json.loads(report.read_text())
+    assert [r["policy"] for r in rows] == ["tangram", "baseline"]
+    assert rows[0]["cluster"] | {"source": None} == {
+        "source": None, "cpu_nodes": 0, "cores_per_node": 256, "gpu_nodes": [4, 4], "gpu_node_types": ["h100", "h20"],
+        "services": ["teacher0", "teacher4"], "apis": []}
+    assert all(r["failed_calls"] == 0 and r["calls"] == 3 for r in rows)

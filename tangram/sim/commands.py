@@ -20,6 +20,7 @@ from rich.table import Column, Table
 from tangram.sched.profile import DEFAULT_PROFILE, SchedulerProfile
 from tangram.sim.assumptions import parse
 from tangram.sim.cluster import Cluster, ServiceModel, gpu_nodes
+from tangram.sim.deployment import Deployment, NotSimulable, deployed_cluster
 from tangram.sim.engine import simulate
 from tangram.sim.policies import POLICIES, named_policies
 from tangram.sim.scenario_common import JUDGE, Outcome, check_scale, search_api
@@ -27,8 +28,8 @@ from tangram.sim.scenarios import SCENARIOS
 from tangram.sim.trace import Trace
 from tangram.sim.workloads import CodingParams, MopdParams, SearchParams, ai_coding, deepsearch, mopd
 
-#: reads a broker's config file and gives its ``[scheduler]`` profile (the CLI's, which validates the whole file)
-ProfileLoader = Callable[[str], SchedulerProfile]
+#: reads a broker's config file and gives what it deploys (the CLI's, which validates the whole file)
+DeploymentLoader = Callable[[str], Deployment]
 
 WORKLOADS = {"ai_coding": lambda batch, seed: ai_coding(CodingParams(batch=batch), seed),
              "mopd": lambda batch, seed: mopd(MopdParams(batch=batch), seed),
@@ -70,19 +71,19 @@ def over_seeds(outcomes: list[Outcome], seeds: list[int]) -> Outcome:
     return replace(outcomes[0], figures=figures)
 
 
-def _profile(load_profile: ProfileLoader, config: str | None) -> tuple[SchedulerProfile, dict[str, Any]]:
+def _profile(deployment: Deployment | None, config: str | None) -> tuple[SchedulerProfile, dict[str, Any]]:
     """The scheduler profile of the ``--config`` file (the broker's defaults without one), and how the output
     names it."""
-    profile = DEFAULT_PROFILE if config is None else load_profile(config)
+    profile = DEFAULT_PROFILE if deployment is None else deployment.profile
     return profile, {"config": config, **profile.to_json()}
 
 
-def _simulate(load_profile: ProfileLoader, args: argparse.Namespace) -> int:
+def _simulate(load: DeploymentLoader, args: argparse.Namespace) -> int:
     """Run the scenarios with a progress bar over them (each run's summary line under it); on a console that is
     not a terminal (CI logs) the lines are printed instead."""
     names = list(SCENARIOS) if args.scenario == "all" else [args.scenario]
     assumed = parse(args.set)  # each item was checked as it was read
-    profile, named = _profile(load_profile, args.config)
+    profile, named = _profile(None if args.config is None else load(args.config), args.config)
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
     console = Console()
@@ -160,19 +161,42 @@ def cluster_for(trace: Trace, cores: int, cpu_nodes: int, gpus: int) -> Cluster:
                    gpu_node_sizes=gpu_nodes(gpus) if services else (), services=services, apis=apis)
 
 
-def _trace_run(load_profile: ProfileLoader, args: argparse.Namespace) -> int:
+#: the cluster ``trace run`` simulates when neither ``--config`` nor a shape flag gives one: the paper's (§6.1)
+DEFAULT_SHAPE = {"cores": 1280, "cpu_nodes": 5, "gpus": 40}
+
+
+def _trace_cluster(deployment: Deployment | None, args: argparse.Namespace, trace: Trace) -> tuple[Cluster, str]:
+    """The cluster of the shape flags (the defaults for those left out), or the one ``--config`` deploys when no
+    flag is given; and where it comes from."""
+    flags = {name: getattr(args, name) for name in DEFAULT_SHAPE}
+    if deployment is not None and all(value is None for value in flags.values()):
+        return deployed_cluster(deployment, trace), f"deployed by {args.config}"
+    shape = {name: DEFAULT_SHAPE[name] if value is None else value for name, value in flags.items()}
+    return cluster_for(trace, **shape), "--cores {cores} --cpu-nodes {cpu_nodes} --gpus {gpus}".format(**shape)
+
+
+def _trace_run(load: DeploymentLoader, args: argparse.Namespace) -> int:
     trace = Trace.load(args.trace)
-    profile, named = _profile(load_profile, args.config)
+    deployment = None if args.config is None else load(args.config)
+    profile, named = _profile(deployment, args.config)
     try:
-        cluster = cluster_for(trace, args.cores, args.cpu_nodes, args.gpus)
+        cluster, source = _trace_cluster(deployment, args, trace)
+    except NotSimulable as error:
+        print(f"tangram: {args.config}: {error}", file=sys.stderr)
+        return 2
     except ValueError as error:
         print(f"tangram: {error}", file=sys.stderr)
         return 2
+    shape = {"source": source, "cpu_nodes": cluster.cpu_nodes, "cores_per_node": cluster.cores_per_node,
+             "gpu_nodes": list(cluster.gpu_node_sizes), "gpu_node_types": list(cluster.gpu_node_types),
+             "services": [service.name for service in cluster.services], "apis": [api.name for api in cluster.apis]}
+    print(f"cluster ({source}): {cluster.cpu_nodes} CPU nodes of {cluster.cores_per_node} cores, GPU nodes "
+          f"{list(cluster.gpu_node_sizes)}")
     rows = []
     policies = named_policies(profile)
     for policy in args.policy or ["tangram", "baseline"]:
         summary = simulate(trace, cluster, policies[policy], policy).summary()
-        rows.append({**summary, "profile": named})
+        rows.append({**summary, "profile": named, "cluster": shape})
         print(f"{policy:>12}: mean ACT per trajectory {summary['mean_trajectory_act_s']:.2f} s, mean ACT "
               f"{summary['mean_act_s']:.3f} s, failed {summary['failed_calls']}, {summary['wall_s']:.1f} s wall")
     if args.json:
@@ -183,6 +207,10 @@ def _trace_run(load_profile: ProfileLoader, args: argparse.Namespace) -> int:
 CONFIG_HELP = ("a broker's TOML config: the broker's policies run its [scheduler] profile (each variant changes only "
                "what its name says; an order for a resource the scenario lacks is unused); default: the broker's "
                "defaults")
+
+
+TRACE_CONFIG_HELP = ("a broker's TOML config: its [scheduler] profile, and, unless --cores, --cpu-nodes or --gpus is "
+                     "given, the cluster it deploys (its CPU and GPU nodes, reward services and [basic] APIs)")
 
 
 def _assumption(text: str) -> str:
@@ -215,8 +243,8 @@ def _seed_list(text: str) -> list[int]:
     return seeds
 
 
-def add_commands(commands: Any, load_profile: ProfileLoader) -> None:
-    """``simulate`` and ``trace``; ``load_profile`` reads ``--config``."""
+def add_commands(commands: Any, load: DeploymentLoader) -> None:
+    """``simulate`` and ``trace``; ``load`` reads ``--config``."""
     simulate_parser = commands.add_parser("simulate", help="reproduce one of the paper's evaluation scenarios in the "
                                                            "simulator (or all of them)")
     simulate_parser.add_argument("scenario", choices=[*SCENARIOS, "all"])
@@ -234,7 +262,7 @@ def add_commands(commands: Any, load_profile: ProfileLoader) -> None:
     simulate_parser.add_argument("--plot", help="write a PNG plot here")
     simulate_parser.add_argument("--out", help="directory for SCENARIO.json and SCENARIO.png (with 'all')")
     simulate_parser.add_argument("--config", help=CONFIG_HELP)
-    simulate_parser.set_defaults(func=partial(_simulate, load_profile))
+    simulate_parser.set_defaults(func=partial(_simulate, load))
 
     trace = commands.add_parser("trace", help="make a workload trace, or run a saved one in the simulator")
     trace_commands = trace.add_subparsers(dest="trace_command", required=True)
@@ -248,9 +276,9 @@ def add_commands(commands: Any, load_profile: ProfileLoader) -> None:
     run.add_argument("trace")
     run.add_argument("--policy", action="append", choices=sorted(POLICIES), help="repeatable (default: tangram and "
                                                                                 "baseline)")
-    run.add_argument("--cores", type=int, default=1280)
-    run.add_argument("--cpu-nodes", type=int, default=5)
-    run.add_argument("--gpus", type=int, default=40)
+    for flag, what in (("cores", "CPU cores in all"), ("cpu-nodes", "CPU nodes"), ("gpus", "GPUs in all")):
+        run.add_argument(f"--{flag}", type=int, help=f"{what} (default {DEFAULT_SHAPE[flag.replace('-', '_')]}, or "
+                                                     f"the cluster --config deploys when no shape flag is given)")
     run.add_argument("--json")
-    run.add_argument("--config", help=CONFIG_HELP)
-    run.set_defaults(func=partial(_trace_run, load_profile))
+    run.add_argument("--config", help=TRACE_CONFIG_HELP)
+    run.set_defaults(func=partial(_trace_run, load))

@@ -77,17 +77,19 @@ class SloAdmission:
         refusal = self.refusal(self.config_plans)
         if refusal is not None:
             raise refusal.config_error()
-        resource = gpus.resource if gpus is not None else "gpu"
-        self.tracker = SloAttainment(self._service_of, resource)
-        #: the GPUs reserved for the plans in force, which the broker's passes put ahead
-        self.shares = ReservedShares(resource)
+        #: the attainment of the plans in force and the GPUs reserved for them, which the broker's passes put
+        #: ahead; both only over a GPU pool: without one no plan is ever in force
+        self.tracker = SloAttainment(self._service_of, gpus.resource) if gpus is not None else None
+        self.shares = ReservedShares(gpus.resource) if gpus is not None else None
         #: the pool the reservations in force were worked out on
         self._reserved_on: Pool | None = None
         self._in_force()
 
     def plugins(self) -> CyclePlugins:
         """The reserve order, the tracker and this admission as watchers (reservations that follow the pool), and
-        the SLO figures as metrics."""
+        the SLO figures as metrics; without a GPU pool only the metrics."""
+        if self.tracker is None or self.shares is None:
+            return CyclePlugins(metrics=self._register)
         return CyclePlugins(reserve_order=self.shares, watchers=(self.tracker, self), metrics=self._register)
 
     def _register(self, registry: MetricsRegistry) -> None:
@@ -189,6 +191,8 @@ class SloAdmission:
 
     def _in_force(self) -> None:
         """Judge attainment by the plans in force, and reserve the GPUs they need on the pool as it is now."""
+        if self.tracker is None or self.shares is None:
+            return
         plans = self.plans
         self.tracker.plan(plans)
         pool = self._reserved_on = self.pool()
@@ -202,7 +206,7 @@ class SloAdmission:
     def ended(self, action: Action) -> None:
         """Work the reservations out again if the pool has moved since they were (what a reward action's end
         follows: a restore learned, a node lost with the actions it ran); logged with what changed."""
-        if action.kind is not Kind.REWARD or not self.plans:
+        if action.kind is not Kind.REWARD or not self.plans or self.shares is None:
             return
         before, now = self._reserved_on, self.pool()
         if before is None or now is None or not _moved(before, now):
@@ -247,8 +251,7 @@ class SloAdmission:
                                          "solo_phase_s": prediction.solo_phase_s,
                                          "slowdown": finite(prediction.slowdown), "slo": prediction.slo,
                                          "within": prediction.within, "reserved_gpus": prediction.reserved_gpus},
-                          "reserved_gpus": self.shares.reserved.get(task, 0),
-                          "attainment": _attainment_json(self.tracker.tasks.get(task, Attainment()))})
+                          "reserved_gpus": self._reserved(task), "attainment": _attainment_json(self._attained(task))})
         return {"pool": None if pool is None else {"gpus": pool.gpus, "restore_s": pool.restore_s},
                 "tasks": tasks, "shelved": dict(self.shelved)}
 
@@ -256,13 +259,19 @@ class SloAdmission:
         """Per planned task, its SLO, prediction and attainment (``GET /v1/resources``: the status views')."""
         return [{"task": row.task, "slo": row.slo, "predicted_slowdown": finite(row.predicted_slowdown),
                  "reserved_gpus": row.reserved_gpus,
-                 **_attainment_json(self.tracker.tasks.get(row.task, Attainment()))} for row in self._figures()]
+                 **_attainment_json(self._attained(row.task))} for row in self._figures()]
 
     def _figures(self) -> Iterable[SloFigures]:
         for task, prediction in sorted(self._predictions(self.pool()).items()):
-            attained = self.tracker.tasks.get(task, Attainment())
-            yield SloFigures(task, prediction.slo, prediction.slowdown, self.shares.reserved.get(task, 0),
+            attained = self._attained(task)
+            yield SloFigures(task, prediction.slo, prediction.slowdown, self._reserved(task),
                              attained.windows, attained.within, attained.last_slowdown)
+
+    def _reserved(self, task: str) -> int:
+        return 0 if self.shares is None else self.shares.reserved.get(task, 0)
+
+    def _attained(self, task: str) -> Attainment:
+        return Attainment() if self.tracker is None else self.tracker.tasks.get(task, Attainment())
 
 
 def _moved(before: Pool, now: Pool) -> bool:
