@@ -22,18 +22,20 @@ verl loads it with::
 
 ``compute_score`` is the synchronous form verl's reward managers run in a thread pool; ``compute_score_async`` is
 awaited on the reward loop directly (verl checks ``inspect.iscoroutinefunction``). Both return a dict: ``score``
-plus numeric details verl logs as ``reward_extra_info``. Broker errors (unreachable, a rejected action, a sandbox
+plus numeric details verl logs as ``reward_extra_info``. A process's rewards share one broker session per event
+loop (``compute_score`` runs them on one loop of its own), not one each. A broker with auth takes
+``reward_kwargs.token`` or ``$TANGRAM_TOKEN``. Broker errors (unreachable, a rejected action, a sandbox
 that could not be made) raise: a reward must never be silently zero because the broker is misconfigured.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import functools
 import os
 import re
 import secrets
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -41,7 +43,7 @@ from typing import Any
 from clients.client import AsyncTangramClient
 from clients.errors import ActionError
 from clients.signed_report import KEY_FILE, read_signed
-from clients.verl_tool import DEFAULT_URL, core_range
+from clients.verl_tool import DEFAULT_URL, LoopClients, core_range
 
 #: a fenced code block; the last one in a response is taken as its solution
 FENCE = re.compile(r"```[\w+-]*[ \t]*\n(.*?)```", re.DOTALL)
@@ -109,23 +111,59 @@ async def compute_score_async(data_source: str, solution_str: str, ground_truth:
                               task: str = "verl-reward", cores: Any = (1, 4), t1_s: float | None = None,
                               efficiency: Mapping[str, float] | None = None, timeout_s: float = 300.0,
                               image: str | None = None, memory_mb: int | None = None, service: str | None = None,
-                              gpus: Any = 1, retries: int = 3, reward_router_address: Any = None,
-                              reward_model_tokenizer: Any = None) -> dict[str, float]:
+                              gpus: Any = 1, retries: int = 3, token: str | None = None,
+                              reward_router_address: Any = None, reward_model_tokenizer: Any = None
+                              ) -> dict[str, float]:
     """Score one response (see the module's docstring). ``broker_url`` defaults to ``$TANGRAM_URL`` or the local
-    broker; ``cores``/``gpus`` take a count or ``[min, max]``; ``reward_router_address`` and
-    ``reward_model_tokenizer`` are verl's own extras for its reward-model router and are ignored."""
+    broker, ``token`` to ``$TANGRAM_TOKEN``; ``cores``/``gpus`` take a count or ``[min, max]``;
+    ``reward_router_address`` and ``reward_model_tokenizer`` are verl's own extras for its reward-model router and
+    are ignored."""
     del extra_info, reward_router_address, reward_model_tokenizer
-    url = broker_url or os.environ.get("TANGRAM_URL") or DEFAULT_URL
-    async with AsyncTangramClient(url, task=task, retries=retries) as client:
-        if service is not None:
-            return await _reward_model_score(client, data_source, solution_str, ground_truth, service=service,
-                                             gpus=core_range(plain(gpus), "gpus"), t1_s=t1_s, efficiency=efficiency,
-                                             timeout_s=timeout_s)
-        if not isinstance(ground_truth, str):
-            raise TypeError(f"ground_truth must be the pytest source of the tests, got {type(ground_truth).__name__}")
-        return await _test_score(client, data_source, extract_code(solution_str), ground_truth,
-                                 cores=core_range(plain(cores), "cores"), t1_s=t1_s, efficiency=efficiency,
-                                 timeout_s=timeout_s, image=image, memory_mb=memory_mb)
+    client = shared_client(broker_url or os.environ.get("TANGRAM_URL") or DEFAULT_URL, task, retries, token)
+    if service is not None:
+        return await _reward_model_score(client, data_source, solution_str, ground_truth, service=service,
+                                         gpus=core_range(plain(gpus), "gpus"), t1_s=t1_s, efficiency=efficiency,
+                                         timeout_s=timeout_s)
+    if not isinstance(ground_truth, str):
+        raise TypeError(f"ground_truth must be the pytest source of the tests, got {type(ground_truth).__name__}")
+    return await _test_score(client, data_source, extract_code(solution_str), ground_truth,
+                             cores=core_range(plain(cores), "cores"), t1_s=t1_s, efficiency=efficiency,
+                             timeout_s=timeout_s, image=image, memory_mb=memory_mb)
+
+
+#: the clients this process's rewards share: per (broker, task, retries, token), one per event loop
+_CLIENTS: dict[tuple[str, str, int, str | None], LoopClients] = {}
+_CLIENTS_LOCK = threading.Lock()
+
+
+def shared_client(url: str, task: str, retries: int, token: str | None) -> AsyncTangramClient:
+    """The running loop's client for these settings, made on first use and kept for the process's later rewards
+    (a session per reward would open a connection per reward)."""
+    with _CLIENTS_LOCK:
+        clients = _CLIENTS.get((url, task, retries, token))
+        if clients is None:
+            clients = _CLIENTS[(url, task, retries, token)] = LoopClients(url, task, retries, token)
+    return clients.current()
+
+
+class RewardLoop:
+    """One event loop per process, on a daemon thread, for the blocking ``compute_score``: its rewards then share
+    that loop's broker session. A forked child makes its own (the thread does not survive a fork)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._pid = 0
+
+    def get(self) -> asyncio.AbstractEventLoop:
+        with self._lock:
+            if self._loop is None or self._pid != os.getpid():
+                self._loop, self._pid = asyncio.new_event_loop(), os.getpid()
+                threading.Thread(target=self._loop.run_forever, name="tangram-rewards", daemon=True).start()
+            return self._loop
+
+
+REWARD_LOOP = RewardLoop()
 
 
 async def _test_score(client: AsyncTangramClient, data_source: str, code: str, tests: str, *,
@@ -165,12 +203,7 @@ async def _reward_model_score(client: AsyncTangramClient, data_source: str, solu
 
 def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: Mapping[str, Any] | None = None,
                   **reward_kwargs: Any) -> dict[str, float]:
-    """The blocking form of ``compute_score_async`` (same arguments). Called from a thread with no event loop (as
-    verl's reward managers do) it runs its own; called on a loop's thread it runs on a helper thread."""
+    """The blocking form of ``compute_score_async`` (same arguments), run on the process's reward loop (verl's
+    reward managers call it from a thread pool; concurrent calls run concurrently there)."""
     coroutine = compute_score_async(data_source, solution_str, ground_truth, extra_info, **reward_kwargs)
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coroutine)
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-        return pool.submit(asyncio.run, coroutine).result()
+    return asyncio.run_coroutine_threadsafe(coroutine, REWARD_LOOP.get()).result()

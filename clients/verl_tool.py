@@ -30,7 +30,7 @@ from verl.tools.base_tool import BaseTool
 from verl.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
 
 from clients.client import AsyncTangramClient
-from clients.errors import NotFoundError, TangramError
+from clients.errors import ForbiddenError, NotFoundError, TangramError, UnauthorizedError, UnprocessableError
 from clients.records import ActionRecord
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ DEFAULT_URL = "http://127.0.0.1:8300"
 
 #: keys of the tool's ``config:`` in verl's tool YAML (``type`` is verl's own: ``native``)
 CONFIG_KEYS = frozenset({"type", "broker_url", "task", "cores", "elasticity", "memory_mb", "image", "timeout_s",
-                         "output_limit", "pytest_parallel", "signature", "retries", "run_timeout_s"})
+                         "output_limit", "pytest_parallel", "signature", "retries", "run_timeout_s", "token"})
 #: keys of a sample's ``tools_kwargs.<tool>.create_kwargs``
 CREATE_KEYS = frozenset({"files"})
 
@@ -81,8 +81,8 @@ class LoopClients:
     verl may call one tool object from several loops (threads, Ray actors with their own loops). A client whose
     loop has closed is dropped the next time another loop asks."""
 
-    def __init__(self, base_url: str, task: str, retries: int) -> None:
-        self.base_url, self.task, self.retries = base_url, task, retries
+    def __init__(self, base_url: str, task: str, retries: int, token: str | None = None) -> None:
+        self.base_url, self.task, self.retries, self.token = base_url, task, retries, token
         self._clients: dict[asyncio.AbstractEventLoop, AsyncTangramClient] = {}
         self._lock = threading.Lock()
 
@@ -93,7 +93,8 @@ class LoopClients:
             if client is None:
                 for stale in [other for other in self._clients if other.is_closed()]:
                     del self._clients[stale]
-                client = self._clients[loop] = AsyncTangramClient(self.base_url, task=self.task, retries=self.retries)
+                client = self._clients[loop] = AsyncTangramClient(self.base_url, task=self.task,
+                                                                  retries=self.retries, token=self.token)
             return client
 
     async def close(self) -> None:
@@ -134,6 +135,14 @@ async def trajectory_scope() -> AsyncIterator[TrajectoryScope]:
         await scope.release()
 
 
+def config_error(error: TangramError) -> bool:
+    """Whether the broker refused a command for the tool's configuration rather than for the command: a token
+    missing, unknown or not for this task, or a spec field other than the command it cannot accept."""
+    if isinstance(error, (UnauthorizedError, ForbiddenError)):
+        return True
+    return isinstance(error, UnprocessableError) and error.field != "spec.command"
+
+
 def format_output(result: Mapping[str, Any]) -> str:
     """An exec result (or the partial output kept in a failure) as text a model reads."""
     if result.get("signal") is not None:
@@ -161,12 +170,15 @@ class BrokerShellTool(BaseTool):
     ``{resource: cpu, efficiency: {"1": 1.0, "4": 0.8}}``), ``memory_mb`` and ``image`` (the sandbox's, first action
     only), ``timeout_s`` (per command, queueing included), ``run_timeout_s`` (per command, its own run only: a
     command that waited in the queue is not cut short for it), ``output_limit`` (bytes per stream), ``pytest_parallel``
-    (rewrite ``pytest`` to ``pytest -n N``), ``signature`` (the learned-duration key; default the tool's name) and
-    ``retries`` (client retries on connection errors and 429/503).
+    (rewrite ``pytest`` to ``pytest -n N``), ``signature`` (the learned-duration key; default the tool's name),
+    ``retries`` (client retries on connection errors and 429/503) and ``token`` (a broker with auth; default
+    ``$TANGRAM_TOKEN``).
 
     A sample's ``tools_kwargs.<name>.create_kwargs.files`` (path -> text, or ``{"base64": ...}``) is copied into
-    ``/workspace`` by the trajectory's first command. Broker errors never raise into the rollout: the model reads
-    them as the tool's answer and they are logged.
+    ``/workspace`` by the trajectory's first command. Broker errors that a command can cause (a queue deadline, a
+    command too long) are the tool's answer for the model to read, and logged; those that say the tool is
+    misconfigured raise, since every later call would fail alike and train on them: 401 and 403 (a token missing,
+    unknown or not this task's) and 422 on anything but the command (``config_error``).
     """
 
     def __init__(self, config: dict[str, Any], tool_schema: OpenAIFunctionToolSchema | None = None) -> None:
@@ -188,7 +200,11 @@ class BrokerShellTool(BaseTool):
         self.sandbox_spec = {key: config[key] for key in ("memory_mb", "image") if config.get(key) is not None}
         self.command_spec = {key: config[key] for key in ("output_limit", "pytest_parallel", "run_timeout_s")
                              if config.get(key) is not None}
-        self.clients = LoopClients(str(config.get("broker_url") or DEFAULT_URL), task, int(config.get("retries", 3)))
+        token = config.get("token")
+        if token is not None and (not isinstance(token, str) or not token):
+            raise ValueError(f"{type(self).__name__} config: token must be the broker's bearer token (a string)")
+        self.clients = LoopClients(str(config.get("broker_url") or DEFAULT_URL), task, int(config.get("retries", 3)),
+                                   token)
         # verl's BaseTool takes None (it falls back to get_openai_tool_schema), though its annotation says otherwise
         super().__init__(config, tool_schema)  # type: ignore[arg-type]
         self.signature = str(config.get("signature") or self.name)
@@ -234,6 +250,9 @@ class BrokerShellTool(BaseTool):
                 "exec", {"cpu": self.cores}, spec, trajectory=trajectory, elasticity=self.elasticity,
                 timeout_s=self.timeout_s, signature=self.signature, wait=True)
         except TangramError as error:
+            if config_error(error):
+                log.error("%s: the broker refuses this tool's commands (its config): %s", self.name, error)
+                raise
             log.warning("%s: the broker did not run a command of trajectory %s: %s", self.name, trajectory, error)
             return ToolResponse(text=f"Error: the command could not be run: {error}"), 0.0, {"broker_error": 1}
         environment = (record.result or record.error or {}).get("environment")

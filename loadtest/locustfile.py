@@ -28,6 +28,7 @@ Settings (environment variables; loadtest/README.md has the headless command):
 ``LOADTEST_LEASE_UNITS``       units per lease (1)
 ``LOADTEST_TIMEOUT_S``         deadline of every action, queueing included (120); requests wait 30 s longer
 ``LOADTEST_TASK``              the RL task the actions belong to (``locust``)
+``LOADTEST_TOKEN``             bearer token sent with every request, for a broker with auth (none)
 ``LOADTEST_API_RESOURCE``, ``LOADTEST_LEASE_RESOURCE``, ``LOADTEST_REWARD_SERVICE``
                                what the broker calls them (``api.search``, ``lease.local``, ``minilm-judge``)
 """
@@ -98,6 +99,7 @@ class Settings:
     lease_units: int
     timeout_s: float
     task: str
+    token: str | None
     api_resource: str
     lease_resource: str
     reward_service: str
@@ -116,6 +118,7 @@ class Settings:
                    lease_units=_env_int("LOADTEST_LEASE_UNITS", 1, 1),
                    timeout_s=timeout,
                    task=os.environ.get("LOADTEST_TASK", "locust"),
+                   token=os.environ.get("LOADTEST_TOKEN") or None,
                    api_resource=os.environ.get("LOADTEST_API_RESOURCE", "api.search"),
                    lease_resource=os.environ.get("LOADTEST_LEASE_RESOURCE", "lease.local"),
                    reward_service=os.environ.get("LOADTEST_REWARD_SERVICE", "minilm-judge"))
@@ -178,6 +181,7 @@ class Trajectory(FastHttpUser):
     abstract = True
     wait_time = constant(0)  # one trajectory follows another; the think times are inside them
     network_timeout = SETTINGS.timeout_s + 60.0
+    default_headers = {"Authorization": f"Bearer {SETTINGS.token}"} if SETTINGS.token else None
 
     def act(self, kind: str, step: str, demand: dict[str, Any], spec: dict[str, Any],
             check: Check = lambda result: None, **fields: Any) -> Step:

@@ -28,13 +28,17 @@ from verl.tools.tool_registry import initialize_tools_from_config
 from verl.trainer.ppo.reward import load_reward_manager
 from verl.workers.rollout.replica import TokenOutput
 
-from clients.verl_reward import compute_score_async
+from clients import verl_reward
+from clients.errors import ForbiddenError, UnauthorizedError, UnprocessableError
+from clients.verl_reward import compute_score, compute_score_async
 from clients.verl_tool import BrokerShellTool
+from tangram.server.auth import new_token, token_sha256
 from tests.docker_nodes import cpu_config, docker_engines
 from tests.harness import Live, live_broker
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "clients" / "examples"
 TASK = "verl-plugin"
+TOKEN, OTHER = new_token(), new_token()
 #: renders each message on its own, so a conversation's tokens are a prefix of the next turn's (verl checks that)
 CHAT_TEMPLATE = ("{% for m in messages %}{{ '<|' + m.role + '|>\n' }}{{ m.content if m.content is string else '' }}"
                  "{% for c in (m.tool_calls or []) %}{{ '<tool_call>' + (c.function | tojson) + '</tool_call>' }}"
@@ -180,6 +184,70 @@ async def test_seed_files_reach_the_sandbox_and_broker_errors_become_readable_an
             await tool.aclose()
 
 
+def secured(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` with auth on: TOKEN acts for TASK, OTHER for another task."""
+    return {**config, "auth": {"admin_token_sha256": token_sha256(new_token())},
+            "tasks": {TASK: {"token_sha256": token_sha256(TOKEN)}, "other": {"token_sha256": token_sha256(OTHER)}}}
+
+
+async def test_on_a_broker_with_auth_the_tool_sends_its_token_and_a_refusal_of_its_config_raises(db, monkeypatch):
+    """The token from the tool's config or ``$TANGRAM_TOKEN``; 401, 403 and a 422 on anything but the command raise
+    (every later call would fail alike), while a command the broker refuses stays the model's answer."""
+    async with live_broker(secured(docker_node()), db) as live:
+        monkeypatch.setenv("TANGRAM_URL", live.url)
+        monkeypatch.setenv("TANGRAM_TASK", TASK)
+        monkeypatch.delenv("TANGRAM_TOKEN", raising=False)
+        tools = []
+
+        def tool(**config: Any) -> BrokerShellTool:
+            made = BrokerShellTool({"type": "native", "broker_url": live.url, "task": TASK, **config})
+            tools.append(made)
+            return made
+
+        async def run(shell: BrokerShellTool, command: str = "echo hi") -> str:
+            instance, _ = await shell.create()
+            response, _, _ = await shell.execute(instance, {"command": command})
+            return str(response.text)
+
+        try:
+            assert await run(tool(token=TOKEN)) == "exit code: 0\nstdout:\nhi"
+            with pytest.raises(UnauthorizedError):
+                await run(tool())
+            monkeypatch.setenv("TANGRAM_TOKEN", TOKEN)
+            from_env = initialize_tools_from_config(str(EXAMPLES / "verl_tool_config.yaml"))[0]
+            tools.append(from_env)
+            assert await run(from_env) == "exit code: 0\nstdout:\nhi"
+            with pytest.raises(ForbiddenError):
+                await run(tool(token=OTHER))
+            with pytest.raises(UnprocessableError) as refused:
+                await run(tool(token=TOKEN, memory_mb=1 << 40))
+            assert refused.value.field == "spec.memory_mb"
+            assert (await run(tool(token=TOKEN), "x" * 70000)).startswith("Error: the command could not be run: "
+                                                                         "HTTP 413: spec.command:")
+        finally:
+            for made in tools:
+                await made.aclose()
+
+
+async def test_the_rewards_of_a_process_share_one_session_and_send_the_token(db, monkeypatch):
+    """``compute_score`` on a broker with auth: the token from ``$TANGRAM_TOKEN``, and every reward of the process
+    on one client of one loop (verl's manager calls it from its threads)."""
+    async with live_broker(secured(docker_node()), db) as live:
+        monkeypatch.setenv("TANGRAM_TOKEN", TOKEN)
+        scores = await asyncio.gather(*(asyncio.to_thread(compute_score, "unit-tests", answer, TESTS,
+                                                          broker_url=live.url, task=TASK, cores=1)
+                                        for answer in (CORRECT, WRONG, CORRECT)))
+        assert [s["score"] for s in scores] == [1.0, pytest.approx(1 / 3), 1.0]
+        shared = [clients for (url, *_), clients in verl_reward._CLIENTS.items() if url == live.url]
+        assert len(shared) == 1 and len(shared[0]._clients) == 1, "one client on the process's reward loop"
+        monkeypatch.delenv("TANGRAM_TOKEN")
+        with pytest.raises(UnauthorizedError):
+            await compute_score_async("unit-tests", CORRECT, TESTS, broker_url=live.url, task=TASK, cores=1)
+        right = await compute_score_async("unit-tests", CORRECT, TESTS, broker_url=live.url, task=TASK, cores=1,
+                                          token=TOKEN)
+        assert right["score"] == 1.0
+
+
 def test_bad_tool_config_names_the_key():
     with pytest.raises(ValueError, match="unknown key 'core'"):
         BrokerShellTool({"type": "native", "task": "t", "core": 2})
@@ -187,6 +255,8 @@ def test_bad_tool_config_names_the_key():
         BrokerShellTool({"type": "native", "task": "t", "cores": [4, 1]})
     with pytest.raises(ValueError, match="task must name the RL task"):
         BrokerShellTool({"type": "native"})
+    with pytest.raises(ValueError, match="token must be the broker's bearer token"):
+        BrokerShellTool({"type": "native", "task": "t", "token": 7})
 
 
 CORRECT = "Here it is:\n```python\ndef add(a, b):\n    return a + b\n```"
