@@ -26,6 +26,7 @@ from tangram.config import load_config, with_ray
 from tangram.core.errors import ConfigError
 from tangram.sim.commands import add_commands as add_simulation_commands
 from tangram.sim.deployment import Deployment
+from tangram.version import VERSION
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -316,6 +317,7 @@ def _image_build(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tangram", description="ARL-Tangram action-level resource broker")
+    parser.add_argument("--version", action="version", version=f"tangram {VERSION}")
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="run the broker")
     serve.add_argument("--config", help="TOML config file (defaults serve on a laptop)")

@@ -5,11 +5,20 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import (
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from tangram.core.action import Action
+from tangram.version import VERSION
 
 SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 PASS_SECONDS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
@@ -98,14 +107,20 @@ class Metrics:
                                    labels, buckets=SECONDS, registry=self.registry)
         self.overhead = Histogram("tangram_action_overhead_seconds", "ACT minus queue and execution time",
                                   labels, buckets=SECONDS, registry=self.registry)
-        self.finished = Counter("tangram_actions_finished", "Actions reaching a terminal state",
-                                ["kind", "task", "state"], registry=self.registry)
+        self.finished = Counter("tangram_actions_finished", "Actions reaching a terminal state, by the error's code "
+                                "(empty when none: out_of_memory, timed_out, environment_lost, ... tell them apart)",
+                                ["kind", "task", "state", "error"], registry=self.registry)
         self.submitted = Counter("tangram_actions_submitted", "Actions accepted into the queue",
                                  ["kind", "task"], registry=self.registry)
         self.schedule_pass = Histogram("tangram_schedule_pass_seconds", "Wall time of one scheduling pass",
                                        buckets=PASS_SECONDS, registry=self.registry)
         self.resizes = Counter("tangram_resizes", "Running malleable actions whose units a pass changed",
                                registry=self.registry)
+        Gauge("tangram_build_info", "The broker's version (always 1)", ["version"],
+              registry=self.registry).labels(VERSION).set(1)
+        ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, process_resident_memory_bytes, ...
+        for collector in (PLATFORM_COLLECTOR, GC_COLLECTOR):  # python_info, python_gc_*: read at scrape time
+            self.registry.register(collector)
         # label children cached per (kind, task): .labels() is a locked dict lookup, costly per action
         self._submitted: dict[tuple[str, str], Any] = {}
         self._finish_children: dict[tuple[str, str], list[tuple[Any, str]]] = {}
@@ -128,7 +143,7 @@ class Metrics:
             children = self._finish_children[labels] = [
                 (self.act.labels(*labels), "act_s"), (self.queue.labels(*labels), "queue_s"),
                 (self.execution.labels(*labels), "execution_s"), (self.overhead.labels(*labels), "overhead_s")]
-        self.finished.labels(*labels, action.state.value).inc()
+        self.finished.labels(*labels, action.state.value, (action.error or {}).get("code") or "").inc()
         timings = action.timings()
         for histogram, name in children:
             value = timings[name]

@@ -173,12 +173,20 @@ async def test_leases_with_a_quota_per_period_never_exceed_it(db):
 async def test_metrics_openapi_health_and_resources(db):
     async with live_broker(LEASES, db) as live:
         await live.call("POST", "/v1/actions?wait=true", json=lease())
+        # the other three units held, a fifth lease waits past its deadline: its end is counted with its code
+        for _ in range(3):
+            await live.call("POST", "/v1/actions?wait=true", json=lease())
+        code, late = await live.call("POST", "/v1/actions?wait=true", json=lease(timeout_s=0.2))
+        assert (late["state"], late["error"]["code"]) == ("timed_out", "timed_out"), late
         code, text = await live.call("GET", "/metrics")
         assert code == 200
         for name in ("tangram_action_completion_seconds_bucket", "tangram_schedule_pass_seconds_count",
-                     'tangram_units_in_use{pool="default",resource="lease.gpu-quota"} 1.0',
-                     'tangram_queue_length{resource="lease.gpu-quota"} 0.0'):  # idle resources export a 0
-            assert name in text
+                     'tangram_units_in_use{pool="default",resource="lease.gpu-quota"} 4.0',
+                     'tangram_queue_length{resource="lease.gpu-quota"} 0.0',  # idle resources export a 0
+                     'tangram_actions_finished_total{error="",kind="lease",state="succeeded",task="t1"} 4.0',
+                     'tangram_actions_finished_total{error="timed_out",kind="lease",state="timed_out",task="t1"} 1.0',
+                     'tangram_build_info{version="', "process_resident_memory_bytes ", "python_info{"):
+            assert name in text, name
         code, doc = await live.call("GET", "/openapi.json")
         assert code == 200 and doc["openapi"].startswith("3.")
         assert {"/v1/actions", "/v1/actions:batch", "/v1/actions/{id}", "/v1/leases/{id}"} <= set(doc["paths"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import signal
@@ -15,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from tangram.cli import main
 from tangram.config import ADMIN_TOKEN_ENV, load_config, parse_config
 from tangram.core.errors import ConfigError
 from tangram.sched.profile import DEFAULT_PROFILE, MOVED, ElasticArgs, EstimateArgs, HrrsArgs
@@ -304,3 +306,10 @@ def test_reload_keeps_the_admin_named_by_the_environment(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "tangram.cli", "serve", "--config", str(config)], check=False,
                          capture_output=True, text=True, timeout=60, env={**os.environ, ADMIN_TOKEN_ENV: admin})
     assert bad.returncode == 2 and ADMIN_TOKEN_ENV in bad.stderr and admin not in bad.stderr
+
+
+def test_version_names_the_installed_distribution(capsys):
+    with pytest.raises(SystemExit) as ended:
+        main(["--version"])
+    assert ended.value.code == 0
+    assert capsys.readouterr().out == f"tangram {importlib.metadata.version('arl-tangram')}\n"

@@ -27,7 +27,7 @@ async def test_example_rollout_runs_every_trajectory_and_cleans_up(tmp_path):
         assert "mean reward 1.00" in text and f"{live.url}/ui" in text
         sample = live.broker.metrics.registry.get_sample_value
         for kind, count in (("exec", 12), ("lease", 6)):
-            labels = {"kind": kind, "task": "example-rollout", "state": "succeeded"}
+            labels = {"kind": kind, "task": "example-rollout", "state": "succeeded", "error": ""}
             assert sample("tangram_actions_finished_total", labels) == count
         status, body = await live.call("GET", "/v1/environments?task=example-rollout")
         assert status == 200 and body["environments"] == []  # every trajectory deleted its sandbox
