@@ -11,12 +11,13 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from sqlalchemy import event, func, select
+from sqlalchemy import event, func, inspect, select, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from tangram.core.action import Action, Demand, State
+from tangram.core.errors import ConfigError
 from tangram.parse import parse_action
 from tangram.records import action_from_stored, stored_record
 from tangram.store.store import Store
@@ -375,6 +376,41 @@ async def test_failed_writes_are_kept_and_retried(store_url: str) -> None:
         assert await store.transitions(action.id) == [("queued", action.submitted_at)]
     finally:
         store.engine = healthy
+        await store.close()
+
+
+async def test_a_database_from_an_older_version_gets_its_new_columns_at_open(store_url):
+    """A table of an older version lacks a column this one has: a nullable one is added at open, on SQLite and
+    PostgreSQL alike, the rows already there reading NULL; one that rows cannot lack is refused naming it, with the
+    database left as it was."""
+    store = await Store.open(store_url)
+    old = make_action(trajectory="t-old")
+    store.save(old)
+    await store.flush()
+    async with store.engine.begin() as conn:  # as an older version, which had neither column, left it
+        await conn.execute(text("ALTER TABLE actions DROP COLUMN trajectory"))
+        await conn.execute(text("ALTER TABLE speedups DROP COLUMN runs"))
+    await store.close()
+    with pytest.raises(ConfigError) as refused:
+        await Store.open(store_url)
+    assert refused.value.key == "store.url" and "speedups.runs" in refused.value.reason
+    assert "actions.trajectory" not in refused.value.reason  # only what cannot be added is named
+    probe = create_async_engine(store_url)
+    async with probe.begin() as conn:
+        columns = await conn.run_sync(lambda sync: {c["name"] for c in inspect(sync).get_columns("actions")})
+        assert "trajectory" not in columns, "nothing changed on a refusal"
+        await conn.execute(text("DROP TABLE speedups"))  # the table goes whole: create_all makes it again
+    await probe.dispose()
+    store = await Store.open(store_url)
+    try:
+        new = make_action(trajectory="t-new")
+        store.save(new)
+        await store.flush()
+        async with store.engine.connect() as conn:
+            rows = dict((await conn.execute(text("SELECT id, trajectory FROM actions"))).all())
+        assert rows == {old.id: None, new.id: "t-new"}
+        assert (await store.get(old.id)).trajectory == "t-old"  # the record itself keeps it
+    finally:
         await store.close()
 
 

@@ -3,8 +3,6 @@ speed-up models, API tokens and SLO plans. Other persistent state can declare it
 
 from __future__ import annotations
 
-from typing import Any
-
 from sqlalchemy import BigInteger, Double, Index, Integer, String, Text, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -14,13 +12,6 @@ _BIG = BigInteger().with_variant(Integer, "sqlite")
 
 class Base(DeclarativeBase):
     """Metadata of the broker's tables; other persistent state can declare its tables on it too."""
-
-
-def create_missing_indexes(conn: Any) -> None:
-    """``create_all`` makes indexes only with their table: a database from an older version gets new ones here."""
-    for table in Base.metadata.sorted_tables:
-        for index in table.indexes:
-            index.create(conn, checkfirst=True)
 
 
 class ActionRow(Base):
