@@ -17,9 +17,10 @@ from clients.errors import (
     UnprocessableError,
     WaitTimeout,
 )
+from clients.output_stream import OutputPiece
 from clients.records import ActionRecord
 from clients.sync_client import TangramClient
 
 __all__ = ["ActionError", "ActionRecord", "ApiError", "AsyncTangramClient", "BadRequestError", "BrokerUnreachable",
-           "ConflictError", "ForbiddenError", "NotFoundError", "OverloadedError", "TangramClient", "TangramError",
-           "TooLargeError", "UnauthorizedError", "UnprocessableError", "WaitTimeout", "unit_demand"]
+           "ConflictError", "ForbiddenError", "NotFoundError", "OutputPiece", "OverloadedError", "TangramClient",
+           "TangramError", "TooLargeError", "UnauthorizedError", "UnprocessableError", "WaitTimeout", "unit_demand"]

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, Self
 
@@ -19,11 +20,14 @@ import aiohttp
 import orjson
 
 from clients.errors import BrokerUnreachable, ConflictError, WaitTimeout, api_error
+from clients.output_stream import OutputPiece, read_pieces
 from clients.records import ActionRecord
 from tangram.core.retry import backoff_s, retry_after_s
 
 #: statuses worth retrying: the broker is overloaded (queue full, over a cap) and says so
 RETRY_STATUSES = frozenset({429, 503})
+#: where a client without a ``token`` argument finds its bearer token
+TOKEN_ENV = "TANGRAM_TOKEN"
 #: slack over a long poll's wait before the HTTP request itself counts as timed out
 POLL_SLACK_S = 30.0
 #: the longest pause between two brokers while failing over (a standby takes over within seconds)
@@ -60,7 +64,7 @@ class AsyncTangramClient:
         broker unreachable, or standing by, goes to the next one (or to the leader the standby names) for up to
         ``failover_s``; submits carry idempotency keys, so none runs twice. ``wait_chunk_s`` is one long poll's
         length; longer waits take several. It must not exceed the broker's ``server.max_wait_s`` (300 s by
-        default)."""
+        default). ``token``: the bearer token of a broker with auth; without one, ``$TANGRAM_TOKEN`` if set."""
         if retries < 0:
             raise ValueError("retries must be >= 0")
         self.urls = [url.rstrip("/") for url in ([base_url] if isinstance(base_url, str) else base_url)]
@@ -75,6 +79,7 @@ class AsyncTangramClient:
         self.request_timeout_s = request_timeout_s
         self.wait_chunk_s = wait_chunk_s
         self.max_connections = max_connections
+        token = token if token is not None else os.environ.get(TOKEN_ENV) or None
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._session: aiohttp.ClientSession | None = None
 
@@ -233,6 +238,22 @@ class AsyncTangramClient:
         record = await self.submit(kind, demand, spec, wait=True, **options)
         return record.raise_for_state()
 
+    async def output(self, action_id: str) -> AsyncGenerator[OutputPiece]:
+        """An ``exec`` action's stdout and stderr as they come, then its ``end`` (``GET /v1/actions/{id}/output``):
+        a queued action's waits for it to start; an ended one's is its record's kept output. Not retried: a
+        stream opened again starts over from the first byte. Leaving the loop early does not cancel the action."""
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.request_timeout_s)
+        async with self._http().get(f"{self.base_url}/v1/actions/{action_id}/output", timeout=timeout) as response:
+            if response.status >= 400:
+                raw = await response.read()
+                try:
+                    payload = orjson.loads(raw)
+                except orjson.JSONDecodeError:
+                    payload = raw.decode(errors="replace")
+                raise api_error(response.status, payload)
+            async for piece in read_pieces(response.content.iter_any()):
+                yield piece
+
     async def cancel(self, action_id: str) -> ActionRecord:
         """Cancel a queued or running action. A 409 (it had already ended) is raised as ``ConflictError``."""
         _, payload = await self._request("DELETE", f"/v1/actions/{action_id}")
@@ -288,10 +309,13 @@ class AsyncTangramClient:
 
     async def create_environment(self, *, task: str | None = None, trajectory: str | None = None,
                                  image: str | None = None, memory_mb: int | None = None,
-                                 files: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        """Make a sandbox now (instead of on a trajectory's first exec); ``exec(..., environment=id)`` uses it."""
+                                 files: Mapping[str, Any] | None = None,
+                                 network: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Make a sandbox now (instead of on a trajectory's first exec); ``exec(..., environment=id)`` uses it.
+        ``network``: ``{"mode": "proxy", "allow": ["host", ...]}`` for an HTTP(S) proxy to those hosts."""
         body: dict[str, Any] = {"task": self._task(task)}
-        optional = {"trajectory": trajectory, "image": image, "memory_mb": memory_mb, "files": files}
+        optional = {"trajectory": trajectory, "image": image, "memory_mb": memory_mb, "files": files,
+                    "network": network}
         body.update({key: value for key, value in optional.items() if value is not None})
         _, payload = await self._request("POST", "/v1/environments", body=body)
         return payload

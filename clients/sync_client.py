@@ -8,14 +8,20 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Coroutine, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Coroutine, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, Self, TypeVar
 
 from clients.client import AsyncTangramClient, Demand
+from clients.output_stream import OutputPiece
 from clients.records import ActionRecord
 
 T = TypeVar("T")
+
+
+async def _next(items: AsyncIterator[T]) -> T:
+    """``anext`` as a coroutine, which the client's loop thread takes."""
+    return await anext(items)
 
 
 class TangramClient:
@@ -107,6 +113,18 @@ class TangramClient:
 
     def read_file(self, environment_id: str, path: str) -> bytes:
         return self._call(self._client.read_file(environment_id, path))
+
+    def output(self, action_id: str) -> Iterator[OutputPiece]:
+        """Each piece as it comes; leaving the loop early closes the stream (the action runs on)."""
+        pieces = self._client.output(action_id)
+        try:
+            while True:
+                try:
+                    yield self._call(_next(pieces))
+                except StopAsyncIteration:
+                    return
+        finally:
+            self._call(pieces.aclose())
 
     def resources(self) -> dict[str, Any]:
         return self._call(self._client.resources())

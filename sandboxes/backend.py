@@ -10,7 +10,7 @@ from __future__ import annotations
 import abc
 import functools
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
@@ -18,7 +18,7 @@ from sandboxes.core_pins import CorePins
 from sandboxes.exec_wire import ExecRequest, ExecResult
 from sandboxes.executor import UNKNOWN_OP
 from sandboxes.executor_answer import BadAnswer
-from sandboxes.executor_client import ExecutorUnavailable, call
+from sandboxes.executor_client import ExecutorUnavailable, OutputSink, call
 from sandboxes.file_wire import FileOp, FileRefused
 
 T = TypeVar("T")
@@ -35,6 +35,9 @@ LABEL_CREATED = "org.arl-tangram.created-at"
 LABEL_EPHEMERAL = "org.arl-tangram.ephemeral"
 #: a warm sandbox: made ahead of any trajectory; once claimed, its identity lives beside it (``sandboxes/docker.py``)
 LABEL_WARM = "org.arl-tangram.warm"
+#: a sandbox's egress allow-list, entries joined by ",", for a restarted broker to run its proxy again; empty (always
+#: set, so that no image's label of that name stands in for it): no network
+LABEL_EGRESS = "org.arl-tangram.egress"
 #: a file of labels a broker wrote (a claimed warm sandbox's, a local environment's) is a few of them: anything larger
 #: is not read
 MAX_LABELS_BYTES = 64 * 1024
@@ -93,6 +96,9 @@ class SandboxSpec:
     user: str = DEFAULT_SANDBOX_USER
     #: the most disk its writes may take, in MiB (0: no cap), where the engine's storage can cap a container
     disk_mb: int = 0
+    #: None: no network at all; else the allow-list (``sandboxes/egress_policy.py``) of the HTTP(S) proxy its
+    #: commands get on its loopback (``sandboxes/egress_proxy.py``)
+    egress: tuple[str, ...] | None = None
 
     @property
     def owner(self) -> tuple[int, int]:
@@ -109,6 +115,7 @@ class SandboxSpec:
             labels[LABEL_EPHEMERAL] = "1"
         if self.warm:
             labels[LABEL_WARM] = "1"
+        labels[LABEL_EGRESS] = ",".join(self.egress or ())
         return labels
 
 
@@ -125,6 +132,8 @@ class Leftover:
     created_at: float
     sandbox: Sandbox | None
     lost_reason: str | None = None
+    #: its egress allow-list (None: no network)
+    network: tuple[str, ...] | None = None
 
     @classmethod
     def from_labels(cls, labels: Mapping[str, str]) -> Leftover:
@@ -135,7 +144,8 @@ class Leftover:
             raise ValueError(f"memory {memory_mb} MiB")
         return cls(env_id=labels[LABEL_ENV], task=labels[LABEL_TASK], trajectory=labels.get(LABEL_TRAJECTORY),
                    image=labels[LABEL_IMAGE], memory_mb=memory_mb, created_at=float(labels[LABEL_CREATED]),
-                   sandbox=None)
+                   sandbox=None,
+                   network=tuple(labels[LABEL_EGRESS].split(",")) if labels.get(LABEL_EGRESS) else None)
 
     def adopted(self, sandbox: Sandbox) -> Leftover:
         return replace(self, sandbox=sandbox)
@@ -163,16 +173,18 @@ class Sandbox(abc.ABC):
     def _pins(self) -> CorePins:
         return CorePins()
 
-    async def execute(self, tag: str, request: ExecRequest) -> Executed:
+    async def execute(self, tag: str, request: ExecRequest, on_output: OutputSink | None = None) -> Executed:
         """Run one command tagged ``tag`` on its cores: the sandbox widens to the union of its running commands'
         cores first and narrows to those still running (frozen when none) after. The command starts on the cores
-        of a ``repin`` that came before it. Raises ``SandboxError`` as ``run`` and ``set_cores`` do, and
+        of a ``repin`` that came before it; its output goes to ``on_output`` as it comes where the sandbox can
+        stream it (``stream``). Raises ``SandboxError`` as ``run`` and ``set_cores`` do, and
         ``executor_bad_answer`` for an answer out of protocol."""
         cores = self._pins.start(tag, frozenset(request.cores))  # before any await: a repin now finds it
         try:
             async with self._pins.lock:
                 await self.set_cores(self._pins.union())
-            result = await self.run(replace(request, cores=tuple(sorted(cores)), tag=tag))
+            pinned = replace(request, cores=tuple(sorted(cores)), tag=tag)
+            result = await (self.run(pinned) if on_output is None else self.stream(pinned, on_output))
         except BadAnswer as error:
             raise SandboxError("executor_bad_answer", f"the sandbox's executor answered out of protocol: {error}") \
                 from None
@@ -249,6 +261,12 @@ class Sandbox(abc.ABC):
         of protocol.
         """
 
+    async def stream(self, request: ExecRequest, on_output: OutputSink) -> ExecResult:
+        """``run``, handing the command's output to ``on_output`` while it runs (what the answer keeps, no more),
+        for ``GET /v1/actions/{id}/output``. This default streams nothing: the output comes with the answer only,
+        for a backend whose executor cannot stream it here (a one-shot ``docker exec``)."""
+        return await self.run(request)
+
     @abc.abstractmethod
     async def destroy(self) -> None:
         """Kill everything in it and free it. Idempotent."""
@@ -324,6 +342,16 @@ class SandboxBackend(abc.ABC):
 
     async def close(self) -> None:
         """Drop connections (sandboxes are destroyed by the manager first)."""
+
+    def prefetch(self, images: Sequence[str]) -> bool:
+        """Start pulling those of ``images`` the node lacks, in the background; False if it pulls nothing (this
+        default: its sandboxes use what the node has)."""
+        return False
+
+    def holds_image(self, image: str) -> bool | None:
+        """Whether the node holds ``image`` as last seen, answered without a round trip (node choice prefers a node
+        that need not pull it); None: this backend cannot say (local processes, a node behind an agent)."""
+        return None
 
     def describe(self) -> dict[str, Any]:
         return {"backend": self.kind}

@@ -24,7 +24,7 @@ import posixpath
 import shutil
 import tarfile
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -33,6 +33,7 @@ import docker
 import docker.errors
 import orjson
 import requests.exceptions
+import urllib3.exceptions
 from docker.models.containers import Container
 from docker.tls import TLSConfig
 from docker.types import LogConfig, Mount
@@ -52,12 +53,15 @@ from sandboxes.backend import (
     repin_via_executor,
 )
 from sandboxes.cgroup import CFS_PERIOD_US, ContainerCgroup, cpu_list
+from sandboxes.egress_policy import AddressRules, AllowList
+from sandboxes.egress_proxy import EgressProxy
 from sandboxes.exec_wire import ExecRequest, ExecResult
 from sandboxes.executor_answer import BadAnswer, frame_limit
-from sandboxes.executor_client import EXECUTOR_PATH, ExecutorUnavailable, call, encode_once, wait_ready
+from sandboxes.executor_client import EXECUTOR_PATH, ExecutorUnavailable, OutputSink, call, encode_once, wait_ready
 from sandboxes.id_mapping import IdMapping
+from sandboxes.image_pull import ImagePuller, PullPolicy, pull_refused, with_tag
 from sandboxes.untrusted_paths import UntrustedPath, read_regular
-from sandboxes.warm_pool import CreateRate, WarmPool
+from sandboxes.warm_pool import CreateRate, WarmPools
 
 log = logging.getLogger("tangram.sandboxes.docker")
 
@@ -66,6 +70,8 @@ EXECUTOR_IN_CONTAINER = f"{EXECUTOR_DIR}/executor.py"
 SOCKET_DIR_IN_CONTAINER = "/run/tangram"
 WORKDIR = "/workspace"
 READY_TIMEOUT_S = 30.0
+#: how long the engine may keep silent on one API call (a pull's progress included) before it counts as not answering
+ENGINE_TIMEOUT_S = 60
 #: how long an adopted sandbox's executor may take to answer once thawed (a ping; a stalled or hostile one costs the
 #: start this long)
 ADOPT_TIMEOUT_S = 1.0
@@ -91,6 +97,19 @@ SEALED_OWNER_OF_ROOT = 65534
 RUNNER_IN_EXECUTOR_DIR = "pytest_runner/tangram_runner.py"
 #: the executor's file ops, beside it (it imports them from there)
 FILES_IN_EXECUTOR_DIR = "executor_files.py"
+#: the relay of a sandbox with egress (``sandboxes/egress_relay.py``), beside the executor, which starts it
+RELAY_IN_EXECUTOR_DIR = "egress_relay.py"
+#: in a sandbox's host directory, the one holding its egress proxy's socket, root's: mounted read-only as
+#: EGRESS_DIR_IN_CONTAINER in that sandbox alone, and nothing in it is ever read by the broker
+EGRESS_SUBDIR = "egress"
+EGRESS_DIR_IN_CONTAINER = "/run/tangram-egress"
+EGRESS_SOCKET = "proxy.sock"
+#: where the relay listens on the sandbox's own loopback: its commands' HTTP(S) proxy
+EGRESS_PORT = 3128
+#: what a sandbox with egress runs its commands with, for the tools that honour these (curl, pip, urllib, git)
+EGRESS_ENVIRONMENT = {name: f"http://127.0.0.1:{EGRESS_PORT}"
+                      for name in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy")} \
+    | {"NO_PROXY": "localhost,127.0.0.1,::1", "no_proxy": "localhost,127.0.0.1,::1"}
 #: the largest request the engine path passes to the executor's one-shot mode, as its one argv string (MAX_ARG_STRLEN
 #: is 128 KiB), leaving room for the rest of the command line
 MAX_ONCE_ARGUMENT_BYTES = 120 * 1024
@@ -169,6 +188,7 @@ class DockerSandbox(Sandbox):
         self.frozen = False
         self.destroyed = False
         self.old_executor = False  # adopted from an older broker: its executor cannot re-pin a command
+        self.proxy: EgressProxy | None = None  # its egress proxy, when its environment has network.mode "proxy"
 
     def seal(self) -> None:
         """Once its executor listens: the socket's directory becomes another user's (root's, or nobody's for a
@@ -234,10 +254,18 @@ class DockerSandbox(Sandbox):
                         "(a grow does not reach a running command)", self.container.short_id)
 
     async def run(self, request: ExecRequest) -> ExecResult:
+        return await self._run(request, None)
+
+    async def stream(self, request: ExecRequest, on_output: OutputSink) -> ExecResult:
+        """Fast path: the serving executor streams. Engine path: the one-shot executor under ``docker exec``
+        answers once, so the output comes with the answer only."""
+        return await self._run(request, on_output)
+
+    async def _run(self, request: ExecRequest, on_output: OutputSink | None) -> ExecResult:
         wire = request.to_wire()
         try:
             if self.socket is not None:
-                answer = await call(self.socket, wire)
+                answer = await call(self.socket, wire, on_output=on_output)
             else:
                 answer = await self.backend.off_loop(self._run_via_engine, wire)
         except ExecutorUnavailable as error:
@@ -335,6 +363,8 @@ class DockerSandbox(Sandbox):
         if self.destroyed:
             return
         self.destroyed = True
+        if self.proxy is not None:
+            await self.proxy.close()
         await self.backend.off_loop(self.backend.remove, self.container, self.cgroup)
         if self.host_dir is not None:
             shutil.rmtree(self.host_dir, ignore_errors=True)
@@ -367,21 +397,30 @@ class DockerBackend(SandboxBackend):
     kind = "docker"
 
     def __init__(self, engine: str, *, run_dir: Path, cores: tuple[int, ...], fast_path: bool,
-                 tls: TLSConfig | None = None, warm: SandboxSpec | None = None, warm_size: int = 0,
-                 creates_per_s: float = 10.0, runtime: str | None = None) -> None:
-        """On the fast path, ``warm_size`` sandboxes like ``warm`` wait started and frozen for new trajectories
-        (``sandboxes/warm_pool.py``); every create waits its turn under ``creates_per_s``. ``runtime``: the
-        engine's OCI runtime for the sandboxes (e.g. gVisor's ``runsc``; None: the engine's default)."""
+                 tls: TLSConfig | None = None, warm: Sequence[tuple[SandboxSpec, int]] = (),
+                 creates_per_s: float = 10.0, pull: PullPolicy | None = None, runtime: str | None = None,
+                 egress: AddressRules | None = None) -> None:
+        """On the fast path, for each (template, size) in ``warm``, that many sandboxes like the template wait
+        started and frozen for new trajectories (``sandboxes/warm_pool.py``); every create waits its turn under
+        ``creates_per_s``. ``pull``: how to pull an image the engine lacks (None: never; its sandboxes fail
+        ``image_not_found``). ``runtime``: the engine's OCI runtime for the sandboxes (e.g. gVisor's ``runsc``;
+        None: the engine's default)."""
         self.engine = engine
         self.run_dir = run_dir
         self.cores = cores
         self.fast_path = fast_path
         self.tls = tls
         self.runtime = runtime
+        #: the node's address rules for sandboxes with egress (None: egress is off here)
+        self.egress = egress
         self.client: docker.DockerClient | None = None
         self._rate = CreateRate(creates_per_s)
-        self._warm = WarmPool(warm, warm_size, self._rate, self._create) \
-            if warm is not None and warm_size and fast_path else None
+        self._warm = WarmPools(warm, self._rate, self._create_pulled) \
+            if fast_path and any(size for _, size in warm) else None
+        self._puller = ImagePuller(engine, pull, self._engine_pull) if pull is not None else None
+        #: the images the engine is known to hold, by tagged reference and id (``holds_image``)
+        self._images: set[str] = set()
+        self._prefetching: set[asyncio.Task[None]] = set()
         #: whether the engine's storage caps a container's disk (None: not asked yet)
         self.disk_capped: bool | None = None
         #: the host ids of the sandboxes' ids (``start`` asks the engine)
@@ -400,7 +439,7 @@ class DockerBackend(SandboxBackend):
 
     async def start(self) -> None:
         def connect() -> docker.DockerClient:
-            client = docker.DockerClient(base_url=self.engine, tls=self.tls or False, timeout=60)
+            client = docker.DockerClient(base_url=self.engine, tls=self.tls or False, timeout=ENGINE_TIMEOUT_S)
             client.ping()
             return client
         try:
@@ -419,8 +458,12 @@ class DockerBackend(SandboxBackend):
                                                       f"shows runsc's)")
         if self.fast_path:
             self.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._images = {name for image in await asyncio.to_thread(client.api.images)
+                        for name in (*(image.get("RepoTags") or ()), image["Id"])}
 
     async def close(self) -> None:
+        for task in self._prefetching:
+            task.cancel()
         if self._warm is not None:
             await self._warm.close()
         if self.client is not None:
@@ -428,12 +471,60 @@ class DockerBackend(SandboxBackend):
             self.client = None
 
     def has_image(self, image: str) -> bool:
+        """Whether the engine holds ``image`` now (asked of it; ``holds_image`` learns the answer)."""
         assert self.client is not None
         try:
             self.client.images.get(image)
-            return True
         except docker.errors.ImageNotFound:
+            self._images.discard(with_tag(image))
             return False
+        self._images.add(with_tag(image))
+        return True
+
+    def holds_image(self, image: str) -> bool:
+        """As last seen, without asking the engine: the images it had at start, and those asked about since."""
+        return with_tag(image) in self._images or image in self._images
+
+    def prefetch(self, images: Sequence[str]) -> bool:
+        """Pull each of ``images`` the engine lacks, in the background (``[cpu.images] pre_pull``, ``POST
+        /v1/images/pull``); a failure is logged by the puller and costs nothing else."""
+        if self._puller is None:
+            return False
+        for image in images:
+            task = asyncio.create_task(self._pulled(image), name=f"tangram-pre-pull-{image}")
+            task.add_done_callback(lambda done: done.cancelled() or done.exception())
+            self._prefetching.add(task)
+            task.add_done_callback(self._prefetching.discard)
+        return True
+
+    async def _pulled(self, image: str) -> None:
+        """Have the engine pull ``image`` first if it lacks it and pulling is on; without pulling, the engine's
+        ``image_not_found`` at create stands."""
+        if self._puller is not None and not await self.off_loop(self.has_image, image):
+            await self._puller.pull(image)
+            self._images.add(with_tag(image))
+
+    async def _engine_pull(self, image: str, auth: Mapping[str, str] | None) -> None:
+        await self.off_loop(self._pull_image, image, auth)
+
+    def _pull_image(self, image: str, auth: Mapping[str, str] | None) -> None:
+        """The engine's pull, read to its end: an error in the stream (a layer that failed) fails it too."""
+        assert self.client is not None
+        try:
+            for event in self.client.api.pull(image, stream=True, decode=True, auth_config=dict(auth or {}) or None):
+                if isinstance(event, dict) and event.get("error"):
+                    raise pull_refused(self.engine, image, str(event["error"]))
+        except docker.errors.APIError as error:
+            raise pull_refused(self.engine, image, str(error.explanation or error)) from None
+        except (requests.exceptions.ReadTimeout, urllib3.exceptions.ReadTimeoutError):  # as read before and in the stream
+            raise SandboxError("image_pull_failed", f"engine {self.engine} said nothing about its pull of {image!r} "
+                                                    f"for {ENGINE_TIMEOUT_S:.0f} s (a registry that does not answer?)"
+                               ) from None
+
+    async def _create_pulled(self, spec: SandboxSpec) -> DockerSandbox:
+        """A warm sandbox, of an image pulled first if need be (its turn already taken)."""
+        await self._pulled(spec.image)
+        return await self._create(spec)
 
     async def create(self, spec: SandboxSpec) -> Sandbox:
         """A warm sandbox given the spec's identity and files when one fits, else a new one in its turn."""
@@ -449,6 +540,7 @@ class DockerBackend(SandboxBackend):
                 log.warning("warm sandbox %s could not be handed over (%s): creating one", warm.container.short_id,
                             error)
                 await warm.destroy()
+        await self._pulled(spec.image)  # before its turn: a pull holds no create slot
         await self._rate.turn()
         return await self._create(spec)
 
@@ -461,7 +553,18 @@ class DockerBackend(SandboxBackend):
             sandbox.container.put_archive(WORKDIR, _archive(_Tree(".", spec.files, spec.owner)))
 
     async def _create(self, spec: SandboxSpec) -> DockerSandbox:
-        sandbox = await self.off_loop(self._start_container, spec)
+        proxy = None
+        try:
+            if spec.egress is not None:
+                proxy = await self._start_proxy(spec.env_id, spec.egress)
+            sandbox = await self.off_loop(self._start_container, spec)
+        except BaseException:
+            if proxy is not None:
+                await proxy.close()
+            if spec.egress is not None:
+                self._forget_dir(self.run_dir / spec.env_id)
+            raise
+        sandbox.proxy = proxy
         try:
             if sandbox.socket is not None:
                 await wait_ready(sandbox.socket, READY_TIMEOUT_S)
@@ -475,6 +578,25 @@ class DockerBackend(SandboxBackend):
             raise SandboxError("sandbox_create_failed", f"the executor in the container from {spec.image!r} never "
                                                         f"answered ({error}); container log: {logs}") from None
         return sandbox
+
+    async def _start_proxy(self, env_id: str, egress: tuple[str, ...]) -> EgressProxy:
+        """The egress proxy of ``env_id``'s sandbox, listening in its own directory before the container that
+        mounts it starts (or again, for an adopted one). Needs the engine on this host (the socket is bind-mounted)
+        and egress on for the node."""
+        if self.egress is None or not self.fast_path:
+            raise SandboxError("egress_unsupported", f"engine {self.engine} offers no egress proxy: it needs "
+                                                     f"[cpu.egress] enabled and the engine on the host that runs the "
+                                                     f"proxy (the broker's, or the node agent's)")
+        directory = self.run_dir / env_id / EGRESS_SUBDIR
+        directory.parent.mkdir(mode=0o700, exist_ok=True)
+        directory.mkdir(mode=0o755, exist_ok=True)
+        os.chmod(directory, 0o755)  # whatever the umask: the sandbox's user must reach the socket in it
+        proxy = EgressProxy(env_id, AllowList.parse(egress), self.egress)
+        try:
+            await proxy.start(str(directory / EGRESS_SOCKET))
+        except OSError as error:
+            raise SandboxError("sandbox_create_failed", f"the egress proxy did not start: {error}") from None
+        return proxy
 
     def _start_container(self, spec: SandboxSpec) -> DockerSandbox:
         assert self.client is not None
@@ -503,6 +625,10 @@ class DockerBackend(SandboxBackend):
             (host_dir / SOCKET_SUBDIR).mkdir(mode=0o700, exist_ok=True)
             os.chown(host_dir / SOCKET_SUBDIR, *self.ids.on_host(spec.owner))  # the executor makes its socket there
             options["volumes"] = {str(host_dir / SOCKET_SUBDIR): {"bind": SOCKET_DIR_IN_CONTAINER, "mode": "rw"}}
+            if spec.egress is not None:
+                options["volumes"][str(host_dir / EGRESS_SUBDIR)] = {"bind": EGRESS_DIR_IN_CONTAINER, "mode": "ro"}
+                command += ["--egress", f"{EGRESS_PORT}:{EGRESS_DIR_IN_CONTAINER}/{EGRESS_SOCKET}"]
+                environment.update(EGRESS_ENVIRONMENT)
         if spec.read_only_root:
             # The engine extracts archives into a read-only-root container only inside its volumes.
             options.update(read_only=True, tmpfs=READ_ONLY_ROOT_TMPFS,
@@ -573,6 +699,7 @@ class DockerBackend(SandboxBackend):
         """Put the executor and the spec's files in the created container, before it starts."""
         executor = _Tree(".", {"executor.py": Path(EXECUTOR_PATH).read_bytes(),
                                FILES_IN_EXECUTOR_DIR: (Path(EXECUTOR_PATH).parent / FILES_IN_EXECUTOR_DIR).read_bytes(),
+                               RELAY_IN_EXECUTOR_DIR: (Path(EXECUTOR_PATH).parent / RELAY_IN_EXECUTOR_DIR).read_bytes(),
                                RUNNER_IN_EXECUTOR_DIR: (Path(EXECUTOR_PATH).parent / RUNNER_IN_EXECUTOR_DIR)
                                .read_bytes()}, (0, 0), "executor.py")
         workspace = _Tree(".", spec.files, spec.owner)
@@ -734,9 +861,15 @@ class DockerBackend(SandboxBackend):
         if problem is None:
             sandbox = DockerSandbox(self, container, host_dir, cgroup, socket_dir)
             try:
+                if leftover.network is not None:
+                    if host_dir is None or _mount_source(container, EGRESS_DIR_IN_CONTAINER) != host_dir / EGRESS_SUBDIR:
+                        raise SandboxError("egress_unsupported", "its egress mount is not where this broker puts it")
+                    sandbox.proxy = await self._start_proxy(leftover.env_id, leftover.network)
                 await self._wake(sandbox)
                 return leftover.adopted(sandbox)
             except (ExecutorUnavailable, SandboxError, docker.errors.APIError, OSError) as error:
+                if sandbox.proxy is not None:
+                    await sandbox.proxy.close()
                 problem = f"its executor did not answer after the restart ({error})"
         await self.off_loop(self.remove, container, cgroup)
         return leftover.lost(problem)
@@ -774,4 +907,7 @@ class DockerBackend(SandboxBackend):
                                        "disk_capped": self.disk_capped, "userns_remap": self.ids.remaps}
         if self._warm is not None:
             description["warm_sandboxes"] = len(self._warm)
+            description["warm_pools"] = self._warm.describe()
+        if self._puller is not None:
+            description["image_pulls"] = {"done": self._puller.pulled, "running": self._puller.running}
         return description

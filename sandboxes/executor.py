@@ -15,6 +15,9 @@ Requests carry "op": "ping", "run" (the default), "cpus", "write" or "read":
 
 * run: see run_command for the fields and the response. An optional "tag" names the command for "cpus";
   "pytest_runner": true puts the elastic pytest runner shipped beside this file on the command's PYTHONPATH.
+  "stream": true (serve mode) sends the output as it comes, before the answer, in frames {"stream": "stdout" or
+  "stderr", "payload": N} each followed by N raw bytes: only bytes the answer keeps (output_limit per stream), so
+  the answer's stdout/stderr are what was streamed. An executor that predates it ignores the field and just answers.
 * cpus: {"op": "cpus", "tag": T, "cpus": [ints]} moves the running command tagged T, every thread of every
   process in its tree, onto those cpus (a malleable action whose cores grow or shrink while it runs); answers
   {"ok": true, "processes": N re-pinned} or {"ok": false, "error": "..."}. When no command tagged T runs yet,
@@ -56,9 +59,10 @@ import threading
 import time
 
 try:  # run as a script, beside this file (in a sandbox)
+    import egress_relay
     import executor_files
 except ImportError:  # imported as sandboxes.executor (the broker, tests)
-    from sandboxes import executor_files
+    from sandboxes import egress_relay, executor_files
 
 PROTOCOL_VERSION = 1
 # a write's files arrive base64-encoded in one request: 16 MiB of files ([cpu.limits] max_files_bytes) and their JSON
@@ -706,13 +710,16 @@ def _exited(pid):
 
 
 class _Capture:
-    """Keeps the first `limit` bytes of a stream and counts the rest."""
+    """Keeps the first `limit` bytes of a stream and counts the rest; a streaming run's `progress` (_Progress) sends
+    each kept piece on to the client as it is read, so what is streamed never exceeds the limit either."""
 
-    __slots__ = ("fd", "kept", "limit", "total")
+    __slots__ = ("fd", "kept", "limit", "name", "progress", "total")
 
-    def __init__(self, fd, limit):
+    def __init__(self, fd, limit, name, progress=None):
         self.fd = fd
         self.limit = limit
+        self.name = name
+        self.progress = progress
         self.kept = bytearray()
         self.total = 0
 
@@ -721,6 +728,8 @@ class _Capture:
         room = self.limit - len(self.kept)
         if room > 0:
             self.kept += data[:room]
+            if self.progress is not None:
+                self.progress.send(self.name, data[:room])
 
     def read(self):
         """One non-blocking read: True while the pipe may give more, False at EOF."""
@@ -747,6 +756,26 @@ class _Capture:
             self.feed(data)
             budget -= len(data)
         return budget
+
+
+class _Progress:
+    """A streaming run's output frames ({"stream": "stdout"|"stderr", "payload": N} and N raw bytes), sent on the
+    client's connection before the answer. A send that fails means the client went away: `gone` is set and the
+    command is killed as for a hang-up."""
+
+    __slots__ = ("gone", "sock")
+
+    def __init__(self, sock):
+        self.sock = sock
+        self.gone = False
+
+    def send(self, name, data):
+        if self.gone:
+            return
+        try:
+            _send(self.sock, {"stream": name, "payload": data})
+        except OSError:
+            self.gone = True
 
 
 class _Feed:
@@ -793,7 +822,9 @@ def run_command(request, cancel_sock=None, oom_counter=None):
     op; cpus already sent for the tag replace the request's; a run with the tag of a running command takes the tag
     over), reap (what the command left running is killed once its answer is sent: wants_reap, reap_leftovers),
     pytest_runner (_with_runner), stdin (base64, written to the command's stdin and then closed; null: /dev/null),
-    user (a uid, "UID:GID" or a user name of the sandbox: _user_of; null: this executor's user). cancel_sock: the client's socket; if it closes while the command runs, the tree
+    user (a uid, "UID:GID" or a user name of the sandbox: _user_of; null: this executor's user), stream (true: each
+    piece of kept output goes to the client as it is read, in frames before the answer: _Progress; served mode only,
+    ignored in once mode). cancel_sock: the client's socket; if it closes while the command runs, the tree
     is killed and ClientGone is raised. oom_counter: path of the cgroup file with `oom_kill N`.
     Errors of the executor itself come back in "error" with the other fields empty; it never raises for them.
     """
@@ -817,8 +848,9 @@ def run_command(request, cancel_sock=None, oom_counter=None):
         _untag(tag, None)
         return _empty_response(str(exc))
 
-    out = _Capture(proc.stdout.fileno(), output_limit)
-    err = _Capture(proc.stderr.fileno(), output_limit)
+    progress = _Progress(cancel_sock) if cancel_sock is not None and request.get("stream") is True else None
+    out = _Capture(proc.stdout.fileno(), output_limit, "stdout", progress)
+    err = _Capture(proc.stderr.fileno(), output_limit, "stderr", progress)
     timed_out = False
     cancelled = False
     sel = selectors.DefaultSelector()
@@ -866,6 +898,8 @@ def run_command(request, cancel_sock=None, oom_counter=None):
                         source.pipe.close()
                 elif not source.read():
                     sel.unregister(source.fd)
+            if progress is not None and progress.gone:
+                cancelled = True
             if cancelled:
                 break
             if pidfd is None and _exited(proc.pid):
@@ -1237,6 +1271,7 @@ def main(argv=None):
     p_serve = sub.add_parser("serve", help="serve requests on a unix socket")
     p_serve.add_argument("--socket", required=True)
     p_serve.add_argument("--oom-counter", default="none", help="auto, none, or a file with an `oom_kill N` line")
+    p_serve.add_argument("--egress", metavar="PORT:SOCKET", help="relay 127.0.0.1:PORT to the egress proxy's socket")
     p_once = sub.add_parser("once", help="run one base64 JSON request and print the JSON response")
     p_once.add_argument("request")
     p_once.add_argument("--oom-counter", default="none")
@@ -1245,6 +1280,8 @@ def main(argv=None):
                           help="in a container only: after a run asking for it, kill every process left in it")
     args = parser.parse_args(argv)
     if args.mode == "serve":
+        if args.egress:
+            egress_relay.start(args.egress)
         return serve(args.socket, args.oom_counter, args.reap)
     if args.mode == "once":
         return once(args.request, args.oom_counter, args.reap)

@@ -5,7 +5,8 @@ tool actions on the broker's hot path. The executor runs inside the sandbox and 
 socket (bind-mounted to the host for containers), so a round trip for `true` is ~1 ms plus process spawn.
 
 Protocol: each message is a 4-byte big-endian length followed by UTF-8 JSON, then, when the JSON's "payload"
-counts them, that many raw bytes (a file op's: a write's files, a read's file). One request per connection here;
+counts them, that many raw bytes (a file op's: a write's files, a read's file; a streamed run's output frames,
+which come before its answer). One request per connection here;
 closing the connection while a command runs makes the executor kill the command's process tree, which is how
 a broker deadline or a client cancel reaches the sandbox.
 """
@@ -18,15 +19,20 @@ import os
 import socket
 import struct
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import orjson
 
+from sandboxes.executor import DEFAULT_OUTPUT_LIMIT
 from sandboxes.executor_answer import BadAnswer, frame_limit, payload_limit
 from sandboxes.untrusted_paths import UntrustedPath, open_socket, via_descriptor
 
-__all__ = ["EXECUTOR_PATH", "ExecutorUnavailable", "call", "encode_once", "ping", "wait_ready"]
+__all__ = ["EXECUTOR_PATH", "ExecutorUnavailable", "OutputSink", "call", "encode_once", "ping", "wait_ready"]
+
+#: ``sink(stream, data)``: a piece of a running command's output ("stdout" or "stderr"), as the executor read it
+OutputSink = Callable[[str, bytes], None]
 
 EXECUTOR_PATH: str = str(Path(__file__).resolve().with_name("executor.py"))
 """Absolute path of executor.py, for backends that copy it into containers."""
@@ -110,7 +116,35 @@ async def _read_payload(reader: asyncio.StreamReader, request: dict[str, Any], r
     response["payload"] = await reader.readexactly(length)
 
 
-async def call(socket_path: str, request: dict[str, Any], *, connect_timeout: float = 5.0) -> dict[str, Any]:
+async def _read_frame(reader: asyncio.StreamReader, request: dict[str, Any], socket_path: str) -> Any:
+    """One answer frame's JSON, refused unread when larger than an honest executor sends for the request."""
+    (length,) = _HEADER.unpack(await reader.readexactly(_HEADER.size))
+    limit = frame_limit(request)
+    if length > limit:
+        raise BadAnswer(f"the executor at {socket_path} answered with a frame of {length} bytes, more than an "
+                        f"executor sends for this request ({limit})")
+    body = await reader.readexactly(length)
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise ExecutorUnavailable(socket_path, f"malformed response: {exc}") from exc
+
+
+async def _read_output(reader: asyncio.StreamReader, frame: dict[str, Any], left: dict[str, int], sink: OutputSink,
+                       socket_path: str) -> None:
+    """A streamed run's output frame (``"stream": true``): its raw bytes, handed to ``sink``. ``left`` counts what
+    each stream may still send: never more than the request's ``output_limit`` in all, whatever the executor says."""
+    stream, length = frame.get("stream"), frame.get("payload")
+    if stream not in left or not isinstance(length, int) or isinstance(length, bool) \
+            or not 0 <= length <= left[stream]:
+        raise BadAnswer(f"the executor at {socket_path} streamed {length!r} bytes of {stream!r}; an executor streams "
+                        f"stdout and stderr, each at most the request's output_limit in all")
+    left[stream] -= length
+    sink(stream, bytes(await reader.readexactly(length)))
+
+
+async def call(socket_path: str, request: dict[str, Any], *, connect_timeout: float = 5.0,
+               on_output: OutputSink | None = None) -> dict[str, Any]:
     """Send one request and return the executor's response.
 
     A request's "payload" (bytes) goes raw after its frame, and an answer's comes back as bytes in its "payload".
@@ -119,7 +153,15 @@ async def call(socket_path: str, request: dict[str, Any], *, connect_timeout: fl
     or payload larger than the request allows (``sandboxes/executor_answer.py``), which is not read. If the
     awaiting task is cancelled, the connection is aborted at once so the executor kills the running command, and
     CancelledError propagates.
+
+    ``on_output`` (a run only): the request asks for its output as it comes ("stream"), each piece handed to it
+    before the response returns; an executor older than streaming sends none, and the output comes with the
+    response only.
     """
+    if on_output is not None:
+        request = {**request, "stream": True}
+    output_limit = request.get("output_limit", DEFAULT_OUTPUT_LIMIT)
+    left = {name: output_limit if isinstance(output_limit, int) else 0 for name in ("stdout", "stderr")}
     sock = await _connect(socket_path, connect_timeout)
     try:
         reader, writer = await asyncio.open_unix_connection(sock=sock)
@@ -132,17 +174,10 @@ async def call(socket_path: str, request: dict[str, Any], *, connect_timeout: fl
         if payload:
             writer.write(payload)
         await writer.drain()
-        header = await reader.readexactly(_HEADER.size)
-        (length,) = _HEADER.unpack(header)
-        limit = frame_limit(request)
-        if length > limit:
-            raise BadAnswer(f"the executor at {socket_path} answered with a frame of {length} bytes, more than an "
-                            f"executor sends for this request ({limit})")
-        body = await reader.readexactly(length)
-        try:
-            response = orjson.loads(body)
-        except orjson.JSONDecodeError as exc:
-            raise ExecutorUnavailable(socket_path, f"malformed response: {exc}") from exc
+        response = await _read_frame(reader, request, socket_path)
+        while on_output is not None and isinstance(response, dict) and "stream" in response:
+            await _read_output(reader, response, left, on_output, socket_path)
+            response = await _read_frame(reader, request, socket_path)
         await _read_payload(reader, request, response, socket_path)
     except asyncio.IncompleteReadError as exc:
         writer.transport.abort()

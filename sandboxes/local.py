@@ -32,7 +32,7 @@ from sandboxes.backend import (
     repin_via_executor,
 )
 from sandboxes.exec_wire import ExecRequest, ExecResult
-from sandboxes.executor_client import EXECUTOR_PATH, ExecutorUnavailable, call, wait_ready
+from sandboxes.executor_client import EXECUTOR_PATH, ExecutorUnavailable, OutputSink, call, wait_ready
 from sandboxes.untrusted_paths import UntrustedPath, read_regular
 
 READY_TIMEOUT_S = 15.0
@@ -84,9 +84,16 @@ class LocalSandbox(Sandbox):
                                                "older broker): its command cannot change cores")
 
     async def run(self, request: ExecRequest) -> ExecResult:
+        return await self._run(request, None)
+
+    async def stream(self, request: ExecRequest, on_output: OutputSink) -> ExecResult:
+        return await self._run(request, on_output)
+
+    async def _run(self, request: ExecRequest, on_output: OutputSink | None) -> ExecResult:
         """The command with the environment's memory as each process's limit: no cgroup holds it here."""
         try:
-            answer = await call(self.socket, replace(request, memory_bytes=self.memory_bytes).to_wire())
+            answer = await call(self.socket, replace(request, memory_bytes=self.memory_bytes).to_wire(),
+                                on_output=on_output)
         except ExecutorUnavailable as error:
             raise SandboxError("environment_lost", f"the environment's executor is gone ({error})",
                                lost=True) from None
@@ -133,6 +140,9 @@ class LocalProcessBackend(SandboxBackend):
         self.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
 
     async def create(self, spec: SandboxSpec) -> Sandbox:
+        if spec.egress is not None:  # its processes have the host's whole network: an allow-list would be a lie
+            raise SandboxError("egress_unsupported", "local processes have this host's network, not a proxy's: "
+                                                     "network.mode \"proxy\" needs a Docker node")
         root = self.run_dir / spec.env_id
         workspace = root / "workspace"
         workspace.mkdir(parents=True, mode=0o700)

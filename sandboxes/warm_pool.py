@@ -1,6 +1,6 @@
-"""Warm sandboxes (issue 17): a node keeps a few sandboxes of its default kind started and frozen, so a new
-trajectory's first ``exec`` claims one instead of waiting for a container to be created and its executor to start
-(0.3-0.6 s). Creating goes through a per-node rate limit, cold creates and refills alike, so a burst of new
+"""Warm sandboxes (issue 17): a node keeps a few sandboxes of each configured kind (the default image and memory,
+and others by image and memory: issue 38) started and frozen, so a new trajectory's first ``exec`` claims one
+instead of waiting for a container to be created and its executor to start (0.3-0.6 s). Creating goes through a per-node rate limit, cold creates and refills alike, so a burst of new
 trajectories queues at the engine's pace instead of failing on it (agent-sandbox and ROCK users report both
 problems: kubernetes-sigs/agent-sandbox#34, alibaba/ROCK#1310).
 
@@ -15,9 +15,9 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from sandboxes.backend import Sandbox, SandboxError, SandboxSpec
 
@@ -52,8 +52,10 @@ class CreateRate:
 
 
 def _kind(spec: SandboxSpec) -> tuple[object, ...]:
-    """What a warm sandbox must share with a spec to become its sandbox: all but its identity and files."""
-    return (spec.image, spec.memory_mb, spec.pids_limit, spec.read_only_root, spec.user, spec.disk_mb, spec.broker_id)
+    """What a warm sandbox must share with a spec to become its sandbox: all but its identity and files (its egress
+    too: the relay to a proxy starts with the sandbox)."""
+    return (spec.image, spec.memory_mb, spec.pids_limit, spec.read_only_root, spec.user, spec.disk_mb, spec.broker_id,
+            spec.egress)
 
 
 class WarmPool(Generic[S]):
@@ -125,3 +127,34 @@ class WarmPool(Generic[S]):
                 idle.append(await self._making[1])
             self._making = None
         await asyncio.gather(*(sandbox.destroy() for sandbox in idle), return_exceptions=True)
+
+
+class WarmPools(Generic[S]):
+    """A node's warm pools, one per kind of sandbox it keeps warm (issue 38: per image and memory, as configured),
+    refilled under one create rate."""
+
+    def __init__(self, kinds: Sequence[tuple[SandboxSpec, int]], rate: CreateRate,
+                 create: Callable[[SandboxSpec], Awaitable[S]]) -> None:
+        """``kinds``: each pool's template and size."""
+        self.pools = [WarmPool(template, size, rate, create) for template, size in kinds if size]
+
+    def __len__(self) -> int:
+        return sum(len(pool) for pool in self.pools)
+
+    def start(self) -> None:
+        for pool in self.pools:
+            pool.start()
+
+    def owns(self, env_id: str) -> bool:
+        return any(pool.owns(env_id) for pool in self.pools)
+
+    def claim(self, spec: SandboxSpec) -> S | None:
+        """An idle warm sandbox of the pool that fits ``spec``, or None."""
+        return next((sandbox for pool in self.pools if (sandbox := pool.claim(spec)) is not None), None)
+
+    def describe(self) -> list[dict[str, Any]]:
+        return [{"image": pool.template.image, "memory_mb": pool.template.memory_mb, "size": pool.size,
+                 "idle": len(pool)} for pool in self.pools]
+
+    async def close(self) -> None:
+        await asyncio.gather(*(pool.close() for pool in self.pools))

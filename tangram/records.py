@@ -10,6 +10,7 @@ import orjson
 from pydantic import ConfigDict, Field, TypeAdapter
 
 from managers.cpu.environment import EnvState
+from managers.cpu.exec_spec import NetworkBody
 from reward_services.backend import Task
 from tangram.core.action import Action, Demand, Elasticity, Kind, State
 from tangram.core.schema import Schema
@@ -93,6 +94,8 @@ class EnvironmentRecord(Schema):
     memory_mb: int
     sandbox_user: str | None = Field(description='who runs in it: "UID:GID" or "root" (null: taken over after a '
                                                  'restart, not known)')
+    network: NetworkBody = Field(description='its sandbox\'s network: {"mode": "none"}, or {"mode": "proxy", "allow": '
+                                             '[...]} for an HTTP(S) proxy to those hosts')
     state: EnvState
     created_at: float
     last_used: float

@@ -54,10 +54,16 @@ def new_broker_id() -> str:
     return SESSION_BROKER_PREFIX + uuid.uuid4().hex[:8]
 
 
+#: the registries test brokers may pull images from: this machine's (tests/local_registry.py), never another host
+LOOPBACK_PULLS = {"pull_from": ["127.0.0.1"]}
+
+
 def cpu_config(nodes: dict[str, dict[str, Any]], **extra: Any) -> dict[str, Any]:
-    """A broker config with only the CPU manager's nodes, under a broker id unique to the test."""
+    """A broker config with only the CPU manager's nodes, under a broker id unique to the test, pulling images from
+    loopback registries only (``LOOPBACK_PULLS``, under the test's own ``images`` keys)."""
+    images = {**LOOPBACK_PULLS, **extra.pop("images", {})}
     return {"cpu": {"broker_id": new_broker_id(), "run_dir": "/run/tangram/test-sandboxes",
-                    "nodes": nodes, **extra}}
+                    "nodes": nodes, "images": images, **extra}}
 
 
 def local_cpu(run_dir: str) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from managers.cpu.node import CpuNode
 from sandboxes.cgroup import cpu_list, parse_cpu_list
 from tangram.core.action import Action, Demand, Kind
 from tangram.core.errors import BadRequest, ConfigError, Unavailable, Unprocessable
+from tangram.sim.broker_station import NoSandboxes
 from tests.docker_nodes import cpu_config
 from tests.harness import live_broker
 
@@ -220,7 +221,7 @@ def _manager_with_nodes(memory: dict[str, int], cores: dict[str, list[int]]) -> 
     manager = CpuManager(parse_cpu_config({}))
     for name, memory_mb in memory.items():
         node_config = CpuNodeConfig(name=name, cores=tuple(cores[name]), memory_mb=memory_mb)
-        manager.nodes[name] = CpuNode(node_config, backend=None)  # type: ignore[arg-type]
+        manager.nodes[name] = CpuNode(node_config, NoSandboxes())
     return manager
 
 

@@ -91,6 +91,8 @@ async def test_a_fork_is_refused_before_anything_is_made(db):
         for query in ("?n=0", "?n=5", "?n=x"):
             status, body = await live.call("POST", path + query)
             assert status == 400 and body["error"]["field"] == "n", (query, body)
+        status, body = await live.call("POST", path, json={"trajectories": list("abcde")})  # over max_fork
+        assert status == 422 and body["error"]["field"] == "trajectories", body
         status, body = await live.call("POST", path)  # neither n nor names
         assert status == 422 and body["error"]["field"] == "n", body
         status, body = await live.call("POST", path + "?n=2", json={"trajectories": ["a"]})

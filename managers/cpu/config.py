@@ -12,12 +12,14 @@ from pydantic import AfterValidator, BeforeValidator, Field, Strict
 
 from managers.cpu.cores import host_numa_nodes
 from managers.cpu.exec_spec import ExecLimits, PytestRunner, SandboxUser
+from managers.cpu.image_config import ImagesConfig
 from managers.remote.broker.ray_config import RayConfig, check_no_ray_keys
 from sandboxes.backend import DEFAULT_SANDBOX_USER, SandboxSpec
 from sandboxes.cgroup import parse_cpu_list
+from sandboxes.egress_policy import DEFAULT_DENY_PORTS, AddressRules, AllowList, BadRule
 from sandboxes.image import DEFAULT_IMAGE
 from tangram.core.config_tables import TABLE, Count, Flag, NonNegative, PositiveSeconds, Text, named_tables, table
-from tangram.core.errors import ConfigError
+from tangram.core.errors import ConfigError, Unprocessable
 
 UNIX_PATH_MAX = 107
 LOCAL_ENGINE = "unix:///var/run/docker.sock"
@@ -103,6 +105,59 @@ class CpuNodeConfig:
         return self.engine.startswith("unix://")
 
 
+def _allow_list(entries: tuple[str, ...]) -> tuple[str, ...]:
+    try:
+        return AllowList.parse(entries).entries()
+    except BadRule as error:
+        raise ValueError(f"entry {error.index} {error.reason}") from None
+
+
+Port = Annotated[int, Strict(), Field(ge=1, le=65535)]
+
+
+@dataclass(frozen=True)
+class EgressConfig:
+    """``[cpu.egress]``: whether an environment may ask for ``network = {mode = "proxy", allow = [...]}``, an HTTP(S)
+    proxy on its sandbox's loopback that reaches the hosts it lists (``sandboxes/egress_proxy.py``), and what such a
+    proxy may reach at most. Off by default: sandboxes have no network at all unless the operator turns this on."""
+
+    __pydantic_config__ = TABLE
+
+    enabled: Flag = False
+    #: the ceiling: entries as in ``network.allow``, and every entry of an environment's list must fall within one
+    #: (``*.example.com`` covers ``a.example.com:443``); empty: no ceiling, the address rules below alone
+    allow: Annotated[tuple[Text, ...], AfterValidator(_allow_list)] = ()
+    #: destinations that resolve to the node's own addresses (loopback, its interfaces'): never on a port the
+    #: broker (or node agent) running the proxy listens on, nor on ``deny_ports``
+    allow_loopback: Flag = False
+    #: private, CGNAT and other non-global addresses that are not the node's own
+    allow_private: Flag = False
+    #: ports never connected to, on any address (default: the Docker engine's TCP ports and Ray's); the ports of the
+    #: configured TCP Docker engines are added
+    deny_ports: tuple[Port, ...] = DEFAULT_DENY_PORTS
+
+    def admit(self, allow: tuple[str, ...] | None, where: str) -> None:
+        """422 naming ``where`` for a network this broker does not offer: egress off, or an entry past the
+        ceiling."""
+        if allow is None:
+            return
+        if not self.enabled:
+            raise Unprocessable(f"{where}.mode", 'this broker offers no egress ([cpu.egress] enabled = false): '
+                                                 'its sandboxes have no network')
+        outside = AllowList.parse(allow).outside(AllowList.parse(self.allow)) if self.allow else None
+        if outside is not None:
+            raise Unprocessable(f"{where}.allow[{outside}]", f"{allow[outside]} is not within the hosts this "
+                                                             f"broker lets sandboxes reach ([cpu.egress] allow)")
+
+    def rules(self, nodes: tuple[CpuNodeConfig, ...]) -> AddressRules | None:
+        """The address rules a node's proxies enforce; None while egress is off."""
+        if not self.enabled:
+            return None
+        engines = {int(node.engine.rsplit(":", 1)[1]) for node in nodes
+                   if node.engine.startswith("tcp://") and node.engine.rsplit(":", 1)[1].isdigit()}
+        return AddressRules(self.allow_loopback, self.allow_private, frozenset(self.deny_ports) | engines)
+
+
 @dataclass(frozen=True)
 class JoinConfig:
     """How a node that joins from the Ray cluster opens its sandboxes: a Ray node carrying the custom resource
@@ -156,7 +211,7 @@ class CpuConfig:
     #: into idle cores); off: an action keeps the cores it started with (the paper's moldable allocation)
     malleable: Flag = True
     #: started, frozen sandboxes of the default image and memory each Docker node keeps for new trajectories
-    #: (fast path only; not counted in the node's memory reservations)
+    #: (fast path only; not counted in the node's memory reservations); other kinds: ``[[cpu.images.warm_pools]]``
     warm_sandboxes: NonNegative = 0
     #: sandbox creations a node starts per second (warm refills and cold creates alike); more wait their turn
     creates_per_s: Annotated[float, Strict(), Field(gt=0, le=1e4)] = 10.0
@@ -174,6 +229,9 @@ class CpuConfig:
     #: what an elastic ``pytest`` (``pytest_parallel``) runs on: ``tangram``, the runner shipped with the executor
     #: (one collection, forked workers that follow the cores), or ``xdist`` (``pytest -n N``, which the image needs)
     pytest_runner: PytestRunner = "tangram"
+    #: ``[cpu.images]``: pulling images on demand, registries, pre-pulls, image locality, warm pools per image
+    images: ImagesConfig = field(default_factory=ImagesConfig)
+    egress: EgressConfig = field(default_factory=EgressConfig)
 
     def sandbox_spec(self, env_id: str, task: str, trajectory: str | None, image: str, memory_mb: int,
                      **more: Any) -> SandboxSpec:

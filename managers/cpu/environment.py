@@ -31,6 +31,8 @@ class Environment:
     #: who its executor and commands run as ("UID:GID" or "root"; None: not known, an environment taken over
     #: after a restart)
     sandbox_user: str | None = None
+    #: its sandbox's egress allow-list (None: no network)
+    network: tuple[str, ...] | None = None
     #: the action whose allocation reserved it, and whose ``files`` it is created with (None: made through
     #: ``POST /v1/environments``, or taken over after a restart)
     reserved_by: str | None = None
@@ -52,6 +54,8 @@ class Environment:
     def to_json(self) -> dict[str, Any]:
         return {"id": self.id, "task": self.task, "trajectory": self.trajectory, "node": self.node,
                 "image": self.image, "memory_mb": self.memory_mb, "sandbox_user": self.sandbox_user,
+                "network": {"mode": "none"} if self.network is None else {"mode": "proxy",
+                                                                          "allow": list(self.network)},
                 "state": self.state.value,
                 "created_at": self.created_at, "last_used": self.last_used, "running_actions": len(self.running),
                 "lost_reason": self.lost_reason, "sandbox": self.sandbox.describe() if self.sandbox else None}

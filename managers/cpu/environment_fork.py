@@ -82,7 +82,7 @@ async def fork(environments: Environments, env: Environment, names: list[str],
     admit(names)
     node = environments.nodes[env.node]
     forks = [environments.reserve(env.task, name, node, env.image, env.memory_mb, {}, ephemeral=False,
-                                  sandbox_user=env.sandbox_user) for name in names]
+                                  sandbox_user=env.sandbox_user, network=env.network) for name in names]
     image: asyncio.Future[str] = asyncio.get_running_loop().create_future()
     for each in forks:
         environments.create_from(each, image)

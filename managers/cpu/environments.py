@@ -28,7 +28,7 @@ log = logging.getLogger("tangram.cpu")
 #: when to try again while no node is in service
 NO_NODE_RETRY_S = 5.0
 #: sandbox errors at creation that are the request's fault (a 422 on ``POST /v1/environments``), not the engine's
-IMAGE_ERRORS = frozenset({"image_not_found", "image_without_python3"})
+IMAGE_ERRORS = frozenset({"image_not_found", "image_without_python3", "image_pull_denied"})
 
 
 class Environments(Mapping[str, Environment]):
@@ -65,13 +65,13 @@ class Environments(Mapping[str, Environment]):
 
     def reserve(self, task: str, trajectory: str | None, node: CpuNode, image: str, memory_mb: int,
                 files: dict[str, bytes], *, ephemeral: bool, reserved_by: str | None = None,
-                sandbox_user: str | None = None) -> Environment:
+                sandbox_user: str | None = None, network: tuple[str, ...] | None = None) -> Environment:
         """A new environment on ``node``, its memory reserved now and its sandbox created by ``sandbox``;
         ``reserved_by``: the action it is made for; ``sandbox_user``: who runs in it (None: ``[cpu]
-        sandbox_user``)."""
+        sandbox_user``); ``network``: its egress allow-list (None: no network)."""
         env = Environment(id="env-" + new_action_id(), task=task, trajectory=trajectory, node=node.name,
                           image=image, memory_mb=memory_mb, files=files, ephemeral=ephemeral, reserved_by=reserved_by,
-                          sandbox_user=sandbox_user or self.config.sandbox_user)
+                          sandbox_user=sandbox_user or self.config.sandbox_user, network=network)
         self._register(env)
         return env
 
@@ -130,7 +130,7 @@ class Environments(Mapping[str, Environment]):
             return
         env = Environment(id=leftover.env_id, task=leftover.task, trajectory=leftover.trajectory, node=node.name,
                           image=leftover.image, memory_mb=leftover.memory_mb, created_at=leftover.created_at,
-                          sandbox=leftover.sandbox)
+                          sandbox=leftover.sandbox, network=leftover.network)
         if leftover.sandbox is not None:
             env.state = EnvState.READY
         else:
@@ -199,7 +199,7 @@ class Environments(Mapping[str, Environment]):
         spec = self.config.sandbox_spec(env.id, env.task, env.trajectory, env.snapshot or env.image, env.memory_mb,
                                         files=env.files,
                                         ephemeral=env.ephemeral, created_at=env.created_at,
-                                        user=env.sandbox_user or self.config.sandbox_user)
+                                        user=env.sandbox_user or self.config.sandbox_user, egress=env.network)
         try:
             current().check()  # a deposed leader makes no more sandboxes (tangram/core/fencing.py)
             sandbox = await node.backend.create(spec)
@@ -240,7 +240,7 @@ class Environments(Mapping[str, Environment]):
 
     async def create(self, task: str, trajectory: str | None, image: str | None, memory_mb: int | None,
                      files: dict[str, bytes], admit: Callable[[int], None] | None = None,
-                     sandbox_user: str | None = None) -> Environment:
+                     sandbox_user: str | None = None, network: tuple[str, ...] | None = None) -> Environment:
         """``POST /v1/environments``: place by memory load, create the sandbox now, report errors as 4xx.
         ``admit(memory_mb)`` may refuse (raise) once the request is known to be valid, before anything is reserved
         (the per-task caps)."""
@@ -257,9 +257,12 @@ class Environments(Mapping[str, Environment]):
         if not fitting:
             raise TooMany("memory_mb", f"no node has {memory} MiB unreserved and room for another sandbox in its "
                                        f"pids budget now; delete idle environments or retry later")
-        node = min(fitting, key=lambda n: (n.memory_load_after(memory), -len(n.cores.free)))
-        env = self.reserve(task, trajectory, node, image or self.config.default_image, memory, files,
-                           ephemeral=False, sandbox_user=sandbox_user)
+        image = image or self.config.default_image
+        locality = self.config.images.locality
+        node = min(fitting, key=lambda n: (n.memory_load_after(memory) + locality * n.lacks_image(image),
+                                           -len(n.cores.free)))
+        env = self.reserve(task, trajectory, node, image, memory, files,
+                           ephemeral=False, sandbox_user=sandbox_user, network=network)
         try:
             await self.sandbox(env)
         except ActionFailed as failure:

@@ -15,6 +15,7 @@ from pydantic import Discriminator, Field, Tag, TypeAdapter
 
 from managers.cpu.long_tests import LONG_TESTS_ENV
 from sandboxes.backend import SANDBOX_USER
+from sandboxes.egress_policy import MAX_RULES, AllowList, BadRule
 from sandboxes.exec_wire import ExecRequest
 from tangram.core.config_tables import TABLE, Count
 from tangram.core.errors import BadRequest, TooLarge, Unprocessable
@@ -120,6 +121,34 @@ SandboxUser = Annotated[str, Field(pattern=explained(json_pattern(SANDBOX_USER),
                                                'sandbox_user (1000:1000)')]
 
 
+class NetworkBody(Schema):
+    """A sandbox's network: none at all, or an HTTP(S) proxy on its own loopback that reaches the hosts listed."""
+
+    mode: Literal["none", "proxy"] = Field(default="none", description=(
+        '"none": no network (the default); "proxy": HTTP_PROXY/HTTPS_PROXY set for its commands to a proxy on its '
+        'loopback that reaches only the hosts in allow (needs [cpu.egress] enabled on the broker)'))
+    allow: list[str] | None = Field(default=None, description=(
+        f'with "proxy", at most {MAX_RULES} entries: "host", "host:port", "*.suffix" (names below suffix) or '
+        f'"*.suffix:port"; a host is a DNS name, an IPv4 address or an IPv6 address in brackets'))
+
+
+def parse_network(body: NetworkBody | None, where: str) -> tuple[str, ...] | None:
+    """A network spec as the sandbox's allow-list (normalised entries), or None for no network; 422 naming the
+    field for an entry that is no host rule, a list too long, or a list that does not go with the mode."""
+    if body is None or body.mode == "none":
+        if body is not None and body.allow:
+            raise Unprocessable(f"{where}.allow", 'is for mode "proxy"; mode "none" reaches nothing')
+        return None
+    if not body.allow:
+        raise Unprocessable(f"{where}.allow", 'must list the hosts mode "proxy" may reach')
+    if len(body.allow) > MAX_RULES:
+        raise Unprocessable(f"{where}.allow", f"must list at most {MAX_RULES} entries")
+    try:
+        return AllowList.parse(body.allow).entries()
+    except BadRule as error:
+        raise Unprocessable(f"{where}.allow[{error.index}]", error.reason) from None
+
+
 class ExecSpecBody(Schema):
     """An exec action's ``spec``: a command in the trajectory's sandbox (or a named environment)."""
 
@@ -157,6 +186,11 @@ class ExecSpecBody(Schema):
         'environment\'s own user (422 for other ids, exec_error for another name)'))
 
 
+    network: NetworkBody | None = Field(default=None, description=(
+        "the network of the environment this action creates (none by default); an existing environment keeps "
+        "the one it was created with"))
+
+
 EXEC_SPEC = TypeAdapter(ExecSpecBody)
 
 
@@ -181,6 +215,8 @@ class ExecSpec:
     stdin: bytes | None = None
     #: a uid, "UID:GID" or a user name (None: the sandbox user)
     user: int | str | None = None
+    #: the allow-list of the environment this action would create (None: no network)
+    network: tuple[str, ...] | None = None
 
 
 def parse_exec_spec(spec: Mapping[str, Any], limits: ExecLimits, where: str = "spec") -> ExecSpec:
@@ -195,9 +231,10 @@ def parse_exec_spec(spec: Mapping[str, Any], limits: ExecLimits, where: str = "s
     if output > limits.max_output_limit:
         raise Unprocessable(f"{where}.output_limit", f"must be an integer of bytes in [0, {limits.max_output_limit}]")
     if body.environment is not None and (body.image is not None or body.memory_mb is not None
-                                         or body.sandbox_user is not None):
-        raise Unprocessable(f"{where}.environment", "an existing environment already has its image, memory and "
-                                                    "user; drop image, memory_mb and sandbox_user")
+                                         or body.sandbox_user is not None or body.network is not None):
+        raise Unprocessable(f"{where}.environment", "an existing environment already has its image, memory, "
+                                                    "user and network; drop image, memory_mb, sandbox_user and "
+                                                    "network")
     stdin = None if body.stdin is None else _stdin(body.stdin, f"{where}.stdin", limits)
     if stdin is not None and body.background:
         raise Unprocessable(f"{where}.stdin", "a background command is answered before it reads anything; write "
@@ -207,7 +244,7 @@ def parse_exec_spec(spec: Mapping[str, Any], limits: ExecLimits, where: str = "s
                     files=decode_files(body.files or {}, f"{where}.files", limits),
                     pytest_parallel=bool(body.pytest_parallel), output_limit=output,
                     background=bool(body.background), run_timeout_s=body.run_timeout_s, stdin=stdin,
-                    user=body.user)
+                    user=body.user, network=parse_network(body.network, f"{where}.network"))
 
 
 def _stdin(content: str | Base64File, where: str, limits: ExecLimits) -> bytes:

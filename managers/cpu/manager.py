@@ -29,10 +29,11 @@ from managers.cpu.environment import CpuHandle, Environment, EnvState
 from managers.cpu.environment_files import alone
 from managers.cpu.environments import Environments
 from managers.cpu.exec_spec import ExecSpec, ExecSpecBody, exec_request, parse_exec_spec, runner_report
+from managers.cpu.live_output import LiveOutputs
 from managers.cpu.long_tests import LongTests, long_tests_from
 from managers.cpu.node import RESOURCE, CpuNode
 from managers.cpu.resizing import CpuResizing
-from managers.cpu.sandbox_backends import SandboxFactory, open_sandbox_backend
+from managers.cpu.sandbox_backends import SandboxFactory, open_sandbox_backend, warm_kinds
 from sandboxes.backend import NODE_UNAVAILABLE, Leftover, SandboxBackend, SandboxError, sandbox_owner
 from sandboxes.file_wire import WriteFiles
 from tangram.core.action import Action, Kind
@@ -79,7 +80,10 @@ class CpuFit(Fit):
                 if any(free >= n for free in self.free.values()):
                     self.short_of_memory.add(action.id)
                 return False
-            node = min(candidates, key=lambda name: (self.memory_load_after(name, memory), -self.free[name]))
+            image = self.manager.exec_spec(action).image or self.manager.config.default_image
+            locality = self.manager.config.images.locality
+            node = min(candidates, key=lambda name: (self.memory_load_after(name, memory) + locality
+                                                     * self.manager.nodes[name].lacks_image(image), -self.free[name]))
             if key:
                 self.new_trajectories[key] = node
         elif self.free[node] < n:
@@ -148,6 +152,8 @@ class CpuManager(ResourceManager[CpuHandle]):
                                          registry=None)
         self.long_tests = LongTests()
         self._resizing = CpuResizing(self)
+        #: the running commands' output, for ``GET /v1/actions/{id}/output`` (``tangram/server/action_output_api.py``)
+        self.outputs = LiveOutputs()
 
     # -- lifecycle ------------------------------------------------------------------------------------------
 
@@ -188,10 +194,11 @@ class CpuManager(ResourceManager[CpuHandle]):
         (None: no budget)."""
         if not node.pids:
             return None
-        budget = (node.pids - self.config.warm_sandboxes * self.config.pids_limit) // self.config.pids_limit
+        warm = sum(size for _, size in warm_kinds(self.config))
+        budget = (node.pids - warm * self.config.pids_limit) // self.config.pids_limit
         if budget < 1:
             log.warning("node %s: its pids budget (%d) holds no sandbox of pids_limit %d beside %d warm ones",
-                        node.name, node.pids, self.config.pids_limit, self.config.warm_sandboxes)
+                        node.name, node.pids, self.config.pids_limit, warm)
         return max(budget, 0)
 
     def add_node(self, node: CpuNode) -> None:
@@ -327,7 +334,12 @@ class CpuManager(ResourceManager[CpuHandle]):
             self._check_user(spec, env.sandbox_user)
             return
         self.environments.check_memory(spec.memory_mb, "spec.memory_mb")
+        self.config.egress.admit(spec.network, "spec.network")
         existing = self.environment_of(action)
+        if existing is not None and spec.network is not None and spec.network != existing.network:
+            raise Unprocessable("spec.network", f"trajectory {action.trajectory!r} has its environment {existing.id} "
+                                                f"already, with another network: a network is chosen when an "
+                                                f"environment is created")
         self._check_user(spec, existing.sandbox_user if existing is not None else spec.sandbox_user)
         if existing is None:
             self.environments.check_room("spec")
@@ -372,7 +384,8 @@ class CpuManager(ResourceManager[CpuHandle]):
             env = self.environments.reserve(action.task, action.trajectory, node,
                                             spec.image or self.config.default_image, self.memory_for(action),
                                             dict(spec.files), ephemeral=action.trajectory is None,
-                                            reserved_by=action.id, sandbox_user=spec.sandbox_user)
+                                            reserved_by=action.id, sandbox_user=spec.sandbox_user,
+                                            network=spec.network)
         elif env.node != node.name:
             raise RuntimeError(f"environment {env.id} lives on {env.node}, not {node.name}")
         cores = node.cores.take(units[RESOURCE])
@@ -442,7 +455,11 @@ class CpuManager(ResourceManager[CpuHandle]):
                         await alone(self.environments, env, WriteFiles(spec.files))
                 async with env.turns.command():
                     current().check()  # a deposed leader runs no more commands (tangram/core/fencing.py)
-                    executed = await sandbox.execute(action.id, request)
+                    live = self.outputs.open(action.id, request.output_limit)
+                    try:
+                        executed = await sandbox.execute(action.id, request, live.add)
+                    finally:
+                        self.outputs.close(action.id)
             except SandboxError as error:
                 if error.lost:
                     self.environments.mark_lost(env, error.message)

@@ -35,6 +35,11 @@ class CpuNode(NodeStanding):
     def memory_load_after(self, memory_mb: int) -> float:
         return (self.memory_reserved + memory_mb) / self.memory_mb
 
+    def lacks_image(self, image: str) -> bool:
+        """Whether a new environment of ``image`` here would wait for a pull first, as its backend last saw (False
+        where it cannot say), so that node choice prefers nodes holding it."""
+        return self.backend.holds_image(image) is False
+
     @property
     def sandbox_room(self) -> int | None:
         """How many more environments its pids budget holds (None: no budget)."""

@@ -26,9 +26,13 @@ log = logging.getLogger("tangram.cpu")
 SandboxFactory = Callable[[CpuNodeConfig, CpuConfig], Awaitable[SandboxBackend]]
 
 
-def warm_template(config: CpuConfig) -> SandboxSpec:
-    """What a node's warm sandboxes are made as: the default image and memory, no trajectory yet."""
-    return config.sandbox_spec("warm", "warm", None, config.default_image, config.default_memory_mb)
+def warm_kinds(config: CpuConfig) -> list[tuple[SandboxSpec, int]]:
+    """What a node's warm sandboxes are made as, and how many of each: the default image and memory
+    (``warm_sandboxes``), then each ``[[cpu.images.warm_pools]]``; no trajectory yet."""
+    kinds = [(config.default_image, config.default_memory_mb, config.warm_sandboxes)]
+    kinds += [(pool.image, pool.memory_mb or config.default_memory_mb, pool.size) for pool in config.images.warm_pools]
+    return [(config.sandbox_spec("warm", "warm", None, image, memory_mb), size)
+            for image, memory_mb, size in kinds if size]
 
 
 def _fixes(node: CpuNodeConfig, image: str) -> str:
@@ -59,8 +63,9 @@ async def open_sandbox_backend(node: CpuNodeConfig, config: CpuConfig) -> Sandbo
         cert = (node.tls_cert, node.tls_key) if node.tls_cert and node.tls_key else None
         tls = TLSConfig(client_cert=cert, ca_cert=node.tls_ca, verify=bool(node.tls_ca))
     backend = DockerBackend(node.engine, run_dir=run_dir, cores=node.cores, fast_path=bool(node.fast_path), tls=tls,
-                            warm=warm_template(config), warm_size=config.warm_sandboxes,
-                            creates_per_s=config.creates_per_s, runtime=node.runtime)
+                            warm=warm_kinds(config), creates_per_s=config.creates_per_s, runtime=node.runtime,
+                            pull=config.images.policy(),
+                            egress=config.egress.rules(config.nodes))
     try:
         await backend.start()
     except SandboxError as error:
@@ -72,4 +77,5 @@ async def open_sandbox_backend(node: CpuNodeConfig, config: CpuConfig) -> Sandbo
                                               f"{config.default_image!r} (cpu.default_image); "
                                               f"{_fixes(node, config.default_image)}")
     log.info("node %s: Docker engine %s", node.name, node.engine)
+    backend.prefetch(config.images.pre_pull)
     return backend

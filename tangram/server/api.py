@@ -20,6 +20,7 @@ from tangram.config import AccessConfig, ServerConfig, load_config
 from tangram.core.action import Action
 from tangram.core.errors import BadRequest, ConfigError, Conflict, RequestError, TooLarge, Unprocessable
 from tangram.parse import FLAGS, Limits, parse_action_json, parse_batch_json, to_action
+from tangram.server.action_output_api import add_action_output_routes
 from tangram.server.auth import AUTH, add_auth, authenticate, own_task, principal_of
 from tangram.server.broker_views import broker_stats, resource_rows
 from tangram.server.common import BROKER, LIMITS, SERVER, json_response, read_body, read_json
@@ -27,6 +28,7 @@ from tangram.server.environment_files_api import add_environment_file_routes
 from tangram.server.environment_fork_api import add_environment_fork_routes, max_fork
 from tangram.server.environments_api import add_environment_routes, largest_node_memory
 from tangram.server.http_errors import headers_of, status_of
+from tangram.server.images_api import add_image_routes
 from tangram.server.openapi import openapi_document
 from tangram.server.profiles_api import add_profile_routes
 from tangram.server.request_guard import body_in_time, guard_requests
@@ -258,11 +260,13 @@ def build_app(broker: Broker, server: ServerConfig, limits: Limits, slo: SloAdmi
     app.router.add_post("/v1/actions:batch", submit_batch)
     app.router.add_get("/v1/actions/{id}", get_action)
     app.router.add_delete("/v1/actions/{id}", cancel_action)
+    add_action_output_routes(app)
     app.router.add_delete("/v1/leases/{id}", release_lease)
     app.router.add_get("/v1/resources", resources)
     add_environment_routes(app)
     add_environment_file_routes(app)
     add_environment_fork_routes(app)
+    add_image_routes(app)
     add_profile_routes(app)
     add_service_routes(app)
     add_slo_routes(app, slo)

@@ -41,6 +41,9 @@ def fork_count(raw: str | None, named: int | None, limit: int) -> int:
     if raw is None:
         if named is None:
             raise Unprocessable("n", "is required (or name the forks' trajectories in the body)")
+        if named > limit:
+            raise Unprocessable("trajectories", f"names {named} forks; at most {limit} at once ([cpu.limits] "
+                                                f"max_fork)")
         raw = str(named)
     try:
         n = int(raw)

@@ -8,9 +8,19 @@ from typing import Protocol, runtime_checkable
 from aiohttp import web
 from pydantic import Field, TypeAdapter
 
+from managers.cpu.config import EgressConfig
 from managers.cpu.environment import Environment
 from managers.cpu.environments import Environments
-from managers.cpu.exec_spec import ExecLimits, Files, Image, MemoryMb, SandboxUser, decode_files
+from managers.cpu.exec_spec import (
+    ExecLimits,
+    Files,
+    Image,
+    MemoryMb,
+    NetworkBody,
+    SandboxUser,
+    decode_files,
+    parse_network,
+)
 from tangram.broker import Broker
 from tangram.core.action import Kind
 from tangram.core.errors import BadRequest, NotFound, Unprocessable
@@ -30,6 +40,9 @@ class EnvironmentRequest(Schema):
     memory_mb: MemoryMb | None = None
     sandbox_user: SandboxUser | None = None
     files: Files | None = Field(default=None, description='relative path -> text or {"base64": "..."}')
+    network: NetworkBody | None = Field(default=None, description='{"mode": "none"} (the default) or {"mode": '
+                                                                  '"proxy", "allow": ["host", "host:port", '
+                                                                  '"*.suffix", ...]}')
 
 
 ENVIRONMENT_REQUEST = TypeAdapter(EnvironmentRequest)
@@ -37,6 +50,7 @@ ENVIRONMENT_REQUEST = TypeAdapter(EnvironmentRequest)
 
 class _Limited(Protocol):
     limits: ExecLimits
+    egress: EgressConfig
 
 
 @runtime_checkable
@@ -70,10 +84,12 @@ async def create_environment(request: web.Request) -> web.Response:
         raise BadRequest("task", "is required")
     trajectory, image, memory = body.trajectory, body.image, body.memory_mb
     files = decode_files(body.files or {}, "files", manager.config.limits)
+    network = parse_network(body.network, "network")
+    manager.config.egress.admit(network, "network")
     ledger = request.app[BROKER].ledger
     env = await manager.environments.create(task, trajectory, image, memory, files,
                                             admit=lambda mb: ledger.check_environment(task, trajectory, mb, manager),
-                                            sandbox_user=body.sandbox_user)
+                                            sandbox_user=body.sandbox_user, network=network)
     return json_response(env.to_json(), status=201, headers={"Location": f"/v1/environments/{env.id}"})
 
 

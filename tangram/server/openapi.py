@@ -28,6 +28,7 @@ from tangram.server.auth import ADMIN_ROUTES, TOKEN_REQUEST
 from tangram.server.environment_files_api import FilesRequest
 from tangram.server.environment_fork_api import ForkRequest
 from tangram.server.environments_api import EnvironmentRequest
+from tangram.server.images_api import PrePullRequest
 from tangram.slo.plan import SloPlan
 
 #: what a record answered by a submit leads to; the fuzzer's stateful runs follow these (submit -> get -> cancel)
@@ -165,6 +166,7 @@ def _secure(paths: dict[str, Any], public_status: bool) -> None:
                  ("/v1/actions:batch", "post"): "an action's task names another task than the token's",
                  ("/v1/environments", "post"): "task names another task than the token's",
                  ("/v1/environments", "get"): "task names another task than the token's",
+                 ("/v1/images/pull", "post"): "task names another task than the token's",
                  ("/v1/profiles", "get"): "task names another task than the token's"}
     for path, operations in paths.items():
         for method, operation in operations.items():
@@ -283,6 +285,7 @@ def openapi_document(server: ServerConfig, limits: Limits, resources: Sequence[s
         "EnvironmentRequest": _with_task(_generated(EnvironmentRequest, schemas_out), required=not secured),
         "FilesRequest": _generated(FilesRequest, schemas_out),
         "ForkRequest": _generated(ForkRequest, schemas_out),
+        "PrePullRequest": _with_task(_generated(PrePullRequest, schemas_out), required=not secured),
         **{model.__name__: _generated(model, schemas_out) for model in RESPONSES},
     }
     schemas.update(schemas_out)
@@ -338,6 +341,25 @@ def openapi_document(server: ServerConfig, limits: Limits, resources: Sequence[s
                            "parameters": [id_param],
                            "responses": {"200": record, "404": _error("unknown id"),
                                          "409": _error("already terminal")}}},
+            "/v1/actions/{id}/output": {"get": {
+                "operationId": "streamActionOutput",
+                "summary": "Stream an exec action's stdout and stderr while it runs (server-sent events)",
+                "description": "Events: `stdout` and `stderr`, each `data: {\"data\": TEXT}` with the next piece of "
+                               "that stream (its bytes decoded as UTF-8 with replacement; at most the action's "
+                               "output_limit bytes per stream in all), then one `end`, `data: {\"id\", \"state\", "
+                               "\"exit_code\", \"error\": {\"code\", \"message\"} or null}`, and the stream "
+                               "closes. A queued action's stream waits for its command to start (`: waiting` "
+                               "comments meanwhile); an ended action, or one whose sandbox cannot stream, sends its "
+                               "record's kept output before `end`. Dropping the stream does not cancel the action.",
+                "parameters": [id_param],
+                "responses": {"200": {"description": "the output as it comes, then end",
+                                      "content": {"text/event-stream": {"schema": {  # one event (before 3.2)
+                                          "type": "object", "required": ["event", "data"],
+                                          "properties": {"event": {"enum": ["stdout", "stderr", "end"]},
+                                                         "data": {"type": "string",
+                                                                  "contentMediaType": "application/json"}}}}}},
+                              "404": _error("unknown id"),
+                              "409": _error("not an exec action: it has no output stream")}}},
             "/v1/leases/{id}": {"delete": {
                 "operationId": "releaseLease", "summary": "Return a granted lease's units", "parameters": [id_param],
                 "responses": {"200": record, "404": _error("unknown id, or an action that is not a lease"),
@@ -443,6 +465,20 @@ def openapi_document(server: ServerConfig, limits: Limits, resources: Sequence[s
                                                         "the memory for the forks now"),
                                        "503": _error("a command still runs there past max_wait_s, or the engine "
                                                      "failed")}}},
+            "/v1/images/pull": {
+                "post": {"operationId": "prePullImages",
+                         "summary": "Have every CPU node start pulling the images it lacks of a task's list, in the "
+                                    "background",
+                         "requestBody": {"required": True, "content": {"application/json": {
+                             "schema": _ref("PrePullRequest")}}},
+                         "responses": {"202": _json({"type": "object", "required": ["task", "images", "nodes"],
+                                                     "properties": {
+                                                         "task": {"type": "string"},
+                                                         "images": {"type": "array", "items": {"type": "string"}},
+                                                         "nodes": {"type": "object", "additionalProperties": {
+                                                             "enum": ["pulling", "not_pulling"]}}}},
+                                                    "the nodes asked, and whether each pulls"),
+                                       "400": _error("invalid request"), "422": _error("no CPU manager")}}},
             "/v1/services": {"get": {
                 "operationId": "listServices", "summary": "Reward services the GPU manager hosts, and where each is resident",
                 "responses": {"200": _json({"type": "object", "required": ["services"], "properties": {

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 from managers.remote.replies import Reply
 from sandboxes.backend import Executed, Leftover, Sandbox, SandboxBackend, SandboxError, SandboxSpec
 from sandboxes.exec_wire import ExecRequest, ExecResult
+from sandboxes.executor_client import OutputSink
 from sandboxes.file_wire import FileOp
 
 T = TypeVar("T")
@@ -54,8 +55,9 @@ class AgentSandbox(Sandbox):
         result: ExecResult = answer(await self._call("run", self.env_id, request))
         return result
 
-    async def execute(self, tag: str, request: ExecRequest) -> Executed:
-        """The agent's sandbox pins, runs and settles: one round trip rather than three."""
+    async def execute(self, tag: str, request: ExecRequest, on_output: OutputSink | None = None) -> Executed:
+        """The agent's sandbox pins, runs and settles: one round trip rather than three. Its output comes with the
+        answer only (``on_output`` gets nothing): an agent's reply is one value, not a stream."""
         executed: Executed = answer(await self._call("execute", self.env_id, tag, request))
         return executed
 
