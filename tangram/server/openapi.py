@@ -29,6 +29,8 @@ from tangram.server.environment_files_api import FilesRequest
 from tangram.server.environment_fork_api import ForkRequest
 from tangram.server.environments_api import EnvironmentRequest
 from tangram.server.images_api import PrePullRequest
+from tangram.server.openapi_environment_paths import environment_paths
+from tangram.server.openapi_parts import error, json_answer, over_cap, ref, request_body
 from tangram.slo.plan import SloPlan
 
 #: what a record answered by a submit leads to; the fuzzer's stateful runs follow these (submit -> get -> cancel)
@@ -51,29 +53,11 @@ ACTION_EXAMPLES: dict[str, dict[str, Any]] = {
             "value": {"task": "demo", "kind": "api", "demand": {"api.search": 1},
                       "spec": {"method": "GET", "path": "/search", "query": {"q": "x"}}}},
 }
-ENVIRONMENT_LINKS = {name: {"operationId": operation, "parameters": {"id": "$response.body#/id"}}
-                     for name, operation in (("GetEnvironment", "getEnvironment"),
-                                             ("DeleteEnvironment", "deleteEnvironment"))}
 
 
 #: the answers' schemas, generated from ``tangram.records``
 RESPONSES: tuple[type[BaseModel], ...] = (ActionRecord, EnvironmentRecord, ServiceRecord, StatusHistory, Resources,
                                           Profiles, TokenRecord, CreatedToken, Drained, SloPlans)
-
-
-def _ref(name: str) -> dict[str, str]:
-    return {"$ref": f"#/components/schemas/{name}"}
-
-
-def _json(schema: dict[str, Any], description: str, links: dict[str, Any] | None = None) -> dict[str, Any]:
-    response: dict[str, Any] = {"description": description, "content": {"application/json": {"schema": schema}}}
-    if links:
-        response["links"] = links
-    return response
-
-
-def _body(schema: dict[str, Any], examples: dict[str, Any]) -> dict[str, Any]:
-    return {"schema": schema, "examples": examples} if examples else {"schema": schema}
 
 
 def _request_schemas(limits: Limits, server: ServerConfig, resources: Sequence[str], *,
@@ -147,18 +131,6 @@ def _memory_bound(schemas: dict[str, Any], max_memory_mb: int | None) -> str:
     return f"memory_mb beyond the largest node's {max_memory_mb} MiB (its maximum in the schema)"
 
 
-def _error(description: str) -> dict[str, Any]:
-    return _json(_ref("Error"), description)
-
-
-def _over_cap(description: str) -> dict[str, Any]:
-    """A 429: the body names the cap; ``Retry-After`` says when to try again."""
-    response = _error(description)
-    response["headers"] = {"Retry-After": {"description": "seconds to wait before trying again",
-                                           "schema": {"type": "string", "pattern": "^[0-9]+$"}}}
-    return response
-
-
 def _secure(paths: dict[str, Any], public_status: bool) -> None:
     """Bearer auth on every operation but the open ones, with its 401 and, where a token may not do it, 403."""
     open_paths = {"/healthz", "/readyz", "/openapi.json"} | (STATUS_PATHS if public_status else set())
@@ -173,12 +145,12 @@ def _secure(paths: dict[str, Any], public_status: bool) -> None:
             if path in open_paths:
                 operation["security"] = []
                 continue
-            operation["responses"]["401"] = {**_error("no token, or one the broker does not know"), "headers": {
+            operation["responses"]["401"] = {**error("no token, or one the broker does not know"), "headers": {
                 "WWW-Authenticate": {"schema": {"type": "string"}, "description": "Bearer"}}}
             if path.startswith("/v1/admin/") or path in ADMIN_ROUTES or path == "/metrics":
-                operation["responses"]["403"] = _error("needs an admin token")
+                operation["responses"]["403"] = error("needs an admin token")
             elif (path, method) in forbidden:
-                operation["responses"]["403"] = _error(forbidden[(path, method)])
+                operation["responses"]["403"] = error(forbidden[(path, method)])
 
 
 def _guarded(paths: dict[str, Any], secured: bool) -> None:
@@ -188,14 +160,14 @@ def _guarded(paths: dict[str, Any], secured: bool) -> None:
         for operation in operations.values():
             responses = operation["responses"]
             if "requestBody" in operation:
-                responses["415"] = _error("a body without Content-Type: application/json")
+                responses["415"] = error("a body without Content-Type: application/json")
             if not secured:
-                responses.setdefault("403", _error("auth is off, and Host or Origin names another host than "
+                responses.setdefault("403", error("auth is off, and Host or Origin names another host than "
                                                    "localhost, 127.0.0.1 or [::1]"))
 
 
 def _admin_paths(server: ServerConfig) -> dict[str, Any]:
-    token, created, plans = _ref("TokenRecord"), _ref("CreatedToken"), _ref("SloPlans")
+    token, created, plans = ref("TokenRecord"), ref("CreatedToken"), ref("SloPlans")
     task = {"name": "task", "in": "path", "required": True, "schema": {"type": "string"}}
     return {
         "/v1/admin/drain": {"post": {
@@ -204,52 +176,52 @@ def _admin_paths(server: ServerConfig) -> dict[str, Any]:
                 "type": "object", "additionalProperties": False, "properties": {
                     "timeout_s": {"type": "number", "minimum": 0, "maximum": server.max_wait_s,
                                   "default": server.drain_s}}}}}},
-            "responses": {"200": _json(_ref("Drained"), "still running at the bound, and queued"),
-                          "400": _error("bad timeout_s")}}},
+            "responses": {"200": json_answer(ref("Drained"), "still running at the bound, and queued"),
+                          "400": error("bad timeout_s")}}},
         "/v1/admin/reload": {"post": {
             "operationId": "reload", "summary": "Re-read tokens and per-task caps ([auth], [tasks]) from the config "
                                                 "file and the store, and admit the reward services [gpu] adds",
-            "responses": {"200": _json({"type": "object"}, "what was reloaded, and the services added (each "
+            "responses": {"200": json_answer({"type": "object"}, "what was reloaded, and the services added (each "
                                                            "served once prepared)"),
-                          "409": _error("a change only a restart makes (a node, a running service), or changed "
+                          "409": error("a change only a restart makes (a node, a running service), or changed "
                                         "SLO plans under which a task's SLO would break; nothing changed"),
-                          "422": _error("the config file does not parse, or an added service does not fit; nothing "
+                          "422": error("the config file does not parse, or an added service does not fit; nothing "
                                         "changed")}}},
         "/v1/admin/tokens": {
             "post": {"operationId": "createToken", "summary": "Make a token for a task or the admin (shown once)",
                      "requestBody": {"required": True, "content": {"application/json": {
                          "schema": TOKEN_REQUEST.json_schema(schema_generator=RequestJsonSchema)}}},
-                     "responses": {"201": _json(created, "the token, which is kept only as its SHA-256"),
-                                   "400": _error("neither or both of task and admin")}},
+                     "responses": {"201": json_answer(created, "the token, which is kept only as its SHA-256"),
+                                   "400": error("neither or both of task and admin")}},
             "get": {"operationId": "listTokens", "summary": "Tokens from the config and the store (never a hash)",
-                    "responses": {"200": _json({"type": "object", "required": ["tokens"], "properties": {
+                    "responses": {"200": json_answer({"type": "object", "required": ["tokens"], "properties": {
                         "tokens": {"type": "array", "items": token}}}, "tokens")}}},
         "/v1/admin/tokens/{id}": {"delete": {
             "operationId": "revokeToken", "summary": "Revoke a stored token at once",
             "parameters": [{"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}],
-            "responses": {"200": _json(token, "the revoked token"), "404": _error("unknown id"),
-                          "409": _error("a config token: remove it from the file and reload")}}},
+            "responses": {"200": json_answer(token, "the revoked token"), "404": error("unknown id"),
+                          "409": error("a config token: remove it from the file and reload")}}},
         "/v1/tasks/slo": {"get": {
             "operationId": "listSloPlans", "summary": "Every task's SLO plan, its predicted slowdown in the GPU pool "
                                                       "and its measured attainment",
-            "responses": {"200": _json(plans, "the planned tasks")}}},
+            "responses": {"200": json_answer(plans, "the planned tasks")}}},
         "/v1/tasks/{task}/slo": {
             "put": {"operationId": "putSloPlan", "summary": "Admit a task's SLO plan if every task's SLO still holds",
                     "parameters": [task],
                     "requestBody": {"required": True, "content": {"application/json": {"schema": TypeAdapter(
                         SloPlan).json_schema(schema_generator=RequestJsonSchema)}}},
-                    "responses": {"200": _json(plans, "admitted (kept in the store); every task's prediction"),
-                                  "400": _error("the body is not JSON, or a field is missing, unknown or out of "
+                    "responses": {"200": json_answer(plans, "admitted (kept in the store); every task's prediction"),
+                                  "400": error("the body is not JSON, or a field is missing, unknown or out of "
                                                 "range"),
-                                  "409": _error("a task's SLO would break (the body names it, its predicted_slowdown "
+                                  "409": error("a task's SLO would break (the body names it, its predicted_slowdown "
                                                 "and slo), or the task's plan is in the config; nothing changed"),
-                                  "422": _error("a service the GPU manager does not serve, or no GPU pool"),
-                                  "503": _error("the database is unavailable; nothing changed")}},
+                                  "422": error("a service the GPU manager does not serve, or no GPU pool"),
+                                  "503": error("the database is unavailable; nothing changed")}},
             "delete": {"operationId": "deleteSloPlan", "summary": "Remove a task's SLO plan made through the API",
                        "parameters": [task],
-                       "responses": {"204": {"description": "removed"}, "404": _error("no plan made through the API"),
-                                     "409": _error("the task's plan is in the config"),
-                                     "503": _error("the database is unavailable; nothing changed")}}},
+                       "responses": {"204": {"description": "removed"}, "404": error("no plan made through the API"),
+                                     "409": error("the task's plan is in the config"),
+                                     "503": error("the database is unavailable; nothing changed")}}},
     }
 
 
@@ -290,26 +262,26 @@ def openapi_document(server: ServerConfig, limits: Limits, resources: Sequence[s
     }
     schemas.update(schemas_out)
     too_much_memory = _memory_bound(schemas, max_memory_mb)
-    record = _json(_ref("ActionRecord"), "the action record")
+    record = json_answer(ref("ActionRecord"), "the action record")
     examples = {name: example for name, example in ACTION_EXAMPLES.items()
                 if set(example["value"]["demand"]) <= set(resources)}
     batch_examples = {"batch": {"summary": "every example above in one request", "value": {
         "actions": [example["value"] for example in examples.values()]}}} if examples else {}
     environment_examples = {"sandbox": {"summary": "a sandbox for a trajectory, with a file", "value": {
         "task": "demo", "trajectory": "traj-2", "files": {"notes.txt": "hello"}}}} if "cpu" in resources else {}
-    submit_errors = {"400": _error("does not match the schemas"),
-                     "404": _error("unknown spec.environment or reward service"),
-                     "409": _error("spec.environment is lost, or idempotency_key was used for another request "
+    submit_errors = {"400": error("does not match the schemas"),
+                     "404": error("unknown spec.environment or reward service"),
+                     "409": error("spec.environment is lost, or idempotency_key was used for another request "
                                    "(the body names the action it holds)"),
-                     "413": _error("body, command or files too large"),
-                     "422": _error(f"matches the schemas but breaks a rule they cannot state (min <= max, the "
+                     "413": error("body, command or files too large"),
+                     "422": error(f"matches the schemas but breaks a rule they cannot state (min <= max, the "
                                    f"elasticity resource in the demand, an exec demands cpu, a reward input fits the "
                                    f"service's task), or can "
                                    f"never run here ({too_much_memory}, more units than any pool has)"),
-                     "429": _over_cap("the task is at a cap (max_queued, max_queued_bytes, max_environments, "
+                     "429": over_cap("the task is at a cap (max_queued, max_queued_bytes, max_environments, "
                                       "max_memory_mb; the "
                                       "body's cap names it), or a new sandbox would exceed cpu.max_environments"),
-                     "503": _error("queue full, or the broker is shutting down")}
+                     "503": error("queue full, or the broker is shutting down")}
     document: dict[str, Any] = {
         "openapi": "3.1.0",
         "info": {"title": "ARL-Tangram broker", "version": "0.1.0",
@@ -317,30 +289,30 @@ def openapi_document(server: ServerConfig, limits: Limits, resources: Sequence[s
         "paths": {
             "/v1/actions": {"post": {
                 "operationId": "submitAction", "summary": "Submit one action", "parameters": wait_params,
-                "requestBody": {"required": True, "content": {"application/json": _body(_ref("Action"), examples)}},
-                "responses": {"201": _json(_ref("ActionRecord"), "queued", ACTION_LINKS),
-                              "200": _json(_ref("ActionRecord"), "terminal record (wait) or idempotent replay",
+                "requestBody": {"required": True, "content": {"application/json": request_body(ref("Action"), examples)}},
+                "responses": {"201": json_answer(ref("ActionRecord"), "queued", ACTION_LINKS),
+                              "200": json_answer(ref("ActionRecord"), "terminal record (wait) or idempotent replay",
                                            ACTION_LINKS),
-                              "202": _json(_ref("ActionRecord"), "wait timed out; record as it stands", ACTION_LINKS),
+                              "202": json_answer(ref("ActionRecord"), "wait timed out; record as it stands", ACTION_LINKS),
                               **submit_errors}}},
             "/v1/actions:batch": {"post": {
                 "operationId": "submitBatch",
                 "summary": "Submit many actions; all are validated before any is queued",
-                "requestBody": {"required": True, "content": {"application/json": _body(
+                "requestBody": {"required": True, "content": {"application/json": request_body(
                     batch, batch_examples)}},
-                "responses": {"200": _json({"type": "object", "required": ["actions", "created"], "properties": {
-                    "actions": {"type": "array", "items": _ref("ActionRecord")},
+                "responses": {"200": json_answer({"type": "object", "required": ["actions", "created"], "properties": {
+                    "actions": {"type": "array", "items": ref("ActionRecord")},
                     "created": {"type": "integer"}}}, "records in request order"),
-                    **submit_errors, "400": _error("invalid action, field prefixed actions[i]."),
-                    "413": _error("more than max_batch actions, or a body, command or files too large")}}},
+                    **submit_errors, "400": error("invalid action, field prefixed actions[i]."),
+                    "413": error("more than max_batch actions, or a body, command or files too large")}}},
             "/v1/actions/{id}": {
                 "get": {"operationId": "getAction", "summary": "Get an action record",
                         "parameters": [id_param, *wait_params],
-                        "responses": {"200": record, "400": _error("bad query"), "404": _error("unknown id")}},
+                        "responses": {"200": record, "400": error("bad query"), "404": error("unknown id")}},
                 "delete": {"operationId": "cancelAction", "summary": "Cancel a queued or running action",
                            "parameters": [id_param],
-                           "responses": {"200": record, "404": _error("unknown id"),
-                                         "409": _error("already terminal")}}},
+                           "responses": {"200": record, "404": error("unknown id"),
+                                         "409": error("already terminal")}}},
             "/v1/actions/{id}/output": {"get": {
                 "operationId": "streamActionOutput",
                 "summary": "Stream an exec action's stdout and stderr while it runs (server-sent events)",
@@ -358,30 +330,12 @@ def openapi_document(server: ServerConfig, limits: Limits, resources: Sequence[s
                                           "properties": {"event": {"enum": ["stdout", "stderr", "end"]},
                                                          "data": {"type": "string",
                                                                   "contentMediaType": "application/json"}}}}}},
-                              "404": _error("unknown id"),
-                              "409": _error("not an exec action: it has no output stream")}}},
+                              "404": error("unknown id"),
+                              "409": error("not an exec action: it has no output stream")}}},
             "/v1/leases/{id}": {"delete": {
                 "operationId": "releaseLease", "summary": "Return a granted lease's units", "parameters": [id_param],
-                "responses": {"200": record, "404": _error("unknown id, or an action that is not a lease"),
-                              "409": _error("not held")}}},
-            "/v1/environments": {
-                "post": {"operationId": "createEnvironment", "summary": "Create a trajectory environment (sandbox) now",
-                         "requestBody": {"required": True, "content": {"application/json": _body(
-                             _ref("EnvironmentRequest"), environment_examples)}},
-                         "responses": {"201": _json(_ref("EnvironmentRecord"), "created", ENVIRONMENT_LINKS),
-                                       "400": _error("invalid request"), "409": _error("trajectory has one"),
-                                       "413": _error("files too large"),
-                                       "422": _error(f"unknown image, {too_much_memory}, no CPU manager"),
-                                       "429": _over_cap("too many environments: the task's max_environments "
-                                                        "or max_memory_mb (named by cap), or cpu.max_environments; "
-                                                        "or no node has the memory unreserved now"),
-                                       "503": _error("no node has the memory now, or the engine failed")}},
-                "get": {"operationId": "listEnvironments", "summary": "List environments",
-                        "parameters": [{"name": "task", "in": "query", "required": False,
-                                        "schema": {"type": "string"}}],
-                        "responses": {"200": _json({"type": "object", "required": ["environments"], "properties": {
-                            "environments": {"type": "array", "items": _ref("EnvironmentRecord")}}}, "environments"),
-                            "422": _error("no CPU manager")}}},
+                "responses": {"200": record, "404": error("unknown id, or an action that is not a lease"),
+                              "409": error("not held")}}},
             "/v1/profiles": {
                 "get": {"operationId": "listProfiles",
                         "summary": "Learned duration profiles per (task, action signature), most observed first",
@@ -389,126 +343,39 @@ def openapi_document(server: ServerConfig, limits: Limits, resources: Sequence[s
                                        {"name": "limit", "in": "query", "required": False,
                                         "schema": {"type": "integer", "minimum": 1, "maximum": 10_000,
                                                    "default": 1000}}],
-                        "responses": {"200": _json(_ref("Profiles"), "profiles"),
-                            "400": _error("limit out of range")}}},
-            "/v1/environments/{id}": {
-                "get": {"operationId": "getEnvironment", "summary": "Get an environment", "parameters": [id_param],
-                        "responses": {"200": _json(_ref("EnvironmentRecord"), "the environment"),
-                                      "404": _error("unknown id"), "422": _error("no CPU manager")}},
-                "delete": {"operationId": "deleteEnvironment", "summary": "Destroy an environment",
-                           "parameters": [id_param],
-                           "responses": {"200": _json(_ref("EnvironmentRecord"), "destroyed"),
-                                         "404": _error("unknown id"), "409": _error("actions run in it"),
-                                         "422": _error("no CPU manager")}}},
-            "/v1/environments/{id}/files": {
-                "put": {"operationId": "writeEnvironmentFiles",
-                        "summary": "Write files into an environment, after its running commands and before later ones",
-                        "parameters": [id_param],
-                        "requestBody": {"required": True, "content": {
-                            "application/json": {"schema": _ref("FilesRequest")},
-                            "application/x-tar": {"schema": {"type": "string", "format": "binary"}}}},
-                        "responses": {"200": _json({"type": "object", "required": ["environment", "files", "bytes"],
-                                                    "properties": {"environment": {"type": "string"},
-                                                                   "files": {"type": "integer"},
-                                                                   "bytes": {"type": "integer"}}}, "written"),
-                                      "400": _error("invalid request, or a body that is no uncompressed tar"),
-                                      "404": _error("unknown id, or a parent that is not there"),
-                                      "409": _error("the environment is lost"),
-                                      "413": _error("files past max_files or max_files_bytes, or body too large"),
-                                      "422": _error("a path that leaves the working directory (also through a link "
-                                                    "in the sandbox), a link, device or FIFO in a tar, a path that is "
-                                                    "a directory or special file, a write the sandbox's user may "
-                                                    "not make, no CPU manager"),
-                                      "503": _error("a command still runs there past max_wait_s, or the engine "
-                                                    "failed")}},
-                "get": {"operationId": "readEnvironmentFile",
-                        "summary": "Read a file (its bytes) or a directory (an uncompressed tar) of an environment",
-                        "parameters": [id_param, {"name": "path", "in": "query", "required": True,
-                                                  "schema": {"type": "string"},
-                                                  "description": "relative to the working directory; . for all"}],
-                        "responses": {"200": {"description": "the file's bytes, or a tar of the directory",
-                                              "content": {"application/octet-stream": {"schema": {
-                                                  "type": "string", "format": "binary"}},
-                                                          "application/x-tar": {"schema": {
-                                                              "type": "string", "format": "binary"}}}},
-                                      "400": _error("path missing"), "404": _error("unknown id or path"),
-                                      "409": _error("the environment is lost"),
-                                      "413": _error("the file or the directory's tar is past max_files_bytes"),
-                                      "422": _error("a path that leaves the working directory (also through a link "
-                                                    "in the sandbox), a FIFO, socket or device, no CPU manager"),
-                                      "503": _error("a command still runs there past max_wait_s, or the engine "
-                                                    "failed")}}},
-            "/v1/environments/{id}/fork": {
-                "post": {"operationId": "forkEnvironment",
-                         "summary": "Make n environments from one's files, once its running commands end, each its "
-                                    "own trajectory (Docker sandboxes)",
-                         "parameters": [id_param, {"name": "n", "in": "query", "required": False,
-                                                   "schema": {"type": "integer", "minimum": 1,
-                                                              **({} if max_fork is None else {"maximum": max_fork})},
-                                                   "description": "how many, at most [cpu.limits] max_fork; left "
-                                                                  "out: as many as the body's trajectories"}],
-                         "requestBody": {"required": False, "content": {"application/json": {
-                             "schema": _ref("ForkRequest")}}},
-                         "responses": {"201": _json({"type": "object", "required": ["source", "environments"],
-                                                     "properties": {"source": {"type": "string"},
-                                                                    "environments": {"type": "array", "items": _ref(
-                                                                        "EnvironmentRecord")}}}, "the forks"),
-                                       "400": _error("n out of range"),
-                                       "404": _error("unknown id"),
-                                       "409": _error("a trajectory has an environment, or the source is lost"),
-                                       "422": _error("neither n nor trajectories, trajectories not one per "
-                                                     "fork, a sandbox that cannot be "
-                                                     "forked (local processes, a node agent, read_only_root), no "
-                                                     "CPU manager"),
-                                       "429": _over_cap("the task's max_environments or max_memory_mb (named by "
-                                                        "cap), cpu.max_environments, or the source's node has not "
-                                                        "the memory for the forks now"),
-                                       "503": _error("a command still runs there past max_wait_s, or the engine "
-                                                     "failed")}}},
-            "/v1/images/pull": {
-                "post": {"operationId": "prePullImages",
-                         "summary": "Have every CPU node start pulling the images it lacks of a task's list, in the "
-                                    "background",
-                         "requestBody": {"required": True, "content": {"application/json": {
-                             "schema": _ref("PrePullRequest")}}},
-                         "responses": {"202": _json({"type": "object", "required": ["task", "images", "nodes"],
-                                                     "properties": {
-                                                         "task": {"type": "string"},
-                                                         "images": {"type": "array", "items": {"type": "string"}},
-                                                         "nodes": {"type": "object", "additionalProperties": {
-                                                             "enum": ["pulling", "not_pulling"]}}}},
-                                                    "the nodes asked, and whether each pulls"),
-                                       "400": _error("invalid request"), "422": _error("no CPU manager")}}},
+                        "responses": {"200": json_answer(ref("Profiles"), "profiles"),
+                            "400": error("limit out of range")}}},
+            **environment_paths(id_param, too_much_memory, environment_examples, max_fork),
             "/v1/services": {"get": {
                 "operationId": "listServices", "summary": "Reward services the GPU manager hosts, and where each is resident",
-                "responses": {"200": _json({"type": "object", "required": ["services"], "properties": {
-                    "services": {"type": "array", "items": _ref("ServiceRecord")}}}, "services")}}},
+                "responses": {"200": json_answer({"type": "object", "required": ["services"], "properties": {
+                    "services": {"type": "array", "items": ref("ServiceRecord")}}}, "services")}}},
             "/v1/services/{name}": {"get": {
                 "operationId": "getService", "summary": "One reward service",
                 "parameters": [{"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}],
-                "responses": {"200": _json(_ref("ServiceRecord"), "the service"), "404": _error("unknown service")}}},
+                "responses": {"200": json_answer(ref("ServiceRecord"), "the service"), "404": error("unknown service")}}},
             "/v1/resources": {"get": {"operationId": "getResources", "summary": "Capacity, use and queue per resource and pool",
-                                      "responses": {"200": _json(_ref("Resources"), "resources")}}},
+                                      "responses": {"200": json_answer(ref("Resources"), "resources")}}},
             "/v1/status/history": {"get": {
                 "operationId": "getStatusHistory", "summary": "The sampled time series the status page draws",
                 "parameters": [{"name": "since", "in": "query", "required": False,
                                 "schema": {"type": "number", "minimum": 0},
                                 "description": "only samples taken after this time (seconds since the epoch)"}],
-                "responses": {"200": _json(_ref("StatusHistory"), "samples"), "400": _error("bad since")}}},
+                "responses": {"200": json_answer(ref("StatusHistory"), "samples"), "400": error("bad since")}}},
             "/ui": {"get": {"operationId": "statusPage", "summary": "The status page (HTML; polls /v1/status/history and /v1/resources)",
                             "responses": {"200": {"description": "the page",
                                                   "content": {"text/html": {"schema": {"type": "string"}}}}}}},
             "/": {"get": {"operationId": "root", "summary": "Redirects to the status page",
                           "responses": {"302": {"description": "Location: /ui"}}}},
-            "/healthz": {"get": {"operationId": "health", "summary": "Liveness", "responses": {"200": _json({"type": "object"}, "ok")}}},
+            "/healthz": {"get": {"operationId": "health", "summary": "Liveness", "responses": {"200": json_answer({"type": "object"}, "ok")}}},
             "/readyz": {"get": {"operationId": "ready", "summary": "Readiness: 503 while draining",
-                                "responses": {"200": _json({"type": "object"}, "takes new work"),
-                                              "503": _json({"type": "object"}, "draining: send new work elsewhere")}}},
+                                "responses": {"200": json_answer({"type": "object"}, "takes new work"),
+                                              "503": json_answer({"type": "object"}, "draining: send new work elsewhere")}}},
             "/metrics": {"get": {"operationId": "metrics", "summary": "Prometheus metrics",
                                  "responses": {"200": {"description": "text exposition format",
                                                        "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
             "/openapi.json": {"get": {"operationId": "openapi", "summary": "This document",
-                                      "responses": {"200": _json({"type": "object"}, "OpenAPI document")}}},
+                                      "responses": {"200": json_answer({"type": "object"}, "OpenAPI document")}}},
         },
         "components": {"schemas": schemas},
     }
