@@ -59,11 +59,15 @@ class ExecLimits:
 BASE64 = re.compile(r"^(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?\Z")
 
 
+#: bytes as base64 text
+Base64Text = Annotated[str, Field(pattern=explained(json_pattern(BASE64), "must be base64: A-Z, a-z, 0-9, + and / "
+                                                                          "in groups of four, the last padded with ="))]
+
+
 class Base64File(Schema):
     """A file's bytes, base64-encoded (for content that is not text)."""
 
-    base64: str = Field(pattern=explained(json_pattern(BASE64), "must be base64: A-Z, a-z, 0-9, + and / in groups "
-                                                                "of four, the last padded with ="))
+    base64: Base64Text
 
 
 def _user_form(value: Any) -> str | None:

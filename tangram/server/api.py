@@ -32,6 +32,7 @@ from tangram.server.images_api import add_image_routes
 from tangram.server.openapi import openapi_document
 from tangram.server.profiles_api import add_profile_routes
 from tangram.server.request_guard import body_in_time, guard_requests
+from tangram.server.sandbox_fusion_api import add_sandbox_fusion_routes
 from tangram.server.services_api import add_service_routes, catalog_of
 from tangram.server.status_page import add_status_routes
 from tangram.slo.admission import SloAdmission
@@ -267,6 +268,7 @@ def build_app(broker: Broker, server: ServerConfig, limits: Limits, slo: SloAdmi
     add_environment_file_routes(app)
     add_environment_fork_routes(app)
     add_image_routes(app)
+    add_sandbox_fusion_routes(app)
     add_profile_routes(app)
     add_service_routes(app)
     add_slo_routes(app, slo)

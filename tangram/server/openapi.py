@@ -31,6 +31,7 @@ from tangram.server.environments_api import EnvironmentRequest
 from tangram.server.images_api import PrePullRequest
 from tangram.server.openapi_environment_paths import environment_paths
 from tangram.server.openapi_parts import error, json_answer, over_cap, ref, request_body
+from tangram.server.sandbox_fusion_api import TASK_NAME, RunCodeRequest
 from tangram.slo.plan import SloPlan
 
 #: what a record answered by a submit leads to; the fuzzer's stateful runs follow these (submit -> get -> cancel)
@@ -139,6 +140,7 @@ def _secure(paths: dict[str, Any], public_status: bool) -> None:
                  ("/v1/environments", "post"): "task names another task than the token's",
                  ("/v1/environments", "get"): "task names another task than the token's",
                  ("/v1/images/pull", "post"): "task names another task than the token's",
+                 ("/run_code", "post"): "?task= names another task than the token's",
                  ("/v1/profiles", "get"): "task names another task than the token's"}
     for path, operations in paths.items():
         for method, operation in operations.items():
@@ -225,6 +227,16 @@ def _admin_paths(server: ServerConfig) -> dict[str, Any]:
     }
 
 
+#: SandboxFusion's answer to ``/run_code`` (``tangram/server/sandbox_fusion_api.py``)
+RUN_CODE_ANSWER = {"type": "object", "required": ["status", "message", "run_result"], "properties": {
+    "status": {"enum": ["Success", "Failed", "SandboxError"]}, "message": {"type": "string"},
+    "compile_result": {"type": "null"}, "executor_pod_name": {"type": "null"}, "files": {"type": "object"},
+    "run_result": {"anyOf": [{"type": "null"}, {"type": "object", "required": ["status"], "properties": {
+        "status": {"enum": ["Finished", "TimeLimitExceeded", "Error"]},
+        "execution_time": {"type": ["number", "null"]}, "return_code": {"type": ["integer", "null"]},
+        "stdout": {"type": "string"}, "stderr": {"type": "string"}}}]}}}
+
+
 #: status routes, open without a token while ``[auth] public_status`` is true
 STATUS_PATHS = {"/", "/ui", "/v1/status/history", "/v1/resources", "/metrics"}
 
@@ -258,6 +270,7 @@ def openapi_document(server: ServerConfig, limits: Limits, resources: Sequence[s
         "FilesRequest": _generated(FilesRequest, schemas_out),
         "ForkRequest": _generated(ForkRequest, schemas_out),
         "PrePullRequest": _with_task(_generated(PrePullRequest, schemas_out), required=not secured),
+        "RunCodeRequest": _generated(RunCodeRequest, schemas_out),
         **{model.__name__: _generated(model, schemas_out) for model in RESPONSES},
     }
     schemas.update(schemas_out)
@@ -346,6 +359,23 @@ def openapi_document(server: ServerConfig, limits: Limits, resources: Sequence[s
                         "responses": {"200": json_answer(ref("Profiles"), "profiles"),
                             "400": error("limit out of range")}}},
             **environment_paths(id_param, too_much_memory, environment_examples, max_fork),
+            "/run_code": {"post": {
+                "operationId": "runCode",
+                "summary": "SandboxFusion's run_code: the code runs as one exec action in a sandbox of its own",
+                "parameters": [{"name": "task", "in": "query", "required": False, "schema": TASK_NAME.json_schema(),
+                                "description": "the task the call counts against (default: the token's, or "
+                                               "sandbox-fusion)"},
+                               {"name": "token", "in": "query", "required": False, "schema": {"type": "string"},
+                                "description": "the bearer token, for callers that cannot send a header"}],
+                "requestBody": {"required": True, "content": {"application/json": {"schema": ref("RunCodeRequest")}}},
+                "responses": {"200": json_answer(RUN_CODE_ANSWER, "SandboxFusion's answer: Success (exit 0), Failed "
+                                                                  "(another exit, time or memory), SandboxError"),
+                              "400": error("does not match the schema, or a bad task"),
+                              "413": error("code or files too large"),
+                              "422": error(f"{too_much_memory}, or no CPU manager"),
+                              "429": over_cap("the task is at a cap (the body's cap names it)"),
+                              "503": error("queue full, the broker is shutting down, or the call outlived its "
+                                           "deadline")}}},
             "/v1/services": {"get": {
                 "operationId": "listServices", "summary": "Reward services the GPU manager hosts, and where each is resident",
                 "responses": {"200": json_answer({"type": "object", "required": ["services"], "properties": {
