@@ -234,6 +234,14 @@ def own_task(task: str | None, principal: Principal, field: str = "task") -> str
     return task
 
 
+def required_task(task: str | None, principal: Principal) -> str:
+    """``own_task`` for a request that cannot go without one: 400 when neither the body nor the token names it."""
+    owned = own_task(task, principal)
+    if owned is None:
+        raise BadRequest("task", "is required")
+    return owned
+
+
 def listed_task(request: web.Request) -> str | None:
     """The task a listing covers: the query's ``task`` (None: every task), which a task token may only name as its
     own (403 otherwise) and fills in when absent."""

@@ -23,11 +23,11 @@ from managers.cpu.exec_spec import (
 )
 from tangram.broker import Broker
 from tangram.core.action import Kind
-from tangram.core.errors import BadRequest, NotFound, Unprocessable
+from tangram.core.errors import NotFound, Unprocessable
 from tangram.core.names import Name
 from tangram.core.schema import Schema, parse_json
 from tangram.core.seam import EnvironmentHost
-from tangram.server.auth import listed_task, own_task, principal_of
+from tangram.server.auth import listed_task, principal_of, required_task
 from tangram.server.common import BROKER, json_response, read_body
 
 
@@ -79,9 +79,7 @@ def largest_node_memory(broker: Broker) -> int | None:
 async def create_environment(request: web.Request) -> web.Response:
     manager = environment_manager(request)
     body = parse_json(ENVIRONMENT_REQUEST, await read_body(request))
-    task = own_task(body.task, principal_of(request))
-    if task is None:
-        raise BadRequest("task", "is required")
+    task = required_task(body.task, principal_of(request))
     trajectory, image, memory = body.trajectory, body.image, body.memory_mb
     files = decode_files(body.files or {}, "files", manager.config.limits)
     network = parse_network(body.network, "network")

@@ -12,10 +12,9 @@ from aiohttp import web
 from pydantic import Field, TypeAdapter
 
 from managers.cpu.exec_spec import Image
-from tangram.core.errors import BadRequest
 from tangram.core.names import Name
 from tangram.core.schema import Schema, parse_json
-from tangram.server.auth import own_task, principal_of
+from tangram.server.auth import principal_of, required_task
 from tangram.server.common import json_response, read_body
 from tangram.server.environments_api import environment_manager
 
@@ -38,9 +37,7 @@ PRE_PULL_REQUEST = TypeAdapter(PrePullRequest)
 async def pre_pull(request: web.Request) -> web.Response:
     manager = environment_manager(request)
     body = parse_json(PRE_PULL_REQUEST, await read_body(request))
-    task = own_task(body.task, principal_of(request))
-    if task is None:
-        raise BadRequest("task", "is required")
+    task = required_task(body.task, principal_of(request))
     images = list(dict.fromkeys(body.images))
     nodes = {name: "pulling" if node.backend.prefetch(images) else "not_pulling"
              for name, node in manager.environments.nodes.items() if node.lost is None}

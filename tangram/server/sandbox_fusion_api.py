@@ -33,7 +33,7 @@ DEFAULT_TASK = "sandbox-fusion"
 #: the error codes of an action that ran and broke a limit of its own: SandboxFusion's run status for each
 RUN_ENDS = {"timed_out": "TimeLimitExceeded", "out_of_memory": "Error"}
 #: the exec spec's fields as the request names them, for refusals
-REQUEST_FIELDS = {"spec.files.main.py": "code", "spec.files.test_main.py": "code", "spec.files.main.sh": "code",
+REQUEST_FIELDS = {**{f"spec.files.{name}": "code" for name, _ in LANGUAGES.values()},
                   "spec.files": "files", "spec.memory_mb": "memory_limit_MB", "spec.stdin": "stdin",
                   "spec.run_timeout_s": "run_timeout"}
 #: how much longer than its deadline a call waits for its action, which that deadline ends

@@ -17,12 +17,9 @@ from tangram.store.tables import Base
 def upgrade_schema(conn: Any) -> list[str]:
     """Add the columns and indexes this version's tables have and the database lacks (in the open transaction);
     the DDL statements it ran, for the log."""
-    inspector = inspect(conn)
-    existing = set(inspector.get_table_names())
+    inspector = inspect(conn)  # after create_all: every table exists
     missing_columns = []
     for table in Base.metadata.sorted_tables:
-        if table.name not in existing:
-            continue
         have = {column["name"] for column in inspector.get_columns(table.name)}
         missing_columns += [column for column in table.columns if column.name not in have]
     unaddable = [c for c in missing_columns if not c.nullable and c.server_default is None]
@@ -32,7 +29,7 @@ def upgrade_schema(conn: Any) -> list[str]:
                                        f"added to rows already there: migrate it by hand, or start on a new database")
     ran = [_add_column(conn, column) for column in missing_columns]
     for table in Base.metadata.sorted_tables:
-        have_indexes = {index["name"] for index in inspect(conn).get_indexes(table.name)}
+        have_indexes = {index["name"] for index in inspector.get_indexes(table.name)}
         for index in table.indexes:
             if index.name not in have_indexes:
                 conn.execute(CreateIndex(index))
