@@ -31,6 +31,7 @@ that could not be made) raise: a reward must never be silently zero because the 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import functools
 import os
 import re
@@ -146,21 +147,50 @@ def shared_client(url: str, task: str, retries: int, token: str | None) -> Async
     return clients.current()
 
 
+async def close_shared_clients() -> None:
+    """Close the running loop's shared reward sessions. verl's reward loop lives as long as its process, and
+    ``compute_score``'s closes itself at exit; a caller that runs ``compute_score_async`` on a loop of its own
+    calls this before that loop ends."""
+    with _CLIENTS_LOCK:
+        every = list(_CLIENTS.values())
+    await asyncio.gather(*(clients.close() for clients in every))
+
+
 class RewardLoop:
     """One event loop per process, on a daemon thread, for the blocking ``compute_score``: its rewards then share
-    that loop's broker session. A forked child makes its own (the thread does not survive a fork)."""
+    that loop's broker session. A forked child makes its own (the thread does not survive a fork). At interpreter
+    exit the loop closes its sessions and stops before modules are torn down: a session collected then, from the
+    main thread while the loop still runs, is a teardown the interpreter may not survive."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
         self._pid = 0
+        atexit.register(self.stop)
 
     def get(self) -> asyncio.AbstractEventLoop:
         with self._lock:
             if self._loop is None or self._pid != os.getpid():
                 self._loop, self._pid = asyncio.new_event_loop(), os.getpid()
-                threading.Thread(target=self._loop.run_forever, name="tangram-rewards", daemon=True).start()
+                self._thread = threading.Thread(target=self._loop.run_forever, name="tangram-rewards", daemon=True)
+                self._thread.start()
             return self._loop
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Close this process's reward sessions and end the loop (the next ``get`` starts a new one)."""
+        with self._lock:
+            loop, thread, mine = self._loop, self._thread, self._pid == os.getpid()
+            self._loop = self._thread = None
+        if loop is None or thread is None or not mine or not thread.is_alive():
+            return
+        try:
+            asyncio.run_coroutine_threadsafe(close_shared_clients(), loop).result(timeout_s)
+        finally:
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(timeout_s)
+            if not thread.is_alive():
+                loop.close()
 
 
 REWARD_LOOP = RewardLoop()

@@ -27,4 +27,26 @@ setup scripts/install-prometheus.sh
 export HF_HUB_OFFLINE=1  # the reward model comes from a Python package; nothing is downloaded
 python -m ruff check .
 python -m mypy
-python -m pytest -q --durations=30 "$@"  # the slowest tests in CI's log: the suite has a 30-min budget
+# Without arguments the suite runs as two pytest processes at once: the tests that need Docker, Ray, a browser or
+# PostgreSQL (tests/needs.py marks them from their code) one at a time, since they share the engines' cores, one
+# database and the machine's Ray; the rest beside them, its log printed when both are done. (pytest-xdist's
+# loadgroup would do this in one process, but it cannot group under pytest >= 9.2.) Arguments run one process with
+# them. A crash, even at interpreter exit, prints its Python stack (PYTHONFAULTHANDLER). The suite's budget is 30 min;
+# each lane lists its slowest tests.
+export PYTHONFAULTHANDLER=1
+if [ "$#" -gt 0 ]; then
+    exec python -m pytest -q --durations=30 "$@"
+fi
+NEEDS="docker or ray or browser or postgres"
+rest_log=$(mktemp)
+python -m pytest -q --durations=10 -m "not ($NEEDS)" > "$rest_log" 2>&1 &
+rest=$!
+shared_status=0
+python -m pytest -q --durations=30 -m "$NEEDS" || shared_status=$?
+rest_status=0
+wait "$rest" || rest_status=$?
+echo "--- the tests that need none of them ($NEEDS) ---"
+cat "$rest_log"
+rm -f "$rest_log"
+echo "test.sh: exit status $shared_status with $NEEDS, $rest_status without"
+[ "$shared_status" -eq 0 ] && [ "$rest_status" -eq 0 ]

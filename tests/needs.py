@@ -4,8 +4,8 @@ then leaves out exactly the tests that start one of them.
 
 A test needs what its function, the fixtures it uses and the helpers of ``tests`` they call refer to: Docker through
 the engines of ``tests/docker_nodes.py`` or the Docker SDK, Ray through the ``ray`` package or
-``tests/ray_clusters.py``, a browser through Selenium, PostgreSQL through the PostgreSQL fixtures (the store fixture's
-``postgres`` case is marked where it is parametrised).
+``tests/ray_clusters.py``, a browser through Selenium, PostgreSQL through the PostgreSQL fixtures or the names of
+``conftest`` that reach it (the store fixture's ``postgres`` case is marked where it is parametrised).
 """
 
 from __future__ import annotations
@@ -23,6 +23,9 @@ DOCKER_HELPERS = frozenset({("tests.docker_nodes", "docker_engines"), ("tests.do
                             ("tests.docker_nodes", "labelled_containers")})
 RAY_HELPERS_MODULE = "tests.ray_clusters"
 POSTGRES_FIXTURES = frozenset({"postgres_url"})
+#: the names of ``conftest`` a test that reaches PostgreSQL without those fixtures uses (``conftest``'s own
+#: fixtures use them too, and are judged by where they are parametrised)
+POSTGRES_NAMES = frozenset({"PG_URL_ENV", "reset_database", "empty_postgres"})
 #: the markers set here
 NEEDS = ("docker", "ray", "browser", "postgres")
 
@@ -65,6 +68,8 @@ def reached_needs(functions: Iterable[Callable[..., Any]]) -> set[str]:
         namespace = function.__globals__
         for code in _codes(function.__code__):
             for name in code.co_names:
+                if name in POSTGRES_NAMES and not function.__module__.endswith("conftest"):
+                    needs.add("postgres")
                 value = namespace.get(name)
                 if value is None:
                     continue
@@ -105,3 +110,4 @@ def mark(items: list[pytest.Item]) -> None:
             needs.add("postgres")
         for need in sorted(needs):
             item.add_marker(need)
+

@@ -34,7 +34,7 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-async def start_broker(config: Path, port: int, timeout_s: float = 10.0,
+async def start_broker(config: Path, port: int, timeout_s: float = 60.0,
                        log: Path | None = None) -> asyncio.subprocess.Process:
     """``tangram serve`` on ``port``, once its /healthz answers; its stderr into ``log`` (None: dropped)."""
     with log.open("wb") if log is not None else contextlib.nullcontext() as sink:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,7 @@ from verl.workers.rollout.replica import TokenOutput
 
 from clients import verl_reward
 from clients.errors import ForbiddenError, UnauthorizedError, UnprocessableError
-from clients.verl_reward import compute_score, compute_score_async
+from clients.verl_reward import close_shared_clients, compute_score, compute_score_async
 from clients.verl_tool import BrokerShellTool
 from tangram.server.auth import new_token, token_sha256
 from tests.docker_nodes import cpu_config, docker_engines
@@ -101,6 +102,14 @@ def rollout_config() -> DictConfigWrap:
 @pytest.fixture
 def db(tmp_path: Path) -> str:
     return str(tmp_path / "tangram.db")
+
+
+@pytest.fixture(autouse=True)
+async def shared_reward_clients_closed() -> AsyncIterator[None]:
+    """The rewards a test scores on its own loop close their shared sessions before that loop ends, as a caller
+    with a loop of its own must."""
+    yield
+    await close_shared_clients()
 
 
 def docker_node() -> dict[str, Any]:
@@ -240,12 +249,23 @@ async def test_the_rewards_of_a_process_share_one_session_and_send_the_token(db,
         assert [s["score"] for s in scores] == [1.0, pytest.approx(1 / 3), 1.0]
         shared = [clients for (url, *_), clients in verl_reward._CLIENTS.items() if url == live.url]
         assert len(shared) == 1 and len(shared[0]._clients) == 1, "one client on the process's reward loop"
+        (reward_loop, client), = shared[0]._clients.items()
+        session = client._session
+        assert session is not None and not session.closed
+        verl_reward.REWARD_LOOP.stop()  # what interpreter exit runs
+        assert session.closed and reward_loop.is_closed()
+        again = await asyncio.to_thread(compute_score, "unit-tests", CORRECT, TESTS, broker_url=live.url, task=TASK,
+                                        cores=1)
+        assert again["score"] == 1.0, "a reward after the stop runs on a new loop"
         monkeypatch.delenv("TANGRAM_TOKEN")
         with pytest.raises(UnauthorizedError):
             await compute_score_async("unit-tests", CORRECT, TESTS, broker_url=live.url, task=TASK, cores=1)
         right = await compute_score_async("unit-tests", CORRECT, TESTS, broker_url=live.url, task=TASK, cores=1,
                                           token=TOKEN)
         assert right["score"] == 1.0
+        on_this_loop = shared[0]._clients[asyncio.get_running_loop()]._session
+        await close_shared_clients()
+        assert on_this_loop is not None and on_this_loop.closed
 
 
 def test_bad_tool_config_names_the_key():
