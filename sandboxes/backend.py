@@ -168,6 +168,8 @@ class Sandbox(abc.ABC):
 
     #: the working directory commands run in unless they name another
     workdir: str = "/workspace"
+    #: a warm sandbox claimed for its environment rather than made for it (``sandboxes/warm_pool.py``)
+    claimed_warm: bool = False
 
     @functools.cached_property
     def _pins(self) -> CorePins:

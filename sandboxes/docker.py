@@ -56,8 +56,10 @@ from sandboxes.cgroup import CFS_PERIOD_US, ContainerCgroup, cpu_list
 from sandboxes.egress_policy import AddressRules, AllowList
 from sandboxes.egress_proxy import EgressProxy
 from sandboxes.exec_wire import ExecRequest, ExecResult
+from sandboxes.executor import PROTOCOL_VERSION
 from sandboxes.executor_answer import BadAnswer, frame_limit
 from sandboxes.executor_client import EXECUTOR_PATH, ExecutorUnavailable, OutputSink, call, encode_once, wait_ready
+from sandboxes.executor_python import BORROWED, OWN, ExecutorPython, interpreter_of, volume_mount
 from sandboxes.id_mapping import IdMapping
 from sandboxes.image_pull import ImagePuller, PullPolicy, pull_refused, with_tag
 from sandboxes.untrusted_paths import UntrustedPath, read_regular
@@ -188,7 +190,14 @@ class DockerSandbox(Sandbox):
         self.frozen = False
         self.destroyed = False
         self.old_executor = False  # adopted from an older broker: its executor cannot re-pin a command
+        #: its executor's protocol: this broker's for a sandbox it made, the ping's answer for one it adopted
+        self.protocol = PROTOCOL_VERSION
         self.proxy: EgressProxy | None = None  # its egress proxy, when its environment has network.mode "proxy"
+
+    @property
+    def interpreter(self) -> tuple[str, ...]:
+        """How its executor is started: the image's python3, or the borrowed one (``sandboxes/executor_python.py``)."""
+        return interpreter_of(self.container)
 
     def seal(self) -> None:
         """Once its executor listens: the socket's directory becomes another user's (root's, or nobody's for a
@@ -261,7 +270,15 @@ class DockerSandbox(Sandbox):
         answers once, so the output comes with the answer only."""
         return await self._run(request, on_output)
 
+    def _check_protocol(self, needed: int, what: str) -> None:
+        if self.protocol < needed:
+            raise SandboxError("executor_outdated", f"{what}: the executor in container {self.container.short_id} "
+                                                    f"came with an older broker (protocol {self.protocol}, needs "
+                                                    f"{needed}) and would ignore them; delete the environment and "
+                                                    f"make it again")
+
     async def _run(self, request: ExecRequest, on_output: OutputSink | None) -> ExecResult:
+        self._check_protocol(request.protocol(), "background, pytest_runner, stdin or user")
         wire = request.to_wire()
         try:
             if self.socket is not None:
@@ -296,6 +313,14 @@ class DockerSandbox(Sandbox):
     async def exchange(self, request: dict[str, Any]) -> dict[str, Any]:
         """A file op: through the executor's socket, or on the engine path its one-shot mode, whose request is one
         argv string (Linux caps one at 128 KiB, so larger writes need the fast path or a node agent)."""
+        self._check_protocol(2, "file operations")
+        return await self._exchange(request)
+
+    async def ping(self) -> dict[str, Any]:
+        """The executor's hello, with its protocol, by whichever path reaches it."""
+        return await self._exchange({"op": "ping"})
+
+    async def _exchange(self, request: dict[str, Any]) -> dict[str, Any]:
         try:
             if self.socket is not None:
                 return await call(self.socket, request)
@@ -319,7 +344,7 @@ class DockerSandbox(Sandbox):
                                                     f"its stdin) does not fit one argument of `docker exec`, which "
                                                     f"a remote engine's sandbox is reached by ({ENGINE_REQUEST_CHARS}"
                                                     f"); send less stdin, or write it to a file first")
-        command = ["python3", EXECUTOR_IN_CONTAINER, "once", encoded, "--oom-counter", "auto", "--reap"]
+        command = [*self.interpreter, EXECUTOR_IN_CONTAINER, "once", encoded, "--oom-counter", "auto", "--reap"]
         api = self.container.client.api
         limit = frame_limit(request)
         stdout, stderr = bytearray(), bytearray()
@@ -384,13 +409,15 @@ class DockerSandbox(Sandbox):
             raise SandboxError("fork_unsupported", "a read-only-root sandbox keeps its work dir in a volume, which "
                                                    "a fork cannot copy; fork needs [cpu] read_only_root = false")
         try:
-            return str(self.container.commit(changes=SNAPSHOT_CHANGES, pause=False).id)
+            snapshot = str(self.container.commit(changes=SNAPSHOT_CHANGES, pause=False).id)
         except docker.errors.NotFound:
             raise SandboxError("environment_lost", f"container {self.container.short_id} is gone",
                                lost=True) from None
         except docker.errors.APIError as error:
             raise SandboxError("fork_failed", f"engine {self.backend.engine} could not snapshot container "
                                               f"{self.container.short_id}: {error.explanation or error}") from None
+        self.backend.python.knows(snapshot, self.interpreter == OWN)  # the forks need not ask the engine again
+        return snapshot
 
 
 class DockerBackend(SandboxBackend):
@@ -399,12 +426,13 @@ class DockerBackend(SandboxBackend):
     def __init__(self, engine: str, *, run_dir: Path, cores: tuple[int, ...], fast_path: bool,
                  tls: TLSConfig | None = None, warm: Sequence[tuple[SandboxSpec, int]] = (),
                  creates_per_s: float = 10.0, pull: PullPolicy | None = None, runtime: str | None = None,
-                 egress: AddressRules | None = None) -> None:
+                 egress: AddressRules | None = None, python_from: str | None = None) -> None:
         """On the fast path, for each (template, size) in ``warm``, that many sandboxes like the template wait
         started and frozen for new trajectories (``sandboxes/warm_pool.py``); every create waits its turn under
         ``creates_per_s``. ``pull``: how to pull an image the engine lacks (None: never; its sandboxes fail
         ``image_not_found``). ``runtime``: the engine's OCI runtime for the sandboxes (e.g. gVisor's ``runsc``;
-        None: the engine's default)."""
+        None: the engine's default). ``python_from``: the image whose python3 the executor borrows in images without
+        one (None: those are refused, ``image_without_python3``)."""
         self.engine = engine
         self.run_dir = run_dir
         self.cores = cores
@@ -425,6 +453,7 @@ class DockerBackend(SandboxBackend):
         self.disk_capped: bool | None = None
         #: the host ids of the sandboxes' ids (``start`` asks the engine)
         self.ids = IdMapping()
+        self.python = ExecutorPython(python_from, self.off_loop)
 
     async def off_loop(self, call: Any, *args: Any) -> Any:
         """``call(*args)`` on a worker thread; an engine that stopped answering (restarting, gone) becomes the
@@ -535,6 +564,7 @@ class DockerBackend(SandboxBackend):
         if warm is not None:
             try:
                 await self.off_loop(self._hand_over, warm, spec)
+                warm.claimed_warm = True
                 return warm
             except (docker.errors.APIError, OSError) as error:
                 log.warning("warm sandbox %s could not be handed over (%s): creating one", warm.container.short_id,
@@ -555,9 +585,11 @@ class DockerBackend(SandboxBackend):
     async def _create(self, spec: SandboxSpec) -> DockerSandbox:
         proxy = None
         try:
+            assert self.client is not None
+            python_volume = await self.python.volume_for(self.client, spec.image)
             if spec.egress is not None:
                 proxy = await self._start_proxy(spec.env_id, spec.egress)
-            sandbox = await self.off_loop(self._start_container, spec)
+            sandbox = await self.off_loop(self._start_container, spec, python_volume)
         except BaseException:
             if proxy is not None:
                 await proxy.close()
@@ -598,7 +630,8 @@ class DockerBackend(SandboxBackend):
             raise SandboxError("sandbox_create_failed", f"the egress proxy did not start: {error}") from None
         return proxy
 
-    def _start_container(self, spec: SandboxSpec) -> DockerSandbox:
+    def _start_container(self, spec: SandboxSpec, python_volume: str | None) -> DockerSandbox:
+        """``python_volume``: the volume of the executor's borrowed python3, for an image without one."""
         assert self.client is not None
         if spec.read_only_root and spec.owner != (0, 0) and not self.engine.startswith("unix://"):
             raise SandboxError("sandbox_create_failed", f"a read-only root with sandbox user {spec.user} needs the "
@@ -607,7 +640,8 @@ class DockerBackend(SandboxBackend):
         host_dir = self.run_dir / spec.env_id if self.fast_path else None
         # On the engine path nobody connects to the socket, but the serving executor keeps the container alive.
         socket_dir = SOCKET_DIR_IN_CONTAINER if host_dir is not None else "/tmp"
-        command = ["python3", EXECUTOR_IN_CONTAINER, "serve", "--socket", f"{socket_dir}/exec.sock",
+        interpreter = OWN if python_volume is None else BORROWED
+        command = [*interpreter, EXECUTOR_IN_CONTAINER, "serve", "--socket", f"{socket_dir}/exec.sock",
                    "--oom-counter", "auto", "--reap"]
         uid, gid = spec.owner
         environment = {"PYTHONUNBUFFERED": "1", "TANGRAM_ENVIRONMENT": spec.env_id}
@@ -629,10 +663,13 @@ class DockerBackend(SandboxBackend):
                 options["volumes"][str(host_dir / EGRESS_SUBDIR)] = {"bind": EGRESS_DIR_IN_CONTAINER, "mode": "ro"}
                 command += ["--egress", f"{EGRESS_PORT}:{EGRESS_DIR_IN_CONTAINER}/{EGRESS_SOCKET}"]
                 environment.update(EGRESS_ENVIRONMENT)
+        mounts = [] if python_volume is None else [volume_mount(python_volume)]
         if spec.read_only_root:
             # The engine extracts archives into a read-only-root container only inside its volumes.
-            options.update(read_only=True, tmpfs=READ_ONLY_ROOT_TMPFS,
-                           mounts=[Mount(WORKDIR, None), Mount(EXECUTOR_DIR, None)])
+            options.update(read_only=True, tmpfs=READ_ONLY_ROOT_TMPFS)
+            mounts += [Mount(WORKDIR, None), Mount(EXECUTOR_DIR, None)]
+        if mounts:
+            options["mounts"] = mounts
         if spec.disk_mb and self.disk_capped is not False:
             options["storage_opt"] = {"size": f"{spec.disk_mb}M"}
         if self.runtime is not None:
@@ -879,12 +916,15 @@ class DockerBackend(SandboxBackend):
         if sandbox.cgroup is not None:
             sandbox.cgroup.set_frozen(False)
             assert sandbox.socket is not None
-            await wait_ready(sandbox.socket, ADOPT_TIMEOUT_S)
+            hello = await wait_ready(sandbox.socket, ADOPT_TIMEOUT_S)
             await self.off_loop(sandbox.seal)
         else:
             if sandbox.container.status == "paused":
                 await self.off_loop(sandbox.container.unpause)
             await self.off_loop(self._check_running, sandbox.container)
+            hello = await sandbox.ping()
+        protocol = hello.get("protocol")
+        sandbox.protocol = protocol if isinstance(protocol, int) and not isinstance(protocol, bool) else 1
         await sandbox.set_cores(frozenset())
 
     async def reap(self, broker_id: str) -> int:

@@ -52,6 +52,12 @@ class ExecRequest:
     #: who the command runs as: a uid, "UID:GID" or a user name in the sandbox; None: the executor's user
     user: int | str | None = None
 
+    def protocol(self) -> int:
+        """The executor protocol the request needs (``PROTOCOL_VERSION`` in ``executor.py``): an executor of an
+        older one would ignore these fields, and run the command otherwise than asked."""
+        newer = self.background or self.pytest_runner or self.stdin is not None or self.user is not None
+        return 2 if newer else 1
+
     def to_wire(self) -> dict[str, Any]:
         """The executor's JSON request; fields at the executor's defaults are left out."""
         wire: dict[str, Any] = {"op": "run", "command": self.command if isinstance(self.command, str)

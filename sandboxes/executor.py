@@ -64,7 +64,9 @@ try:  # run as a script, beside this file (in a sandbox)
 except ImportError:  # imported as sandboxes.executor (the broker, tests)
     from sandboxes import egress_relay, executor_files
 
-PROTOCOL_VERSION = 1
+#: what a ping answers, so that a broker knows what an executor it did not ship (an adopted sandbox's) understands.
+#: 1: run, cpus, ping. 2: run's background, pytest_runner, stdin and user; the write and read ops; streamed output.
+PROTOCOL_VERSION = 2
 # a write's files arrive base64-encoded in one request: 16 MiB of files ([cpu.limits] max_files_bytes) and their JSON
 MAX_REQUEST_BYTES = 24 * 1024 * 1024
 DEFAULT_OUTPUT_LIMIT = 1024 * 1024

@@ -25,6 +25,7 @@ from tangram.core.seam import Allocation, CyclePlugins, Lessor, ResourceManager
 from tangram.execution import Executions
 from tangram.idempotency import IdempotencyIndex
 from tangram.leases import Leases
+from tangram.log_context import bound_action
 from tangram.metrics import Metrics
 from tangram.recovery import triage
 from tangram.sched.cycle import Cycle
@@ -302,6 +303,9 @@ class Broker:
         self.store.save(action)
         self.metrics.record_finish(action)
         self.memory.ended(action, action.finished_at)
+        if log.isEnabledFor(logging.DEBUG):  # off the hot path unless asked for
+            with bound_action(action):  # one line per action, carrying its fields in JSON logs
+                log.debug("action %s ended %s", action.id, state.value)
         event = self._waiters.pop(action.id, None)
         if event is not None:
             event.set()

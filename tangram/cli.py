@@ -1,5 +1,6 @@
 """``tangram`` command line: ``serve`` runs the broker, ``status`` shows a running one, ``token`` manages API tokens,
-``image build`` makes the sandbox image, ``simulate`` and ``trace`` run the simulator."""
+``image build`` makes the sandbox image, ``doctor`` and ``config check`` check a deployment before it serves,
+``simulate`` and ``trace`` run the simulator."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import argparse
 import asyncio
 import dataclasses
 import json
-import logging
 import os
 import signal
 import sys
@@ -24,6 +24,7 @@ from rich.text import Text
 
 from tangram.config import load_config, with_ray
 from tangram.core.errors import ConfigError
+from tangram.log_format import LOG_FORMAT_ENV, LOG_FORMATS, configure_logging
 from tangram.sim.commands import add_commands as add_simulation_commands
 from tangram.sim.deployment import Deployment
 from tangram.version import VERSION
@@ -33,13 +34,15 @@ def _serve(args: argparse.Namespace) -> int:
     from sandboxes.backend import SandboxError
     from tangram.service import run
 
+    if args.log_format not in LOG_FORMATS:  # from the environment: argparse checks only the flag's value
+        raise ConfigError(LOG_FORMAT_ENV, f"must be one of {list(LOG_FORMATS)}, not {args.log_format!r}")
     config = load_config(args.config)
     overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
     if overrides:
         config = dataclasses.replace(config, server=dataclasses.replace(config.server, **overrides))
     if args.ray is not None:
         config = with_ray(config, dataclasses.replace(config.cpu.ray, address=args.ray))
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_format)
     try:
         run(config, insecure=args.insecure)
     except KeyboardInterrupt:
@@ -54,6 +57,29 @@ def _deployment(path: str) -> Deployment:
     """What a broker's config file deploys, for the simulator; the whole file is checked as ``serve`` checks it."""
     config = load_config(path)
     return Deployment(config.scheduler, config.cpu, config.gpu, config.basic)
+
+
+def _config_check(args: argparse.Namespace) -> int:
+    """The file parsed as ``serve`` parses it; a bad key raises ``ConfigError``, which ``main`` reports (exit 2)."""
+    from tangram.doctor import config_summary
+
+    config = load_config(args.config)
+    print("ok")
+    for line in config_summary(config):
+        print(line)
+    return 0
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from tangram.doctor import run_checks
+
+    results = run_checks(args.config)
+    if args.json:
+        print(json.dumps([result.to_json() for result in results], indent=2))
+    else:
+        for result in results:
+            print(result.line())
+    return 1 if any(result.status == "FAIL" for result in results) else 0
 
 
 def _fetch(url: str, token: str | None = None) -> Any:
@@ -328,7 +354,21 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--insecure", action="store_true", help="listen on a non-loopback --host even though the "
                        "config says [auth] required = false (refused otherwise; without that line the first start "
                        "there makes an admin token and prints it once)")
+    serve.add_argument("--log-format", choices=LOG_FORMATS, default=os.environ.get(LOG_FORMAT_ENV, "text"),
+                       help="text lines, or one JSON object per line with the action's ids (default "
+                            f"${LOG_FORMAT_ENV} or text)")
     serve.set_defaults(func=_serve)
+    doctor = commands.add_parser("doctor", help="check the config, store, Docker engines and images, Ray and GPUs "
+                                 "a broker would use; one PASS/FAIL/SKIP line each, exit 1 on any FAIL")
+    doctor.add_argument("--config", help="TOML config file (default $TANGRAM_CONFIG or the defaults)")
+    doctor.add_argument("--json", action="store_true", help="the results as a JSON list")
+    doctor.set_defaults(func=_doctor)
+    config = commands.add_parser("config", help="the config file")
+    config_commands = config.add_subparsers(dest="config_command", required=True)
+    check = config_commands.add_parser("check", help="parse the file as serve does: ok and a summary, or the bad "
+                                       "key and why (exit 2)")
+    check.add_argument("--config", help="TOML config file (default $TANGRAM_CONFIG or the defaults)")
+    check.set_defaults(func=_config_check)
     status = commands.add_parser("status", help="show resources, queues and recent ACT of a running broker")
     status.add_argument("--url", default="http://127.0.0.1:8300")
     status.add_argument("--watch", type=float, metavar="SECONDS", help="refresh every SECONDS until Ctrl-C")

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 from tangram.core.action import Action, State
 from tangram.core.errors import ActionFailed
 from tangram.core.seam import Allocation, Resizing, ResourceManager
+from tangram.log_context import bound_action
 from tangram.sched import dispatch
 from tangram.sched.cycle import Cycle
 from tangram.sched.scheduler import Resize
@@ -79,7 +80,8 @@ class Executions:
         """Execute ``action`` on ``allocation`` (its executor's) in a task of its own."""
         running = Running(action, allocations, allocation, after)
         self.running[action.id] = running
-        running.task = asyncio.create_task(self._execute(running), name=f"tangram-{action.id}")
+        with bound_action(action):  # the task copies the context: its log lines name the action
+            running.task = asyncio.create_task(self._execute(running), name=f"tangram-{action.id}")
 
     def shrink(self, decision: Resize, now: float) -> None:
         self._shrinking.add(self.resize(decision, now))
@@ -92,8 +94,9 @@ class Executions:
         self.resized()
         resizing = self.cycle.owner[decision.resource].resizing(decision.resource)
         assert resizing is not None  # the cycle resized it in the books
-        task = asyncio.create_task(self._apply_resize(running, resizing, allocation),
-                                   name=f"tangram-resize-{decision.action.id}")
+        with bound_action(decision.action):
+            task = asyncio.create_task(self._apply_resize(running, resizing, allocation),
+                                       name=f"tangram-resize-{decision.action.id}")
         self._resizing.add(task)
         task.add_done_callback(self._resizing.discard)
         task.add_done_callback(self._shrinking.discard)

@@ -18,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from tangram.core.action import Action
+from tangram.core.fencing import current
 from tangram.version import VERSION
 
 SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
@@ -93,6 +94,13 @@ class SloCollector(Collector):
         yield from (windows, slo, predicted, reserved, attainment, observed)
 
 
+def leader_gauge(registry: CollectorRegistry, leading: Callable[[], bool]) -> None:
+    """``tangram_leader`` in ``registry``, read from ``leading()`` at each scrape: a leading broker's, or a standby's
+    (``tangram/server/standby.py``), so one query finds the leader among the brokers of a store."""
+    Gauge("tangram_leader", "1 while this broker leads (a broker without leader election always does), 0 while it "
+          "stands by or once it was deposed", registry=registry).set_function(lambda: float(leading()))
+
+
 class Metrics:
     """One registry per broker, so several brokers (tests) never share counters."""
 
@@ -118,6 +126,7 @@ class Metrics:
                                registry=self.registry)
         Gauge("tangram_build_info", "The broker's version (always 1)", ["version"],
               registry=self.registry).labels(VERSION).set(1)
+        leader_gauge(self.registry, lambda: current().deposed_by is None)
         ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, process_resident_memory_bytes, ...
         for collector in (PLATFORM_COLLECTOR, GC_COLLECTOR):  # python_info, python_gc_*: read at scrape time
             self.registry.register(collector)

@@ -3,17 +3,18 @@ listens on (the broker's, in a test), so a server the test process ran would nev
 only.
 
 ``python -m tests.egress_servers http NAME`` answers every GET with ``hello from NAME``; ``... echo`` sends back
-what it reads. Each prints its port on its first line, then serves until killed.
+what it reads; ``... files DIR`` serves the files under DIR (a package index, for pip). Each prints its port on its first line, then serves until killed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import socketserver
 import subprocess
 import sys
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler, SimpleHTTPRequestHandler, ThreadingHTTPServer
 
 
 def serve_http(name: str) -> None:
@@ -41,6 +42,13 @@ def serve_echo() -> None:
         server.serve_forever()
 
 
+def serve_files(directory: str) -> None:
+    with ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(SimpleHTTPRequestHandler, directory=directory)) \
+            as server:
+        print(server.server_address[1], flush=True)
+        server.serve_forever()
+
+
 @contextlib.contextmanager
 def server(*args: str) -> Iterator[int]:
     """A server of this module in a subprocess, for the test's duration: its port."""
@@ -57,5 +65,7 @@ def server(*args: str) -> Iterator[int]:
 if __name__ == "__main__":
     if sys.argv[1] == "http":
         serve_http(sys.argv[2])
+    elif sys.argv[1] == "files":
+        serve_files(sys.argv[2])
     else:
         serve_echo()

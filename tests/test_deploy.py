@@ -39,8 +39,8 @@ from sandboxes.image import DEFAULT_IMAGE as SANDBOX_IMAGE
 from tangram.config import ADMIN_TOKEN_ENV, CONFIG_ENV, STORE_URL_ENV, Config, ServerConfig, load_config, parse_config
 from tangram.core.errors import ConfigError
 from tangram.server.auth import new_token, token_sha256
-from tests.docker_nodes import docker_engines, labelled_containers
-from tests.harness import Live, live_broker
+from tests.docker_nodes import docker_engines, labelled_containers, local_cpu
+from tests.harness import Live, live_broker, live_upstream
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the reward model comes from a Python package
 
@@ -586,9 +586,24 @@ GPU_BROKER: dict[str, Any] = {"cpu": {"enabled": False}, "basic": {"lease.local"
                       "services": {"judge-a": judge(100), "judge-b": judge(100)}}}
 
 
+def dashboard_broker(run_dir: str, upstream_url: str) -> dict[str, Any]:
+    """``GPU_BROKER`` with a CPU node on local processes and an upstream API, so the sandbox and upstream metrics
+    have samples too."""
+    api = {"concurrency": 1, "upstream": {"base_url": upstream_url}}
+    return {**GPU_BROKER, "cpu": local_cpu(run_dir), "basic": {**GPU_BROKER["basic"], "api.local": api}}
+
+
 async def exercise(live: Live) -> None:
-    """Two reward actions (a restore, then an eviction), leases filling lease.local, and one more lease left
-    waiting, so every charted metric has samples (a resource's queue length has one only while something waits)."""
+    """Two reward actions (a restore, then an eviction), a command in a new sandbox, an upstream call, leases
+    filling lease.local, and one more lease left waiting, so every charted metric has samples (a resource's queue
+    length has one only while something waits)."""
+    command = {"task": "deploy-test", "trajectory": "t", "kind": "exec", "demand": {"cpu": 1},
+               "spec": {"command": "true"}}
+    call = {"task": "deploy-test", "kind": "api", "demand": {"api.local": 1},
+            "spec": {"method": "POST", "path": "/q", "body": {"n": 1}}}
+    for body in (command, call):
+        status, record = await live.call("POST", "/v1/actions?wait=true", json=body)
+        assert status == 200 and record["state"] == "succeeded", record
     for service in ("judge-a", "judge-b"):
         body = {"task": "deploy-test", "kind": "reward", "demand": {"gpu": 1},
                 "spec": {"service": service, "input": {"pairs": [["a cat", "a small cat"]]}}}
@@ -610,12 +625,13 @@ async def prometheus_answers(http: aiohttp.ClientSession, url: str, query: str) 
 
 
 @pytest.mark.slow  # seconds: left out of the fast lane
-async def test_dashboard_queries_return_data_from_a_live_broker(tmp_path: Path) -> None:
+async def test_dashboard_queries_return_data_from_a_live_broker(tmp_path: Path, run_dir: str) -> None:
     """Every metric the dashboard names is in a live broker's /metrics (with the GPU manager on CPU virtual GPUs, so
     the GPU metrics exist), and a real Prometheus scraping that broker with the shipped scrape job evaluates every
     dashboard query to a non-empty result."""
     binary = prometheus_binary()
-    async with live_broker(GPU_BROKER, str(tmp_path / "tangram.db")) as live:
+    async with live_upstream() as upstream, \
+            live_broker(dashboard_broker(run_dir, upstream.url), str(tmp_path / "tangram.db")) as live:
         await exercise(live)
         status, exposition = await live.call("GET", "/metrics")
         assert status == 200

@@ -1,14 +1,21 @@
 """Egress by policy on the real Docker engine: a sandbox keeps ``network_mode: none`` and reaches the hosts of its
 environment's allow-list, and nothing else, through the proxy the broker runs for it. Every destination is a server
-of ours on 127.0.0.1 of this machine, in a process of its own (``tests/egress_servers.py``).
-
-``pip install`` through the proxy is not tested: the sandbox image has no pip (``python3 -m pip`` fails there)."""
+of ours on 127.0.0.1 of this machine, in a process of its own (``tests/egress_servers.py``); ``pip install`` runs
+against a package index of ours the same way (the sandbox image has no pip: this process's own is written into the
+sandbox first, through the files API)."""
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import io
 import json
+import tarfile
+import zipfile
+from pathlib import Path
 from typing import Any
 
+import pip
 import pytest
 
 from tests.docker_nodes import cpu_config, docker_engines
@@ -132,3 +139,69 @@ async def test_a_restarted_broker_runs_an_adopted_sandboxs_proxy_again(tmp_path)
             assert out.startswith("refused 403"), out
             _, envs = await live.call("GET", "/v1/environments")
             assert [env["network"] for env in envs["environments"]] == [network]
+
+
+def tiny_wheel(directory: Path) -> str:
+    """A pure-Python wheel of ``tinypkg`` 1.0 (``ANSWER = 42``) in ``directory``: its file name."""
+    files = {"tinypkg/__init__.py": b"ANSWER = 42\n",
+             "tinypkg-1.0.dist-info/METADATA": b"Metadata-Version: 2.1\nName: tinypkg\nVersion: 1.0\n",
+             "tinypkg-1.0.dist-info/WHEEL": b"Wheel-Version: 1.0\nGenerator: tests\nRoot-Is-Purelib: true\n"
+                                            b"Tag: py3-none-any\n"}
+    digest = {name: base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+              for name, data in files.items()}
+    record = "".join(f"{name},sha256={digest[name]},{len(data)}\n" for name, data in files.items())
+    files["tinypkg-1.0.dist-info/RECORD"] = (record + "tinypkg-1.0.dist-info/RECORD,,\n").encode()
+    name = "tinypkg-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(directory / name, "w") as wheel:
+        for path, data in files.items():
+            wheel.writestr(path, data)
+    return name
+
+
+def package_index(root: Path) -> Path:
+    """A PEP 503 simple index of one project, ``tinypkg``, under ``root``."""
+    (root / "simple" / "tinypkg").mkdir(parents=True)
+    (root / "packages").mkdir()
+    wheel = tiny_wheel(root / "packages")
+    sha = hashlib.sha256((root / "packages" / wheel).read_bytes()).hexdigest()
+    (root / "simple" / "tinypkg" / "index.html").write_text(
+        f'<html><body><a href="../../packages/{wheel}#sha256={sha}">{wheel}</a></body></html>\n')
+    return root
+
+
+def pip_tar() -> bytes:
+    """This process's pip package, without its byte code, as a tar of ``pip-src/pip/...``."""
+    source = Path(pip.__file__).parent
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        for path in sorted(source.rglob("*")):
+            if path.is_file() and path.suffix != ".pyc":
+                tar.add(path, arcname=f"pip-src/pip/{path.relative_to(source)}")
+    return buffer.getvalue()
+
+
+async def test_pip_installs_from_an_allowed_index_through_the_proxy_only(tmp_path) -> None:
+    index = package_index(tmp_path / "index")
+    with server("files", str(index)) as allowed, server("files", str(index)) as other:
+        async with live_broker(config(), str(tmp_path / "t.db")) as live:
+            status, env = await live.call("POST", "/v1/environments", json={
+                "task": "t", "trajectory": "pip", "network": {"mode": "proxy", "allow": [f"127.0.0.1:{allowed}"]}})
+            assert status == 201, env
+            status, body = await live.call("PUT", f"/v1/environments/{env['id']}/files", data=pip_tar(),
+                                           headers={"content-type": "application/x-tar"})
+            assert status == 200, body
+
+            async def pip_install(port: int) -> dict[str, Any]:
+                command = (f"PYTHONPATH=pip-src python3 -m pip install --disable-pip-version-check --no-cache-dir "
+                           f"--retries 0 --timeout 10 --index-url http://127.0.0.1:{port}/simple/ --target site "
+                           f"tinypkg && PYTHONPATH=site python3 -c 'import tinypkg; print(tinypkg.ANSWER)'")
+                _, record = await live.call("POST", "/v1/actions?wait=true", json={
+                    "task": "t", "kind": "exec", "demand": {"cpu": 1}, "trajectory": "pip", "timeout_s": 120,
+                    "spec": {"command": command, "env": THROUGH_PROXY}})
+                assert record["state"] == "succeeded", record
+                return dict(record["result"])
+
+            installed = await pip_install(allowed)
+            assert installed["exit_code"] == 0 and installed["stdout"].splitlines()[-1] == "42", installed
+            refused = await pip_install(other)  # the same index, on a port the allow-list does not name
+            assert refused["exit_code"] != 0 and "No matching distribution" in refused["stderr"], refused

@@ -8,13 +8,24 @@ import base64
 import hashlib
 import os
 import tempfile
+import uuid
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import docker
 import pytest
 
 from clients.client import AsyncTangramClient
-from tests.docker_nodes import docker_engines, local_cpu
+from managers.cpu.exec_spec import ExecLimits
+from managers.remote.broker.agent_backend import AgentBackend
+from managers.remote.node.node_agent import NodeAgent
+from managers.remote.replies import Reply
+from sandboxes.backend import NodeHardware, SandboxBackend, SandboxError, SandboxSpec
+from sandboxes.docker import DockerBackend
+from sandboxes.exec_wire import ExecRequest
+from sandboxes.image import DEFAULT_IMAGE
+from tests.docker_nodes import docker_engines, local_cpu, new_broker_id
 from tests.harness import Live, live_broker
 from tests.test_cpu_docker import exec_action, one_node, run
 
@@ -123,3 +134,53 @@ async def test_local_sandboxes_refuse_a_fork_and_keep_nothing(db):
             assert status == 422 and body["error"]["code"] == "fork_unsupported", body
             status, listed = await live.call("GET", "/v1/environments")
             assert [e["id"] for e in listed["environments"]] == [source["id"]]
+
+
+async def test_a_fork_through_a_node_agent_is_made_on_its_node_and_its_image_dropped_there():
+    """The agent path without Ray: the broker's ``AgentSandbox`` and ``AgentBackend`` call a ``NodeAgent`` over a
+    Docker backend, which snapshots on its node, makes the fork there from the snapshot, and removes only snapshots it
+    made."""
+    engine = docker_engines()[0]
+    before = fork_images(engine)
+    backend = DockerBackend(engine, run_dir=Path("/run/tangram/test-sandboxes"), cores=(0,), fast_path=True)
+    await backend.start()
+
+    async def opened() -> SandboxBackend:
+        return backend
+
+    agent = NodeAgent(opened, ExecLimits(), NodeHardware(cores=(0,), memory_mb=1024, numa=((0,),)))
+
+    async def call(method: str, *args: Any) -> Reply:
+        reply: Reply = await getattr(agent, method)(*args)
+        return reply
+
+    async def released() -> None:
+        return None
+
+    remote = AgentBackend(call, "n1", released)
+    source_spec = SandboxSpec(env_id=f"src-{uuid.uuid4().hex[:8]}", task="t", trajectory="s", image=DEFAULT_IMAGE,
+                              memory_mb=128, pids_limit=64, broker_id=new_broker_id())
+    source = await remote.create(source_spec)
+    fork = None
+    try:
+        await source.set_cores(frozenset({0}))
+        await source.run(ExecRequest("echo prepared > state.txt", timeout_s=30))
+        await source.set_cores(frozenset())
+        snapshot = await source.snapshot()
+        assert snapshot in fork_images(engine) - before
+        fork = await remote.create(replace(source_spec, env_id=f"fork-{uuid.uuid4().hex[:8]}", trajectory="f",
+                                           image=snapshot))
+        await fork.set_cores(frozenset({0}))
+        assert (await fork.run(ExecRequest("cat state.txt", timeout_s=30))).stdout == "prepared\n"
+        with pytest.raises(SandboxError) as refused:
+            await remote.drop_snapshot(DEFAULT_IMAGE)  # not a snapshot: never removed through the agent
+        assert refused.value.code == "bad_request"
+        await fork.destroy()
+        fork = None
+        await remote.drop_snapshot(snapshot)
+        assert fork_images(engine) == before
+    finally:
+        for sandbox in (fork, source):
+            if sandbox is not None:
+                await sandbox.destroy()
+        await backend.close()

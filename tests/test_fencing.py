@@ -29,6 +29,7 @@ from sqlalchemy.engine import make_url
 
 from clients.client import AsyncTangramClient
 from managers.basic.upstream import Upstream, UpstreamConfig
+from managers.basic.upstream_metrics import UpstreamMetrics
 from managers.remote.broker.ray_agents import open_agent_backend
 from managers.remote.broker.ray_cluster import gpu_node_resource, node_resource
 from managers.remote.broker.ray_service_agents import RayServiceLink
@@ -179,7 +180,7 @@ async def test_the_lost_lock_and_the_stores_refusal_depose_the_leader_beyond_its
 async def test_a_deposed_broker_sends_no_upstream_call() -> None:
     """An upstream cannot check an epoch: the broker checks itself before each attempt."""
     async with live_upstream() as upstream, aiohttp.ClientSession() as session:
-        proxy = Upstream(UpstreamConfig(base_url=upstream.url, max_retries=0))
+        proxy = Upstream(UpstreamConfig(base_url=upstream.url, max_retries=0), "api.x", UpstreamMetrics())
 
         async def no_retry() -> None:
             raise AssertionError("no retry expected")

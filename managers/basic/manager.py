@@ -27,6 +27,7 @@ from pydantic import Field, TypeAdapter
 
 from managers.basic.quota import QuotaWindow
 from managers.basic.upstream import ApiSpec, Upstream, UpstreamConfig, validate_spec
+from managers.basic.upstream_metrics import UpstreamMetrics
 from tangram.core.action import Action, Kind
 from tangram.core.config_tables import TABLE, Count, PositiveSeconds, table
 from tangram.core.errors import ConfigError, Unprocessable
@@ -67,10 +68,10 @@ class _Resource:
 
     __slots__ = ("config", "held", "leases", "upstream", "window")
 
-    def __init__(self, config: BasicResourceConfig, clock: Callable[[], float]) -> None:
+    def __init__(self, config: BasicResourceConfig, clock: Callable[[], float], metrics: UpstreamMetrics) -> None:
         self.config = config
         self.window = None if config.quota is None else QuotaWindow(config.quota, config.period_s, clock)
-        self.upstream = None if config.upstream is None else Upstream(config.upstream)
+        self.upstream = None if config.upstream is None else Upstream(config.upstream, config.name, metrics)
         self.held = 0
         self.leases = 0
 
@@ -145,11 +146,12 @@ class BasicManager(ResourceManager[None]):
     def __init__(self, resources: list[BasicResourceConfig], clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._res: dict[str, _Resource] = {}
+        self._upstream_metrics = UpstreamMetrics()
         for config in resources:
             config = checked(config)
             if config.name in self._res:
                 raise ConfigError(f"basic.{config.name}", "resource defined twice")
-            self._res[config.name] = _Resource(config, clock)
+            self._res[config.name] = _Resource(config, clock, self._upstream_metrics)
         # a resource has a concurrency, a quota or both (checked above): its capacity is the first it has
         self._capacity: dict[str, int] = {name: r.config.concurrency or r.config.quota or 0
                                           for name, r in self._res.items()}
@@ -310,7 +312,7 @@ class BasicManager(ResourceManager[None]):
         return [action_id for action_id, expiry in self._leases.items() if expiry <= now]
 
     def plugins(self) -> CyclePlugins:
-        return CyclePlugins(next_change_in=self.next_change_in)
+        return CyclePlugins(next_change_in=self.next_change_in, metrics=self._upstream_metrics.register)
 
     def next_change_in(self) -> float | None:
         """Seconds until the earliest lease expiry, or until a demand refused for quota in the last pass fits."""

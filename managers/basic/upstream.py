@@ -20,6 +20,7 @@ import aiohttp
 from pydantic import AfterValidator, Discriminator, Field, Strict, Tag, TypeAdapter
 from yarl import URL
 
+from managers.basic.upstream_metrics import NO_ANSWER, UpstreamMetrics
 from tangram.core.config_tables import TABLE, Count, NonNegative, PositiveSeconds, Seconds
 from tangram.core.errors import ActionFailed, Unprocessable
 from tangram.core.fencing import current
@@ -114,8 +115,12 @@ def validate_spec(spec: Mapping[str, Any]) -> None:
 class Upstream:
     """Sends validated specs to one upstream over a session the manager owns."""
 
-    def __init__(self, config: UpstreamConfig) -> None:
+    def __init__(self, config: UpstreamConfig, api: str, metrics: UpstreamMetrics) -> None:
+        """``api``: the resource it serves, as the metrics name it."""
         self.config = config
+        self._retries = metrics.retries.labels(api)
+        self._responses = metrics.responses
+        self._api = api
         self._base = URL(config.base_url)
         self._prefix = self._base.path.rstrip("/")
         self._timeout = aiohttp.ClientTimeout(total=config.timeout_s)
@@ -144,12 +149,14 @@ class Upstream:
             if attempt:
                 await asyncio.sleep(delay)
                 await before_retry()
+                self._retries.inc()
             current().check()  # right before the side effect: a deposed leader's action fails with "deposed"
             attempts += 1
             try:
                 # Redirects are not followed: a Location could name any host.
                 async with session.request(method, url, params=params, headers=headers, timeout=self._timeout,
                                            allow_redirects=False, **body) as resp:
+                    self._responses.labels(self._api, str(resp.status)).inc()
                     if not _retryable(resp.status):
                         raw = await self._read_capped(resp, attempts)
                         return {"status": resp.status, "headers": _result_headers(resp.headers),
@@ -158,6 +165,7 @@ class Upstream:
                     asked = _retry_after(resp) if resp.status in (429, 503) else None
                     delay = self._backoff(attempt) if asked is None else asked
             except (aiohttp.ClientError, TimeoutError) as exc:
+                self._responses.labels(self._api, NO_ANSWER).inc()
                 last_status = None
                 last_error = f"timed out after {self.config.timeout_s} s" if isinstance(exc, TimeoutError) \
                     else f"{type(exc).__name__}: {exc}"

@@ -19,6 +19,15 @@ class EnvState(StrEnum):
     DESTROYED = "destroyed"
 
 
+class LossCause(StrEnum):
+    """Why an environment was lost, in a few fixed words: a metric's label (``lost_reason`` says it in full)."""
+
+    SANDBOX_DIED = "sandbox_died"  # its sandbox or executor died under a command, file op, resize or snapshot
+    CORES_UNSETTLED = "cores_unsettled"  # its cores could not be set back after a command
+    NODE_LEFT = "node_left"
+    GONE_AT_RESTART = "gone_at_restart"  # a previous run's sandbox was dead when this run took it over
+
+
 @dataclass(eq=False)
 class Environment:
     id: str

@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from typing import TypeVar
 
-from managers.cpu.environment import Environment, EnvState
+from managers.cpu.environment import Environment, EnvState, LossCause
 from managers.cpu.environments import Environments
 from sandboxes.backend import SandboxError
 from sandboxes.file_wire import FileData, FileOp, ReadFile, WriteFiles, Written
@@ -52,7 +52,7 @@ async def alone(environments: Environments, env: Environment, op: FileOp[T]) -> 
         return await sandbox.files(op)
     except SandboxError as error:
         if error.lost and env.state is EnvState.READY:
-            environments.mark_lost(env, error.message)
+            environments.mark_lost(env, LossCause.SANDBOX_DIED, error.message)
         raise
     finally:
         env.last_used = time.time()

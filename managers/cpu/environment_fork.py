@@ -19,7 +19,7 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from managers.cpu.environment import Environment, EnvState
+from managers.cpu.environment import Environment, EnvState, LossCause
 from managers.cpu.environments import Environments
 from sandboxes.backend import SandboxError
 from tangram.core.errors import (
@@ -106,7 +106,7 @@ async def _snapshot_into(environments: Environments, env: Environment, forks: li
                 snapshot = await (await environments.sandbox(env)).snapshot()
         except SandboxError as error:
             if error.lost and env.state is EnvState.READY:
-                environments.mark_lost(env, error.message)
+                environments.mark_lost(env, LossCause.SANDBOX_DIED, error.message)
             raise
         image.set_result(snapshot)
         made = await asyncio.gather(*(environments.sandbox(each) for each in forks), return_exceptions=True)

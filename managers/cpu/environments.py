@@ -16,8 +16,9 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 
 from managers.cpu.config import CpuConfig
-from managers.cpu.environment import Environment, EnvState
+from managers.cpu.environment import Environment, EnvState, LossCause
 from managers.cpu.node import CpuNode
+from managers.cpu.sandbox_metrics import SandboxMetrics
 from sandboxes.backend import Leftover, Sandbox, SandboxError
 from tangram.core.action import new_action_id
 from tangram.core.errors import ActionFailed, Conflict, NotFound, TooMany, Unavailable, Unprocessable
@@ -44,6 +45,7 @@ class Environments(Mapping[str, Environment]):
         self._task_count: Counter[str] = Counter()
         self._task_memory_mb: Counter[str] = Counter()
         self._reaper: asyncio.Task[None] | None = None
+        self.metrics = SandboxMetrics(self.alive_by_node)
 
     def __getitem__(self, env_id: str) -> Environment:
         return self._by_id[env_id]
@@ -56,6 +58,14 @@ class Environments(Mapping[str, Environment]):
 
     def of_trajectory(self, task: str, trajectory: str) -> Environment | None:
         return self._by_trajectory.get((task, trajectory))
+
+    def alive_by_node(self) -> dict[str, int]:
+        """The ready sandboxes on each node in service (0 for one without any)."""
+        alive = {name: 0 for name, node in self.nodes.items() if node.lost is None}
+        for env in self._by_id.values():
+            if env.state is EnvState.READY:
+                alive[env.node] = alive.get(env.node, 0) + 1
+        return alive
 
     def task_usage(self, task: str) -> tuple[int, int]:
         """The task's environments and the MiB they reserve."""
@@ -114,8 +124,10 @@ class Environments(Mapping[str, Environment]):
             except SandboxError as error:
                 log.warning("environment %s: sandbox not removed (%s); the next start reaps it", env.id, error)
 
-    def mark_lost(self, env: Environment, reason: str) -> None:
+    def mark_lost(self, env: Environment, cause: LossCause, reason: str) -> None:
         log.warning("environment %s lost: %s", env.id, reason)
+        if env.state is not EnvState.LOST:
+            self.metrics.lost.labels(env.node, cause.value).inc()
         env.state = EnvState.LOST
         env.lost_reason = reason
 
@@ -133,15 +145,17 @@ class Environments(Mapping[str, Environment]):
                           sandbox=leftover.sandbox, network=leftover.network)
         if leftover.sandbox is not None:
             env.state = EnvState.READY
+            self.metrics.adopted.labels(node.name).inc()
         else:
-            self.mark_lost(env, leftover.lost_reason or "the broker restarted and the sandbox was gone")
+            self.mark_lost(env, LossCause.GONE_AT_RESTART,
+                           leftover.lost_reason or "the broker restarted and the sandbox was gone")
         self._register(env)
 
     def lose_node(self, node: CpuNode) -> None:
         """Its node left: each of its environments is lost, with the node's reason."""
         for env in self._by_id.values():
             if env.node == node.name and env.state in (EnvState.PENDING, EnvState.READY):
-                self.mark_lost(env, node.lost or "its node left")
+                self.mark_lost(env, LossCause.NODE_LEFT, node.lost or "its node left")
 
     async def come_back(self, node: CpuNode, leftovers: list[Leftover]) -> int:
         """Its node is back: each environment lost with it whose sandbox is still there is ready again, with its
@@ -200,6 +214,7 @@ class Environments(Mapping[str, Environment]):
                                         files=env.files,
                                         ephemeral=env.ephemeral, created_at=env.created_at,
                                         user=env.sandbox_user or self.config.sandbox_user, egress=env.network)
+        started = time.monotonic()
         try:
             current().check()  # a deposed leader makes no more sandboxes (tangram/core/fencing.py)
             sandbox = await node.backend.create(spec)
@@ -208,6 +223,7 @@ class Environments(Mapping[str, Environment]):
             raise
         finally:
             env.creating = None
+        self.metrics.made(node.name, sandbox.claimed_warm, time.monotonic() - started)
         env.files = {}
         if env.state is EnvState.DESTROYED:  # deleted while being created
             await sandbox.destroy()

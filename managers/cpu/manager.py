@@ -25,7 +25,7 @@ from prometheus_client import Counter as MetricCounter
 
 from managers.cpu.action_result import action_result
 from managers.cpu.config import CpuConfig, CpuNodeConfig, on_this_host
-from managers.cpu.environment import CpuHandle, Environment, EnvState
+from managers.cpu.environment import CpuHandle, Environment, EnvState, LossCause
 from managers.cpu.environment_files import alone
 from managers.cpu.environments import Environments
 from managers.cpu.exec_spec import ExecSpec, ExecSpecBody, exec_request, parse_exec_spec, runner_report
@@ -39,7 +39,7 @@ from sandboxes.file_wire import WriteFiles
 from tangram.core.action import Action, Kind
 from tangram.core.errors import ActionFailed, Conflict, NotFound, Unprocessable
 from tangram.core.fencing import current
-from tangram.core.seam import Allocation, CyclePlugins, Fit, Outcome, PoolStatus, ResourceManager
+from tangram.core.seam import Allocation, CyclePlugins, Fit, MetricsRegistry, Outcome, PoolStatus, ResourceManager
 
 if TYPE_CHECKING:
     from managers.remote.broker.ray_membership import RayMembership
@@ -204,6 +204,7 @@ class CpuManager(ResourceManager[CpuHandle]):
     def add_node(self, node: CpuNode) -> None:
         """Put a node in service (``start`` does it for every configured node; the simulator, directly)."""
         self.nodes[node.name] = node
+        self.environments.metrics.node_in_service(node.name)
 
     # -- membership (nodes behind agents join and leave with their Ray nodes) ---------------------------------
 
@@ -462,13 +463,13 @@ class CpuManager(ResourceManager[CpuHandle]):
                         self.outputs.close(action.id)
             except SandboxError as error:
                 if error.lost:
-                    self.environments.mark_lost(env, error.message)
+                    self.environments.mark_lost(env, LossCause.SANDBOX_DIED, error.message)
                 raise ActionFailed(error.code, error.message, environment=env.id) from None
             finally:
                 env.running.discard(action.id)
                 env.last_used = time.time()
             if executed.unsettled is not None and env.state is EnvState.READY:
-                self.environments.mark_lost(env, executed.unsettled)
+                self.environments.mark_lost(env, LossCause.CORES_UNSETTLED, executed.unsettled)
         finally:
             if env.ephemeral and not env.running:
                 await self.environments.destroy(env)
@@ -481,4 +482,8 @@ class CpuManager(ResourceManager[CpuHandle]):
         return Outcome(result)
 
     def plugins(self) -> CyclePlugins:
-        return CyclePlugins(metrics=lambda registry: registry.register(self.pytest_runs), environments=self)
+        return CyclePlugins(metrics=self._register_metrics, environments=self)
+
+    def _register_metrics(self, registry: MetricsRegistry) -> None:
+        registry.register(self.pytest_runs)
+        self.environments.metrics.register(registry)

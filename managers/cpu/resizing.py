@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from managers.cpu.environment import CpuHandle
+from managers.cpu.environment import CpuHandle, LossCause
 from managers.cpu.exec_spec import runs_pytest
 from managers.cpu.node import RESOURCE
 from sandboxes.backend import SandboxError
@@ -60,6 +60,6 @@ class CpuResizing(Resizing[CpuHandle]):
             await env.sandbox.repin(allocation.action_id, frozenset(cores))
         except SandboxError as error:
             if error.lost:
-                self.manager.environments.mark_lost(env, error.message)
+                self.manager.environments.mark_lost(env, LossCause.SANDBOX_DIED, error.message)
             raise ActionFailed("resize_failed", f"moving the command onto cores {list(cores)} failed: "
                                                 f"{error.message}", environment=env.id) from None

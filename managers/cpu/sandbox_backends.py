@@ -65,7 +65,7 @@ async def open_sandbox_backend(node: CpuNodeConfig, config: CpuConfig) -> Sandbo
     backend = DockerBackend(node.engine, run_dir=run_dir, cores=node.cores, fast_path=bool(node.fast_path), tls=tls,
                             warm=warm_kinds(config), creates_per_s=config.creates_per_s, runtime=node.runtime,
                             pull=config.images.policy(),
-                            egress=config.egress.rules(config.nodes))
+                            egress=config.egress.rules(config.nodes), python_from=config.default_image)
     try:
         await backend.start()
     except SandboxError as error:

@@ -28,6 +28,7 @@ from tangram.server.environment_files_api import add_environment_file_routes
 from tangram.server.environment_fork_api import add_environment_fork_routes, max_fork
 from tangram.server.environments_api import add_environment_routes, largest_node_memory
 from tangram.server.http_errors import headers_of, status_of
+from tangram.server.http_metrics import http_metrics
 from tangram.server.images_api import add_image_routes
 from tangram.server.openapi import openapi_document
 from tangram.server.profiles_api import add_profile_routes
@@ -248,7 +249,8 @@ def build_app(broker: Broker, server: ServerConfig, limits: Limits, slo: SloAdmi
     """The REST app; ``slo``: the SLO admission the broker's cycle runs; ``access`` (tokens and per-task caps)
     defaults to none: open, no caps."""
     access = access or AccessConfig()
-    app = web.Application(middlewares=[errors_as_json, guard_requests, authenticate, body_in_time],
+    app = web.Application(middlewares=[http_metrics(broker.metrics.registry), errors_as_json, guard_requests,
+                                       authenticate, body_in_time],
                           client_max_size=server.max_body_bytes)
     app[BROKER] = broker
     app[SERVER] = server

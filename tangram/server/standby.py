@@ -1,6 +1,6 @@
 """A broker standing by (``[store] leader_election``): until it leads, it answers every request with a 503 that
 says where the leader is, and its liveness probe with 200, so an orchestrator keeps it alive but routes nothing to
-it (``/readyz`` is a 503 too)."""
+it (``/readyz`` is a 503 too). Its ``/metrics`` says ``tangram_leader 0``, so a scrape finds it up and standing by."""
 
 from __future__ import annotations
 
@@ -9,10 +9,12 @@ import contextlib
 import logging
 
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from tangram.config import ServerConfig
 from tangram.core.errors import Unavailable
 from tangram.leadership import Leadership
+from tangram.metrics import leader_gauge
 from tangram.server.common import json_response
 from tangram.server.http_errors import headers_of
 from tangram.server.request_guard import http_settings
@@ -30,7 +32,14 @@ def standby_app(leadership: Leadership) -> web.Application:
                             leader=leader)
         return json_response(error.to_json(), status=503, headers=headers_of(error))
 
+    registry = CollectorRegistry()
+    leader_gauge(registry, lambda: False)
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
     app = web.Application()
+    app.router.add_get("/metrics", metrics)
     app.router.add_route("*", "/{path:.*}", answer)
     return app
 

@@ -69,6 +69,11 @@ class AgentSandbox(Sandbox):
         done: T = answer(await self._call("files", self.env_id, op))
         return done
 
+    async def snapshot(self) -> str:
+        """Made by the agent's backend on its node, where the forks go."""
+        image: str = answer(await self._call("snapshot", self.env_id))
+        return image
+
     async def destroy(self) -> None:
         answer(await self._call("destroy", self.env_id))
 
@@ -108,6 +113,9 @@ class AgentBackend(SandboxBackend):
     async def reap(self, broker_id: str) -> int:
         reaped: int = answer(await self._call("reap", broker_id))
         return reaped
+
+    async def drop_snapshot(self, image: str) -> None:
+        answer(await self._call("drop_snapshot", image))
 
     async def close(self) -> None:
         """Let the agent go; one already gone (or whose node is) has nothing to close."""

@@ -45,6 +45,8 @@ class NodeAgent(FencedAgent):
         self._backend: SandboxBackend | None = None
         self._opening = asyncio.Lock()
         self._sandboxes: dict[str, Sandbox] = {}
+        #: the snapshot images this agent made (forks), the only ones it removes
+        self._snapshots: set[str] = set()
 
     async def _opened(self) -> SandboxBackend:
         if self._backend is not None:
@@ -149,6 +151,21 @@ class NodeAgent(FencedAgent):
             raise SandboxError("file_bad_request", f"{error.field}: {error.reason}") from None
         sandbox = await self._held(env_id)
         return await sandbox.files(op)
+
+    @replying
+    async def snapshot(self, env_id: str) -> str:
+        """An image of the sandbox's filesystem, for forks made on this node (the broker holds the sandbox idle)."""
+        sandbox = await self._held(env_id)
+        image = await sandbox.snapshot()
+        self._snapshots.add(image)
+        return image
+
+    @replying
+    async def drop_snapshot(self, image: str) -> None:
+        """Remove a snapshot of this agent's once no fork uses it; another image is not the broker's to remove."""
+        if image not in self._snapshots:
+            raise SandboxError("bad_request", f"image {image!r} is not a snapshot this node's agent made")
+        await (await self._opened()).drop_snapshot(image)
 
     @replying
     async def destroy(self, env_id: str) -> None:
