@@ -5,6 +5,10 @@ in batches, and times each phase from the first submit until every lease is gran
 units are in use). All phases run against the same broker, side by side. The Python client shares the machine's
 two cores with the broker; where Debian's ``wrk`` is installed, it drives a second one-per-request phase.
 
+Each phase also reports the broker's own CPU time per action (user + system of the broker process, from its
+``/proc`` accounting): unlike throughput, it is not blurred by the load generator's share of the cores. It includes
+the phase's polls of ``/v1/resources`` (one each 10 ms) and whatever the broker does in the background meanwhile.
+
     python -m loadtest.bench_rest [--actions 20000] [--connections 64] [--batch 500]
 """
 
@@ -23,6 +27,7 @@ from pathlib import Path
 
 import aiohttp
 import orjson
+import psutil
 
 CONFIG = """
 [server]
@@ -106,6 +111,12 @@ def run_wrk(url: str, connections: int, seconds: int) -> tuple[float, int]:
     return rate, requests
 
 
+def cpu_s(broker: psutil.Process) -> float:
+    """The broker's CPU time so far (user + system), in seconds."""
+    times = broker.cpu_times()
+    return float(times.user + times.system)
+
+
 async def until_healthy(http: aiohttp.ClientSession, url: str) -> None:
     """Until the broker subprocess at ``url`` answers its health check (at most 30 s)."""
     for _ in range(300):
@@ -117,32 +128,40 @@ async def until_healthy(http: aiohttp.ClientSession, url: str) -> None:
             await asyncio.sleep(0.1)
 
 
-async def bench(args: argparse.Namespace, url: str) -> None:
+async def bench(args: argparse.Namespace, url: str, broker: psutil.Process) -> None:
     connector = aiohttp.TCPConnector(limit=args.connections)
     async with aiohttp.ClientSession(connector=connector) as http:
         await until_healthy(http, url)
         await one_per_request(http, url, 500, args.connections)  # warm-up
         await wait_granted(http, url, 500)
         granted = 500
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), cpu_s(broker)
         await one_per_request(http, url, args.actions, args.connections)
         await wait_granted(http, url, granted + args.actions)
         single = args.actions / (time.perf_counter() - started)
+        single_us = (cpu_s(broker) - cpu) / args.actions * 1e6
         granted += args.actions
         wrk = None
         if shutil.which("wrk"):
+            cpu = cpu_s(broker)
             wrk, submitted = run_wrk(url, args.connections, args.wrk_seconds)
             granted += submitted
             await wait_granted(http, url, granted)
-        started = time.perf_counter()
+            wrk_us = (cpu_s(broker) - cpu) / submitted * 1e6
+        started, cpu = time.perf_counter(), cpu_s(broker)
         await batched(http, url, args.actions, args.batch, max(1, min(4, args.connections)))
         await wait_granted(http, url, granted + args.actions)
         many = args.actions / (time.perf_counter() - started)
-    print(f"REST throughput, lease actions, {args.actions} per phase, SQLite store, loopback HTTP")
-    print(f"  one per request ({args.connections} connections, Python client): {single:,.0f} actions/s")
+        many_us = (cpu_s(broker) - cpu) / args.actions * 1e6
+    print(f"REST throughput, lease actions, {args.actions} per phase, SQLite store, loopback HTTP "
+          f"(broker CPU per action: user + system of its process)")
+    print(f"  one per request ({args.connections} connections, Python client): {single:,.0f} actions/s, "
+          f"{single_us:,.0f} us CPU each")
     if wrk is not None:
-        print(f"  one per request ({args.connections} connections, wrk):           {wrk:,.0f} actions/s")
-    print(f"  batched ({args.batch} per request, Python client):             {many:,.0f} actions/s")
+        print(f"  one per request ({args.connections} connections, wrk):           {wrk:,.0f} actions/s, "
+              f"{wrk_us:,.0f} us CPU each")
+    print(f"  batched ({args.batch} per request, Python client):             {many:,.0f} actions/s, "
+          f"{many_us:,.0f} us CPU each")
 
 
 def main() -> None:
@@ -161,7 +180,7 @@ def main() -> None:
                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                   env={**os.environ, "PYTHONUNBUFFERED": "1"})
         try:
-            asyncio.run(bench(args, f"http://127.0.0.1:{args.port}"))
+            asyncio.run(bench(args, f"http://127.0.0.1:{args.port}", psutil.Process(server.pid)))
         finally:
             server.terminate()
             _, err = server.communicate(timeout=30)
