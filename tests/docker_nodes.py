@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import os
 import uuid
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import docker
 import pytest
 
-from sandboxes.backend import LABEL_BROKER, LABEL_MANAGED
+from sandboxes.backend import LABEL_BROKER, LABEL_ENV, LABEL_MANAGED
 
 NODES_ENV = "TANGRAM_TEST_DOCKER_NODES"
 #: a third engine, run with user-namespace remapping (``--userns-remap default``)
@@ -82,3 +84,45 @@ def labelled_containers(engine: str, broker_id: str | None = None) -> list[Any]:
         return client.containers.list(all=True, filters={"label": labels}, ignore_removed=True)
     finally:
         client.close()
+
+
+def kill_sandbox(engine: str, env_id: str) -> None:
+    """Kill environment ``env_id``'s container under the broker, as the kernel's OOM killer or an operator would."""
+    client = docker.DockerClient(base_url=engine)
+    try:
+        [container] = client.containers.list(filters={"label": f"{LABEL_ENV}={env_id}"})
+        container.kill()
+    finally:
+        client.close()
+
+
+#: ``prepare(client)``: a container of the default image, changed as the derived image needs, ready to commit
+Prepare = Callable[[docker.DockerClient], Any]
+
+
+@contextmanager
+def derived_images(repository: str, prepare: Prepare) -> Iterator[Mapping[str, str]]:
+    """An image of ``repository`` with a tag of its own on each test engine, committed from ``prepare``'s
+    container (removed), by engine; the images are removed afterwards."""
+    images = {engine: _commit(engine, repository, prepare) for engine in docker_engines()[:2]}
+    try:
+        yield images
+    finally:
+        for engine, image in images.items():
+            client = docker.DockerClient(base_url=engine)
+            try:
+                client.images.remove(image, force=True)
+            finally:
+                client.close()
+
+
+def _commit(engine: str, repository: str, prepare: Prepare) -> str:
+    tag = uuid.uuid4().hex[:8]
+    client = docker.DockerClient(base_url=engine)
+    try:
+        container = prepare(client)
+        container.commit(repository=repository, tag=tag)
+        container.remove()
+    finally:
+        client.close()
+    return f"{repository}:{tag}"

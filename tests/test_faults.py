@@ -10,14 +10,12 @@ import subprocess
 import time
 from pathlib import Path
 
-import docker
 from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
-from sandboxes.backend import LABEL_ENV
 from tangram.store.store import Store
 from tests.conftest import PG_URL_ENV, reset_database
-from tests.docker_nodes import cpu_config, docker_engines
+from tests.docker_nodes import cpu_config, docker_engines, kill_sandbox
 from tests.harness import Live, live_broker
 
 NODE2_PIDFILE = Path("/run/tangram/node2/docker.pid")
@@ -63,12 +61,7 @@ async def test_sandbox_container_killed_mid_exec(tmp_path):
         _, first = await live.call("POST", "/v1/actions?wait=true", json=exec_body("echo ready"))
         env_id = first["result"]["environment"]
         record = await running(live, exec_body("sleep 60"))
-        client = docker.DockerClient(base_url=engine)
-        try:
-            [container] = client.containers.list(filters={"label": f"{LABEL_ENV}={env_id}"})
-            container.kill()
-        finally:
-            client.close()
+        kill_sandbox(engine, env_id)
         record = await ended(live, record["id"])
         assert record["state"] == "failed" and record["error"]["code"] == "environment_lost", record
         assert "exit code 137" in record["error"]["message"]

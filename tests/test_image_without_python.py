@@ -8,9 +8,9 @@ from __future__ import annotations
 import base64
 import platform
 import random
-import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import docker
 import pytest
@@ -19,7 +19,7 @@ from sandboxes.backend import SandboxError, SandboxSpec
 from sandboxes.docker import DockerBackend
 from sandboxes.executor_python import BORROWED, LABEL, MOUNT_POINT, VOLUME_PREFIX
 from sandboxes.image import DEFAULT_IMAGE
-from tests.docker_nodes import docker_engines, new_broker_id
+from tests.docker_nodes import derived_images, docker_engines, new_broker_id
 from tests.harness import Live, live_broker
 from tests.test_cpu_docker import exec_action, one_node, run
 
@@ -28,32 +28,18 @@ RUN_DIR = "/run/tangram/test-sandboxes"
 LOOK = f"command -v python3 || echo no-python3; ls {MOUNT_POINT}/current/python/bin; touch {MOUNT_POINT}/x || echo ro"
 
 
-def without_python3(engine: str) -> str:
-    """The default image with every python3 taken off its PATH, committed on ``engine``."""
-    name = f"tangram-test/no-python3:{uuid.uuid4().hex[:8]}"
-    client = docker.DockerClient(base_url=engine)
-    try:
-        container = client.containers.run(DEFAULT_IMAGE, ["sh", "-c", "rm -f /usr/bin/python3* /usr/local/bin/python3*"],
-                                          user="0:0", network_mode="none", detach=True)
-        assert container.wait(timeout=60)["StatusCode"] == 0
-        repository, tag = name.split(":")
-        container.commit(repository=repository, tag=tag)
-        container.remove()
-    finally:
-        client.close()
-    return name
+def without_python3(client: docker.DockerClient) -> Any:
+    """A container of the default image with every python3 taken off its PATH."""
+    container = client.containers.run(DEFAULT_IMAGE, ["sh", "-c", "rm -f /usr/bin/python3* /usr/local/bin/python3*"],
+                                      user="0:0", network_mode="none", detach=True)
+    assert container.wait(timeout=60)["StatusCode"] == 0
+    return container
 
 
 @pytest.fixture(scope="module")
-def images() -> Iterator[dict[str, str]]:
-    made = {engine: without_python3(engine) for engine in docker_engines()[:2]}
-    yield made
-    for engine, image in made.items():
-        client = docker.DockerClient(base_url=engine)
-        try:
-            client.images.remove(image, force=True)
-        finally:
-            client.close()
+def images() -> Iterator[Mapping[str, str]]:
+    with derived_images("tangram-test/no-python3", without_python3) as made:
+        yield made
 
 
 def borrowed_volumes(engine: str) -> list[str]:

@@ -6,11 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import docker
-
 from managers.cpu.environment import LossCause
-from sandboxes.backend import LABEL_ENV
-from tests.docker_nodes import cpu_config, docker_engines
+from tests.docker_nodes import cpu_config, docker_engines, kill_sandbox
 from tests.harness import Live, live_broker, until
 from tests.scrape import scrape
 
@@ -23,15 +20,6 @@ async def warm_pool_full(live: Live) -> bool:
     _, resources = await live.call("GET", "/v1/resources")
     [row] = [r for r in resources["resources"] if r["resource"] == "cpu"]
     return bool(row["warm_sandboxes"] == 1)
-
-
-def kill(engine: str, env_id: str) -> None:
-    client = docker.DockerClient(base_url=engine)
-    try:
-        [container] = client.containers.list(filters={"label": f"{LABEL_ENV}={env_id}"})
-        container.kill()
-    finally:
-        client.close()
 
 
 async def test_sandboxes_are_counted_as_they_are_made_lost_and_adopted(tmp_path) -> None:
@@ -49,7 +37,7 @@ async def test_sandboxes_are_counted_as_they_are_made_lost_and_adopted(tmp_path)
                                       json={"task": "t", "trajectory": "new", "memory_mb": 256})
         assert status == 201, new
         made = await scrape(live)
-        kill(engine, new["id"])
+        kill_sandbox(engine, new["id"])
         _, told = await live.call("POST", "/v1/actions?wait=true", json=exec_body("new"))
         assert told["error"]["code"] == "environment_lost", told
         lost = await scrape(live)

@@ -18,7 +18,7 @@ import tarfile
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import docker
@@ -36,7 +36,7 @@ from sandboxes.backend import (
     LABEL_TRAJECTORY,
 )
 from sandboxes.image import DEFAULT_IMAGE
-from tests.docker_nodes import cpu_config, docker_engines, labelled_containers
+from tests.docker_nodes import cpu_config, derived_images, docker_engines, labelled_containers
 from tests.harness import Live, live_broker, until
 
 RUN_DIR = "/run/tangram/test-sandboxes"
@@ -189,39 +189,24 @@ exec /usr/bin/python3 "$@"
 """
 
 
-def liar_image(engine: str) -> str:
-    """The default image with a python3 that lies when asked to be the executor, committed on ``engine``."""
-    name = f"tangram-test/liar:{uuid.uuid4().hex[:8]}"
-    client = docker.DockerClient(base_url=engine)
-    try:
-        container = client.containers.create(DEFAULT_IMAGE, ["true"], network_mode="none")
-        buffer = io.BytesIO()
-        with tarfile.open(fileobj=buffer, mode="w") as tar:
-            for path, data, mode in (("usr/local/bin/python3", WRAPPER, 0o755),
-                                     ("usr/local/lib/liar.py", LIAR.encode(), 0o644)):
-                info = tarfile.TarInfo(path)
-                info.size, info.mode = len(data), mode
-                tar.addfile(info, io.BytesIO(data))
-        container.put_archive("/", buffer.getvalue())
-        repository, tag = name.split(":")
-        container.commit(repository=repository, tag=tag)
-        container.remove()
-    finally:
-        client.close()
-    return name
+def with_liar(client: docker.DockerClient) -> Any:
+    """A container of the default image with a python3 that lies when asked to be the executor."""
+    container = client.containers.create(DEFAULT_IMAGE, ["true"], network_mode="none")
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        for path, data, mode in (("usr/local/bin/python3", WRAPPER, 0o755),
+                                 ("usr/local/lib/liar.py", LIAR.encode(), 0o644)):
+            info = tarfile.TarInfo(path)
+            info.size, info.mode = len(data), mode
+            tar.addfile(info, io.BytesIO(data))
+    container.put_archive("/", buffer.getvalue())
+    return container
 
 
 @pytest.fixture(scope="module")
-def liars() -> Iterator[dict[str, str]]:
-    engines = docker_engines()[:2]
-    images = {engine: liar_image(engine) for engine in engines}
-    yield images
-    for engine, image in images.items():
-        client = docker.DockerClient(base_url=engine)
-        try:
-            client.images.remove(image, force=True)
-        finally:
-            client.close()
+def liars() -> Iterator[Mapping[str, str]]:
+    with derived_images("tangram-test/liar", with_liar) as images:
+        yield images
 
 
 @pytest.mark.parametrize("path", ["fast", "engine"])
