@@ -29,6 +29,9 @@ from tangram.sim.commands import add_commands as add_simulation_commands
 from tangram.sim.deployment import Deployment
 from tangram.version import VERSION
 
+#: ``--config``'s help where the file is optional and ``$TANGRAM_CONFIG`` stands in for it
+CONFIG_OR_DEFAULTS = "TOML config file (default $TANGRAM_CONFIG or the defaults)"
+
 
 def _serve(args: argparse.Namespace) -> int:
     from sandboxes.backend import SandboxError
@@ -360,14 +363,14 @@ def main(argv: list[str] | None = None) -> int:
     serve.set_defaults(func=_serve)
     doctor = commands.add_parser("doctor", help="check the config, store, Docker engines and images, Ray and GPUs "
                                  "a broker would use; one PASS/FAIL/SKIP line each, exit 1 on any FAIL")
-    doctor.add_argument("--config", help="TOML config file (default $TANGRAM_CONFIG or the defaults)")
+    doctor.add_argument("--config", help=CONFIG_OR_DEFAULTS)
     doctor.add_argument("--json", action="store_true", help="the results as a JSON list")
     doctor.set_defaults(func=_doctor)
     config = commands.add_parser("config", help="the config file")
     config_commands = config.add_subparsers(dest="config_command", required=True)
     check = config_commands.add_parser("check", help="parse the file as serve does: ok and a summary, or the bad "
                                        "key and why (exit 2)")
-    check.add_argument("--config", help="TOML config file (default $TANGRAM_CONFIG or the defaults)")
+    check.add_argument("--config", help=CONFIG_OR_DEFAULTS)
     check.set_defaults(func=_config_check)
     status = commands.add_parser("status", help="show resources, queues and recent ACT of a running broker")
     status.add_argument("--url", default="http://127.0.0.1:8300")

@@ -8,23 +8,15 @@ from typing import Any
 
 import docker
 import docker.errors
-from docker.tls import TLSConfig
 
 from managers.cpu.config import CpuConfig, CpuNodeConfig
+from managers.cpu.sandbox_backends import engine_tls
 from tangram.doctor import CheckResult
 
 #: how long one call to an engine may take; a container's run gets ``RUN_TIMEOUT_S``
 ENGINE_TIMEOUT_S = 5
 RUN_TIMEOUT_S = 60
 PROBE = ["python3", "-c", "print('ok')"]
-
-
-def _tls(node: CpuNodeConfig) -> TLSConfig | bool:
-    """The node's TLS settings as ``open_sandbox_backend`` reads them; False for a plain engine."""
-    if not (node.tls_ca or node.tls_cert):
-        return False
-    cert = (node.tls_cert, node.tls_key) if node.tls_cert and node.tls_key else None
-    return TLSConfig(client_cert=cert, ca_cert=node.tls_ca, verify=bool(node.tls_ca))
 
 
 def check_node(node: CpuNodeConfig, cpu: CpuConfig) -> list[CheckResult]:
@@ -35,7 +27,7 @@ def check_node(node: CpuNodeConfig, cpu: CpuConfig) -> list[CheckResult]:
         return [CheckResult.skip(name, "behind its node agent: the agent opens the engine on its Ray node")
                 for name in names]
     try:
-        client = docker.DockerClient(base_url=node.engine, tls=_tls(node), timeout=ENGINE_TIMEOUT_S)
+        client = docker.DockerClient(base_url=node.engine, tls=engine_tls(node) or False, timeout=ENGINE_TIMEOUT_S)
         client.ping()
     except Exception as error:  # noqa: BLE001 - the SDK raises several families for an unreachable engine
         return [CheckResult.fail(names[0], f"{node.engine} does not answer: {error}",

@@ -42,6 +42,14 @@ def _fixes(node: CpuNodeConfig, image: str) -> str:
             f"enabled = false)")
 
 
+def engine_tls(node: CpuNodeConfig) -> TLSConfig | None:
+    """The TLS settings of the node's engine (None: a plain one, a local socket)."""
+    if not (node.tls_ca or node.tls_cert):
+        return None
+    cert = (node.tls_cert, node.tls_key) if node.tls_cert and node.tls_key else None
+    return TLSConfig(client_cert=cert, ca_cert=node.tls_ca, verify=bool(node.tls_ca))
+
+
 async def open_sandbox_backend(node: CpuNodeConfig, config: CpuConfig) -> SandboxBackend:
     if node.agent:
         from managers.remote.broker.ray_agents import (
@@ -58,11 +66,8 @@ async def open_sandbox_backend(node: CpuNodeConfig, config: CpuConfig) -> Sandbo
         return local
     if node.fast_path:
         await asyncio.to_thread(trusted_run_dir, run_dir)
-    tls = None
-    if node.tls_ca or node.tls_cert:
-        cert = (node.tls_cert, node.tls_key) if node.tls_cert and node.tls_key else None
-        tls = TLSConfig(client_cert=cert, ca_cert=node.tls_ca, verify=bool(node.tls_ca))
-    backend = DockerBackend(node.engine, run_dir=run_dir, cores=node.cores, fast_path=bool(node.fast_path), tls=tls,
+    backend = DockerBackend(node.engine, run_dir=run_dir, cores=node.cores, fast_path=bool(node.fast_path),
+                            tls=engine_tls(node),
                             warm=warm_kinds(config), creates_per_s=config.creates_per_s, runtime=node.runtime,
                             pull=config.images.policy(),
                             egress=config.egress.rules(config.nodes), python_from=config.default_image)
