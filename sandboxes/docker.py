@@ -59,7 +59,7 @@ from sandboxes.exec_wire import ExecRequest, ExecResult
 from sandboxes.executor import PROTOCOL_VERSION
 from sandboxes.executor_answer import BadAnswer, frame_limit
 from sandboxes.executor_client import EXECUTOR_PATH, ExecutorUnavailable, OutputSink, call, encode_once, wait_ready
-from sandboxes.executor_python import BORROWED, OWN, ExecutorPython, interpreter_of, volume_mount
+from sandboxes.executor_python import BORROWED, OWN, ExecutorPython, interpreter_of, sweep_leftovers, volume_mount
 from sandboxes.id_mapping import IdMapping
 from sandboxes.image_pull import ImagePuller, PullPolicy, pull_refused, with_tag
 from sandboxes.untrusted_paths import UntrustedPath, read_regular
@@ -818,7 +818,9 @@ class DockerBackend(SandboxBackend):
 
     async def adopt(self, broker_id: str) -> list[Leftover]:
         """Every container at once (at most ADOPT_CONCURRENCY): a sandbox whose executor stalls costs the start its
-        own ADOPT_TIMEOUT_S, not that times the number of such sandboxes."""
+        own ADOPT_TIMEOUT_S, not that times the number of such sandboxes. The python3 probes and copies a killed
+        broker left go too."""
+        await self.off_loop(sweep_leftovers, self.client)
         containers = [c for c in await self.off_loop(self._labelled, broker_id)
                       if not self._pooled(c.labels.get(LABEL_ENV, ""))]
         turns = asyncio.Semaphore(ADOPT_CONCURRENCY)

@@ -17,7 +17,9 @@ import base64
 import json
 import logging
 import posixpath
+import time
 from collections.abc import Callable, Coroutine, Mapping
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -42,12 +44,18 @@ BORROWED = (f"{COPY}/ld.so", "--library-path", f"{COPY}/lib", f"{COPY}/python/bi
 OWN = ("python3",)
 VOLUME_PREFIX = "tangram-executor-python-"
 LABEL = "tangram.executor-python"
+#: the label's value on a probe (a copy's container carries its source image)
+PROBE = "probe"
 COPY_PROGRAM = Path(__file__).resolve().parent / "executor_python_copy.py"
 #: where ``PATH`` leads when the image does not set one (the engine's default)
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 #: symbolic links followed from ``python3`` before giving up on it
 MAX_LINKS = 8
 COPY_TIMEOUT_S = 300
+#: a probe lives for the milliseconds of its stats: one older than this was left by a broker killed meanwhile
+PROBE_LEFTOVER_S = 60.0
+#: likewise a copy's container, which may run for COPY_TIMEOUT_S
+COPY_LEFTOVER_S = COPY_TIMEOUT_S + 60.0
 
 
 def interpreter_of(container: Container) -> tuple[str, ...]:
@@ -121,6 +129,36 @@ class ExecutorPython:
         return name
 
 
+def sweep_leftovers(client: docker.DockerClient) -> int:
+    """Remove the probe and copy containers a killed broker left (every broker on the engine makes them under the
+    same label, so only those past their longest life are taken); how many were removed."""
+    now = time.time()
+    removed = 0
+    for container in client.containers.list(all=True, ignore_removed=True, filters={"label": LABEL}):
+        limit = PROBE_LEFTOVER_S if container.labels.get(LABEL) == PROBE else COPY_LEFTOVER_S
+        created = _engine_time(container.attrs.get("Created", ""))
+        if created is not None and now - created > limit:
+            try:
+                container.remove(force=True)
+            except docker.errors.NotFound:
+                continue
+            log.warning("removed container %s a killed broker left (%s)", container.short_id,
+                        container.labels.get(LABEL))
+            removed += 1
+    return removed
+
+
+def _engine_time(stamp: str) -> float | None:
+    """An engine's UTC timestamp (RFC 3339 to the nanosecond, "Z") in seconds since the epoch; None when unreadable
+    (such a container is left alone)."""
+    if not stamp.endswith("Z"):
+        return None
+    try:
+        return datetime.fromisoformat(stamp[:-1][:26] + "+00:00").timestamp()
+    except ValueError:
+        return None
+
+
 def _image_id_and_env(client: docker.DockerClient, image: str) -> tuple[str, Mapping[str, str]]:
     try:
         attrs = client.images.get(image).attrs
@@ -133,7 +171,7 @@ def _image_id_and_env(client: docker.DockerClient, image: str) -> tuple[str, Map
 
 def _finds_python3(client: docker.DockerClient, image: str, environment: Mapping[str, str]) -> bool:
     """Whether ``python3`` resolves along the image's PATH to a file, asked of a created container's filesystem."""
-    probe = client.containers.create(image, ["python3"], network_mode="none", labels={LABEL: "probe"})
+    probe = client.containers.create(image, ["python3"], network_mode="none", labels={LABEL: PROBE})
     try:
         for directory in environment.get("PATH", DEFAULT_PATH).split(":"):
             if directory.startswith("/") and _resolves_to_file(probe, posixpath.join(directory, "python3")):

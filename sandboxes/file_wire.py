@@ -10,11 +10,12 @@ another, their sizes in the JSON, and a read's file; the one-shot mode carries t
 
 from __future__ import annotations
 
-import base64
 import binascii
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
+
+import pybase64
 
 from sandboxes.executor import UNKNOWN_OP
 from sandboxes.executor_answer import BadAnswer
@@ -97,7 +98,7 @@ class ReadFile:
         if kind not in ("file", "directory") or not isinstance(payload, (bytes, str)):
             raise BadAnswer(f"a read answered type {kind!r} with a payload of type {type(payload).__name__}")
         try:
-            data = payload if isinstance(payload, bytes) else base64.b64decode(payload, validate=True)
+            data = payload if isinstance(payload, bytes) else pybase64.b64decode(payload, validate=True)
         except (binascii.Error, ValueError):
             raise BadAnswer("a read answered a payload that is not base64") from None
         if len(data) > self.limit:

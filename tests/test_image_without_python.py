@@ -6,6 +6,7 @@ files, a fork and a broker restart on it."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import platform
 import random
 from collections.abc import Iterator, Mapping
@@ -15,9 +16,10 @@ from typing import Any
 import docker
 import pytest
 
+from sandboxes import executor_python
 from sandboxes.backend import SandboxError, SandboxSpec
 from sandboxes.docker import DockerBackend
-from sandboxes.executor_python import BORROWED, LABEL, MOUNT_POINT, VOLUME_PREFIX
+from sandboxes.executor_python import BORROWED, LABEL, MOUNT_POINT, PROBE, VOLUME_PREFIX
 from sandboxes.image import DEFAULT_IMAGE
 from tests.docker_nodes import derived_images, docker_engines, new_broker_id
 from tests.harness import Live, live_broker
@@ -135,3 +137,25 @@ async def test_without_an_image_to_borrow_from_the_sandbox_is_refused_by_name(im
         assert refused.value.code == "image_without_python3" and images[engine] in refused.value.message
     finally:
         await backend.close()
+
+
+async def test_a_restarted_broker_removes_the_probes_a_killed_one_left_and_no_live_one(monkeypatch):
+    """A broker killed between a probe's create and its removal leaves it: the next start's adoption removes it once
+    it is past a probe's life, and a fresh one (another broker's, probing now) stays."""
+    engine = docker_engines()[1]
+    client = docker.DockerClient(base_url=engine)
+    left = client.containers.create(DEFAULT_IMAGE, ["python3"], network_mode="none", labels={LABEL: PROBE})
+    backend = DockerBackend(engine, run_dir=Path(RUN_DIR), cores=(0,), fast_path=False)
+    await backend.start()
+    try:
+        await backend.adopt(new_broker_id())
+        left.reload()  # still there: younger than a probe's life
+        monkeypatch.setattr(executor_python, "PROBE_LEFTOVER_S", 0.0)
+        await backend.adopt(new_broker_id())
+        with pytest.raises(docker.errors.NotFound):
+            left.reload()
+    finally:
+        await backend.close()
+        with contextlib.suppress(docker.errors.NotFound):
+            left.remove(force=True)
+        client.close()
