@@ -66,10 +66,12 @@ from pathlib import Path
 root, copy_to = Path(sys.argv[1]), Path(sys.argv[2])
 with open(root / "pyproject.toml", "rb") as handle:
     project = tomllib.load(handle)
-include = project["tool"]["setuptools"]["packages"]["find"]["include"]
-tops = sorted({pattern.rstrip("*").split(".")[0] for pattern in include})
+find = project["tool"]["setuptools"]["packages"]["find"]
+tops = sorted({pattern.rstrip("*").split(".")[0] for pattern in find["include"]})
+# each package's folder, in whichever of find's "where" folders holds it (the client's package is in clients/)
+folders = [root / where / top for top in tops for where in find.get("where", ["."]) if (root / where / top).is_dir()]
 files = [root / "pyproject.toml", root / project["project"]["readme"]]
-files += sorted(f for top in tops for f in (root / top).rglob("*") if f.is_file() and "__pycache__" not in f.parts)
+files += sorted(f for folder in folders for f in folder.rglob("*") if f.is_file() and "__pycache__" not in f.parts)
 image_files = [root / "deploy" / name for name in ("Dockerfile", "build-image.sh")]
 image_files += sorted((root / "deploy" / "image").iterdir())
 digest = hashlib.sha256()

@@ -49,14 +49,14 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from clients import AsyncTangramClient
-from clients.records import ActionRecord
 from loadtest.suites import DEFAULT_CACHE_DIR, REAL_MODE, SUITES, Fetched, fetch
 from managers.cpu.exec_spec import PytestRunner
 from tangram.config import ServerConfig, parse_config
 from tangram.core.action import Elasticity
 from tangram.sched.speedup import SpeedupFit
 from tangram.service import running_broker
+from tangram_client import AsyncTangramClient
+from tangram_client.records import ActionRecord
 
 #: policy name -> the fixed DoP its test runs ask for (None: elastic 1..ELASTIC_MAX, malleable)
 POLICIES: dict[str, int | None] = {"tangram": None, "dop1": 1, "dop2": 2}

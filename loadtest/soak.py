@@ -54,12 +54,12 @@ from aiohttp import web
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from clients import ActionRecord, ApiError, AsyncTangramClient, ConflictError, TangramError, WaitTimeout
 from loadtest.soak_faults import KILL_TIMEOUT_S, broker_sandboxes, kill_container, labelled_containers
 from loadtest.soak_verdict import CHECKS, Verdict, render, store_problems
 from loadtest.upstream import search_app
 from tangram.config import parse_config
 from tangram.service import running_broker
+from tangram_client import ActionRecord, ApiError, AsyncTangramClient, ConflictError, TangramError, WaitTimeout
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the reward model comes from a Python package
 

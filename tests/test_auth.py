@@ -15,14 +15,14 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from clients import AsyncTangramClient
-from clients.errors import ForbiddenError, NotFoundError, UnauthorizedError
 from tangram.config import parse_config
 from tangram.core.errors import ConfigError
 from tangram.server.auth import mint, new_token, token_sha256
 from tangram.store.store import Store
 from tangram.store.tables import TokenRow
 from tangram.store.tokens import StoredToken
+from tangram_client import AsyncTangramClient
+from tangram_client.errors import ForbiddenError, NotFoundError, UnauthorizedError
 from tests.docker_nodes import local_cpu
 from tests.harness import broker_from_file, live_broker
 

@@ -15,7 +15,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from clients import (
+from tangram.records import ActionRecord as DocumentedRecord
+from tangram.records import EnvironmentRecord
+from tangram_client import (
     ActionError,
     AsyncTangramClient,
     BadRequestError,
@@ -28,9 +30,7 @@ from clients import (
     WaitTimeout,
     unit_demand,
 )
-from clients.records import ActionRecord
-from tangram.records import ActionRecord as DocumentedRecord
-from tangram.records import EnvironmentRecord
+from tangram_client.records import ActionRecord
 from tests.docker_nodes import cpu_config, docker_engines
 from tests.harness import live_broker, serving
 

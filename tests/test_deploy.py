@@ -830,14 +830,14 @@ def task_token(container: Any, admin: str, task: str) -> str:
 
 
 def expected_package_files() -> dict[str, set[str]]:
-    """Every module of the packages, and every data file of those the broker runs (the client's examples aside)."""
+    """Every file of the packages: modules and data (the client's package is found in clients/, a ``where``)."""
     with open(ROOT / "pyproject.toml", "rb") as handle:
-        include = tomllib.load(handle)["tool"]["setuptools"]["packages"]["find"]["include"]
+        find = tomllib.load(handle)["tool"]["setuptools"]["packages"]["find"]
     expected: dict[str, set[str]] = {}
-    for top in sorted({pattern.rstrip("*").split(".")[0] for pattern in include}):
-        files = [p for p in (ROOT / top).rglob("*") if p.is_file() and "__pycache__" not in p.parts]
-        expected[top] = {p.relative_to(ROOT / top).as_posix() for p in files
-                         if p.suffix == ".py" or top != "clients"}
+    for top in sorted({pattern.rstrip("*").split(".")[0] for pattern in find["include"]}):
+        folder = next(ROOT / where / top for where in find.get("where", ["."]) if (ROOT / where / top).is_dir())
+        files = [p for p in folder.rglob("*") if p.is_file() and "__pycache__" not in p.parts]
+        expected[top] = {p.relative_to(folder).as_posix() for p in files}
     return expected
 
 

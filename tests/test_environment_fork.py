@@ -16,7 +16,6 @@ from typing import Any
 import docker
 import pytest
 
-from clients.client import AsyncTangramClient
 from managers.cpu.exec_spec import ExecLimits
 from managers.remote.broker.agent_backend import AgentBackend
 from managers.remote.node.node_agent import NodeAgent
@@ -25,6 +24,7 @@ from sandboxes.backend import NodeHardware, SandboxBackend, SandboxError, Sandbo
 from sandboxes.docker import DockerBackend
 from sandboxes.exec_wire import ExecRequest
 from sandboxes.image import DEFAULT_IMAGE
+from tangram_client.client import AsyncTangramClient
 from tests.docker_nodes import docker_engines, local_cpu, new_broker_id
 from tests.harness import Live, live_broker
 from tests.test_cpu_docker import exec_action, one_node, run

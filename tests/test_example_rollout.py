@@ -16,7 +16,7 @@ async def test_example_rollout_runs_every_trajectory_and_cleans_up(tmp_path):
                                    "memory_mb": 2048}})}
     async with live_broker(config, str(tmp_path / "t.db")) as live:
         process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "clients.examples.rollout", "--url", live.url, "--trajectories", "3",
+            sys.executable, "-m", "tangram_client.examples.rollout", "--url", live.url, "--trajectories", "3",
             "--think-s", "0.1", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
             env={**os.environ, "COLUMNS": "200"})
         output, _ = await asyncio.wait_for(process.communicate(), timeout=240)

@@ -16,12 +16,12 @@ import aiohttp
 import asyncpg
 import pytest
 
-from clients.client import AsyncTangramClient
 from tangram.config import load_config
 from tangram.core.errors import ConfigError
 from tangram.leadership import LOCK_KEY, Leadership, asyncpg_dsn, fence
 from tangram.store.fence import Deposed
 from tangram.store.store import Store
+from tangram_client.client import AsyncTangramClient
 from tests.docker_nodes import new_broker_id
 from tests.test_recovery import free_port, start_broker
 from tests.test_store import make_action

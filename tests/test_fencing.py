@@ -27,7 +27,6 @@ import ray
 from ray.cluster_utils import Cluster
 from sqlalchemy.engine import make_url
 
-from clients.client import AsyncTangramClient
 from managers.basic.upstream import Upstream, UpstreamConfig
 from managers.basic.upstream_metrics import UpstreamMetrics
 from managers.remote.broker.ray_agents import open_agent_backend
@@ -42,6 +41,7 @@ from tangram.leadership import LOCK_KEY, Leadership, asyncpg_dsn, fence
 from tangram.service import LOST_LEADERSHIP_EXIT
 from tangram.store.fence import Deposed
 from tangram.store.store import Store
+from tangram_client.client import AsyncTangramClient
 from tests.docker_nodes import local_cpu, new_broker_id
 from tests.harness import live_broker, live_upstream
 from tests.ray_clusters import two_node_cluster

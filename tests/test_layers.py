@@ -12,7 +12,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("tangram", "managers", "sandboxes", "reward_services", "clients", "loadtest")
+#: our top-level packages, each with the folder that holds it (the client's is in clients/, its distribution's root)
+SOURCE_ROOTS = {"tangram": ROOT, "managers": ROOT, "sandboxes": ROOT, "reward_services": ROOT,
+                "tangram_client": ROOT / "clients", "loadtest": ROOT}
+PACKAGES = tuple(SOURCE_ROOTS)
+#: what the broker's distribution holds; the client's reaches none of it
+BROKER_PACKAGES = ("tangram", "managers", "sandboxes", "reward_services")
 
 #: every module's layer, by the longest prefix of its name that is listed: a module no prefix names fails the
 #: contract (deny by default), so a new folder or top-level module must be placed here
@@ -23,7 +28,8 @@ LAYER_OF = {
     "managers": "resources", "sandboxes": "resources", "reward_services": "resources",
     "tangram.sim": "simulator",  # the service's own cycle and managers on a virtual clock
     "tangram": "service",  # HTTP, the store, the config, the request parser, SLO admission, the CLI
-    "clients": "clients",
+    "tangram_client.retry": "core",  # the one back-off, shipped by the client and imported by the broker
+    "tangram_client": "clients",
     "loadtest": "benchmarks",
 }
 #: the layers each layer may import (its own included); anything else is refused
@@ -40,12 +46,13 @@ MAY_IMPORT = {
 INFRASTRUCTURE = frozenset({"aiohttp", "sqlalchemy", "docker", "prometheus_client", "uvloop", "torch"})
 
 
-def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+def _module_name(path: Path, source_root: Path) -> str:
+    parts = list(path.relative_to(source_root).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-MODULES = {_module_name(path): path for package in PACKAGES for path in (ROOT / package).rglob("*.py")}
+MODULES = {_module_name(path, source_root): path for package, source_root in SOURCE_ROOTS.items()
+           for path in (source_root / package).rglob("*.py")}
 #: the floor: it imports nothing of ours outside itself
 CORE = tuple(sorted(m for m in MODULES if m.startswith("tangram.core")))
 
@@ -129,6 +136,16 @@ def test_the_core_imports_nothing_of_ours_outside_it_and_no_infrastructure(modul
 def test_the_algorithms_reach_no_infrastructure(module: str) -> None:
     _, outside = reaches(module)
     assert not outside & INFRASTRUCTURE, f"{module} reaches {sorted(outside & INFRASTRUCTURE)}"
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m.split(".")[0] == "tangram_client"))
+def test_the_client_reaches_nothing_of_the_brokers(module: str) -> None:
+    """The client is a distribution of its own (clients/pyproject.toml, aiohttp and orjson): none of its modules
+    reaches a module outside it, nor an outside package the broker's distribution alone installs."""
+    ours, outside = reaches(module)
+    assert all(name.split(".")[0] == "tangram_client" for name in ours), f"{module} imports {sorted(ours)}"
+    assert not outside & {*BROKER_PACKAGES, *INFRASTRUCTURE, "scipy", "numpy", "pydantic", "psutil"} - {"aiohttp"}, \
+        f"{module} reaches {sorted(outside)}"
 
 
 def test_the_store_rebuilds_records_without_the_request_parser() -> None:

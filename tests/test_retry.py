@@ -1,4 +1,4 @@
-"""The one back-off and the one Retry-After reader (tangram/core/retry.py)."""
+"""The one back-off and the one Retry-After reader (clients/tangram_client/retry.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tangram.core.retry import backoff_s, retry_after_s
+from tangram_client.retry import backoff_s, retry_after_s
 
 
 @given(st.integers(0, 40), st.floats(0.001, 10.0), st.floats(0.01, 100.0))

@@ -1,8 +1,8 @@
-"""The reward's test run without Docker: the files ``clients/verl_reward.py`` puts in a sandbox, laid out in a
-temporary directory and run by a real pytest in a subprocess, as the sandbox runs them (``TEST_COMMAND``). The
-solution runs in a process of its own behind the ``solution`` shim (``clients/solution_proxy.py``), and the score
-is the line signed by ``clients/reward_report.py``. ``tests/test_verl_plugin.py`` runs the same in real sandboxes,
-with xdist, through verl's reward manager."""
+"""The reward's test run without Docker: the files ``tangram_client/verl_reward.py`` puts in a sandbox, laid out in
+a temporary directory and run by a real pytest in a subprocess, as the sandbox runs them (``TEST_COMMAND``). The
+solution runs in a process of its own behind the ``solution`` shim (``tangram_client/solution_proxy.py``), and the
+score is the line signed by ``tangram_client/reward_report.py``. ``tests/test_verl_plugin.py`` runs the same in real
+sandboxes, with xdist, through verl's reward manager."""
 
 from __future__ import annotations
 
@@ -17,12 +17,12 @@ from typing import Any
 
 import pytest
 
-from clients.pytest_guard import untrusted_path_entries
-from clients.signed_report import FIELDS, KEY_FILE, MARKER, read_signed, signed_line
-from clients.solution_proxy import SolutionError
-from clients.solution_runner import landlock_abi
-from clients.solution_wire import Decoder, Encoder, WireError
-from clients.verl_reward import TEST_COMMAND, sandbox_files
+from tangram_client.pytest_guard import untrusted_path_entries
+from tangram_client.signed_report import FIELDS, KEY_FILE, MARKER, read_signed, signed_line
+from tangram_client.solution_proxy import SolutionError
+from tangram_client.solution_runner import landlock_abi
+from tangram_client.solution_wire import Decoder, Encoder, WireError
+from tangram_client.verl_reward import TEST_COMMAND, sandbox_files
 
 KEY = "0123456789abcdef" * 4
 ROOT = Path(__file__).resolve().parent.parent
@@ -368,8 +368,9 @@ print(json.dumps(guard.untrusted_path_entries(["", "rel", "/tmp/x/y", "/usr/lib/
 def test_the_test_process_drops_the_paths_the_solution_could_write(tmp_path: Path) -> None:
     """As a sandbox's uid (not root): the current directory, the tests' and anything it can write go; the system's
     Python stays. As root, only the tests' directories and the current one go."""
-    probe = subprocess.run(["/usr/bin/python3", "-c", PATH_PROBE, str(ROOT / "clients" / "pytest_guard.py"),
-                            str(tmp_path)], user=65534, group=65534, capture_output=True, text=True, check=True)
+    guard = ROOT / "clients" / "tangram_client" / "pytest_guard.py"
+    probe = subprocess.run(["/usr/bin/python3", "-c", PATH_PROBE, str(guard), str(tmp_path)],
+                           user=65534, group=65534, capture_output=True, text=True, check=True)
     assert json.loads(probe.stdout) == ["", "rel", "/tmp/x/y", str(tmp_path)]
     assert untrusted_path_entries(["", "/tmp/x/y", "/usr/lib/python3", str(tmp_path / "a")], [str(tmp_path)]) == \
         ["", str(tmp_path / "a")]

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from clients import AsyncTangramClient
-from clients.errors import OverloadedError
 from tangram.sched.tenants import AUTHENTICATED_DEFAULTS, TaskCaps, Tenancy
+from tangram_client import AsyncTangramClient
+from tangram_client.errors import OverloadedError
 from tests.docker_nodes import local_cpu
 from tests.harness import Live, live_broker, live_upstream
 

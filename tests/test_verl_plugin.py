@@ -29,15 +29,15 @@ from verl.tools.tool_registry import initialize_tools_from_config
 from verl.trainer.ppo.reward import load_reward_manager
 from verl.workers.rollout.replica import TokenOutput
 
-from clients import verl_reward
-from clients.errors import ForbiddenError, UnauthorizedError, UnprocessableError
-from clients.verl_reward import close_shared_clients, compute_score, compute_score_async
-from clients.verl_tool import BrokerShellTool
 from tangram.server.auth import new_token, token_sha256
+from tangram_client import verl_reward
+from tangram_client.errors import ForbiddenError, UnauthorizedError, UnprocessableError
+from tangram_client.verl_paths import AGENT_LOOP_CONFIG, TOOL_CONFIG
+from tangram_client.verl_reward import close_shared_clients, compute_score, compute_score_async
+from tangram_client.verl_tool import BrokerShellTool
 from tests.docker_nodes import cpu_config, docker_engines
 from tests.harness import Live, live_broker
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "clients" / "examples"
 TASK = "verl-plugin"
 TOKEN, OTHER = new_token(), new_token()
 #: renders each message on its own, so a conversation's tokens are a prefix of the next turn's (verl checks that)
@@ -121,9 +121,9 @@ async def test_verl_tool_agent_loop_keeps_one_sandbox_per_trajectory_and_deletes
     async with live_broker(docker_node(), db) as live:
         monkeypatch.setenv("TANGRAM_URL", live.url)
         monkeypatch.setenv("TANGRAM_TASK", TASK)
-        tools = initialize_tools_from_config(str(EXAMPLES / "verl_tool_config.yaml"))
+        tools = initialize_tools_from_config(str(TOOL_CONFIG))
         assert [type(tool) for tool in tools] == [BrokerShellTool] and tools[0].name == "shell"
-        for entry in OmegaConf.load(EXAMPLES / "verl_agent_loop.yaml"):  # as verl's AgentLoopWorker loads it
+        for entry in OmegaConf.load(AGENT_LOOP_CONFIG):  # as verl's AgentLoopWorker loads it
             _agent_loop_registry[entry.name] = entry
         tokenizer = byte_tokenizer()
         policy = ScriptedPolicy(tokenizer, live)
@@ -166,7 +166,7 @@ async def test_seed_files_reach_the_sandbox_and_broker_errors_become_readable_an
     async with live_broker(docker_node(), db) as live:
         monkeypatch.setenv("TANGRAM_URL", live.url)
         monkeypatch.setenv("TANGRAM_TASK", TASK)
-        tool = initialize_tools_from_config(str(EXAMPLES / "verl_tool_config.yaml"))[0]
+        tool = initialize_tools_from_config(str(TOOL_CONFIG))[0]
         agent_data = AgentData(messages=[], image_data=None, video_data=None, audio_data=None,
                                mm_processor_kwargs=None, metrics={}, request_id="req-1", tools_kwargs={})
         try:
@@ -223,7 +223,7 @@ async def test_on_a_broker_with_auth_the_tool_sends_its_token_and_a_refusal_of_i
             with pytest.raises(UnauthorizedError):
                 await run(tool())
             monkeypatch.setenv("TANGRAM_TOKEN", TOKEN)
-            from_env = initialize_tools_from_config(str(EXAMPLES / "verl_tool_config.yaml"))[0]
+            from_env = initialize_tools_from_config(str(TOOL_CONFIG))[0]
             tools.append(from_env)
             assert await run(from_env) == "exit code: 0\nstdout:\nhi"
             with pytest.raises(ForbiddenError):
@@ -302,7 +302,7 @@ def reward_batch(tokenizer: PreTrainedTokenizerFast, response: str, ground_truth
 def reward_config(name: str, **reward_kwargs: Any) -> Any:
     """verl's reward config naming our function as a custom reward function, with its reward_kwargs."""
     return OmegaConf.create({"reward": {
-        "custom_reward_function": {"path": "pkg://clients.verl_reward", "name": name, "reward_kwargs": reward_kwargs},
+        "custom_reward_function": {"path": "pkg://tangram_client.verl_reward", "name": name, "reward_kwargs": reward_kwargs},
         "reward_manager": {"source": "register", "name": "naive"}}})
 
 

@@ -25,8 +25,8 @@ from tangram.core.config_tables import TABLE, Count, NonNegative, PositiveSecond
 from tangram.core.errors import ActionFailed, Unprocessable
 from tangram.core.fencing import current
 from tangram.core.names import json_pattern
-from tangram.core.retry import backoff_s, retry_after_s
 from tangram.core.schema import Schema, explained, parse, tag
+from tangram_client.retry import backoff_s, retry_after_s
 
 #: never forwarded: connection-level headers, and those the client library must compute for the real upstream
 DROPPED_HEADERS = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization",

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tangram.core.retry import backoff_s
+from tangram_client.retry import backoff_s
 
 #: failed allocations of one action before it is failed
 ATTEMPTS = 5

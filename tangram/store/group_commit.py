@@ -19,12 +19,12 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from tangram.core.action import Action, State
-from tangram.core.retry import backoff_s
 from tangram.records import stored_record
 from tangram.store.fence import Deposed, Fence
 from tangram.store.refusals import refused
 from tangram.store.statements import Bulk, dialect_of, upsert
 from tangram.store.tables import ActionRow, ProfileRow, SpeedupRow, TransitionRow
+from tangram_client.retry import backoff_s
 
 log = logging.getLogger("tangram.store")
 

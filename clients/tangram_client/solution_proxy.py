@@ -1,15 +1,15 @@
 """The solution under test, seen from the test process: its code runs in a process of its own, never in pytest's.
 
-A solution imported into the pytest process can rewrite pytest (``Function.runtest``, the reporter) and score
-tests it fails. Here the module ``solution`` the tests import is a shim (``install``): it starts the solution's
-code in its own interpreter (``clients/solution_runner.py``; stdin /dev/null, stdout and stderr into files this
-process relays into the test's captured output, none of pytest's descriptors) and stands in for its top-level
-names. The process is started at the first use of the solution once pytest has collected the tests (``open_gate``,
-called by ``clients/reward_report.py``): a call while collecting is recorded and made at its value's first use, so
+A solution imported into the pytest process can rewrite pytest (``Function.runtest``, the reporter) and score tests
+it fails. Here the module ``solution`` the tests import is a shim (``install``): it starts the solution's code in
+its own interpreter (``tangram_client/solution_runner.py``; stdin /dev/null, stdout and stderr into files this
+process relays into the test's captured output, none of pytest's descriptors) and stands in for its top-level names.
+The process is started at the first use of the solution once pytest has collected the tests (``open_gate``, called
+by ``tangram_client/reward_report.py``): a call while collecting is recorded and made at its value's first use, so
 that no solution code runs before every pytest process (each xdist worker) has read its test files; using a value
 while collecting raises ``CalledDuringCollection``. Each pytest process has its own solution process.
 
-What crosses is data (``clients/solution_wire.py``, never pickle) or a reference. What works as in-process:
+What crosses is data (``tangram_client/solution_wire.py``, never pickle) or a reference. What works as in-process:
 functions and constants; the solution's classes, as local stand-ins built from its source (never run here):
 instances, methods, attributes, ``isinstance``, class attributes; exceptions re-raised with their type (builtin
 ones, and the solution's own classes declared at top level, so ``pytest.raises(solution.MyError)`` works) and
@@ -40,8 +40,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
-from clients.pytest_guard import make_undumpable
-from clients.solution_wire import BUILTIN_EXCEPTIONS, OPERATIONS, Decoder, Encoder, WireError, receive, send
+from tangram_client.pytest_guard import make_undumpable
+from tangram_client.solution_wire import BUILTIN_EXCEPTIONS, OPERATIONS, Decoder, Encoder, WireError, receive, send
 
 #: the module name of the solution in both processes
 MODULE_NAME = "solution"
@@ -50,8 +50,8 @@ RELAY_LIMIT = 1 << 20
 #: the solution's process runs the runner and the wire from the sources the shim read while pytest collected, not
 #: from files the solution (another worker's) may have rewritten by the time it starts
 BOOT = """import sys, types
-sys.modules["clients"] = types.ModuleType("clients")
-for name, source in (("clients.solution_wire", sys.argv[1]), ("clients.solution_runner", sys.argv[2])):
+sys.modules["tangram_client"] = types.ModuleType("tangram_client")
+for name, source in (("tangram_client.solution_wire", sys.argv[1]), ("tangram_client.solution_runner", sys.argv[2])):
     module = sys.modules[name] = types.ModuleType(name)
     exec(compile(source, f"<{name}>", "exec"), module.__dict__)
 module.main(sys.argv[3:])
@@ -496,7 +496,11 @@ class SolutionProcess:
             built = SolutionError(f"{name if module in ('builtins', MODULE_NAME) else f'{module}.{name}'}: {text}")
         trace = error.get("traceback")
         if isinstance(trace, str):
-            built.add_note(f"raised in the solution's process:\n{trace}")
+            note = f"raised in the solution's process:\n{trace}"
+            if sys.version_info >= (3, 11):
+                built.add_note(note)
+            else:  # what add_note fills, which pytest shows
+                built.__notes__ = [*getattr(built, "__notes__", ()), note]
         return built
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from clients.errors import ActionError
+from tangram_client.errors import ActionError
 
 TERMINAL_STATES = frozenset({"succeeded", "failed", "cancelled", "timed_out"})
 

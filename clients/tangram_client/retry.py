@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import random
 import time
-from datetime import UTC
+from datetime import timezone
 from email.utils import parsedate_to_datetime
 
 
@@ -34,5 +34,5 @@ def retry_after_s(value: str | None, now: float | None = None) -> float | None:
     except (TypeError, ValueError, IndexError):
         return None
     if when.tzinfo is None:  # "-0000": no zone given; an HTTP-date is GMT
-        when = when.replace(tzinfo=UTC)
+        when = when.replace(tzinfo=timezone.utc)
     return max(0.0, when.timestamp() - (time.time() if now is None else now))

@@ -14,15 +14,18 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import orjson
 
-from clients.errors import BrokerUnreachable, ConflictError, WaitTimeout, api_error
-from clients.output_stream import OutputPiece, read_pieces
-from clients.records import ActionRecord
-from tangram.core.retry import backoff_s, retry_after_s
+from tangram_client.errors import BrokerUnreachable, ConflictError, WaitTimeout, api_error
+from tangram_client.output_stream import OutputPiece, read_pieces
+from tangram_client.records import ActionRecord
+from tangram_client.retry import backoff_s, retry_after_s
+
+if TYPE_CHECKING:  # typing.Self is Python 3.11's; the client runs on 3.10
+    from typing_extensions import Self
 
 #: statuses worth retrying: the broker is overloaded (queue full, over a cap) and says so
 RETRY_STATUSES = frozenset({429, 503})

@@ -1,5 +1,5 @@
-"""The values that cross between a test process and the solution's own process (``clients/solution_proxy.py`` and
-``clients/solution_runner.py``): tagged JSON over a pipe, never pickle.
+"""The values that cross between a test process and the solution's own process (``tangram_client/solution_proxy.py`` and
+``tangram_client/solution_runner.py``): tagged JSON over a pipe, never pickle.
 
 Not pickle, because unpickling calls whatever the bytes name: a solution answering with pickle bytes would run its
 code in the test process, the very thing its own process is there to prevent. The receiving side here builds data
@@ -346,4 +346,4 @@ def _read_exactly(fd: int, size: int) -> bytes | None:
 BUILTIN_EXCEPTIONS: dict[str, type[BaseException]] = {
     name: value for name, value in vars(builtins).items()
     if isinstance(value, type) and (issubclass(value, Exception) or value is SystemExit)
-    and not issubclass(value, BaseExceptionGroup) and value is not Exception}
+    and not issubclass(value, getattr(builtins, "BaseExceptionGroup", ())) and value is not Exception}  # 3.11+

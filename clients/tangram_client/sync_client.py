@@ -10,11 +10,14 @@ import asyncio
 import threading
 from collections.abc import AsyncIterator, Coroutine, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any, Self, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from clients.client import AsyncTangramClient, Demand
-from clients.output_stream import OutputPiece
-from clients.records import ActionRecord
+from tangram_client.client import AsyncTangramClient, Demand
+from tangram_client.output_stream import OutputPiece
+from tangram_client.records import ActionRecord
+
+if TYPE_CHECKING:  # typing.Self is Python 3.11's; the client runs on 3.10
+    from typing_extensions import Self
 
 T = TypeVar("T")
 

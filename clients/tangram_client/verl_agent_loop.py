@@ -4,7 +4,8 @@ when its ``run`` ends, however it ends.
 verl makes one agent-loop object per trajectory and calls ``run`` once; ``BrokerShellTool`` records each
 trajectory's sandbox in the ``trajectory_scope`` that ``run`` opens here. Importing this module registers the loop as
 ``tangram_tool_agent`` in verl's agent-loop registry; a rollout worker imports it through
-``actor_rollout_ref.rollout.agent.agent_loop_config_path=clients/examples/verl_agent_loop.yaml`` and uses it with
+``actor_rollout_ref.rollout.agent.agent_loop_config_path=`` the package's ``verl_agent_loop.yaml`` (its path printed
+by ``python -m tangram_client.verl_paths``) and uses it with
 ``actor_rollout_ref.rollout.agent.default_agent_loop=tangram_tool_agent`` (or a sample's ``agent_name``).
 """
 
@@ -15,7 +16,7 @@ from typing import Any
 from verl.experimental.agent_loop.agent_loop import AgentLoopOutput, register
 from verl.experimental.agent_loop.tool_agent_loop import ToolAgentLoop
 
-from clients.verl_tool import trajectory_scope
+from tangram_client.verl_tool import trajectory_scope
 
 AGENT_NAME = "tangram_tool_agent"
 

@@ -5,14 +5,15 @@ in the instance: every call names the trajectory by verl's per-trajectory ``agen
 keeps one sandbox per (task, trajectory), made on the trajectory's first ``exec`` and reused after it. ``release``
 (per call) therefore leaves the sandbox alone. The sandbox goes when the trajectory ends:
 
-* with the ``tangram_tool_agent`` loop (``clients/verl_agent_loop.py``), which runs each trajectory inside
+* with the ``tangram_tool_agent`` loop (``tangram_client/verl_agent_loop.py``), which runs each trajectory inside
   ``trajectory_scope()`` and deletes the environments of its trajectories when ``run`` returns or raises;
 * from a custom loop, by ``await tool.release_trajectory(request_id)`` or by running it inside
   ``trajectory_scope()`` too;
 * otherwise by the broker's ``cpu.idle_ttl_s``, which destroys an environment idle that long (the backstop when a
   rollout worker dies before its cleanup runs).
 
-Point verl at it with ``actor_rollout_ref.rollout.multi_turn.tool_config_path=clients/examples/verl_tool_config.yaml``.
+Point verl at it with ``actor_rollout_ref.rollout.multi_turn.tool_config_path=`` the path of the package's
+``verl_tool_config.yaml`` (``python -m tangram_client.verl_paths`` prints it).
 """
 
 from __future__ import annotations
@@ -29,9 +30,9 @@ from typing import Any
 from verl.tools.base_tool import BaseTool
 from verl.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
 
-from clients.client import AsyncTangramClient
-from clients.errors import ForbiddenError, NotFoundError, TangramError, UnauthorizedError, UnprocessableError
-from clients.records import ActionRecord
+from tangram_client.client import AsyncTangramClient
+from tangram_client.errors import ForbiddenError, NotFoundError, TangramError, UnauthorizedError, UnprocessableError
+from tangram_client.records import ActionRecord
 
 log = logging.getLogger(__name__)
 

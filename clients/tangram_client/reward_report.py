@@ -1,17 +1,17 @@
-"""The pytest plugin of a test-scored reward (``-p clients.reward_report``): it counts the tests in the one process
-that sees every outcome and signs the count, and it keeps the processes of pytest out of the solution's reach.
+"""The pytest plugin of a test-scored reward (``-p tangram_client.reward_report``): it counts the tests in the one
+process that sees every outcome and signs the count, and it keeps the processes of pytest out of the solution's
+reach.
 
-In every pytest process (the single one, or xdist's controller and each worker), at ``pytest_configure``, before
-any solution code can exist: the process is made undumpable (``clients/pytest_guard.py``), the solution's gate is
-closed (``clients/solution_proxy.py``: nothing of it runs while pytest collects), and a crashed xdist worker is not
-replaced (a new worker would read test files the solution may have rewritten by then). Where tests are collected,
-once they are: the shim ``solution`` is imported (a test importing it later finds it loaded), ``sys.path`` loses
-every directory the solution can write, and the gate opens. The reporting process (not a worker) reads and deletes
-the key file first; once every process has collected the tests (before xdist schedules any), it deletes the test
-files, which would show the solution the expected answers; it counts each collected test once (passed: its call
-passed and no phase failed; skipped: skipped or xfail/xpass, as the test asked; failed: the rest, including tests
-that never reported), and at the end writes the signed line (``clients/signed_report.py``) to the stderr it had at
-configure.
+In every pytest process (the single one, or xdist's controller and each worker), at ``pytest_configure``, before any
+solution code can exist: the process is made undumpable (``tangram_client/pytest_guard.py``), the solution's gate is
+closed (``tangram_client/solution_proxy.py``: nothing of it runs while pytest collects), and a crashed xdist worker is
+not replaced (a new worker would read test files the solution may have rewritten by then). Where tests are collected,
+once they are: the shim ``solution`` is imported (a test importing it later finds it loaded), ``sys.path`` loses every
+directory the solution can write, and the gate opens. The reporting process (not a worker) reads and deletes the key
+file first; once every process has collected the tests (before xdist schedules any), it deletes the test files, which
+would show the solution the expected answers; it counts each collected test once (passed: its call passed and no phase
+failed; skipped: skipped or xfail/xpass, as the test asked; failed: the rest, including tests that never reported), and
+at the end writes the signed line (``tangram_client/signed_report.py``) to the stderr it had at configure.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from typing import Any
 
 import pytest
 
-from clients.pytest_guard import make_undumpable, strip_writable_paths
-from clients.signed_report import KEY_FILE, signed_line
-from clients.solution_proxy import MODULE_NAME, close_gate, open_gate, shutdown
+from tangram_client.pytest_guard import make_undumpable, strip_writable_paths
+from tangram_client.signed_report import KEY_FILE, signed_line
+from tangram_client.solution_proxy import MODULE_NAME, close_gate, open_gate, shutdown
 
 #: a key longer than this is not ours
 MAX_KEY_BYTES = 4096

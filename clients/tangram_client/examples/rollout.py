@@ -6,7 +6,7 @@ runs its tests, patches the bug, and runs the tests again as an elastic action; 
 At the end the trajectory's sandbox is deleted.
 
     bash scripts/serve.sh &                        # a broker on embedded defaults
-    .venv/bin/python -m clients.examples.rollout --trajectories 8
+    .venv/bin/python -m tangram_client.examples.rollout --trajectories 8  # needs rich (the broker's install has it)
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from rich.console import Console
 from rich.table import Table
 
-from clients import ActionRecord, AsyncTangramClient, TangramError
+from tangram_client import ActionRecord, AsyncTangramClient, TangramError
 
 PROJECT = {
     "calc.py": "def mean(values):\n    return sum(values) / (len(values) + 1)  # the bug to fix\n",

@@ -1,10 +1,10 @@
 """The solution's own process: it imports the solution and answers what the test process asks of it.
 
-Started by ``clients/solution_proxy.py`` as ``python3 -c BOOT WIRE RUNNER CODE_PATH REQUEST_FD REPLY_FD`` (the
-sources of ``clients/solution_wire.py`` and of this file, read before any solution code ran), with stdin
+Started by ``tangram_client/solution_proxy.py`` as ``python3 -c BOOT WIRE RUNNER CODE_PATH REQUEST_FD REPLY_FD`` (the
+sources of ``tangram_client/solution_wire.py`` and of this file, read before any solution code ran), with stdin
 from /dev/null and stdout/stderr into files of the test process (relayed into the test's captured output), never
 the test process's own streams. Everything here runs beside the solution's code, which may rewrite any of it: the
-test process trusts none of its answers beyond their being data (``clients/solution_wire.py``). What this process
+test process trusts none of its answers beyond their being data (``tangram_client/solution_wire.py``). What this process
 does first, before the solution's code, is confine itself where the kernel can (``confine``), so that the solution
 cannot signal or ptrace processes outside it (pytest, the sandbox's executor).
 """
@@ -21,7 +21,7 @@ import traceback
 import types
 from typing import Any
 
-from clients.solution_wire import OPERATIONS, Decoder, Encoder, WireError, receive, send
+from tangram_client.solution_wire import OPERATIONS, Decoder, Encoder, WireError, receive, send
 
 #: the name the solution's module has in both processes (its classes' ``__module__``)
 MODULE_NAME = "solution"

@@ -2,7 +2,7 @@
 
 Everything else a test run prints can come from the solution (it can write to the executor's pipes, or print a
 pytest summary of its own). The reward puts a fresh random key in the sandbox as ``KEY_FILE``; the pytest plugin
-(``clients/reward_report.py``) reads and deletes it before any solution code exists, keeps it in a process the
+(``tangram_client/reward_report.py``) reads and deletes it before any solution code exists, keeps it in a process the
 solution cannot read, and prints ``MARKER <json> <hmac-sha256>`` at the end. A line whose MAC does not check is
 ignored, so the solution can hide the report (a score of 0) but never write one. Shipped into the sandbox: stdlib
 only.

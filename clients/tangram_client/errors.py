@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from clients.records import ActionRecord
+    from tangram_client.records import ActionRecord
 
 
 class TangramError(Exception):

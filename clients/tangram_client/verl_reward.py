@@ -6,17 +6,17 @@ Two ways to score, picked by ``reward_kwargs``:
   sandbox beside ``ground_truth`` as ``test_solution.py`` (pytest tests that import from ``solution``); they run as
   one elastic ``exec`` action with ``pytest_parallel``, so the broker's ``pytest`` becomes ``pytest -n N`` on the N
   cores it grants. The tests never import the code into pytest: ``solution`` is a shim that runs it in a process of
-  its own (``clients/solution_proxy.py``), and the score comes from a line the pytest plugin
-  ``clients/reward_report.py`` signs with a key only pytest holds (``clients/signed_report.py``), never from what
-  the solution can print. The score is passed / (collected - skipped) tests: 0 when no signed report came back
-  (the solution killed pytest, none were collected), or the run was killed for time or memory or lost its sandbox.
-  The default sandbox image has pytest and pytest-xdist.
+  its own (``tangram_client/solution_proxy.py``), and the score comes from a line the pytest plugin
+  ``tangram_client/reward_report.py`` signs with a key only pytest holds (``tangram_client/signed_report.py``),
+  never from what the solution can print. The score is passed / (collected - skipped) tests: 0 when no signed report
+  came back (the solution killed pytest, none were collected), or the run was killed for time or memory or lost its
+  sandbox. The default sandbox image has pytest and pytest-xdist.
 * **reward model**: with ``service`` set, a ``reward`` action asks that broker reward service (task
   ``similarity``) to compare the response with ``ground_truth``; the score is the service's score.
 
 verl loads it with::
 
-    reward.custom_reward_function.path=pkg://clients.verl_reward
+    reward.custom_reward_function.path=pkg://tangram_client.verl_reward
     reward.custom_reward_function.name=compute_score          # or compute_score_async
     +reward.custom_reward_function.reward_kwargs.broker_url=http://127.0.0.1:8300
 
@@ -41,10 +41,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from clients.client import AsyncTangramClient
-from clients.errors import ActionError
-from clients.signed_report import KEY_FILE, read_signed
-from clients.verl_tool import DEFAULT_URL, LoopClients, core_range
+from tangram_client.client import AsyncTangramClient
+from tangram_client.errors import ActionError
+from tangram_client.signed_report import KEY_FILE, read_signed
+from tangram_client.verl_tool import DEFAULT_URL, LoopClients, core_range
 
 #: a fenced code block; the last one in a response is taken as its solution
 FENCE = re.compile(r"```[\w+-]*[ \t]*\n(.*?)```", re.DOTALL)
@@ -52,14 +52,14 @@ FENCE = re.compile(r"```[\w+-]*[ \t]*\n(.*?)```", re.DOTALL)
 #: under the command is one: where the kernel has no Landlock scopes the solution can kill every process of its uid,
 #: the sandbox's executor included (the score's ``sandbox_lost`` detail says so)
 SOLUTION_FAULTS = frozenset({"timed_out", "out_of_memory", "environment_lost"})
-TEST_COMMAND = "python3 -m pytest -q -p no:cacheprovider -p clients.reward_report test_solution.py"
-#: our modules a test run's sandbox holds (under ``clients/``, with an empty ``__init__.py``)
+TEST_COMMAND = "python3 -m pytest -q -p no:cacheprovider -p tangram_client.reward_report test_solution.py"
+#: our modules a test run's sandbox holds (under ``tangram_client/``, with an empty ``__init__.py``)
 SHIPPED_MODULES = ("solution_wire", "solution_proxy", "solution_runner", "pytest_guard", "signed_report",
                    "reward_report")
 #: where the response's code goes; ``solution.py`` is the shim that runs it
 SOLUTION_CODE = "_solution/solution.py"
-SOLUTION_SHIM = ('"""The solution under test, run in a process of its own (clients/solution_proxy.py)."""\n\n'
-                 "from clients.solution_proxy import install\n\n"
+SOLUTION_SHIM = ('"""The solution under test, run in a process of its own (tangram_client/solution_proxy.py)."""\n\n'
+                 "from tangram_client.solution_proxy import install\n\n"
                  f"install(__name__, {SOLUTION_CODE!r})\n")
 
 
@@ -72,13 +72,13 @@ def extract_code(solution_str: str) -> str:
 @functools.cache
 def _shipped_sources() -> dict[str, str]:
     here = Path(__file__).resolve().parent
-    return {f"clients/{name}.py": (here / f"{name}.py").read_text() for name in SHIPPED_MODULES}
+    return {f"tangram_client/{name}.py": (here / f"{name}.py").read_text() for name in SHIPPED_MODULES}
 
 
 def sandbox_files(code: str, tests: str, key: str) -> dict[str, str]:
     """What a test run's sandbox starts with: the tests, the code behind the ``solution`` shim, our modules, and
     the report's key (read and deleted by pytest before the code can run)."""
-    return {**_shipped_sources(), "clients/__init__.py": "", "solution.py": SOLUTION_SHIM, SOLUTION_CODE: code,
+    return {**_shipped_sources(), "tangram_client/__init__.py": "", "solution.py": SOLUTION_SHIM, SOLUTION_CODE: code,
             "test_solution.py": tests, KEY_FILE: key}
 
 
