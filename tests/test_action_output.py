@@ -15,13 +15,21 @@ from typing import Any
 import aiohttp
 import pytest
 
-from clients import AsyncTangramClient, NotFoundError, OutputPiece, TangramClient
-from clients.output_stream import read_pieces
+from managers.cpu.exec_spec import ExecLimits
 from managers.cpu.live_output import MAX_SWITCHES, LiveOutput, LiveOutputs
 from managers.cpu.manager import CpuManager
+from managers.remote.broker.agent_backend import AgentSandbox, answer
+from managers.remote.node.node_agent import NodeAgent
+from managers.remote.replies import Reply
+from sandboxes.backend import NodeHardware, SandboxBackend, SandboxSpec
+from sandboxes.exec_wire import ExecRequest
 from sandboxes.executor_answer import BadAnswer
 from sandboxes.executor_client import call, wait_ready
+from sandboxes.local import LocalProcessBackend
 from tangram.core.action import Kind
+from tangram.core.fencing import DEPOSED
+from tangram_client import AsyncTangramClient, NotFoundError, OutputPiece, TangramClient
+from tangram_client.output_stream import read_pieces
 from tests.docker_nodes import docker_engines, local_cpu
 from tests.harness import Live, live_broker
 from tests.test_auth import ADMIN, TOKEN_A, TOKEN_B, bearer, secured
@@ -320,3 +328,53 @@ async def test_the_engine_path_streams_the_output_at_the_end(db: str) -> None:
         response.close()
         assert [(p.event, p.text) for p in seen[:-1]] == [("stdout", "a\n"), ("stderr", "b\n")]
         assert seen[-1].end is not None and seen[-1].end["state"] == "succeeded"
+
+
+async def test_a_node_agent_streams_the_output_while_the_command_runs(tmp_path: Path) -> None:
+    """The agent path without Ray: the broker's ``AgentSandbox`` reads ``NodeAgent.execute_streaming`` through a
+    streaming transport (``FencedAgent.stream``, what a Ray actor's generator method runs), local processes behind
+    it. The command waits for a flag made once its first line came through, so nothing but a live stream ends it."""
+    backend = LocalProcessBackend(tmp_path / "run")
+    await backend.start()
+
+    async def opened() -> SandboxBackend:
+        return backend
+
+    agent = NodeAgent(opened, ExecLimits(), NodeHardware(cores=(0,), memory_mb=64, numa=((0,),)))
+
+    async def call(method: str, *args: Any) -> Reply:
+        reply: Reply = await getattr(agent, method)(*args)
+        return reply
+
+    def stream(method: str, *args: Any) -> AsyncIterator[Reply]:
+        return agent.stream(2, method, *args)
+
+    spec = SandboxSpec(env_id="env-stream", task="t", trajectory=None, image="i", memory_mb=64, pids_limit=64)
+    created = answer(await agent.create(spec))
+    sandbox = AgentSandbox(call, spec.env_id, created, "n1", stream)
+    flag = Path(created["workdir"]) / "go"
+    pieces: list[tuple[str, bytes]] = []
+
+    def sink(name: str, data: bytes) -> None:
+        pieces.append((name, data))
+        if b"first" in data:
+            flag.touch()
+
+    try:
+        request = ExecRequest(WAITS_FOR_FLAG.format(flag=flag), timeout_s=30)
+        executed = await asyncio.wait_for(sandbox.execute("a1", request, sink), 60)
+        assert executed.result.exit_code == 0 and not executed.result.timed_out, executed
+        assert pieces[0] == ("stdout", b"first\n")
+        assert b"".join(data for name, data in pieces if name == "stdout") == b"first\nthird\n"
+        assert b"".join(data for name, data in pieces if name == "stderr") == b"second\n"
+        assert (executed.result.stdout, executed.result.stderr) == ("first\nthird\n", "second\n")
+        plain = AgentSandbox(call, spec.env_id, created, "n1")  # no streaming transport: the answer only
+        unseen: list[tuple[str, bytes]] = []
+        executed = await plain.execute("a2", ExecRequest("echo x", timeout_s=30), lambda *piece: unseen.append(piece))
+        assert unseen == [] and executed.result.stdout == "x\n"
+        ran = tmp_path / "ran"  # a stream from a broker of an older epoch is refused before anything runs
+        late = ExecRequest(f"touch {ran}", timeout_s=30)
+        refused = [reply async for reply in agent.stream(1, "execute_streaming", spec.env_id, "a3", late)]
+        assert [reply["error"]["code"] for reply in refused] == [DEPOSED] and not ran.exists()
+    finally:
+        await sandbox.destroy()

@@ -16,16 +16,18 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
-from clients.client import AsyncTangramClient
 from managers.cpu.exec_spec import ExecLimits, check_files
 from managers.remote.broker.ray_cluster import node_resource, token_problem
 from managers.remote.node.node_agent import NodeAgent
 from sandboxes.backend import LABEL_ENV, NodeHardware, SandboxBackend, SandboxSpec
 from tangram.core.errors import RequestError
 from tangram.sim.broker_station import NoSandboxes
+from tangram_client.client import AsyncTangramClient
+from tangram_client.output_stream import OutputPiece
 from tests.docker_nodes import cpu_config, docker_engines, labelled_containers, new_broker_id
 from tests.harness import Live, live_broker, until
 from tests.ray_clusters import NODE, two_node_cluster
+from tests.test_action_output import WAITS_FOR_FLAG, collect, texts
 from tests.test_malleable import a_tool_call_takes_a_core_and_gives_it_back
 from tests.test_recovery import free_port, start_broker
 
@@ -75,6 +77,30 @@ async def test_trajectories_run_on_both_nodes_through_their_agents(ray_cluster: 
         assert all(row["node_backend"]["backend"] == "docker" for row in agents.values())
     for engine in engines.values():  # the broker's stop removed every sandbox through the agents
         assert labelled_containers(engine, broker_id) == []
+
+
+async def test_a_command_behind_an_agent_streams_its_output_while_it_runs(ray_cluster: Cluster, tmp_path) -> None:
+    """The output comes through the agent's Ray streaming call as the node's sandbox reads it: the command waits for
+    a flag the test makes (``docker exec`` on the node's engine) once its first line came through."""
+    raw = agent_nodes(ray_cluster)
+    engines = dict(zip(("n1", "n2"), docker_engines()))
+    async with live_broker(raw, str(tmp_path / "t.db")) as live, AsyncTangramClient(live.url, task="t") as client:
+        made = await run(live, "true", "streamed")
+        env_id, node = made["result"]["environment"], made["result"]["node"]
+        [container] = [c for c in labelled_containers(engines[node], raw["cpu"]["broker_id"])
+                       if c.labels[LABEL_ENV] == env_id]
+        body = {"task": "t", "trajectory": "streamed", "kind": "exec", "demand": {"cpu": 1}, "timeout_s": 60,
+                "spec": {"command": WAITS_FOR_FLAG.format(flag="/tmp/streamed-go")}}
+        _, record = await live.call("POST", "/v1/actions", json=body)
+
+        async def on_piece(piece: OutputPiece) -> None:
+            if "first" in piece.text:
+                await asyncio.to_thread(container.exec_run, ["touch", "/tmp/streamed-go"])
+
+        pieces = await asyncio.wait_for(collect(client.output(record["id"]), on_piece), 90)
+        assert (pieces[0].event, pieces[0].text) == ("stdout", "first\n")
+        assert (texts(pieces, "stdout"), texts(pieces, "stderr")) == ("first\nthird\n", "second\n")
+        assert pieces[-1].end is not None and pieces[-1].end["state"] == "succeeded", pieces[-1]
 
 
 async def test_a_dead_agent_ends_its_actions_with_a_code_and_its_environments_are_lost(ray_cluster: Cluster,

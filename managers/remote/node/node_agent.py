@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from managers.cpu.exec_spec import ExecLimits, check_files
-from managers.remote.replies import FencedAgent, replying
+from managers.remote.replies import FencedAgent, Reply, replying
 from sandboxes.backend import Executed, Leftover, NodeHardware, Sandbox, SandboxBackend, SandboxError, SandboxSpec
 from sandboxes.exec_wire import ExecRequest, ExecResult
+from sandboxes.executor_client import OutputSink
 from sandboxes.file_wire import FileData, ReadFile, WriteFiles, Written
 from tangram.core.errors import RequestError, TooLarge
 
@@ -121,11 +122,33 @@ class NodeAgent(FencedAgent):
         return await sandbox.run(request)
 
     @replying
-    async def execute(self, env_id: str, tag: str, request: ExecRequest) -> Executed:
+    async def execute(self, env_id: str, tag: str, request: ExecRequest, on_output: OutputSink | None = None) \
+            -> Executed:
         """One action's command with its pinning and settling, in the one call an action costs the broker."""
         self._check_request(request)
         sandbox = await self._held(env_id)
-        return await sandbox.execute(tag, request)
+        return await sandbox.execute(tag, request, on_output)
+
+    async def execute_streaming(self, env_id: str, tag: str, request: ExecRequest) -> AsyncIterator[Reply]:
+        """``execute``, its output as the sandbox reads it: ``{"output": [stream, bytes]}`` replies, then
+        ``execute``'s answer. What arrived together goes as one reply per run of a stream (each reply is a message to
+        the broker). A broker that stops reading does not stop the command: it ends as its request says."""
+        pieces: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue()
+        running = asyncio.ensure_future(self.execute(env_id, tag, request, lambda name, data: pieces.put_nowait(
+            (name, data))))
+        while True:
+            getting = asyncio.ensure_future(pieces.get())
+            await asyncio.wait({getting, running}, return_when=asyncio.FIRST_COMPLETED)
+            if not getting.done():
+                getting.cancel()
+            arrived = [getting.result()] if getting.done() and not getting.cancelled() else []
+            while not pieces.empty():
+                arrived.append(pieces.get_nowait())
+            for name, data in _runs(arrived):
+                yield {"output": [name, data]}
+            if running.done() and pieces.empty():
+                yield running.result()
+                return
 
     def _check_request(self, request: ExecRequest) -> None:
         """A command's stdin within what the API lets through (``max_stdin_bytes``)."""
@@ -181,3 +204,14 @@ class NodeAgent(FencedAgent):
             await self._backend.close()
             self._backend = None
         self._sandboxes.clear()
+
+
+def _runs(pieces: list[tuple[str, bytes]]) -> list[tuple[str, bytes]]:
+    """Consecutive pieces of one stream joined, in order."""
+    runs: list[tuple[str, bytes]] = []
+    for name, data in pieces:
+        if runs and runs[-1][0] == name:
+            runs[-1] = (name, runs[-1][1] + data)
+        else:
+            runs.append((name, data))
+    return runs
