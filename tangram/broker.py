@@ -34,6 +34,7 @@ from tangram.sched.scheduler import Placement, Plan
 from tangram.sched.tenants import Tenancy
 from tangram.store.store import Store
 from tangram.submit_checks import SubmitChecks
+from tangram.tracing import ActionTracer
 
 log = logging.getLogger("tangram.broker")
 
@@ -41,10 +42,11 @@ log = logging.getLogger("tangram.broker")
 class Broker:
     def __init__(self, managers: Sequence[ResourceManager], store: Store, profile: SchedulerProfile, *,
                  plugins: Sequence[CyclePlugins] = (), max_queue: int = 100_000, retain_s: float = 600.0,
-                 tick_s: float = 0.25) -> None:
+                 tick_s: float = 0.25, tracer: ActionTracer | None = None) -> None:
         """``profile``: the cycle's plugins and their arguments (``[scheduler]``), as the simulator takes them;
         ``plugins``: the cycle's beyond the managers' (SLO admission's); ``max_queue``: submits beyond get 503;
-        ``retain_s``: how long finished records stay in memory."""
+        ``retain_s``: how long finished records stay in memory; ``tracer``: makes ended actions' spans (None: no
+        tracing)."""
         self.managers = list(managers)
         self.store = store
         self.cycle = Cycle(self.managers, profile, plugins=plugins)
@@ -57,6 +59,7 @@ class Broker:
         self.durations = self.cycle.durations
         self.ledger = self.cycle.ledger
         self.metrics = Metrics()
+        self.tracer = tracer
         self.metrics.watch(lambda: dict(self.queue.depth_by_resource()),
                            lambda: ((row.resource, row.pool, row.capacity, row.in_use)
                                     for manager in self.managers for row in manager.status()))
@@ -303,6 +306,8 @@ class Broker:
         self.store.save(action)
         self.metrics.record_finish(action)
         self.memory.ended(action, action.finished_at)
+        if self.tracer is not None:
+            self.tracer.ended(action)
         if log.isEnabledFor(logging.DEBUG):  # off the hot path unless asked for
             with bound_action(action):  # one line per action, carrying its fields in JSON logs
                 log.debug("action %s ended %s", action.id, state.value)
@@ -312,7 +317,10 @@ class Broker:
 
     def _return_lease(self, action: Action, how: str) -> None:
         self.leases.give_back(action, how)
-        self.memory.returned(action.id, time.time())
+        returned = time.time()
+        self.memory.returned(action.id, returned)
+        if self.tracer is not None:
+            self.tracer.lease_returned(action, returned, how)
         self.kick()
 
     # -- time-driven work -----------------------------------------------------------------------------

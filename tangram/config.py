@@ -34,6 +34,7 @@ from tangram.parse import Limits
 from tangram.sched.profile import SchedulerProfile, refuse_moved
 from tangram.sched.tenants import CAP_NAMES, TaskCaps, Tenancy
 from tangram.slo.plan import SloPlan
+from tangram.tracing import TracingConfig
 
 DEFAULT_DB = "sqlite+aiosqlite:///tangram.db"
 
@@ -168,6 +169,7 @@ class Config:
     gpu: GpuConfig = field(default_factory=GpuConfig)
     #: authentication and per-task caps: the [auth] and [tasks] sections
     access: AccessConfig = field(default_factory=AccessConfig)
+    tracing: TracingConfig = field(default_factory=TracingConfig)
 
 
 #: ``[pools]``: resource = {pool = capacity}
@@ -205,7 +207,8 @@ def parse_access(raw: Mapping[str, Any]) -> AccessConfig:
     return AccessConfig(auth=auth, task_tokens=tokens, tenancy=tenancy, slo_plans=plans)
 
 
-SECTIONS = ("server", "scheduler", "store", "limits", "basic", "pools", "cpu", "gpu", "ray", "auth", "tasks")
+SECTIONS = ("server", "scheduler", "store", "limits", "basic", "pools", "cpu", "gpu", "ray", "auth", "tasks",
+            "tracing")
 
 
 def parse_config(raw: dict[str, Any]) -> Config:
@@ -221,6 +224,7 @@ def parse_config(raw: dict[str, Any]) -> Config:
         pools=table(Pools, raw.get("pools", {}), "pools"),
         cpu=parse_cpu_config(raw.get("cpu", {})),
         gpu=parse_gpu_config(raw.get("gpu", {})),
+        tracing=table(TracingConfig, raw.get("tracing", {}), "tracing"),
     ), table(RayConfig, raw.get("ray", {}), "ray"))
     if "basic" in raw:
         config = replace(config, basic=tuple(with_capacity(b) for b in named_tables(BasicResourceConfig,

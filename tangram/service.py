@@ -34,6 +34,7 @@ from tangram.server.standby import stand_by
 from tangram.slo.admission import SloAdmission
 from tangram.store.fence import Fence
 from tangram.store.store import Store
+from tangram.tracing import ActionTracer, tracer_from_config
 
 log = logging.getLogger("tangram")
 
@@ -56,9 +57,13 @@ def build_managers(config: Config) -> list[ResourceManager]:
 
 @asynccontextmanager
 async def running_broker(config: Config, managers: list[ResourceManager] | None = None,
-                         fenced_by: Fence | None = None) -> AsyncIterator[tuple[Broker, web.Application]]:
+                         fenced_by: Fence | None = None, tracer: ActionTracer | None = None
+                         ) -> AsyncIterator[tuple[Broker, web.Application]]:
     """A started broker and its app; everything is closed and flushed on exit. ``managers``: others than the
-    config's (a benchmark's node agents with modelled sandboxes); ``fenced_by``: the leader's fence on its store."""
+    config's (a benchmark's node agents with modelled sandboxes); ``fenced_by``: the leader's fence on its store;
+    ``tracer``: another than ``[tracing]``'s (a test's in-memory exporter)."""
+    own_tracer = tracer_from_config(config.tracing) if tracer is None else None
+    tracer = tracer or own_tracer
     store = await Store.open(config.store.url, fence=fenced_by)
     try:
         scheduler = config.scheduler
@@ -66,14 +71,16 @@ async def running_broker(config: Config, managers: list[ResourceManager] | None 
         gpu = next((manager for manager in managers if isinstance(manager, GpuManager)), None)
         slo = SloAdmission(None if gpu is None else GpuSloView(gpu), store, config.access.slo_plans)
         broker = Broker(managers, store, scheduler, plugins=[slo.plugins()], max_queue=scheduler.max_queue,
-                        retain_s=scheduler.retain_s)
+                        retain_s=scheduler.retain_s, tracer=tracer)
         try:
             await broker.start()
             yield broker, build_app(broker, config.server, config.limits, slo, config.access)
         finally:
             await broker.close()
-    finally:  # whatever a manager's close raised, pending records still reach the database
+    finally:  # whatever a manager's close raised, pending records still reach the database, and spans their sink
         await store.close()
+        if own_tracer is not None:
+            await asyncio.to_thread(own_tracer.close)
 
 
 async def serve(config: Config, insecure: bool = False) -> None:

@@ -23,6 +23,7 @@ from tangram_client.errors import BrokerUnreachable, ConflictError, WaitTimeout,
 from tangram_client.output_stream import OutputPiece, read_pieces
 from tangram_client.records import ActionRecord
 from tangram_client.retry import backoff_s, retry_after_s
+from tangram_client.trace_context import trace_headers
 
 if TYPE_CHECKING:  # typing.Self is Python 3.11's; the client runs on 3.10
     from typing_extensions import Self
@@ -118,12 +119,13 @@ class AsyncTangramClient:
         """One API call with bounded retries on connection errors and 429/503; returns (status, JSON body, or the
         body's bytes with ``raw_answer``) or raises the typed error of the broker's answer."""
         timeout = aiohttp.ClientTimeout(total=timeout_s or self.request_timeout_s)
+        headers = trace_headers()
         attempt = 0
         started = time.monotonic()
         while True:
             try:
                 async with self._http().request(method, self.base_url + path, json=body, params=params,
-                                                timeout=timeout) as response:
+                                                headers=headers, timeout=timeout) as response:
                     raw = await response.read()
                     status, retry_after = response.status, response.headers.get("Retry-After")
             except (aiohttp.ClientConnectionError, TimeoutError) as error:

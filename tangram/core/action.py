@@ -185,6 +185,8 @@ class Action:
     #: ``spec`` as its manager parsed it (a typed value per kind): parsed once, at submit or on a recovered
     #: action's first use, then read by allocation and execution
     parsed_spec: Any = field(default=None, repr=False, compare=False)
+    #: the W3C ``traceparent`` its request came with (``tangram/tracing.py``); kept in memory only
+    traceparent: str | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.signature:

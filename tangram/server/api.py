@@ -38,6 +38,7 @@ from tangram.server.services_api import add_service_routes, catalog_of
 from tangram.server.status_page import add_status_routes
 from tangram.slo.admission import SloAdmission
 from tangram.slo.api import SLO, add_slo_routes
+from tangram.tracing import traceparent_of
 
 log = logging.getLogger("tangram.server.api")
 
@@ -89,6 +90,7 @@ async def submit_action(request: web.Request) -> web.Response:
     limits = request.app[LIMITS]
     body = parse_action_json(await read_body(request), limits)
     action = to_action(body, limits, own_task(body.task, principal_of(request)))
+    action.traceparent = traceparent_of(request.headers)
     [(record, created)] = await broker.submit([action])
     if wait:
         record = await broker.wait(record.id, timeout)
@@ -108,6 +110,9 @@ async def submit_batch(request: web.Request) -> web.Response:
     principal = principal_of(request)
     actions = [to_action(body, limits, own_task(body.task, principal, f"actions[{i}].task"), where=f"actions[{i}].")
                for i, body in enumerate(bodies)]
+    traceparent = traceparent_of(request.headers)
+    for action in actions:
+        action.traceparent = traceparent
     results = await broker.submit(actions)
     return json_response({"actions": [record.to_json() for record, _ in results],
                           "created": sum(created for _, created in results)}, status=200)
