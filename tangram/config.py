@@ -248,21 +248,29 @@ def with_ray(config: Config, ray: RayConfig) -> Config:
     return replace(config, cpu=replace(config.cpu, ray=ray), gpu=replace(config.gpu, ray=ray))
 
 
+#: what ``$TANGRAM_ADVERTISE_URL`` may be: scheme, host and port, no path
+ADVERTISED = re.compile(r"^https?://[^/\s]+/?\Z")
 #: environment variables that override the file, so secrets (the database password) stay out of ConfigMaps
 STORE_URL_ENV = "TANGRAM_STORE_URL"
 CONFIG_ENV = "TANGRAM_CONFIG"
 #: SHA-256 (hex, comma-separated) of admin tokens, added to the file's ``[auth] admin_token_sha256``: a deployment's
 #: secret names the admin without writing the config file; ``POST /v1/admin/reload`` reads it again with the file
 ADMIN_TOKEN_ENV = "TANGRAM_ADMIN_TOKEN_SHA256"
+#: ``[server] advertise_url`` for this process: each replica of one config (a Kubernetes pod) has its own address
+ADVERTISE_URL_ENV = "TANGRAM_ADVERTISE_URL"
 
 
 def load_config(path: str | Path | None, environ: Mapping[str, str] = os.environ) -> Config:
     """Read the TOML file (``--config``, else ``$TANGRAM_CONFIG``, else the defaults), then apply
-    ``$TANGRAM_STORE_URL`` over ``store.url`` and add ``$TANGRAM_ADMIN_TOKEN_SHA256`` to the admin hashes (an
-    empty variable counts as unset, as Compose's ``${VAR:-}`` leaves it)."""
+    ``$TANGRAM_STORE_URL`` over ``store.url`` and ``$TANGRAM_ADVERTISE_URL`` over ``server.advertise_url``, and add
+    ``$TANGRAM_ADMIN_TOKEN_SHA256`` to the admin hashes (an empty variable counts as unset, as Compose's
+    ``${VAR:-}`` leaves it)."""
     path = path or environ.get(CONFIG_ENV) or None
+    url = environ.get(STORE_URL_ENV)
     if path is None:
         config = Config()
+        if url:
+            config = replace(config, store=check_store(replace(config.store, url=url)))
     else:
         try:
             with open(path, "rb") as handle:
@@ -271,11 +279,17 @@ def load_config(path: str | Path | None, environ: Mapping[str, str] = os.environ
             raise ConfigError("--config", f"file {path} does not exist") from None
         except tomllib.TOMLDecodeError as error:
             raise ConfigError("--config", f"{path} is not valid TOML: {error}") from None
+        if url:  # before the file is checked: its leader election is checked against the URL it will use
+            store = raw.get("store", {})
+            raw = {**raw, "store": {**store, "url": url} if isinstance(store, dict) else store}
         config = parse_config(raw)
         config = replace(config, access=replace(config.access, source=str(path)))
-    url = environ.get(STORE_URL_ENV)
-    if url:
-        config = replace(config, store=check_store(replace(config.store, url=url)))
+    advertised = environ.get(ADVERTISE_URL_ENV)
+    if advertised:
+        if not ADVERTISED.match(advertised):
+            raise ConfigError(ADVERTISE_URL_ENV, f"must be an http(s) URL clients reach this broker at, not "
+                                                 f"{advertised!r}")
+        config = replace(config, server=replace(config.server, advertise_url=advertised))
     admins = environ.get(ADMIN_TOKEN_ENV, "").strip()
     if admins:
         access = config.access

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from tangram.cli import main
-from tangram.config import ADMIN_TOKEN_ENV, load_config, parse_config
+from tangram.config import ADMIN_TOKEN_ENV, ADVERTISE_URL_ENV, load_config, parse_config
 from tangram.core.errors import ConfigError
 from tangram.sched.profile import DEFAULT_PROFILE, MOVED, ElasticArgs, EstimateArgs, HrrsArgs
 from tangram.server.auth import new_token, token_sha256
@@ -160,6 +160,32 @@ def test_environment_names_the_file_and_overrides_the_store_url(tmp_path):
     assert overridden.server.port == 9001 and overridden.store.url == secret
     assert load_config(path, {"TANGRAM_CONFIG": "/nonexistent.toml"}).server.port == 9001  # --config wins
     assert load_config(None, {}).store.url.startswith("sqlite")
+
+
+def test_leader_election_in_the_file_is_checked_against_the_store_url_of_the_environment(tmp_path):
+    """A ConfigMap says leader_election and leaves the URL (with its password) to the Secret: the file alone would
+    name SQLite, which cannot elect, and is refused; with the environment's PostgreSQL URL it loads."""
+    path = tmp_path / "t.toml"
+    path.write_text("[store]\nleader_election = true\n")
+    with pytest.raises(ConfigError) as refused:
+        load_config(path, {})
+    assert refused.value.key == "store.leader_election"
+    secret = "postgresql+asyncpg://tangram:pw@db:5432/tangram"
+    config = load_config(path, {"TANGRAM_STORE_URL": secret})
+    assert config.store.leader_election and config.store.url == secret
+    with pytest.raises(ConfigError):
+        load_config(path, {"TANGRAM_STORE_URL": "sqlite+aiosqlite:///x.db"})
+
+
+def test_each_replica_advertises_the_url_its_environment_names(tmp_path):
+    path = tmp_path / "t.toml"
+    path.write_text('[server]\nhost = "0.0.0.0"\nadvertise_url = "http://file:8300"\n')
+    assert load_config(path, {}).server.url() == "http://file:8300"
+    assert load_config(path, {ADVERTISE_URL_ENV: "http://10.1.2.3:8300"}).server.url() == "http://10.1.2.3:8300"
+    for bad in ("10.1.2.3:8300", "http://10.1.2.3:8300/v1", "ftp://x", "http://a b"):
+        with pytest.raises(ConfigError) as refused:
+            load_config(path, {ADVERTISE_URL_ENV: bad})
+        assert refused.value.key == ADVERTISE_URL_ENV
 
 
 def free_port() -> int:

@@ -51,6 +51,9 @@ SANDBOXES = DEPLOY / "docker-compose.sandboxes.yaml"
 RAY_OVERLAY = DEPLOY / "docker-compose.ray.yaml"
 K8S = DEPLOY / "k8s"
 K8S_RAY = DEPLOY / "k8s-ray"
+K8S_HA = DEPLOY / "k8s-ha"
+#: what the pod's downward API gives the fields the manifests read, in the tests
+POD_FIELDS = {"status.podIP": "10.1.2.3", "spec.nodeName": "node-a"}
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "tangram.json"
 DATASOURCES = DEPLOY / "grafana" / "provisioning" / "datasources" / "prometheus.yaml"
 DASHBOARD_PROVIDERS = DEPLOY / "grafana" / "provisioning" / "dashboards" / "tangram.yaml"
@@ -230,9 +233,17 @@ def secret_value(objects: dict[tuple[str, str], dict[str, Any]], reference: dict
 
 
 def env_values(container: dict[str, Any], objects: dict[tuple[str, str], dict[str, Any]]) -> dict[str, str]:
-    """A container's environment with secret references resolved."""
-    return {item["name"]: item["value"] if "value" in item else
-            secret_value(objects, item["valueFrom"]["secretKeyRef"]) for item in container["env"]}
+    """A container's environment as Kubernetes makes it: secret references and pod fields (``POD_FIELDS``)
+    resolved, and ``$(NAME)`` in a value replaced by an earlier variable's."""
+    values: dict[str, str] = {}
+    for item in container["env"]:
+        if "value" in item:
+            values[item["name"]] = re.sub(r"\$\((\w+)\)", lambda m: values.get(m[1], m[0]), item["value"])
+        elif "fieldRef" in item["valueFrom"]:
+            values[item["name"]] = POD_FIELDS[item["valueFrom"]["fieldRef"]["fieldPath"]]
+        else:
+            values[item["name"]] = secret_value(objects, item["valueFrom"]["secretKeyRef"])
+    return values
 
 
 def k8s_broker_config(tmp_path: Path, objects: dict[tuple[str, str], dict[str, Any]] | None = None,
@@ -242,7 +253,9 @@ def k8s_broker_config(tmp_path: Path, objects: dict[tuple[str, str], dict[str, A
     objects = objects or k8s_objects()
     deployment = objects[("Deployment", "tangram-broker")]
     container = only_container(deployment)
-    environment = {k: v for k, v in env_values(container, objects).items() if k not in RAY_VARIABLES}
+    expanded = {name for item in container["env"] for name in re.findall(r"\$\((\w+)\)", item.get("value", ""))}
+    environment = {k: v for k, v in env_values(container, objects).items()
+                   if k not in RAY_VARIABLES and k not in expanded}  # a variable only expanded by others
     config_path = environment[CONFIG_ENV]
     mount = next(m for m in container["volumeMounts"] if config_path.startswith(m["mountPath"].rstrip("/") + "/"))
     volume = next(v for v in deployment["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"])
@@ -445,6 +458,33 @@ def test_kustomization_lists_every_manifest() -> None:
     listed = [r for r in ray["resources"] if r != "../k8s"] + [p["path"] for p in ray["patches"]]
     assert "../k8s" in ray["resources"]
     assert sorted(listed) == sorted(p.name for p in K8S_RAY.glob("*.yaml") if p.name != "kustomization.yaml")
+    ha = yaml.safe_load((K8S_HA / "kustomization.yaml").read_text())
+    listed = [r for r in ha["resources"] if r != "../k8s"] + [p["path"] for p in ha["patches"]]
+    assert "../k8s" in ha["resources"]
+    assert sorted(listed) == sorted(p.name for p in K8S_HA.glob("*.yaml") if p.name != "kustomization.yaml")
+
+
+def test_k8s_ha_overlay_runs_a_leader_and_a_standby_that_advertise_their_pods(tmp_path: Path) -> None:
+    """Two brokers of one config on the PostgreSQL store with leader election (the base already elects, with one
+    replica), each advertising its pod's own address; readiness is /readyz, which a standby answers 503, so the
+    Service routes to the leader only; never more than two at once, at most one disrupted."""
+    objects = k8s_objects(K8S_HA)
+    config, _ = k8s_broker_config(tmp_path, objects)
+    assert config.store.leader_election and make_url(config.store.url).drivername == "postgresql+asyncpg"
+    assert config.server.url() == f"http://{POD_FIELDS['status.podIP']}:{config.server.port}"
+    deployment = objects[("Deployment", "tangram-broker")]
+    assert deployment["spec"]["replicas"] == 2
+    assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
+    broker = only_container(deployment)
+    assert broker["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    [spread] = deployment["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"][
+        "preferredDuringSchedulingIgnoredDuringExecution"]
+    assert spread["podAffinityTerm"]["labelSelector"]["matchLabels"].items() <= labels.items()
+    budget = objects[("PodDisruptionBudget", "tangram-broker")]
+    assert budget["spec"]["maxUnavailable"] == 1 and budget["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    base, _ = k8s_broker_config(tmp_path)
+    assert base.store.leader_election and k8s_objects()[("Deployment", "tangram-broker")]["spec"]["replicas"] == 1
 
 
 def test_k8s_ray_overlay_joins_every_agent_node_to_the_brokers_cluster(tmp_path: Path) -> None:
