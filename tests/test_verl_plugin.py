@@ -20,7 +20,6 @@ import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 from verl import DataProto
 from verl.experimental.agent_loop.agent_loop import DictConfigWrap, ToolListWrap, _agent_loop_registry
@@ -35,6 +34,7 @@ from tangram_client.errors import ForbiddenError, UnauthorizedError, Unprocessab
 from tangram_client.verl_paths import AGENT_LOOP_CONFIG, TOOL_CONFIG
 from tangram_client.verl_reward import close_shared_clients, compute_score, compute_score_async
 from tangram_client.verl_tool import BrokerShellTool
+from tests.byte_tokenizer import byte_tokenizer
 from tests.docker_nodes import cpu_config, docker_engines
 from tests.harness import Live, live_broker
 
@@ -47,15 +47,9 @@ CHAT_TEMPLATE = ("{% for m in messages %}{{ '<|' + m.role + '|>\n' }}{{ m.conten
 TOOL_MESSAGE = re.compile(r"<\|tool\|>\n(.*?)\n<\|assistant\|>", re.DOTALL)
 
 
-def byte_tokenizer() -> PreTrainedTokenizerFast:
-    """A real fast tokenizer with no download: byte-level BPE without merges, and a plain chat template."""
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    core = Tokenizer(models.BPE(vocab={char: i for i, char in enumerate(alphabet)}, merges=[]))
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    core.decoder = decoders.ByteLevel()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|end|>", pad_token="<|pad|>")
-    tokenizer.chat_template = CHAT_TEMPLATE
-    return tokenizer
+def plain_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte tokenizer under a plain chat template."""
+    return byte_tokenizer(CHAT_TEMPLATE, eos_token="<|end|>", pad_token="<|pad|>")
 
 
 def tool_call(command: str) -> str:
@@ -125,7 +119,7 @@ async def test_verl_tool_agent_loop_keeps_one_sandbox_per_trajectory_and_deletes
         assert [type(tool) for tool in tools] == [BrokerShellTool] and tools[0].name == "shell"
         for entry in OmegaConf.load(AGENT_LOOP_CONFIG):  # as verl's AgentLoopWorker loads it
             _agent_loop_registry[entry.name] = entry
-        tokenizer = byte_tokenizer()
+        tokenizer = plain_tokenizer()
         policy = ScriptedPolicy(tokenizer, live)
 
         async def trajectory(label: str) -> str:
@@ -308,7 +302,7 @@ def reward_config(name: str, **reward_kwargs: Any) -> Any:
 
 async def test_compute_score_runs_the_tests_on_elastic_cores_through_verls_reward_manager(db):
     async with live_broker(docker_node(), db) as live:
-        tokenizer = byte_tokenizer()
+        tokenizer = plain_tokenizer()
         manager = load_reward_manager(reward_config("compute_score", broker_url=live.url, task="verl-reward",
                                                     cores=[1, 2], t1_s=4.0), tokenizer)
         right = await manager.run_single(reward_batch(tokenizer, CORRECT, TESTS))
@@ -429,10 +423,10 @@ async def test_compute_score_with_a_reward_model_service(tmp_path):
                       "services": {"judge": service}}}
     async with live_broker(config, str(tmp_path / "db.sqlite")) as live:
         manager = load_reward_manager(reward_config("compute_score_async", broker_url=live.url, service="judge",
-                                                    gpus=[1, 2]), byte_tokenizer())
+                                                    gpus=[1, 2]), plain_tokenizer())
         assert manager.is_async_reward_score  # verl awaits the async form on its loop
         reference = "The cat sleeps on the sofa."
-        close = await manager.run_single(reward_batch(byte_tokenizer(), "A cat is sleeping on a couch.", reference))
-        far = await manager.run_single(reward_batch(byte_tokenizer(), "Stock markets fell sharply today.", reference))
+        close = await manager.run_single(reward_batch(plain_tokenizer(), "A cat is sleeping on a couch.", reference))
+        far = await manager.run_single(reward_batch(plain_tokenizer(), "Stock markets fell sharply today.", reference))
         assert 0.5 < close["reward_score"] <= 1.0 and far["reward_score"] < 0.3
         assert close["reward_extra_info"]["gpus"] >= 1.0

@@ -88,6 +88,15 @@ class ActionError(TangramError):
         super().__init__(f"action {record.id} {record.state}: {self.code}: {self.message}")
 
 
+def config_error(error: BaseException) -> bool:
+    """Whether the broker refused a call for the caller's setup rather than for its command: a token missing,
+    unknown or not for this task (401, 403), or a spec field other than the command it cannot accept (422). A tool or
+    an adapter raises these rather than showing them to a model: every later call would fail alike."""
+    if isinstance(error, (UnauthorizedError, ForbiddenError)):
+        return True
+    return isinstance(error, UnprocessableError) and error.field != "spec.command"
+
+
 class WaitTimeout(TangramError):
     """``wait`` ran out of the caller's time before the action ended; ``record`` is its last known state."""
 

@@ -31,7 +31,11 @@ from verl.tools.base_tool import BaseTool
 from verl.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
 
 from tangram_client.client import AsyncTangramClient
-from tangram_client.errors import ForbiddenError, NotFoundError, TangramError, UnauthorizedError, UnprocessableError
+from tangram_client.errors import (
+    NotFoundError,
+    TangramError,
+    config_error,
+)
 from tangram_client.records import ActionRecord
 
 log = logging.getLogger(__name__)
@@ -134,14 +138,6 @@ async def trajectory_scope() -> AsyncIterator[TrajectoryScope]:
     finally:
         _SCOPE.reset(token)
         await scope.release()
-
-
-def config_error(error: TangramError) -> bool:
-    """Whether the broker refused a command for the tool's configuration rather than for the command: a token
-    missing, unknown or not for this task, or a spec field other than the command it cannot accept."""
-    if isinstance(error, (UnauthorizedError, ForbiddenError)):
-        return True
-    return isinstance(error, UnprocessableError) and error.field != "spec.command"
 
 
 def format_output(result: Mapping[str, Any]) -> str:
