@@ -27,7 +27,6 @@ from sandboxes.executor_answer import BadAnswer
 from sandboxes.executor_client import call, wait_ready
 from sandboxes.local import LocalProcessBackend
 from tangram.core.action import Kind
-from tangram.core.fencing import DEPOSED
 from tangram_client import AsyncTangramClient, NotFoundError, OutputPiece, TangramClient
 from tangram_client.output_stream import read_pieces
 from tests.docker_nodes import docker_engines, local_cpu
@@ -331,9 +330,9 @@ async def test_the_engine_path_streams_the_output_at_the_end(db: str) -> None:
 
 
 async def test_a_node_agent_streams_the_output_while_the_command_runs(tmp_path: Path) -> None:
-    """The agent path without Ray: the broker's ``AgentSandbox`` reads ``NodeAgent.execute_streaming`` through a
-    streaming transport (``FencedAgent.stream``, what a Ray actor's generator method runs), local processes behind
-    it. The command waits for a flag made once its first line came through, so nothing but a live stream ends it."""
+    """The agent path without Ray: the broker's ``AgentSandbox`` polls ``NodeAgent.output`` while the output is
+    watched, local processes behind the agent. The command waits for a flag made once its first line came through, so
+    nothing but output fetched while it runs ends it; unwatched, the output comes with the answer, in no poll."""
     backend = LocalProcessBackend(tmp_path / "run")
     await backend.start()
 
@@ -341,40 +340,42 @@ async def test_a_node_agent_streams_the_output_while_the_command_runs(tmp_path: 
         return backend
 
     agent = NodeAgent(opened, ExecLimits(), NodeHardware(cores=(0,), memory_mb=64, numa=((0,),)))
+    calls: list[str] = []
 
     async def call(method: str, *args: Any) -> Reply:
+        calls.append(method)
         reply: Reply = await getattr(agent, method)(*args)
         return reply
 
-    def stream(method: str, *args: Any) -> AsyncIterator[Reply]:
-        return agent.stream(2, method, *args)
-
     spec = SandboxSpec(env_id="env-stream", task="t", trajectory=None, image="i", memory_mb=64, pids_limit=64)
-    created = answer(await agent.create(spec))
-    sandbox = AgentSandbox(call, spec.env_id, created, "n1", stream)
-    flag = Path(created["workdir"]) / "go"
-    pieces: list[tuple[str, bytes]] = []
+    sandbox = AgentSandbox(call, spec.env_id, answer(await agent.create(spec)), "n1")
+    flag = Path(sandbox.workdir) / "go"
+    live = LiveOutput(1 << 20)
 
-    def sink(name: str, data: bytes) -> None:
-        pieces.append((name, data))
-        if b"first" in data:
-            flag.touch()
+    async def watch() -> list[tuple[str, bytes]]:
+        seen = []
+        async for stream, data in live.follow():
+            seen.append((stream, data))
+            if b"first" in data:
+                flag.touch()
+        return seen
 
     try:
+        watching = asyncio.create_task(watch())
+        await asyncio.sleep(0)  # the reader is there before the command starts
         request = ExecRequest(WAITS_FOR_FLAG.format(flag=flag), timeout_s=30)
-        executed = await asyncio.wait_for(sandbox.execute("a1", request, sink), 60)
+        executed = await asyncio.wait_for(sandbox.execute("a1", request, live), 60)
+        live.end()
+        seen = await watching
         assert executed.result.exit_code == 0 and not executed.result.timed_out, executed
-        assert pieces[0] == ("stdout", b"first\n")
-        assert b"".join(data for name, data in pieces if name == "stdout") == b"first\nthird\n"
-        assert b"".join(data for name, data in pieces if name == "stderr") == b"second\n"
+        assert seen[0] == ("stdout", b"first\n") and "output" in calls
+        assert b"".join(data for name, data in seen if name == "stdout") == b"first\nthird\n"
+        assert b"".join(data for name, data in seen if name == "stderr") == b"second\n"
         assert (executed.result.stdout, executed.result.stderr) == ("first\nthird\n", "second\n")
-        plain = AgentSandbox(call, spec.env_id, created, "n1")  # no streaming transport: the answer only
-        unseen: list[tuple[str, bytes]] = []
-        executed = await plain.execute("a2", ExecRequest("echo x", timeout_s=30), lambda *piece: unseen.append(piece))
-        assert unseen == [] and executed.result.stdout == "x\n"
-        ran = tmp_path / "ran"  # a stream from a broker of an older epoch is refused before anything runs
-        late = ExecRequest(f"touch {ran}", timeout_s=30)
-        refused = [reply async for reply in agent.stream(1, "execute_streaming", spec.env_id, "a3", late)]
-        assert [reply["error"]["code"] for reply in refused] == [DEPOSED] and not ran.exists()
+        calls.clear()
+        unwatched = LiveOutput(1 << 20)
+        executed = await sandbox.execute("a2", ExecRequest("sleep 0.6; echo x", timeout_s=30), unwatched)
+        assert calls == ["execute"] and bytes(unwatched.data["stdout"]) == b"x\n" == executed.result.stdout.encode()
+        assert await call("output", spec.env_id, "a2", {}) == {"ok": None}  # nothing kept once it answered
     finally:
         await sandbox.destroy()

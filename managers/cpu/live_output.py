@@ -28,6 +28,17 @@ class LiveOutput:
         self._order: list[tuple[str, int]] = []
         self.ended = False
         self._changed = asyncio.Event()
+        #: readers following it now
+        self.readers = 0
+
+    def __call__(self, stream: str, data: bytes) -> None:
+        """The sandbox's output sink: ``add``."""
+        self.add(stream, data)
+
+    @property
+    def watched(self) -> bool:
+        """Whether anyone reads it now: output that costs calls to fetch (a node agent's) is fetched only then."""
+        return self.readers > 0
 
     def add(self, stream: str, data: bytes) -> None:
         """A piece of ``stream`` as the sandbox read it; what passes the limit is dropped."""
@@ -53,6 +64,14 @@ class LiveOutput:
 
     async def follow(self) -> AsyncIterator[tuple[str, bytes]]:
         """(stream, bytes) from the start until the command ends, each byte once."""
+        self.readers += 1
+        try:
+            async for piece in self._pieces():
+                yield piece
+        finally:
+            self.readers -= 1
+
+    async def _pieces(self) -> AsyncIterator[tuple[str, bytes]]:
         sent = dict.fromkeys(STREAMS, 0)
         at = 0
         while True:

@@ -458,7 +458,7 @@ class CpuManager(ResourceManager[CpuHandle]):
                     current().check()  # a deposed leader runs no more commands (tangram/core/fencing.py)
                     live = self.outputs.open(action.id, request.output_limit)
                     try:
-                        executed = await sandbox.execute(action.id, request, live.add)
+                        executed = await sandbox.execute(action.id, request, live)
                     finally:
                         self.outputs.close(action.id)
             except SandboxError as error:

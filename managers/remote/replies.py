@@ -14,13 +14,13 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 from reward_services.backend import ServiceError
 from sandboxes.backend import SandboxError
-from tangram.core.fencing import DEPOSED, Fencing, current
+from tangram.core.fencing import DEPOSED, current
 
 Reply = dict[str, Any]
 
@@ -75,24 +75,6 @@ class FencedAgent:
     async def call(self, epoch: int | None, method: str, *args: Any) -> Reply:
         """``method(*args)``, unless a broker of a later epoch than ``epoch`` has called already (then
         ``deposed``); ``epoch`` None or 0: a broker that was not elected, which no epoch fences."""
-        refused = self._admit(epoch)
-        if refused is not None:
-            return refused
-        reply: Reply = await getattr(self, method)(*args)
-        return reply
-
-    async def stream(self, epoch: int | None, method: str, *args: Any) -> AsyncIterator[Reply]:
-        """``call`` for a method that answers a stream (an async generator of replies, the last one its answer):
-        a Ray actor's generator method, whose items reach the broker as they are made."""
-        refused = self._admit(epoch)
-        if refused is not None:
-            yield refused
-            return
-        async for reply in getattr(self, method)(*args):
-            yield reply
-
-    def _admit(self, epoch: int | None) -> Reply | None:
-        """None when a call of ``epoch`` may go on (raising the agent's epoch to it), else the refusal."""
         if epoch:
             if epoch < self._epoch:
                 return failed(DEPOSED, f"the agent was called by the leader of epoch {self._epoch}; epoch {epoch} "
@@ -100,7 +82,8 @@ class FencedAgent:
             if epoch > self._epoch:
                 self._epoch = epoch
                 self._save_epoch()
-        return None
+        reply: Reply = await getattr(self, method)(*args)
+        return reply
 
     def _save_epoch(self) -> None:
         """Write the epoch to its file, replaced whole (a restart reads an old epoch or the new one, never part)."""
@@ -121,21 +104,7 @@ async def fenced(agent: str, send: Callable[[int | None], Awaitable[Reply]]) -> 
     fencing = current()
     if fencing.deposed_by is not None:
         return failed(DEPOSED, f"this broker no longer leads: {fencing.deposed_by}")
-    return _deposing(agent, fencing, await send(fencing.epoch))
-
-
-async def fenced_stream(agent: str, send: Callable[[int | None], AsyncIterator[Reply]]) -> AsyncIterator[Reply]:
-    """``fenced`` for a streaming call (``FencedAgent.stream``): its replies as they come."""
-    fencing = current()
-    if fencing.deposed_by is not None:
-        yield failed(DEPOSED, f"this broker no longer leads: {fencing.deposed_by}")
-        return
-    async for reply in send(fencing.epoch):
-        yield _deposing(agent, fencing, reply)
-
-
-def _deposing(agent: str, fencing: Fencing, reply: Reply) -> Reply:
-    """``reply``, having deposed this broker if the agent refused it for a later leader's."""
+    reply = await send(fencing.epoch)
     error = reply.get("error")
     if error is not None and error["code"] == DEPOSED:
         fencing.depose(f"{agent} refused this broker's call: {error['message']}")

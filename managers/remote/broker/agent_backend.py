@@ -1,9 +1,8 @@
 """A node's sandboxes driven through its node agent (``managers/remote/node/node_agent.py``): a ``SandboxBackend`` like
 the Docker and local ones, so the CPU manager runs a node behind an agent exactly as one on its own host.
 
-The transport is a function ``call(method, *args)`` that returns the agent's reply, and optionally ``stream(method,
-*args)`` for a method that answers a stream of them (a command's output as it comes, then its answer);
-``managers/remote/broker/ray_agents.py`` makes both over a Ray actor. A transport failure (the agent or its node is gone)
+The transport is a function ``call(method, *args)`` that returns the agent's reply;
+``managers/remote/broker/ray_agents.py`` makes one over a Ray actor. A transport failure (the agent or its node is gone)
 arrives as an error reply like any other, with ``lost`` set, so the environment is reported lost and the action fails
 with a code.
 """
@@ -12,8 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from managers.remote.replies import Reply
 from sandboxes.backend import Executed, Leftover, Sandbox, SandboxBackend, SandboxError, SandboxSpec
@@ -30,8 +29,19 @@ CLOSE_TIMEOUT_S = 5.0
 
 #: ``call(method, *args)``: one call to the node's agent
 AgentCall = Callable[..., Awaitable[Reply]]
-#: ``stream(method, *args)``: one call to the node's agent whose replies come as they are made, the last its answer
-AgentStream = Callable[..., AsyncIterator[Reply]]
+#: how often a watched command's output is fetched from its agent
+OUTPUT_POLL_S = 0.25
+STREAMS = ("stdout", "stderr")
+
+
+@runtime_checkable
+class Watched(Protocol):
+    """An output sink that says whether anyone reads it now (``managers/cpu/live_output.py``'s)."""
+
+    @property
+    def watched(self) -> bool: ...
+
+    def __call__(self, stream: str, data: bytes) -> None: ...
 
 
 def answer(reply: Reply) -> Any:
@@ -45,11 +55,8 @@ def answer(reply: Reply) -> Any:
 class AgentSandbox(Sandbox):
     """One sandbox on the agent's node, by its environment id."""
 
-    def __init__(self, call: AgentCall, env_id: str, created: dict[str, Any], node: str,
-                 stream: AgentStream | None = None) -> None:
-        """``stream``: the transport's streaming call (None: output comes with each command's answer only)."""
+    def __init__(self, call: AgentCall, env_id: str, created: dict[str, Any], node: str) -> None:
         self._call = call
-        self._stream = stream
         self.env_id = env_id
         self.workdir = created["workdir"]
         self._description = {**created["describe"], "agent": node}
@@ -62,18 +69,31 @@ class AgentSandbox(Sandbox):
         return result
 
     async def execute(self, tag: str, request: ExecRequest, on_output: OutputSink | None = None) -> Executed:
-        """The agent's sandbox pins, runs and settles: one round trip rather than three. With ``on_output`` and a
-        streaming transport, the output comes as the node's sandbox reads it (``NodeAgent.execute_streaming``)."""
-        if on_output is None or self._stream is None:
-            executed: Executed = answer(await self._call("execute", self.env_id, tag, request))
-            return executed
-        async for reply in self._stream("execute_streaming", self.env_id, tag, request):
-            piece = reply.get("output")
-            if piece is None:
-                streamed: Executed = answer(reply)
-                return streamed
-            on_output(piece[0], piece[1])
-        raise SandboxError("node_unavailable", f"the agent's stream of {tag}'s output ended without its answer")
+        """The agent's sandbox pins, runs and settles: one round trip rather than three. While ``on_output`` is
+        watched (a ``Watched`` sink: someone reads the action's output), the output so far is polled from the agent
+        every ``OUTPUT_POLL_S``, and the rest comes from the answer. Why polls rather than a stream of replies (Ray's
+        streaming generators): an agent that streams to a broker frozen or cut off stalls until its reports time out,
+        and so does the new leader's takeover through it."""
+        running = asyncio.ensure_future(self._call("execute", self.env_id, tag, request))
+        sent = dict.fromkeys(STREAMS, 0)
+        try:
+            while not running.done():
+                await asyncio.wait({running}, timeout=OUTPUT_POLL_S)
+                if running.done() or not isinstance(on_output, Watched) or not on_output.watched:
+                    continue
+                pieces = (await self._call("output", self.env_id, tag, sent)).get("ok") or {}  # a failed poll: none
+                for name, data in pieces.items():
+                    on_output(name, data)
+                    sent[name] += len(data)
+        finally:
+            running.cancel()  # a no-op once answered
+        executed: Executed = answer(running.result())
+        if on_output is not None:  # what came after the last poll (as text: the answer decoded the bytes)
+            for name in STREAMS:
+                rest = getattr(executed.result, name).encode()[sent[name]:]
+                if rest:
+                    on_output(name, rest)
+        return executed
 
     async def repin(self, tag: str, cores: frozenset[int]) -> None:
         answer(await self._call("repin", self.env_id, tag, cores))
@@ -100,12 +120,9 @@ class AgentBackend(SandboxBackend):
 
     kind = "agent"
 
-    def __init__(self, call: AgentCall, node: str, release: Callable[[], Awaitable[None]],
-                 stream: AgentStream | None = None) -> None:
-        """``release()`` lets the agent go when the backend closes (its sandboxes stay on the node); ``stream``: the
-        transport's streaming call, if it has one."""
+    def __init__(self, call: AgentCall, node: str, release: Callable[[], Awaitable[None]]) -> None:
+        """``release()`` lets the agent go when the backend closes (its sandboxes stay on the node)."""
         self._call = call
-        self._stream = stream
         self.node = node
         self._release = release
         self._node_backend: dict[str, Any] = {}
@@ -116,8 +133,7 @@ class AgentBackend(SandboxBackend):
         self.hardware = described["hardware"]
 
     async def create(self, spec: SandboxSpec) -> Sandbox:
-        return AgentSandbox(self._call, spec.env_id, answer(await self._call("create", spec)), self.node,
-                            self._stream)
+        return AgentSandbox(self._call, spec.env_id, answer(await self._call("create", spec)), self.node)
 
     async def adopt(self, broker_id: str) -> list[Leftover]:
         leftovers = []
@@ -125,8 +141,7 @@ class AgentBackend(SandboxBackend):
             created = left.pop("sandbox")
             leftover = Leftover(**left, sandbox=None)
             leftovers.append(leftover if created is None
-                             else leftover.adopted(AgentSandbox(self._call, leftover.env_id, created, self.node,
-                                                                self._stream)))
+                             else leftover.adopted(AgentSandbox(self._call, leftover.env_id, created, self.node)))
         return leftovers
 
     async def reap(self, broker_id: str) -> int:

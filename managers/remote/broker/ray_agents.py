@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -21,16 +20,9 @@ import ray
 from managers.cpu.config import CpuConfig, CpuNodeConfig, on_this_host
 from managers.cpu.sandbox_backends import open_sandbox_backend
 from managers.remote.broker.agent_backend import AgentBackend
-from managers.remote.broker.ray_cluster import (
-    PLACEMENT_TIMEOUT_S,
-    RayUnavailable,
-    call_agent,
-    connect,
-    node_resource,
-    stream_agent,
-)
+from managers.remote.broker.ray_cluster import PLACEMENT_TIMEOUT_S, RayUnavailable, call_agent, connect, node_resource
 from managers.remote.node.node_agent import NodeAgent
-from managers.remote.replies import Reply, fenced, fenced_stream
+from managers.remote.replies import Reply, fenced
 from sandboxes.backend import NODE_UNAVAILABLE, NodeHardware, SandboxError
 
 log = logging.getLogger("tangram.cpu")
@@ -75,14 +67,10 @@ async def open_agent_backend(node: CpuNodeConfig, config: CpuConfig) -> AgentBac
         return await fenced(agent, lambda epoch: call_agent(actor, "call", (epoch, method, *args), agent,
                                                             NODE_UNAVAILABLE))
 
-    def stream(method: str, *args: Any) -> AsyncIterator[Reply]:
-        return fenced_stream(agent, lambda epoch: stream_agent(actor, "stream", (epoch, method, *args), agent,
-                                                               NODE_UNAVAILABLE))
-
     async def release() -> None:
         ray.kill(actor, no_restart=True)
 
-    backend = AgentBackend(call, node.name, release, stream)
+    backend = AgentBackend(call, node.name, release)
     try:
         await asyncio.wait_for(backend.start(), PLACEMENT_TIMEOUT_S)  # its first call waits for the placement
     except TimeoutError:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -118,28 +118,11 @@ async def call_agent(actor: Any, method: str, args: tuple[Any, ...], agent: str,
     died for good, ``unavailable`` while Ray restarts it. ``agent`` names it in the messages."""
     try:
         reply: Reply = await getattr(actor, method).remote(*args)
-    except RayActorError as error:
-        return _transport_failure(error, agent, unavailable)
-    return reply
-
-
-async def stream_agent(actor: Any, method: str, args: tuple[Any, ...], agent: str, unavailable: str) \
-        -> AsyncIterator[Reply]:
-    """``call_agent`` for a generator method: its replies as the agent yields them (Ray's streaming generator),
-    a transport failure as the last."""
-    try:
-        async for ref in getattr(actor, method).options(num_returns="streaming").remote(*args):
-            yield await ref
-    except RayActorError as error:
-        yield _transport_failure(error, agent, unavailable)
-
-
-def _transport_failure(error: RayActorError, agent: str, unavailable: str) -> Reply:
-    """``node_lost`` (lost) when the actor died for good, ``unavailable`` while Ray restarts it (the call may be
-    tried again)."""
-    if isinstance(error, ActorDiedError):
+    except ActorDiedError as error:
         return failed("node_lost", f"{agent} died: {error.error_msg or error}", lost=True)
-    return failed(unavailable, f"{agent} is unavailable: {error}")
+    except RayActorError as error:  # restarting: the call may be tried again
+        return failed(unavailable, f"{agent} is unavailable: {error}")
+    return reply
 
 
 def alive_nodes(prefix: str) -> set[str]:

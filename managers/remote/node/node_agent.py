@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from managers.cpu.exec_spec import ExecLimits, check_files
-from managers.remote.replies import FencedAgent, Reply, replying
+from managers.cpu.live_output import LiveOutput
+from managers.remote.replies import FencedAgent, replying
 from sandboxes.backend import Executed, Leftover, NodeHardware, Sandbox, SandboxBackend, SandboxError, SandboxSpec
 from sandboxes.exec_wire import ExecRequest, ExecResult
-from sandboxes.executor_client import OutputSink
 from sandboxes.file_wire import FileData, ReadFile, WriteFiles, Written
 from tangram.core.errors import RequestError, TooLarge
 
@@ -48,6 +48,8 @@ class NodeAgent(FencedAgent):
         self._sandboxes: dict[str, Sandbox] = {}
         #: the snapshot images this agent made (forks), the only ones it removes
         self._snapshots: set[str] = set()
+        #: the output so far of the commands running now, by (environment, tag)
+        self._outputs: dict[tuple[str, str], LiveOutput] = {}
 
     async def _opened(self) -> SandboxBackend:
         if self._backend is not None:
@@ -122,33 +124,25 @@ class NodeAgent(FencedAgent):
         return await sandbox.run(request)
 
     @replying
-    async def execute(self, env_id: str, tag: str, request: ExecRequest, on_output: OutputSink | None = None) \
-            -> Executed:
-        """One action's command with its pinning and settling, in the one call an action costs the broker."""
+    async def execute(self, env_id: str, tag: str, request: ExecRequest) -> Executed:
+        """One action's command with its pinning and settling, in the one call an action costs the broker. Its
+        output so far is kept while it runs, for ``output``."""
         self._check_request(request)
         sandbox = await self._held(env_id)
-        return await sandbox.execute(tag, request, on_output)
+        output = self._outputs[(env_id, tag)] = LiveOutput(request.output_limit)
+        try:
+            return await sandbox.execute(tag, request, output)
+        finally:
+            del self._outputs[(env_id, tag)]
 
-    async def execute_streaming(self, env_id: str, tag: str, request: ExecRequest) -> AsyncIterator[Reply]:
-        """``execute``, its output as the sandbox reads it: ``{"output": [stream, bytes]}`` replies, then
-        ``execute``'s answer. What arrived together goes as one reply per run of a stream (each reply is a message to
-        the broker). A broker that stops reading does not stop the command: it ends as its request says."""
-        pieces: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue()
-        running = asyncio.ensure_future(self.execute(env_id, tag, request, lambda name, data: pieces.put_nowait(
-            (name, data))))
-        while True:
-            getting = asyncio.ensure_future(pieces.get())
-            await asyncio.wait({getting, running}, return_when=asyncio.FIRST_COMPLETED)
-            if not getting.done():
-                getting.cancel()
-            arrived = [getting.result()] if getting.done() and not getting.cancelled() else []
-            while not pieces.empty():
-                arrived.append(pieces.get_nowait())
-            for name, data in _runs(arrived):
-                yield {"output": [name, data]}
-            if running.done() and pieces.empty():
-                yield running.result()
-                return
+    @replying
+    async def output(self, env_id: str, tag: str, sent: dict[str, int]) -> dict[str, bytes] | None:
+        """What the running command ``tag`` has written past ``sent`` bytes of each stream (a broker polls it
+        while someone watches the action's output); None when no such command runs here."""
+        output = self._outputs.get((env_id, tag))
+        if output is None:
+            return None
+        return {name: bytes(data[sent.get(name, 0):]) for name, data in output.data.items()}
 
     def _check_request(self, request: ExecRequest) -> None:
         """A command's stdin within what the API lets through (``max_stdin_bytes``)."""
@@ -204,14 +198,3 @@ class NodeAgent(FencedAgent):
             await self._backend.close()
             self._backend = None
         self._sandboxes.clear()
-
-
-def _runs(pieces: list[tuple[str, bytes]]) -> list[tuple[str, bytes]]:
-    """Consecutive pieces of one stream joined, in order."""
-    runs: list[tuple[str, bytes]] = []
-    for name, data in pieces:
-        if runs and runs[-1][0] == name:
-            runs[-1] = (name, runs[-1][1] + data)
-        else:
-            runs.append((name, data))
-    return runs
