@@ -266,12 +266,8 @@ def load_config(path: str | Path | None, environ: Mapping[str, str] = os.environ
     ``$TANGRAM_ADMIN_TOKEN_SHA256`` to the admin hashes (an empty variable counts as unset, as Compose's
     ``${VAR:-}`` leaves it)."""
     path = path or environ.get(CONFIG_ENV) or None
-    url = environ.get(STORE_URL_ENV)
-    if path is None:
-        config = Config()
-        if url:
-            config = replace(config, store=check_store(replace(config.store, url=url)))
-    else:
+    raw: dict[str, Any] = {}
+    if path is not None:
         try:
             with open(path, "rb") as handle:
                 raw = tomllib.load(handle)
@@ -279,10 +275,12 @@ def load_config(path: str | Path | None, environ: Mapping[str, str] = os.environ
             raise ConfigError("--config", f"file {path} does not exist") from None
         except tomllib.TOMLDecodeError as error:
             raise ConfigError("--config", f"{path} is not valid TOML: {error}") from None
-        if url:  # before the file is checked: its leader election is checked against the URL it will use
-            store = raw.get("store", {})
-            raw = {**raw, "store": {**store, "url": url} if isinstance(store, dict) else store}
-        config = parse_config(raw)
+    url = environ.get(STORE_URL_ENV)
+    if url:  # before the file is checked: its leader election is checked against the URL it will use
+        store = raw.get("store", {})
+        raw = {**raw, "store": {**store, "url": url} if isinstance(store, dict) else store}
+    config = parse_config(raw)
+    if path is not None:
         config = replace(config, access=replace(config.access, source=str(path)))
     advertised = environ.get(ADVERTISE_URL_ENV)
     if advertised:

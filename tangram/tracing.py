@@ -60,7 +60,11 @@ class ActionTracer:
     """Makes each ended action's spans (``Broker`` calls ``ended`` and ``lease_returned``)."""
 
     def __init__(self, provider: TracerProvider) -> None:
+        from opentelemetry import trace
+        from opentelemetry.trace import Status, StatusCode
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+        self._in = trace.set_span_in_context
+        self._error = lambda code: Status(StatusCode.ERROR, code)
         self.provider = provider
         self._tracer: Tracer = provider.get_tracer(SCOPE)
         self._propagator = TraceContextTextMapPropagator()
@@ -70,22 +74,20 @@ class ActionTracer:
 
     def ended(self, action: Action) -> None:
         """The action's span and its phases', from its timestamps."""
-        from opentelemetry import trace
-        from opentelemetry.trace import Status, StatusCode
         finished = action.finished_at if action.finished_at is not None else action.submitted_at
         span = self._tracer.start_span(f"{action.kind.value} action", context=self._parent(action),
                                        start_time=_ns(action.submitted_at), attributes=_attributes(action))
         if action.state is not State.SUCCEEDED:
             code = (action.error or {}).get("code", action.state.value)
-            span.set_status(Status(StatusCode.ERROR, str(code)))
-        inside = trace.set_span_in_context(span)
+            span.set_status(self._error(str(code)))
+        inside = self._in(span)
         started = action.started_at if action.started_at is not None else finished
         self._phase("queued", inside, action.submitted_at, started)
         if action.started_at is not None:
             running = self._tracer.start_span("running", context=inside, start_time=_ns(started),
                                               attributes=_placement(action))
             if action.restore_s:
-                self._phase("restore", trace.set_span_in_context(running), started, started + action.restore_s)
+                self._phase("restore", self._in(running), started, started + action.restore_s)
             running.end(end_time=_ns(finished))
         span.end(end_time=_ns(finished))
 

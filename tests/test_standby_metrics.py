@@ -12,22 +12,19 @@ import aiohttp
 from tangram.config import ServerConfig
 from tangram.leadership import Leadership
 from tangram.server.standby import stand_by
+from tests.harness import until
 from tests.scrape import Scrape
 from tests.test_recovery import free_port
 
 LEADER_URL = "http://leader.example:8300"
 
 
-async def reachable(http: aiohttp.ClientSession, url: str) -> None:
-    for _ in range(200):
-        try:
-            async with http.get(url + "/healthz") as response:
-                if response.status == 200:
-                    return
-        except aiohttp.ClientConnectionError:
-            pass
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"the standby never answered on {url}")
+async def answers(http: aiohttp.ClientSession, url: str) -> bool:
+    try:
+        async with http.get(url + "/healthz") as response:
+            return response.status == 200
+    except aiohttp.ClientConnectionError:
+        return False
 
 
 async def test_the_standby_says_leader_0_names_the_leader_and_leads_once_it_lets_go(postgres_url: str) -> None:
@@ -40,7 +37,7 @@ async def test_the_standby_says_leader_0_names_the_leader_and_leads_once_it_lets
     standing = asyncio.create_task(stand_by(server, standby, stop))
     try:
         async with aiohttp.ClientSession() as http:
-            await reachable(http, url)
+            await until(lambda: answers(http, url), 10)
             async with http.get(url + "/metrics") as response:
                 assert response.status == 200
                 assert Scrape(await response.text()).value("tangram_leader") == 0

@@ -12,8 +12,9 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from typing import Any, TypeVar
 
+from managers.cpu.live_output import STREAMS, LiveOutput
 from managers.remote.replies import Reply
 from sandboxes.backend import Executed, Leftover, Sandbox, SandboxBackend, SandboxError, SandboxSpec
 from sandboxes.exec_wire import ExecRequest, ExecResult
@@ -31,17 +32,6 @@ CLOSE_TIMEOUT_S = 5.0
 AgentCall = Callable[..., Awaitable[Reply]]
 #: how often a watched command's output is fetched from its agent
 OUTPUT_POLL_S = 0.25
-STREAMS = ("stdout", "stderr")
-
-
-@runtime_checkable
-class Watched(Protocol):
-    """An output sink that says whether anyone reads it now (``managers/cpu/live_output.py``'s)."""
-
-    @property
-    def watched(self) -> bool: ...
-
-    def __call__(self, stream: str, data: bytes) -> None: ...
 
 
 def answer(reply: Reply) -> Any:
@@ -70,7 +60,7 @@ class AgentSandbox(Sandbox):
 
     async def execute(self, tag: str, request: ExecRequest, on_output: OutputSink | None = None) -> Executed:
         """The agent's sandbox pins, runs and settles: one round trip rather than three. While ``on_output`` is
-        watched (a ``Watched`` sink: someone reads the action's output), the output so far is polled from the agent
+        watched (a ``LiveOutput`` someone reads), the output so far is polled from the agent
         every ``OUTPUT_POLL_S``, and the rest comes from the answer. Why polls rather than a stream of replies (Ray's
         streaming generators): an agent that streams to a broker frozen or cut off stalls until its reports time out,
         and so does the new leader's takeover through it."""
@@ -79,7 +69,7 @@ class AgentSandbox(Sandbox):
         try:
             while not running.done():
                 await asyncio.wait({running}, timeout=OUTPUT_POLL_S)
-                if running.done() or not isinstance(on_output, Watched) or not on_output.watched:
+                if running.done() or not isinstance(on_output, LiveOutput) or not on_output.watched:
                     continue
                 pieces = (await self._call("output", self.env_id, tag, sent)).get("ok") or {}  # a failed poll: none
                 for name, data in pieces.items():
