@@ -60,8 +60,8 @@ class AgentSandbox(Sandbox):
 
     async def execute(self, tag: str, request: ExecRequest, on_output: OutputSink | None = None) -> Executed:
         """The agent's sandbox pins, runs and settles: one round trip rather than three. While ``on_output`` is
-        watched (a ``LiveOutput`` someone reads), the output so far is polled from the agent
-        every ``OUTPUT_POLL_S``, and the rest comes from the answer. Why polls rather than a stream of replies (Ray's
+        watched (a ``LiveOutput`` someone reads), the output so far is polled from the agent every
+        ``OUTPUT_POLL_S``, and the rest comes from the answer. Why polls rather than a stream of replies (Ray's
         streaming generators): an agent that streams to a broker frozen or cut off stalls until its reports time out,
         and so does the new leader's takeover through it."""
         running = asyncio.ensure_future(self._call("execute", self.env_id, tag, request))
