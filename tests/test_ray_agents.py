@@ -75,6 +75,8 @@ async def test_trajectories_run_on_both_nodes_through_their_agents(ray_cluster: 
         agents = {r["pool"]: r for r in resources["resources"] if r["resource"] == "cpu"}
         assert {pool: row["backend"] for pool, row in agents.items()} == {"n1": "agent", "n2": "agent"}
         assert all(row["node_backend"]["backend"] == "docker" for row in agents.values())
+        # both agents share this host with the broker: their calls go over their channels, not through Ray
+        assert all(row["channel"].endswith(f"/{broker_id}/{pool}.agent.sock") for pool, row in agents.items()), agents
     for engine in engines.values():  # the broker's stop removed every sandbox through the agents
         assert labelled_containers(engine, broker_id) == []
 

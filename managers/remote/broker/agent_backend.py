@@ -110,11 +110,14 @@ class AgentBackend(SandboxBackend):
 
     kind = "agent"
 
-    def __init__(self, call: AgentCall, node: str, release: Callable[[], Awaitable[None]]) -> None:
-        """``release()`` lets the agent go when the backend closes (its sandboxes stay on the node)."""
+    def __init__(self, call: AgentCall, node: str, release: Callable[[], Awaitable[None]],
+                 channel: Callable[[], str | None] = lambda: None) -> None:
+        """``release()`` lets the agent go when the backend closes (its sandboxes stay on the node); ``channel()``
+        is the socket the calls go over now (None: through Ray)."""
         self._call = call
         self.node = node
         self._release = release
+        self._channel = channel
         self._node_backend: dict[str, Any] = {}
 
     async def start(self) -> None:
@@ -153,4 +156,4 @@ class AgentBackend(SandboxBackend):
             await self._release()
 
     def describe(self) -> dict[str, Any]:
-        return {"backend": self.kind, "node_backend": self._node_backend}
+        return {"backend": self.kind, "node_backend": self._node_backend, "channel": self._channel()}

@@ -20,7 +20,9 @@ import ray
 from managers.cpu.config import CpuConfig, CpuNodeConfig, on_this_host
 from managers.cpu.sandbox_backends import open_sandbox_backend
 from managers.remote.broker.agent_backend import AgentBackend
+from managers.remote.broker.agent_route import AgentRoute
 from managers.remote.broker.ray_cluster import PLACEMENT_TIMEOUT_S, RayUnavailable, call_agent, connect, node_resource
+from managers.remote.channel_frames import FRAME_SLACK_BYTES
 from managers.remote.node.node_agent import NodeAgent
 from managers.remote.replies import Reply, fenced
 from sandboxes.backend import NODE_UNAVAILABLE, NodeHardware, SandboxError
@@ -36,7 +38,8 @@ class RayNodeAgent(NodeAgent):
         restarted = ray.get_runtime_context().was_current_actor_reconstructed
         super().__init__(lambda: open_sandbox_backend(local, config), config.limits,
                          NodeHardware(local.cores, local.memory_mb, local.numa, local.pids),
-                         restarted_for=config.broker_id if restarted else None)
+                         restarted_for=config.broker_id if restarted else None,
+                         channel_path=agent_channel_path(node, config))
         self.remember_epochs_in(agent_epoch_file(node, config))
 
 
@@ -44,6 +47,19 @@ def agent_epoch_file(node: CpuNodeConfig, config: CpuConfig) -> Path:
     """Where node ``node``'s agent keeps its epoch on its node: beside (not in) the node's run directory, which the
     backend's reaping empties."""
     return Path(config.run_dir) / config.broker_id / f"{node.name}.agent-epoch"
+
+
+def agent_channel_path(node: CpuNodeConfig, config: CpuConfig) -> Path:
+    """Where node ``node``'s agent serves a broker on its host (its direct channel): beside its epoch file, outside
+    the node's run directory, whose sandbox directories the sandboxes see."""
+    return Path(config.run_dir) / config.broker_id / f"{node.name}.agent.sock"
+
+
+def reply_limit(config: CpuConfig) -> int:
+    """The most bytes an agent's answer on the channel may have: a command's two streams or a file read, and the
+    rest of the answer."""
+    limits = config.limits
+    return 2 * limits.max_output_limit + limits.max_files_bytes + FRAME_SLACK_BYTES
 
 
 _RemoteAgent: Any = ray.remote(RayNodeAgent)
@@ -63,14 +79,19 @@ async def open_agent_backend(node: CpuNodeConfig, config: CpuConfig) -> AgentBac
 
     agent = f"node {node.name}'s agent"
 
+    async def through_ray(epoch: int | None, method: str, args: tuple[Any, ...]) -> Reply:
+        return await call_agent(actor, "call", (epoch, method, *args), agent, NODE_UNAVAILABLE)
+
+    route = AgentRoute(through_ray, agent, NODE_UNAVAILABLE, reply_limit(config), direct=config.ray.direct_channel)
+
     async def call(method: str, *args: Any) -> Reply:
-        return await fenced(agent, lambda epoch: call_agent(actor, "call", (epoch, method, *args), agent,
-                                                            NODE_UNAVAILABLE))
+        return await fenced(agent, lambda epoch: route.send(epoch, method, args))
 
     async def release() -> None:
+        route.close()
         ray.kill(actor, no_restart=True)
 
-    backend = AgentBackend(call, node.name, release)
+    backend = AgentBackend(call, node.name, release, lambda: route.channel)
     try:
         await asyncio.wait_for(backend.start(), PLACEMENT_TIMEOUT_S)  # its first call waits for the placement
     except TimeoutError:
@@ -78,5 +99,6 @@ async def open_agent_backend(node: CpuNodeConfig, config: CpuConfig) -> AgentBac
         raise SandboxError(NODE_UNAVAILABLE, f"node {node.name}'s agent did not start within "
                                                f"{PLACEMENT_TIMEOUT_S:.0f} s: does a Ray node carry the resource "
                                                f"{node_resource(node.name)!r}?") from None
-    log.info("node %s: through its agent on the Ray cluster", node.name)
+    log.info("node %s: through its agent on the Ray cluster%s", node.name,
+             "" if route.channel is None else f", over its channel {route.channel}")
     return backend

@@ -17,10 +17,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 from managers.cpu.exec_spec import ExecLimits, check_files
 from managers.cpu.live_output import LiveOutput
+from managers.remote.channel_frames import FRAME_SLACK_BYTES, host_identity
+from managers.remote.node.channel_server import ChannelServer
 from managers.remote.replies import FencedAgent, replying
 from sandboxes.backend import Executed, Leftover, NodeHardware, Sandbox, SandboxBackend, SandboxError, SandboxSpec
 from sandboxes.exec_wire import ExecRequest, ExecResult
@@ -34,11 +37,12 @@ class NodeAgent(FencedAgent):
     """One node's sandboxes, by environment id."""
 
     def __init__(self, open_backend: Callable[[], Awaitable[SandboxBackend]], limits: ExecLimits,
-                 hardware: NodeHardware, restarted_for: str | None = None) -> None:
+                 hardware: NodeHardware, restarted_for: str | None = None, channel_path: Path | None = None) -> None:
         """``open_backend()`` opens this node's backend (started) on the agent's first call; ``limits`` bound the
         file sets it writes into new sandboxes; ``hardware`` is what the node offers, reported to the broker. An
         agent restarted while broker ``restarted_for`` runs takes that broker's sandboxes back by their labels as
-        it opens, so its environments go on where they were."""
+        it opens, so its environments go on where they were. ``channel_path``: where it serves a broker on its host
+        without Ray (``channel``); None: it does not."""
         self._open_backend = open_backend
         self._limits = limits
         self._hardware = hardware
@@ -50,6 +54,9 @@ class NodeAgent(FencedAgent):
         self._snapshots: set[str] = set()
         #: the output so far of the commands running now, by (environment, tag)
         self._outputs: dict[tuple[str, str], LiveOutput] = {}
+        self._channel_path = channel_path
+        self._channel: ChannelServer | None = None
+        self._channel_opening = asyncio.Lock()
 
     async def _opened(self) -> SandboxBackend:
         if self._backend is not None:
@@ -81,6 +88,21 @@ class NodeAgent(FencedAgent):
     async def describe(self) -> dict[str, Any]:
         """The node's backend as it describes itself, and the node's hardware."""
         return {"backend": (await self._opened()).describe(), "hardware": self._hardware}
+
+    @replying
+    async def channel(self) -> dict[str, Any] | None:
+        """Where a broker on this agent's host calls it without Ray (``managers/remote/node/channel_server.py``,
+        opened on the first ask), with the token to send and the host's identity; None where it serves no channel."""
+        if self._channel_path is None:
+            return None
+        async with self._channel_opening:
+            if self._channel is None:
+                request_limit = (self._limits.max_files_bytes + self._limits.max_stdin_bytes
+                                 + self._limits.max_command_bytes + FRAME_SLACK_BYTES)
+                server = ChannelServer(self.call, self._channel_path, request_limit)
+                await server.start()
+                self._channel = server
+        return {"path": str(self._channel.path), "token": self._channel.token, "host": host_identity()}
 
     @replying
     async def create(self, spec: SandboxSpec) -> dict[str, Any]:
@@ -198,3 +220,6 @@ class NodeAgent(FencedAgent):
             await self._backend.close()
             self._backend = None
         self._sandboxes.clear()
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None

@@ -1,0 +1,97 @@
+"""One node agent's calls, over the direct channel where the agent shares the broker's host (issue 40), else through
+Ray.
+
+The broker asks the agent (through Ray) where its channel is; an agent on another host (another boot id), one that
+serves none, or one older than the channel keeps every call on Ray. A call the channel could not send goes through
+Ray instead; one it lost after sending answers as Ray says the agent is (died for good, or restarting: the call may
+be tried again), never by sending it again, since the agent may have run it. Either way the channel is asked for again after ``RETRY_S``: an agent Ray restarted
+serves a new one.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from managers.remote.broker.channel_client import ChannelBroken, ChannelClient, ChannelUnreachable
+from managers.remote.channel_frames import host_identity
+from managers.remote.replies import Reply, failed
+
+log = logging.getLogger("tangram.agents")
+
+#: seconds before the channel is asked for again after it failed or could not be had
+RETRY_S = 30.0
+
+#: ``ray_call(epoch, method, args)``: the call through the agent's Ray actor
+RayCall = Callable[[int | None, str, tuple[Any, ...]], Awaitable[Reply]]
+
+
+class AgentRoute:
+    """Sends one agent's calls by the cheapest way that reaches it."""
+
+    def __init__(self, ray_call: RayCall, agent: str, unavailable: str, reply_limit: int, *, direct: bool) -> None:
+        """``agent`` names it in messages; ``unavailable`` is the code of a call lost in transit; ``reply_limit``
+        bounds an answer on the channel; ``direct`` False: Ray only."""
+        self._ray_call = ray_call
+        self._agent = agent
+        self._unavailable = unavailable
+        self._reply_limit = reply_limit
+        self._client: ChannelClient | None = None
+        self._ask_at = 0.0 if direct else math.inf
+
+    @property
+    def channel(self) -> str | None:
+        """The socket the calls go over now; None: through Ray."""
+        return None if self._client is None else self._client.path
+
+    async def send(self, epoch: int | None, method: str, args: tuple[Any, ...]) -> Reply:
+        if self._client is None and time.monotonic() >= self._ask_at:
+            await self._open(epoch)
+        if self._client is not None:
+            try:
+                return await self._client.call(epoch, method, args)
+            except ChannelUnreachable as error:  # nothing sent: through Ray
+                self._drop(str(error))
+            except ChannelBroken as error:
+                self._drop(str(error))
+                return await self._lost_in_transit(epoch, str(error))
+        return await self._ray_call(epoch, method, args)
+
+    async def _open(self, epoch: int | None) -> None:
+        self._ask_at = time.monotonic() + RETRY_S  # the calls meanwhile go through Ray, and do not ask again
+        try:
+            where = (await self._ray_call(epoch, "channel", ())).get("ok")
+        except Exception as error:  # noqa: BLE001 - an agent older than the channel has no such method (Ray wraps it)
+            log.info("%s serves no direct channel (%s): its calls go through Ray", self._agent, error)
+            self._ask_at = math.inf
+            return
+        if not where:
+            return
+        if where["host"] != host_identity():
+            self._ask_at = math.inf
+            return
+        self._client = ChannelClient(where["path"], where["token"], self._reply_limit)
+        log.info("%s: called over its channel %s", self._agent, where["path"])
+
+    async def _lost_in_transit(self, epoch: int | None, why: str) -> Reply:
+        """The answer to a call the channel lost: Ray's word on the agent (died for good, or restarting) where it
+        has one, else that the call may be tried again."""
+        probe = await self._ray_call(epoch, "channel", ())
+        if "error" in probe:
+            return probe
+        return failed(self._unavailable, f"{self._agent} is unavailable: {why}")
+
+    def _drop(self, why: str) -> None:
+        log.warning("%s: its channel is dropped (%s); calls go through Ray for %.0f s", self._agent, why, RETRY_S)
+        if self._client is not None:
+            self._client.close()
+        self._client = None
+        self._ask_at = time.monotonic() + RETRY_S
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None

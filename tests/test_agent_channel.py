@@ -1,0 +1,186 @@
+"""The direct channel between a broker and a node agent on its host (issue 40), without Ray: a real ``NodeAgent``
+over local processes serves its unix socket, and the broker's ``AgentRoute`` sends through it; what stands for the Ray
+transport is an in-process call that counts what it carries. The same route through a real two-node Ray cluster is
+in ``tests/test_ray_agents.py``."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import stat
+import struct
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from managers.cpu.exec_spec import ExecLimits
+from managers.remote.broker.agent_backend import AgentSandbox, answer
+from managers.remote.broker.agent_route import AgentRoute
+from managers.remote.broker.channel_client import ChannelClient, ChannelUnreachable
+from managers.remote.channel_frames import ACCEPTED, TOKEN_BYTES, frame
+from managers.remote.node.node_agent import NodeAgent
+from managers.remote.replies import Reply, failed
+from sandboxes.backend import NODE_UNAVAILABLE, NodeHardware, SandboxBackend, SandboxSpec
+from sandboxes.exec_wire import ExecRequest
+from sandboxes.local import LocalProcessBackend
+from tangram.core.fencing import DEPOSED
+
+REPLY_LIMIT = 64 << 20
+
+
+@dataclass
+class RayStandIn:
+    """Ray's transport as the route sees it: the agent's fenced entry, each call's method noted; ``dead`` answers as
+    ``call_agent`` does for an actor that died."""
+
+    agent: NodeAgent
+    methods: list[str] = field(default_factory=list)
+    dead: bool = False
+
+    async def __call__(self, epoch: int | None, method: str, args: tuple[Any, ...]) -> Reply:
+        self.methods.append(method)
+        if self.dead:
+            return failed("node_lost", "the agent died", lost=True)
+        reply: Reply = await self.agent.call(epoch, method, *args)
+        return reply
+
+
+@pytest.fixture
+async def agent(tmp_path: Path) -> AsyncIterator[NodeAgent]:
+    backend = LocalProcessBackend(tmp_path / "run")
+    await backend.start()
+
+    async def opened() -> SandboxBackend:
+        return backend
+
+    agent = NodeAgent(opened, ExecLimits(max_files_bytes=1 << 20), NodeHardware(cores=(0,), memory_mb=64,
+                                                                                  numa=((0,),)),
+                      channel_path=tmp_path / "agents" / "n1.agent.sock")
+    yield agent
+    await agent.close()
+
+
+def route_to(ray: RayStandIn, *, direct: bool = True) -> AgentRoute:
+    return AgentRoute(ray, "node n1's agent", NODE_UNAVAILABLE, REPLY_LIMIT, direct=direct)
+
+
+async def a_sandbox(route: AgentRoute, env_id: str = "env-1") -> AgentSandbox:
+    async def call(method: str, *args: Any) -> Reply:
+        return await route.send(None, method, args)
+
+    spec = SandboxSpec(env_id=env_id, task="t", trajectory=None, image="i", memory_mb=64, pids_limit=64)
+    return AgentSandbox(call, env_id, answer(await call("create", spec)), "n1")
+
+
+async def test_calls_go_over_the_channel_once_it_is_known(agent: NodeAgent, tmp_path: Path) -> None:
+    ray = RayStandIn(agent)
+    route = route_to(ray)
+    sandbox = await a_sandbox(route)
+    executed = await asyncio.gather(*(sandbox.execute(f"a{i}", ExecRequest(f"echo {i}", timeout_s=30))
+                                      for i in range(4)))  # at once: each on a connection of its own
+    assert [e.result.stdout for e in executed] == [f"{i}\n" for i in range(4)]
+    assert ray.methods == ["channel"]  # Ray carried only the question where the channel is
+    assert route.channel == str(tmp_path / "agents" / "n1.agent.sock")
+    socket_mode = os.stat(route.channel).st_mode
+    assert stat.S_ISSOCK(socket_mode) and stat.S_IMODE(socket_mode) == 0o600
+    assert stat.S_IMODE(os.stat(tmp_path / "agents").st_mode) == 0o700
+    route.close()
+
+
+async def test_the_channel_keeps_the_agents_fencing(agent: NodeAgent) -> None:
+    route = route_to(RayStandIn(agent))
+    assert "ok" in await route.send(7, "describe", ())
+    refused = await route.send(6, "describe", ())  # an older leader, over the channel too
+    assert refused["error"]["code"] == DEPOSED
+    route.close()
+
+
+async def test_without_direct_or_on_another_host_every_call_goes_through_ray(agent: NodeAgent,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    ray = RayStandIn(agent)
+    off = route_to(ray, direct=False)
+    for _ in range(2):
+        assert "ok" in await off.send(None, "describe", ())
+    assert ray.methods == ["describe", "describe"] and off.channel is None
+
+    monkeypatch.setattr("managers.remote.broker.agent_route.host_identity", lambda: "another-boot-id")
+    ray.methods.clear()
+    elsewhere = route_to(ray)
+    for _ in range(2):
+        assert "ok" in await elsewhere.send(None, "describe", ())
+    assert ray.methods == ["channel", "describe", "describe"] and elsewhere.channel is None  # asked once only
+
+
+async def test_a_channel_that_cannot_be_reached_sends_through_ray_instead(agent: NodeAgent, tmp_path: Path) -> None:
+    ray = RayStandIn(agent)
+    route = route_to(ray)
+    sandbox = await a_sandbox(route)
+    route._client = ChannelClient(str(tmp_path / "gone.sock"), os.urandom(TOKEN_BYTES), REPLY_LIMIT)  # its socket gone
+    ray.methods.clear()
+    executed = await sandbox.execute("a1", ExecRequest("echo through-ray", timeout_s=30))
+    assert executed.result.stdout == "through-ray\n"
+    assert ray.methods == ["execute"] and route.channel is None  # sent once, through Ray; asked for again later
+
+
+async def test_a_call_lost_in_transit_answers_as_ray_says_the_agent_is(tmp_path: Path) -> None:
+    """An agent whose socket takes the call and closes (it died with the call): the route does not send the call
+    again; it answers with Ray's word on the agent, here that it died for good."""
+    path = tmp_path / "a.sock"
+    token = os.urandom(TOKEN_BYTES)
+    received: list[int] = []
+
+    async def dies_mid_call(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        assert await reader.readexactly(TOKEN_BYTES) == token
+        writer.write(ACCEPTED)
+        (length,) = struct.unpack(">Q", await reader.readexactly(8))
+        received.append(length)
+        await reader.readexactly(length)
+        writer.close()
+
+    server = await asyncio.start_unix_server(dies_mid_call, path)
+    ray = RayStandIn(agent=None, dead=True)  # type: ignore[arg-type]
+    route = route_to(ray)
+    route._client = ChannelClient(str(path), token, REPLY_LIMIT)  # as if it had asked
+    reply = await route.send(None, "execute", ("env-1", "a1", ExecRequest("true")))
+    assert reply["error"]["code"] == "node_lost" and reply["error"]["lost"]
+    assert len(received) == 1 and ray.methods == ["channel"]  # sent once; Ray was only asked how the agent is
+    ray.dead = False
+    ray.methods.clear()
+
+    async def restarting(epoch: int | None, method: str, args: tuple[Any, ...]) -> Reply:
+        ray.methods.append(method)
+        return {"ok": None}  # alive over Ray (restarted): the call may be tried again
+
+    route = AgentRoute(restarting, "node n1's agent", NODE_UNAVAILABLE, REPLY_LIMIT, direct=True)
+    route._client = ChannelClient(str(path), token, REPLY_LIMIT)
+    reply = await route.send(None, "execute", ("env-1", "a1", ExecRequest("true")))
+    assert reply["error"]["code"] == NODE_UNAVAILABLE and not reply["error"]["lost"]
+    assert len(received) == 2 and ray.methods == ["channel"]
+    server.close()
+
+
+async def test_the_agent_refuses_a_wrong_token_and_an_oversized_frame(agent: NodeAgent) -> None:
+    where = answer(await agent.call(None, "channel"))
+    wrong = ChannelClient(where["path"], bytes(TOKEN_BYTES), REPLY_LIMIT)
+    with pytest.raises(ChannelUnreachable, match="token"):
+        await wrong.call(None, "describe", ())
+
+    reader, writer = await asyncio.open_unix_connection(where["path"])
+    writer.write(where["token"])
+    assert await reader.readexactly(1) == ACCEPTED
+    writer.write(struct.pack(">Q", 1 << 40))  # a terabyte announced: closed unread
+    assert await reader.read() == b""
+    writer.close()
+
+    right = ChannelClient(where["path"], where["token"], REPLY_LIMIT)
+    assert "ok" in await right.call(None, "describe", ())  # the agent still serves
+    big = frame((None, "describe", (b"x" * (6 << 20),)))  # past the request bound (1 MiB files + stdin + slack)
+    reader, writer = await asyncio.open_unix_connection(where["path"])
+    writer.write(where["token"] + big)
+    assert await reader.readexactly(1) == ACCEPTED
+    assert await reader.read() == b""
+    writer.close()
+    right.close()
