@@ -175,7 +175,7 @@ class Broker:
         if fresh:
             self.kick()
             try:
-                await asyncio.gather(*(self.store.durable(a) for a in fresh))
+                await self.store.durable(*fresh)
             except Exception as error:  # noqa: BLE001 - queued and still pending in the store, which keeps retrying
                 log.error("submit not durable yet: %r", error)
                 raise Unavailable("store", "accepted but not yet durable (database unavailable); resubmit with "

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from prometheus_client import (
     GC_COLLECTOR,
@@ -17,6 +17,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from tangram.action_series import CounterSeries, HistogramSeries, SeriesCollector
 from tangram.core.action import Action
 from tangram.core.fencing import current
 from tangram.version import VERSION
@@ -106,20 +107,23 @@ class Metrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        labels = ["kind", "task"]
-        self.act = Histogram("tangram_action_completion_seconds", "ACT: submission to terminal state",
-                             labels, buckets=SECONDS, registry=self.registry)
-        self.queue = Histogram("tangram_action_queue_seconds", "Time waiting in the unified queue",
-                               labels, buckets=SECONDS, registry=self.registry)
-        self.execution = Histogram("tangram_action_execution_seconds", "Time inside the manager's execute",
-                                   labels, buckets=SECONDS, registry=self.registry)
-        self.overhead = Histogram("tangram_action_overhead_seconds", "ACT minus queue and execution time",
-                                  labels, buckets=SECONDS, registry=self.registry)
-        self.finished = Counter("tangram_actions_finished", "Actions reaching a terminal state, by the error's code "
-                                "(empty when none: out_of_memory, timed_out, environment_lost, ... tell them apart)",
-                                ["kind", "task", "state", "error"], registry=self.registry)
-        self.submitted = Counter("tangram_actions_submitted", "Actions accepted into the queue",
-                                 ["kind", "task"], registry=self.registry)
+        labels = ("kind", "task")
+        self.act = HistogramSeries("tangram_action_completion_seconds", "ACT: submission to terminal state",
+                                   labels, SECONDS)
+        self.queue = HistogramSeries("tangram_action_queue_seconds", "Time waiting in the unified queue", labels,
+                                     SECONDS)
+        self.execution = HistogramSeries("tangram_action_execution_seconds", "Time inside the manager's execute",
+                                         labels, SECONDS)
+        self.overhead = HistogramSeries("tangram_action_overhead_seconds", "ACT minus queue and execution time",
+                                        labels, SECONDS)
+        self.finished = CounterSeries("tangram_actions_finished", "Actions reaching a terminal state, by the error's "
+                                      "code (empty when none: out_of_memory, timed_out, environment_lost, ... tell "
+                                      "them apart)", ("kind", "task", "state", "error"))
+        self.submitted = CounterSeries("tangram_actions_submitted", "Actions accepted into the queue", labels)
+        self._timed = ((self.act, "act_s"), (self.queue, "queue_s"), (self.execution, "execution_s"),
+                       (self.overhead, "overhead_s"))
+        self.registry.register(SeriesCollector((self.act, self.queue, self.execution, self.overhead, self.finished,
+                                                self.submitted)))
         self.schedule_pass = Histogram("tangram_schedule_pass_seconds", "Wall time of one scheduling pass",
                                        buckets=PASS_SECONDS, registry=self.registry)
         self.resizes = Counter("tangram_resizes", "Running malleable actions whose units a pass changed",
@@ -130,16 +134,9 @@ class Metrics:
         ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, process_resident_memory_bytes, ...
         for collector in (PLATFORM_COLLECTOR, GC_COLLECTOR):  # python_info, python_gc_*: read at scrape time
             self.registry.register(collector)
-        # label children cached per (kind, task): .labels() is a locked dict lookup, costly per action
-        self._submitted: dict[tuple[str, str], Any] = {}
-        self._finish_children: dict[tuple[str, str], list[tuple[Any, str]]] = {}
 
     def count_submit(self, action: Action) -> None:
-        labels = (action.kind.value, action.task)
-        child = self._submitted.get(labels)
-        if child is None:
-            child = self._submitted[labels] = self.submitted.labels(*labels)
-        child.inc()
+        self.submitted.inc((action.kind.value, action.task))
 
     def watch(self, queue_depth: Callable[[], dict[str, int]],
               units: Callable[[], Iterable[tuple[str, str, int, int]]]) -> None:
@@ -147,14 +144,9 @@ class Metrics:
 
     def record_finish(self, action: Action) -> None:
         labels = (action.kind.value, action.task)
-        children = self._finish_children.get(labels)
-        if children is None:
-            children = self._finish_children[labels] = [
-                (self.act.labels(*labels), "act_s"), (self.queue.labels(*labels), "queue_s"),
-                (self.execution.labels(*labels), "execution_s"), (self.overhead.labels(*labels), "overhead_s")]
-        self.finished.labels(*labels, action.state.value, (action.error or {}).get("code") or "").inc()
+        self.finished.inc((*labels, action.state.value, (action.error or {}).get("code") or ""))
         timings = action.timings()
-        for histogram, name in children:
+        for histogram, name in self._timed:
             value = timings[name]
             if value is not None:
-                histogram.observe(value)
+                histogram.observe(labels, value)

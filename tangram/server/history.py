@@ -92,8 +92,7 @@ class History:
 
     def _finished_total(self) -> int:
         """Actions finished since the broker started, from its ``tangram_actions_finished`` counter (exact)."""
-        return int(sum(sample.value for metric in self.broker.metrics.finished.collect() for sample in metric.samples
-                       if sample.name.endswith("_total")))
+        return sum(self.broker.metrics.finished.series.values())
 
     def _acts_between(self, since: float, until: float) -> list[float]:
         """ACTs of the actions that finished in (since, until]. ``broker.recent`` is in finishing order, so the

@@ -5,12 +5,12 @@ number of series."""
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry
 
+from tangram.action_series import CounterSeries, HistogramSeries, SeriesCollector
 from tangram.metrics import SECONDS
 
 METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
@@ -25,13 +25,11 @@ def route_of(request: web.Request) -> str:
 
 def http_metrics(registry: CollectorRegistry) -> Middleware:
     """A middleware counting every request in ``registry``; put it first, to see the status the client gets."""
-    requests = Counter("tangram_http_requests", "HTTP requests answered, by method, route and status",
-                       ["method", "route", "status"], registry=registry)
-    seconds = Histogram("tangram_http_request_seconds", "Time to answer an HTTP request (a waiting one included)",
-                        ["method", "route"], buckets=SECONDS, registry=registry)
-    # label children cached: .labels() is a locked dict lookup, costly on every request
-    counted: dict[tuple[str, str, int], Any] = {}
-    timed: dict[tuple[str, str], Any] = {}
+    requests = CounterSeries("tangram_http_requests", "HTTP requests answered, by method, route and status",
+                             ("method", "route", "status"))
+    seconds = HistogramSeries("tangram_http_request_seconds", "Time to answer an HTTP request (a waiting one "
+                              "included)", ("method", "route"), SECONDS)
+    registry.register(SeriesCollector((requests, seconds)))
 
     @web.middleware
     async def count(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -47,13 +45,7 @@ def http_metrics(registry: CollectorRegistry) -> Middleware:
         finally:
             method = request.method if request.method in METHODS else "other"
             route = route_of(request)
-            child = counted.get((method, route, status))
-            if child is None:
-                child = counted[(method, route, status)] = requests.labels(method, route, str(status))
-            child.inc()
-            timer = timed.get((method, route))
-            if timer is None:
-                timer = timed[(method, route)] = seconds.labels(method, route)
-            timer.observe(time.perf_counter() - started)
+            requests.inc((method, route, str(status)))
+            seconds.observe((method, route), time.perf_counter() - started)
 
     return count

@@ -5,6 +5,7 @@ address, cannot drive it through the visitor's browser)."""
 from __future__ import annotations
 
 import re
+from functools import lru_cache
 from urllib.parse import urlsplit
 
 from tangram.core.loopback import is_loopback
@@ -13,6 +14,7 @@ from tangram.core.loopback import is_loopback
 HOST_HEADER = re.compile(r"^(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<name>[^:\[\]/@\s]+))(?::(?P<port>[0-9]{1,5}))?\Z")
 
 
+@lru_cache(maxsize=256)  # asked on every request, nearly always with the same few values
 def host_header_is_loopback(value: str) -> bool:
     """A ``Host`` header (``name[:port]``, ``[v6][:port]``) that names this host only."""
     match = HOST_HEADER.match(value.strip())

@@ -74,7 +74,7 @@ def _other_body(request: web.Request) -> str | None:
 async def body_in_time(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Read the whole body (bounded by ``client_max_size``) within ``body_timeout_s``; handlers then read it from
     memory. Past the bound: 408, and the connection is closed (what is left of the body is never read)."""
-    if request.body_exists:
+    if request.body_exists and not request.content.is_eof():  # a body already in whole needs no timer
         timeout = request.app[SERVER].body_timeout_s
         try:
             async with asyncio.timeout(timeout):

@@ -125,10 +125,16 @@ class GroupCommitWriter:
         self._note_state(action)
         self._wake(urgent=False)
 
-    async def durable(self, action: Action) -> None:
-        """Save and return once the record is committed (raises what rejected it, or the last write error)."""
-        self.save(action)
-        await self._wait_for(action.id)
+    async def durable(self, *actions: Action) -> None:
+        """Save and return once the records are committed (raises what rejected one, or the last write error).
+        One waiter each, and no task: a batch's actions wait on their futures together."""
+        for action in actions:
+            self.save(action)
+        loop = asyncio.get_running_loop()
+        futures = [loop.create_future() for _ in actions]
+        self._pending.waiters.extend((action.id, future) for action, future in zip(actions, futures, strict=True))
+        self._wake(urgent=True)
+        await asyncio.gather(*futures)
 
     async def flush(self) -> None:
         """Write everything pending now; returns once committed, including a write already under way."""
