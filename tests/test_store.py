@@ -8,6 +8,7 @@ import dataclasses
 import sqlite3
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,6 +21,7 @@ from tangram.core.action import Action, Demand, State
 from tangram.core.errors import ConfigError
 from tangram.parse import parse_action
 from tangram.records import action_from_stored, stored_record
+from tangram.store.sqlite_writer import SqliteWriter
 from tangram.store.store import Store
 from tangram.store.tables import ActionRow, TransitionRow
 
@@ -355,10 +357,11 @@ async def test_restart_resumes_transition_tracking(store_url: str, store: Store)
 
 async def test_failed_writes_are_kept_and_retried(store_url: str) -> None:
     store = await Store.open(store_url, max_attempts=2, backoff_s=0.02)
-    healthy = store.engine
+    healthy, healthy_writer = store.engine, store._sqlite
     url = make_url(store_url)
     if url.get_backend_name() == "sqlite":
         broken_url = url.set(database="/nonexistent-dir/tangram.db")
+        store._sqlite = SqliteWriter("/nonexistent-dir/tangram.db")  # the writer's own connection fails alike
     else:
         broken_url = url.set(port=1)
     store.engine = create_async_engine(broken_url)  # every connection attempt fails, as during an outage
@@ -369,13 +372,15 @@ async def test_failed_writes_are_kept_and_retried(store_url: str) -> None:
         assert not isinstance(failure.value, IntegrityError)
         assert store.failures >= 2 and store.commits == 0
         await store.engine.dispose()
-        store.engine = healthy  # the database is back: the kept record is written by the retry loop
+        if store._sqlite is not None:
+            await store._sqlite.close()
+        store.engine, store._sqlite = healthy, healthy_writer  # the database is back: the retry loop writes the record
         await store.flush()
         assert store.failures == 0
         assert_same(await store.get(action.id), action)
         assert await store.transitions(action.id) == [("queued", action.submitted_at)]
     finally:
-        store.engine = healthy
+        store.engine, store._sqlite = healthy, healthy_writer
         await store.close()
 
 
@@ -464,3 +469,18 @@ async def test_slo_plans_are_kept_replaced_and_deleted_at_once(store: Store, sto
         assert await reopened.load_slo_plans() == {"a": {**plan, "slowdown": 2.0}}
     finally:
         await reopened.close()
+
+
+async def test_the_sqlite_writer_commits_all_or_nothing_and_reports_as_sqlalchemy_does(tmp_path: Path) -> None:
+    database = str(tmp_path / "w.db")
+    writer = SqliteWriter(database)
+    try:
+        await writer.commit([("CREATE TABLE t (k TEXT PRIMARY KEY)", [()])])
+        await writer.commit([("INSERT INTO t VALUES (?)", [("a",), ("b",)])])
+        with pytest.raises(IntegrityError):  # what the store's refusal path reads (``refusals.py``)
+            await writer.commit([("INSERT INTO t VALUES (?)", [("c",)]), ("INSERT INTO t VALUES (?)", [("a",)])])
+        await writer.commit([("INSERT INTO t VALUES (?)", [("d",)])])  # the writer goes on after a refusal
+    finally:
+        await writer.close()
+    with sqlite3.connect(database) as reader:
+        assert sorted(row[0] for row in reader.execute("SELECT k FROM t")) == ["a", "b", "d"]  # "c" rolled back

@@ -22,6 +22,8 @@ from tangram.core.action import Action, State
 from tangram.records import stored_record
 from tangram.store.fence import Deposed, Fence
 from tangram.store.refusals import refused
+from tangram.store.sqlite import sqlite_file
+from tangram.store.sqlite_writer import SqliteWriter
 from tangram.store.statements import Bulk, dialect_of, upsert
 from tangram.store.tables import ActionRow, ProfileRow, SpeedupRow, TransitionRow
 from tangram_client.retry import backoff_s
@@ -88,6 +90,8 @@ class GroupCommitWriter:
         self._upsert_profiles = Bulk(engine, upsert(dialect, ProfileRow, ["task", "signature"]))
         self._upsert_speedups = Bulk(engine, upsert(dialect, SpeedupRow, ["task", "signature"]))
         self._insert_transitions = Bulk(engine, dialect.insert(TransitionRow), ["action_id", "state", "at"])
+        #: a SQLite file's commits, one thread hop each (a fenced store's go through the engine, with the fence)
+        self._sqlite = SqliteWriter(database) if fence is None and (database := sqlite_file(engine)) else None
         self._pending = _Batch()
         self._inflight = _Batch()  # the batch being written: no longer pending, not yet readable from the database
         self._states: dict[str, State] = {}  # last saved state of each live action
@@ -114,6 +118,8 @@ class GroupCommitWriter:
                 self._flusher.cancel()
                 with suppress(asyncio.CancelledError):
                     await self._flusher
+            if self._sqlite is not None:
+                await self._sqlite.close()
 
     def save(self, action: Action) -> None:
         """Note the action for the next write; its record is serialized then, so the latest snapshot wins."""
@@ -310,6 +316,12 @@ class GroupCommitWriter:
         speedups = [{"task": task, "signature": signature, "runs": runs}
                     for (task, signature), runs in batch.speedups.items()]
         if not (rows or transitions or profiles or speedups):
+            return
+        if self._sqlite is not None:
+            await self._sqlite.commit([(bulk.sql, bulk.params(written)) for bulk, written in (
+                (self._upsert_actions, rows), (self._insert_transitions, transitions),
+                (self._upsert_profiles, profiles), (self._upsert_speedups, speedups)) if written])
+            self.commits += 1
             return
         async with self.engine.begin() as conn:
             await self._fenced(conn)

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.pool import StaticPool
 
 
@@ -37,3 +38,13 @@ def sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
     cursor.execute("PRAGMA journal_mode=WAL")
     cursor.execute("PRAGMA synchronous=NORMAL")
     cursor.close()
+
+
+def sqlite_file(engine: AsyncEngine) -> str | None:
+    """The path of ``engine``'s database when it is a plain SQLite file (not in memory, no URI, no query options),
+    which another connection can open as the engine's do; None otherwise."""
+    url = engine.url
+    database = url.database or ""
+    if engine.dialect.name != "sqlite" or database in ("", ":memory:") or database.startswith("file:") or url.query:
+        return None
+    return database

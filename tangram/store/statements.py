@@ -29,8 +29,12 @@ class Bulk:
         self.sql = compiled.string
         self.values = operator.itemgetter(*compiled.positiontup)
 
+    def params(self, rows: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
+        """``rows`` as the driver's parameter tuples."""
+        return [self.values(row) for row in rows]
+
     async def run(self, conn: AsyncConnection, rows: list[dict[str, Any]]) -> None:
-        await conn.exec_driver_sql(self.sql, [self.values(row) for row in rows])
+        await conn.exec_driver_sql(self.sql, self.params(rows))
 
 
 def upsert(dialect: Any, table: type[Base], keys: list[str]) -> Any:
