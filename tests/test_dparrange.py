@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tangram.core.dparrange import BasicOperator, dp_arrange
+from tangram.core.dparrange import BasicOperator, dp_arrange, dp_arrange_many
 
 
 class SubtractingOperator(BasicOperator):
@@ -59,3 +59,23 @@ def test_prefix_that_cannot_fit_is_infinite():
     table = dp_arrange([((2,), (1.0,)), ((2,), (1.0,))], 3)
     assert table.best(1) == (1.0, [2])
     assert table.best(2)[0] == math.inf
+
+
+@settings(max_examples=150, deadline=None)
+@given(options=st.lists(task, min_size=1, max_size=7), free=st.integers(0, 16), data=st.data())
+def test_a_banded_table_answers_its_prefixes_as_the_full_table(options, free, data):
+    """Greedy eviction asks only for long prefixes, so its tables hold the band of states those can use: the same
+    optimum and units, ties included, for every prefix the band holds and every limit, filled alone or with others."""
+    shortest = data.draw(st.integers(0, len(options)))
+    full = dp_arrange(options, free)
+    banded = dp_arrange(options, free, shortest=shortest)
+    other = options[::-1]
+    together = dp_arrange_many([(other, free + 3, None, 0), (options, free, None, shortest)])
+    for t in range(shortest, len(options) + 1):
+        for limit in (None, *range(free + 2)):
+            assert banded.best(t, limit) == full.best(t, limit) == together[1].best(t, limit)
+    for t in range(len(other) + 1):
+        assert together[0].best(t) == dp_arrange(other, free + 3).best(t)
+    if shortest > 1:
+        with pytest.raises(ValueError):
+            banded.best(shortest - 1)

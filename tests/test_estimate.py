@@ -1,4 +1,7 @@
-from tangram.sched.estimate import CompletionHeap, Waiting, estimate
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tangram.sched.estimate import CompletionHeap, SortedUnits, Waiting, estimate, reach
 
 
 def test_take_returns_when_the_last_unit_frees_and_keeps_the_rest():
@@ -32,3 +35,28 @@ def test_an_expected_action_counts_from_its_arrival():
     assert estimate(heap, [queued, arriving], depth=1) == 2.0 + (3.0 - 1.0)
     # units free before it arrives do not start it early
     assert estimate(CompletionHeap([(0.0, 2)]), [queued, arriving], depth=1) == 2.0 + 1.0
+
+
+free_times = st.lists(st.tuples(st.integers(0, 12).map(float), st.integers(0, 4)), max_size=10)
+waiting_actions = st.builds(
+    Waiting,
+    st.lists(st.integers(1, 4), min_size=1, max_size=3, unique=True).map(lambda c: tuple(sorted(c))),
+    st.lists(st.integers(1, 20).map(float), min_size=3, max_size=3).map(tuple),
+    st.one_of(st.just(0.0), st.integers(0, 10).map(float)))
+
+
+@settings(max_examples=300, deadline=None)
+@given(runs=st.lists(free_times, min_size=1, max_size=4), skip=st.integers(0, 8),
+       waiting=st.lists(waiting_actions, max_size=10), depth=st.integers(1, 3))
+def test_an_estimate_over_the_units_it_reaches_is_the_estimate_over_the_whole_heap(runs, skip, waiting, depth):
+    """Greedy eviction cuts each run of unit free-times (the first after its ``skip`` earliest went, as the planned
+    members take idle units) to the units the estimate can reach: the estimate is the same, bit for bit."""
+    whole = CompletionHeap(runs[0])
+    first = SortedUnits(runs[0])
+    skip = skip if skip <= first.units else 0  # ``take`` of more than the heap holds takes nothing
+    whole.take(skip)
+    whole.extend(entry for run in runs[1:] for entry in run)
+    need = reach(waiting, depth)
+    cut = CompletionHeap.of_windows([first.window(skip, need)] + [SortedUnits(run).window(0, need) for run in runs[1:]])
+    assert cut.units <= whole.units
+    assert estimate(cut, waiting, depth) == estimate(whole, waiting, depth)

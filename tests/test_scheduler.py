@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import random
+from unittest import mock
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from managers.counted import CountedUnitsManager
 from tangram.core.action import Action, Demand, Elasticity, Kind
+from tangram.sched import scheduler
 from tangram.sched.arrivals import Expected
 from tangram.sched.durations import DurationModel
 from tangram.sched.scheduler import Scheduler
@@ -168,3 +172,23 @@ def test_a_plan_not_carried_out_is_shared_afresh_after_reshare():
     scheduler.reshare()
     [again] = scheduler.schedule(queue, [], now=2.0).placements
     assert again.action is queue[0] and again.units["cpu"] == 8
+
+
+def test_greedy_eviction_plans_the_same_whatever_depth_its_tables_start_with():
+    """Each pool's DP table holds the prefixes of its last EVICTION_DEPTH members dropped, and is filled again twice
+    as deep when the walk goes further: the plan is the one a table holding every prefix gives."""
+    deepest = 0
+    for seed in range(6):
+        rng = random.Random(seed)
+        queue = [act(seq, {"cpu": Demand.range(1, 8)},
+                     Elasticity("cpu", ((1, 1.0), (8, rng.uniform(0.3, 0.9))), t1=rng.lognormvariate(2.0, 1.0)))
+                 for seq in range(30)]
+        plans = []
+        for depth in (0, 1, 3, 10**6):
+            with mock.patch.object(scheduler, "EVICTION_DEPTH", depth):
+                manager = CountedUnitsManager({"cpu": {"n0": 16, "n1": 12}})
+                plan = Scheduler([manager], DurationModel(), depth=2, horizon=16).schedule(queue, [], now=0.0)
+                plans.append([(p.action.seq, p.units, p.pools) for p in plan.placements])
+        assert plans[0] == plans[1] == plans[2] == plans[3]
+        deepest = max(deepest, 28 - len(plans[0]))  # 28 candidates at one core each; the rest were dropped
+    assert deepest >= 4  # the walk went past the shallow tables, so they were filled again

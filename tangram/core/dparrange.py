@@ -8,7 +8,11 @@ Two readings of the paper are fixed here (docs/SCHEDULING.md, departures):
   the answer is the best state *within* ``n`` (``j <= n`` for counted units).
 
 Operators carry the topology. ``BasicOperator`` (state = units used, ``next(j, k) = j + k``) is linear, which lets
-the table be filled with numpy one row at a time. Any other operator goes through the generic loop, which walks
+the table be filled with numpy one row at a time (every pool's row ``i`` in one set of calls), and lets a row hold
+only the units its tasks use *above their minimums*: the first ``i`` tasks use at least the sum of their minimums,
+and a prefix of at least ``shortest`` tasks leaves at most ``free - (minimums of the first shortest)`` above them, so
+states past that band are never on the path of an optimum it is asked for. Greedy eviction drops a few members from
+a group that fills its units, so the band is narrow. Any other operator goes through the generic loop, which walks
 *forward* from each reachable state and records every state's parent: a topology whose allocation is a
 deterministic function of the state before (the GPU chunk operator) may reach one state from several, so a
 ``prev`` that undoes an allocation is not always defined, while ``next`` always is.
@@ -18,11 +22,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Protocol
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 INF = math.inf
 
@@ -40,6 +44,11 @@ class DPOperator(Protocol):
         """The state after giving ``k`` more units in state ``j``; None (or a state past ``end``) if impossible."""
 
 
+#: one pool's DP: its tasks' (allowed unit counts ascending, duration at each count), its free units, its operator
+#: (None: ``BasicOperator``) and the shortest prefix its table answers
+Problem = tuple[Sequence[tuple[Sequence[int], Sequence[float]]], int, DPOperator | None, int]
+
+
 class BasicOperator:
     """Counted, interchangeable units (CPU cores in one node, API tokens): state = units used."""
 
@@ -54,11 +63,19 @@ class BasicOperator:
 
 @dataclass(slots=True)
 class DPTable:
-    """Filled DP table for candidates in FCFS order; answers the optimum of every prefix."""
+    """Filled DP table for candidates in FCFS order; answers the optimum of every prefix (a linear operator's: of
+    at least ``shortest`` tasks)."""
 
-    values: np.ndarray  # (m + 1, n + 1): best total duration of the first i tasks ending in state j
-    choices: np.ndarray  # (m + 1, n + 1): units given to task i in that optimum (0 = unreachable)
-    parents: np.ndarray | None  # (m + 1, n + 1): state before task i in that optimum; None: ``j - choice``
+    #: (m + 1, width): best total duration of the first i tasks ending in state j; for a linear operator, in state
+    #: ``lows[i] + j`` (j units above the first i tasks' minimums)
+    values: np.ndarray
+    #: (m + 1, width): units given to task i in that optimum (0 = unreachable); for a linear operator, units above
+    #: its minimum (unreachable states hold any)
+    choices: np.ndarray
+    parents: np.ndarray | None  # (m + 1, width): state before task i in that optimum; None: linear
+    lows: list[int] | None = None  # linear: units the first i tasks use at their minimums
+    shortest: int = 0  # linear: the shortest prefix the band holds
+    minimums: list[int] = field(default_factory=list)  # linear: each task's minimum
 
     @property
     def size(self) -> int:
@@ -69,6 +86,8 @@ class DPTable:
         states up to ``limit`` (for a linear operator: using at most ``limit`` units)."""
         if t == 0:
             return 0.0, []
+        if self.lows is not None:
+            return self._best_linear(t, limit)
         row = self.values[t] if limit is None else self.values[t, :max(0, limit) + 1]
         j = int(np.argmin(row))
         total = float(row[j])
@@ -78,53 +97,129 @@ class DPTable:
         for i in range(t, 0, -1):
             k = int(self.choices[i, j])
             units[i - 1] = k
-            j = j - k if self.parents is None else int(self.parents[i, j])
+            j = int(self.parents[i, j])  # type: ignore[index]
+        return total, units
+
+    def _best_linear(self, t: int, limit: int | None) -> tuple[float, list[int]]:
+        if t < self.shortest:
+            raise ValueError(f"prefix {t} is shorter than the {self.shortest} tasks this table's band holds")
+        lows = self.lows
+        assert lows is not None
+        width = self.values.shape[1]
+        top = width - 1 if limit is None else min(width - 1, max(0, limit) - lows[t])
+        if top < 0:
+            return INF, []
+        row = self.values[t, :top + 1]
+        j = int(np.argmin(row))
+        total = float(row[j])
+        if total == INF:
+            return INF, []
+        units = self.minimums[:t]  # each at its minimum, but those above it in the optimum
+        choices = self.choices
+        i = t
+        while j > 0:  # j units above the minimums of the first i tasks
+            above = int(choices[i, j])
+            units[i - 1] += above
+            j -= above
+            i -= 1
         return total, units
 
 
 def dp_arrange(options: Sequence[tuple[Sequence[int], Sequence[float]]], free_units: int,
-               operator: DPOperator | None = None) -> DPTable:
+               operator: DPOperator | None = None, shortest: int = 0) -> DPTable:
     """Fill the DP for tasks given as (allowed unit counts ascending, duration at each count).
 
-    Only counts not above ``free_units`` are considered. A prefix that cannot fit is reported as inf.
+    Only counts not above ``free_units`` are considered. A prefix that cannot fit is reported as inf. A linear
+    operator's table answers the prefixes of at least ``shortest`` tasks (fewer raise ValueError).
     """
-    operator = operator or BasicOperator()
-    end = operator.end(free_units)
+    return dp_arrange_many([(options, free_units, operator, shortest)])[0]
+
+
+def dp_arrange_many(problems: Sequence[Problem]) -> list[DPTable]:
+    """``dp_arrange`` of each problem, the linear ones filled together row by row: a row costs numpy's calls more
+    than its width, so one set of calls for every pool's row ``i`` is the cheap way to fill many pools."""
+    tables: list[DPTable | None] = [None] * len(problems)
+    linear: list[tuple[int, Sequence[tuple[Sequence[int], Sequence[float]]], int, int]] = []
+    for index, (options, free_units, operator, shortest) in enumerate(problems):
+        operator = operator or BasicOperator()
+        end = operator.end(free_units)
+        if operator.linear:
+            linear.append((index, options, end, min(shortest, len(options))))
+        else:
+            tables[index] = _generic_table(options, end, operator)
+    for (index, *_), table in zip(linear, _fill_linear([problem[1:] for problem in linear])):
+        tables[index] = table
+    return [table for table in tables if table is not None]
+
+
+def _generic_table(options: Sequence[tuple[Sequence[int], Sequence[float]]], end: int,
+                   operator: DPOperator) -> DPTable:
     m = len(options)
     values = np.full((m + 1, end + 1), INF)
     choices = np.zeros((m + 1, end + 1), dtype=np.int32)
     values[0, 0] = 0.0
-    if operator.linear:
-        _fill_linear(options, values, choices, end)
-        return DPTable(values, choices, None)
     parents = np.zeros((m + 1, end + 1), dtype=np.int32)
     _fill_generic(options, values, choices, parents, operator, end)
     return DPTable(values, choices, parents)
 
 
-def _fill_linear(options: Sequence[tuple[Sequence[int], Sequence[float]]], values: np.ndarray,
-                 choices: np.ndarray, end: int) -> None:
-    """Row i: ``dp[i][j] = min_k dp[i-1][j-k] + T_i(k)``, one gather over a sliding window per row."""
-    width = end + 1
-    low = 0  # fewest units the first i tasks can use; states below are unreachable
-    for i, (counts, durations) in enumerate(options, start=1):
-        ks = np.asarray(counts, dtype=np.int64)
-        keep = ks <= end
-        ks, ts = ks[keep], np.asarray(durations, dtype=np.float64)[keep]
-        if ks.size == 0:
-            return  # this prefix and every longer one are infeasible: rows stay inf
-        low += int(ks[0])
-        if low > end:
-            return
-        kmax = int(ks[-1])
-        padded = np.concatenate((np.full(kmax, INF), values[i - 1]))
-        window = sliding_window_view(padded, kmax + 1)[low:width]  # window[r, s] = dp[i-1][low + r + s - kmax]
-        cand = window[:, kmax - ks] + ts
-        at = np.argmin(cand, axis=1)
-        best = cand[np.arange(cand.shape[0]), at]
-        reachable = best < INF
-        values[i, low:width] = best
-        choices[i, low:width] = np.where(reachable, ks[at], 0)
+def _fill_linear(problems: Sequence[tuple[Sequence[tuple[Sequence[int], Sequence[float]]], int, int]]
+                 ) -> list[DPTable]:
+    """Row i of every pool: ``dp[i][e] = min_x dp[i-1][e-x] + T_i(min_i + x)`` over the band of ``e`` units above
+    the minimums, one gather per row; a count a task does not allow costs inf, and the candidates go in ascending
+    count, so ties go to the fewest units, as over a full row."""
+    if not problems:
+        return []
+    lows_of: list[list[int]] = []
+    bands: list[int] = []
+    for options, end, shortest in problems:
+        lows = [0]
+        for counts, _ in options:
+            lows.append(lows[-1] + (counts[0] if counts else end + 1))
+        lows_of.append(lows)
+        bands.append(max(0, end - lows[shortest]))
+    pools, width, rows = len(problems), max(bands) + 1, max(len(options) for options, _, _ in problems)
+    pad = width - 1  # values[i, p, pad + e]: pool p's first i tasks, e units above their minimums; below: inf
+    flat: list[int] = []  # indices into ``extra`` flattened, and the durations that go there
+    flat_durations: list[float] = []
+    tops = np.full((rows + 1, pools), -1)
+    for p, ((options, end, _), lows, band) in enumerate(zip(problems, lows_of, bands)):
+        for i, (counts, durations) in enumerate(options, start=1):
+            top = min(band, end - lows[i])  # states past ``end`` units do not exist
+            if top < 0:
+                break  # this prefix and every longer one are infeasible: rows stay inf
+            tops[i, p] = top
+            base = (i * pools + p) * width - counts[0]
+            if counts[-1] - counts[0] == len(counts) - 1:  # a range of counts, the common case
+                n = min(len(counts), top + 1)
+                flat.extend(range(base + counts[0], base + counts[0] + n))
+                flat_durations.extend(durations[:n])
+            else:
+                for k, duration in zip(counts, durations):
+                    if k - counts[0] <= top:
+                        flat.append(base + k)
+                        flat_durations.append(duration)
+    extra = np.full((rows + 1, pools, width), INF)  # extra[i, p, x]: pool p's task i on its minimum + x units
+    extra.reshape(-1)[flat] = flat_durations
+    states = np.arange(width)
+    reach = np.where(states <= tops[:, :, None], 0.0, INF)  # 0 on the states row i holds, inf past them
+    values = np.full((rows + 1, pools, pad + width), INF)
+    values[0, :, pad] = 0.0
+    choices = np.zeros((rows + 1, pools, width), dtype=np.int32)
+    # cand[p, x, e] = values[i - 1, p, pad + e - x]: reduced along x, numpy's fast axis for small rows
+    gather = ((np.arange(pools) * (pad + width))[:, None, None] + pad - states[None, :, None]
+              + states[None, None, :])
+    for i in range(1, rows + 1):
+        cand = values[i - 1].take(gather)
+        cand += extra[i][:, :, None]
+        at = cand.argmin(axis=1)
+        best = cand.min(axis=1)
+        best += reach[i]
+        values[i, :, pad:] = best
+        choices[i] = at
+    return [DPTable(values[:len(options) + 1, p, pad:pad + band + 1], choices[:len(options) + 1, p, :band + 1],
+                    None, lows, shortest, [high - low for low, high in pairwise(lows)])
+            for p, ((options, _, shortest), lows, band) in enumerate(zip(problems, lows_of, bands))]
 
 
 def _fill_generic(options: Sequence[tuple[Sequence[int], Sequence[float]]], values: np.ndarray,

@@ -5,13 +5,20 @@ The completion heap holds, per resource, when each unit becomes free (relative t
 ``m`` earliest units, starts when the last of them frees (or when it arrives, for an expected action not submitted
 yet: ``tangram.sched.arrivals``), and gives them back at ``start + duration``. ``depth`` lets the first waiting action
 try its first few allowed unit counts, as in the paper.
+
+An estimate takes at most ``reach`` units and gives back as many as it took, so every unit it takes from its heap is
+one of the heap's ``reach`` earliest: a heap cut to those (``SortedUnits.window``) gives the same estimate, bit for
+bit. Greedy eviction estimates at every step, over a heap holding every member it plans, most of them out of reach.
 """
 
 from __future__ import annotations
 
 import heapq
+from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from itertools import accumulate
+from operator import itemgetter
 
 INF = float("inf")
 
@@ -35,6 +42,17 @@ class CompletionHeap:
         self._entries = [(t, n) for t, n in entries if n > 0]
         heapq.heapify(self._entries)
         self.units = sum(n for _, n in self._entries)
+
+    @classmethod
+    def of_windows(cls, windows: Iterable[tuple[list[tuple[float, int]], int]]) -> CompletionHeap:
+        """A heap of ``SortedUnits.window`` results (entries known to hold units, and how many)."""
+        heap = cls.__new__(cls)
+        heap._entries, heap.units = [], 0
+        for entries, units in windows:
+            heap._entries += entries
+            heap.units += units
+        heapq.heapify(heap._entries)
+        return heap
 
     def copy(self) -> CompletionHeap:
         clone = CompletionHeap.__new__(CompletionHeap)
@@ -71,6 +89,44 @@ class CompletionHeap:
         return latest
 
 
+class SortedUnits:
+    """Unit free-times in ascending order with their running unit counts, to cut out a window of units."""
+
+    __slots__ = ("_ends", "_entries")
+
+    def __init__(self, entries: list[tuple[float, int]]) -> None:
+        self._entries = sorted(entries) if min(map(itemgetter(1), entries), default=1) > 0 else sorted(
+            entry for entry in entries if entry[1] > 0)
+        self._ends = list(accumulate(map(itemgetter(1), self._entries)))
+
+    @property
+    def units(self) -> int:
+        return self._ends[-1] if self._ends else 0
+
+    def window(self, skip: int, units: int) -> tuple[list[tuple[float, int]], int]:
+        """Entries holding at least ``units`` units after the ``skip`` earliest (all after them if fewer), and how
+        many they hold: what an estimate that ``reach``es ``units`` can take from a heap holding these after their
+        ``skip`` earliest went."""
+        ends = self._ends
+        first = bisect_right(ends, skip)
+        if units <= 0 or first == len(ends):
+            return [], 0
+        last = bisect_left(ends, skip + units, lo=first)
+        if last == len(ends):
+            last -= 1
+        chosen = self._entries[first:last + 1]
+        if (ends[first - 1] if first else 0) < skip:  # the first entry is partly skipped
+            chosen[0] = (chosen[0][0], ends[first] - skip)
+        return chosen, ends[last] - skip
+
+
+def reach(waiting: Sequence[Waiting], depth: int) -> int:
+    """The most units ``estimate(heap, waiting, depth)`` takes from ``heap``."""
+    if not waiting:
+        return 0
+    return max(waiting[0].counts[: max(1, depth)]) + sum(action.counts[0] for action in waiting[1:])
+
+
 def estimate(heap: CompletionHeap, waiting: Sequence[Waiting], depth: int) -> float:
     """Approximate total completion time (from submission, or expected arrival) of ``waiting`` in FCFS order at
     minimum units.
@@ -79,7 +135,8 @@ def estimate(heap: CompletionHeap, waiting: Sequence[Waiting], depth: int) -> fl
     """
     if not waiting:
         return 0.0
-    first, rest = waiting[0], waiting[1:]
+    first = waiting[0]
+    rest = [(action.counts[0], action.durations[0], action.arrival_s) for action in waiting[1:]]
     best = INF
     for count, duration in list(zip(first.counts, first.durations))[: max(1, depth)]:
         trial = heap.copy()
@@ -89,14 +146,30 @@ def estimate(heap: CompletionHeap, waiting: Sequence[Waiting], depth: int) -> fl
         start = max(start, first.arrival_s)
         total = start + duration - first.arrival_s
         trial.put(start + duration, count)
-        for action in rest:
-            m = action.counts[0]
-            begin = trial.take(m)
-            if begin == INF:
-                break
-            begin = max(begin, action.arrival_s)
-            finish = begin + action.durations[0]
-            total += finish - action.arrival_s
-            trial.put(finish, m)
-        best = min(best, total)
+        best = min(best, _rest(trial, rest, total))
     return best
+
+
+def _rest(trial: CompletionHeap, rest: list[tuple[int, float, float]], total: float) -> float:
+    """``total`` plus the completion times of ``rest`` (minimum units, duration there, arrival) run in order on
+    ``trial``; a one-unit action, the common case, swaps the earliest unit for its own end in one heap operation."""
+    entries = trial._entries
+    for m, duration, arrival in rest:
+        if m == 1 and trial.units:
+            time, n = entries[0]
+            finish = max(time, arrival) + duration
+            total += finish - arrival
+            if n == 1:
+                heapq.heapreplace(entries, (finish, 1))
+            else:
+                heapq.heapreplace(entries, (time, n - 1))
+                heapq.heappush(entries, (finish, 1))
+            continue
+        begin = trial.take(m)
+        if begin == INF:
+            break
+        begin = max(begin, arrival)
+        finish = begin + duration
+        total += finish - arrival
+        trial.put(finish, m)
+    return total

@@ -31,15 +31,18 @@ from dataclasses import dataclass
 from functools import partial
 
 from tangram.core.action import Action
-from tangram.core.dparrange import DPTable, dp_arrange
+from tangram.core.dparrange import DPOperator, DPTable, dp_arrange, dp_arrange_many
 from tangram.core.malleable import Malleable, Profile, Workers, deferred, share
 from tangram.core.seam import Allocation, Fit, ResourceManager
 from tangram.sched.arrivals import Expected
 from tangram.sched.durations import DurationModel
-from tangram.sched.estimate import INF, CompletionHeap, Waiting, estimate
+from tangram.sched.estimate import INF, CompletionHeap, SortedUnits, Waiting, estimate, reach
 
 #: relative gain below which an eviction is not worth it (objectives that differ only by float rounding)
 IMPROVEMENT = 1e-9
+#: members of one pool greedy eviction may drop before that pool's DP table is filled again, twice as deep: the
+#: table's band (``dp_arrange``'s ``shortest``) widens with it, and a pass rarely drops more
+EVICTION_DEPTH = 16
 
 
 @dataclass(slots=True)
@@ -294,23 +297,55 @@ class Scheduler:
             if action.id not in in_group and resource in action.demands:
                 others_by_pool[fit.pool_of(action, resource)].append(action)
                 others.append((self.durations.duration(action), action.demands[resource].min))
-        tables: dict[str, DPTable] = {}
         free_units: dict[str, int] = {}
-        durations: dict[str, dict[int, float]] = {}
-        for pool, actions in pool_members.items():
+        operators: dict[str, DPOperator] = {}
+        for pool in pool_members:
             taken = others_by_pool.get(pool, [])
-            free = fit.free_before(resource, pool) - sum(a.demands[resource].min for a in taken)
-            free_units[pool] = free
-            options = []
-            for action in actions:
-                counts = action.demands[resource].up_to(free)
-                times = self.durations.durations(action, counts)
-                durations[action.id] = dict(zip(counts, times))
-                options.append((counts, times))
-            tables[pool] = dp_arrange(options, free, fit.dp_operator(resource, pool, taken))
+            free_units[pool] = fit.free_before(resource, pool) - sum(a.demands[resource].min for a in taken)
+            operators[pool] = fit.dp_operator(resource, pool, taken)
+        # each member's duration at the unit counts asked so far, in the pool's member order
+        durations: dict[str, list[dict[int, float]]] = {
+            pool: [{} for _ in actions] for pool, actions in pool_members.items()}
 
-        base = self._base_heap(resource, running, fit, now, others)
-        waiting_group = [self._as_waiting(m.action, resource) for m in members]
+        def options(pool: str, shortest: int) -> list[tuple[tuple[int, ...], tuple[float, ...]]]:
+            """The members' unit counts and the duration at each, up to what the pool's table for prefixes of at
+            least ``shortest`` members can give one of them (its band: ``dp_arrange``)."""
+            actions, free, operator = pool_members[pool], free_units[pool], operators[pool]
+            band = free
+            if operator.linear:
+                band = operator.end(free) - sum(a.demands[resource].min for a in actions[:shortest])
+            chosen = []
+            for action, known in zip(actions, durations[pool]):
+                demand = action.demands[resource]
+                counts = demand.up_to(min(free, demand.min + max(0, band)))
+                if not known:  # the first table: one model lookup for all its counts
+                    times = self.durations.durations(action, counts)
+                    known.update(zip(counts, times))
+                    chosen.append((counts, times))
+                    continue
+                missing = tuple(k for k in counts if k not in known)
+                if missing:
+                    known.update(zip(missing, self.durations.durations(action, missing)))
+                chosen.append((counts, tuple(known[k] for k in counts)))
+            return chosen
+
+        tables: dict[str, DPTable] = {}
+
+        def table(pool: str, count: int) -> DPTable:
+            """The pool's DP table (every pool's, filled together, at the first call), filled again twice as deep
+            when greedy eviction walks past the prefixes it holds."""
+            if not tables:
+                shortest = {p: max(0, len(actions) - EVICTION_DEPTH) for p, actions in pool_members.items()}
+                tables.update(zip(pool_members, dp_arrange_many(
+                    [(options(p, shortest[p]), free_units[p], operators[p], shortest[p]) for p in pool_members])))
+            current = tables[pool]
+            if count < current.shortest:
+                size = len(pool_members[pool])
+                deeper = max(0, min(count, size - 2 * (size - current.shortest)))
+                current = tables[pool] = dp_arrange(options(pool, deeper), free_units[pool], operators[pool], deeper)
+            return current
+
+        base = self._base_units(resource, running, fit, now, others)
         waiting_rest = self._waiting(resource, queue, candidates)
         arrivals: list[Waiting] = []
         if expected is not None and len(waiting_rest) < self.horizon:
@@ -320,35 +355,43 @@ class Scheduler:
         # Units the members may leave idle for expected arrivals: none, or part or all of what those ask for (counted
         # units only: a GPU chunk state is not a unit count). The objective picks; the paper's Alg. 1 reserves none.
         reserves = [0]
-        if arrivals and all(table.parents is None for table in tables.values()):
+        if arrivals and all(operator.linear for operator in operators.values()):
             asked = sum(a.counts[0] for a in arrivals)
             reserves = sorted({0, asked // 4, asked // 2, asked})
-        plans: dict[tuple[str, int, int], tuple[float, int, list[tuple[float, int]]]] = {}
+        plans: dict[tuple[str, int, int], tuple[float, list[int], int, SortedUnits]] = {}
 
-        def plan(pool: str, count: int, reserve: int) -> tuple[float, int, list[tuple[float, int]]]:
-            """Exact ACT sum, units used and completion entries of the pool's first ``count`` members, leaving
+        def plan(pool: str, count: int, reserve: int) -> tuple[float, list[int], int, SortedUnits]:
+            """Exact ACT sum, units, units used and completion times of the pool's first ``count`` members, leaving
             ``reserve`` of its free units idle."""
             ident = (pool, count, reserve)
             if ident not in plans:
                 limit = None if reserve == 0 else free_units[pool] - reserve
-                total, units = tables[pool].best(count, limit)
-                entries = [(durations[a.id][k], k) for a, k in zip(pool_members[pool], units)]
-                plans[ident] = (total, sum(units), entries)
+                total, units = table(pool, count).best(count, limit) if count else (0.0, [])
+                ends = SortedUnits([(times[k], k) for times, k in zip(durations[pool], units)])
+                plans[ident] = (total, units, sum(units), ends)
             return plans[ident]
 
+        # the members the walk dropped, last first, as the estimate sees them: built as it gets to them
+        dropped: list[Waiting] = []
+
         def objective(t: int, reserve: int) -> float:
-            counts: dict[str, int] = dict.fromkeys(tables, 0)
-            for member in members[:t]:
-                counts[member.pool] += 1
+            counts = {pool: len(actions) for pool, actions in pool_members.items()}
+            for member in members[t:]:
+                counts[member.pool] -= 1
             chosen = [plan(pool, count, reserve) for pool, count in counts.items()]
-            exact = sum(total for total, _, _ in chosen)
+            exact = sum(total for total, _, _, _ in chosen)
             if exact == INF:
                 return INF
-            heap = base.copy()
-            heap.take(sum(used for _, used, _ in chosen))  # planned members start now, on idle units
-            heap.extend(entry for _, _, entries in chosen for entry in entries)
+            while len(dropped) < len(members) - t:
+                dropped.append(self._as_waiting(members[len(members) - 1 - len(dropped)].action, resource))
             # the same actions at every t (members, then the first horizon of the rest), so objectives compare
-            return exact + estimate(heap, waiting_group[t:] + waiting_rest, self.depth)
+            waiting = dropped[:len(members) - t][::-1] + waiting_rest
+            # planned members start now, on idle units; the estimate sees only the units it can reach
+            used = sum([used for _, _, used, _ in chosen])
+            need = reach(waiting, self.depth)
+            windows = [base.window(used if used <= base.units else 0, need)]
+            windows += [ends.window(0, need) for _, _, _, ends in chosen]
+            return exact + estimate(CompletionHeap.of_windows(windows), waiting, self.depth)
 
         def best_reserve(t: int) -> tuple[float, int]:
             return min((objective(t, reserve), reserve) for reserve in reserves)
@@ -368,10 +411,10 @@ class Scheduler:
         kept: dict[str, int] = defaultdict(int)
         for member in members[:best_t]:
             kept[member.pool] += 1
-        return [(m.action, plan(m.pool, kept[m.pool], best_res)[2][m.rank][1]) for m in members[:best_t]]
+        return [(m.action, plan(m.pool, kept[m.pool], best_res)[1][m.rank]) for m in members[:best_t]]
 
-    def _base_heap(self, resource: str, running: list[Action], fit: Fit, now: float,
-                   others: list[tuple[float, int]]) -> CompletionHeap:
+    def _base_units(self, resource: str, running: list[Action], fit: Fit, now: float,
+                    others: list[tuple[float, int]]) -> SortedUnits:
         """Unit free-times for ``resource``: running actions, other candidates starting now, the idle rest."""
         entries: list[tuple[float, int]] = []
         for action in running:
@@ -384,7 +427,7 @@ class Scheduler:
             entries.append((duration, units))
             idle -= units
         entries.append((0.0, idle))
-        return CompletionHeap(entries)
+        return SortedUnits(entries)
 
     def _waiting(self, resource: str, queue: list[Action], candidates: list[Action]) -> list[Waiting]:
         """Queued non-candidates that need ``resource``, in order, as far as the estimate looks."""
