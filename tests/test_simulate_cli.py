@@ -23,8 +23,8 @@ pytestmark = pytest.mark.slow  # each scenario simulated end to end
 #: the smallest scale that keeps the paper's node density (one CPU node of 256 cores)
 QUICK = "0.2"
 #: scenarios with a test of their own below, which also checks what every scenario writes
-#: (training: tests/test_sim_training.py, gpu-slo: tests/test_sim_slo.py)
-CHECKED_BELOW = ("coding-batch", "coding-capacity", "dop", "sensitivity", "training", "gpu-slo")
+#: (training: tests/test_sim_training.py, gpu-slo: tests/test_sim_slo.py, partitions: tests/test_sim_partitions.py)
+CHECKED_BELOW = ("coding-batch", "coding-capacity", "dop", "sensitivity", "training", "gpu-slo", "partitions")
 
 
 def check_written(body: dict, scenario: str, out_png: Path) -> None:

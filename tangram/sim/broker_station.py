@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import heapq
 import statistics
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from managers.basic.manager import BasicManager, BasicResourceConfig
@@ -176,7 +176,7 @@ class BrokerStation:
                  slo_plans: Mapping[str, SloPlan] | None = None, reserved: Mapping[str, int] | None = None,
                  placement: Method | None = None,
                  loads: Mapping[str, float] | None = None, live_placement: PlacementChoice = "none",
-                 typed_fit: bool = False) -> None:
+                 typed_fit: bool = False, managers: Sequence[ResourceManager] | None = None) -> None:
         """``profile``: the scheduler profile (``[scheduler]``), from which the station builds its cycle as the
         broker does. ``placement`` confines each reward service to the nodes of the GPU types where the placement of
         that method (``tangram/sim/placement.py``) gives it a variant, computed once at the start from ``loads``
@@ -184,13 +184,14 @@ class BrokerStation:
         every service on every node, today's broker. ``live_placement`` and ``typed_fit`` are the GPU manager's own
         ``[gpu.placement] method`` (solved from the demand it measures as the run goes) and ``[gpu.fit] typed``;
         ``wait_for_resident`` is ``[gpu.fit] wait_for_resident``. ``reserved``: the GPUs SLO admission reserves
-        per task (``tangram/slo/plan.py``), put ahead as the broker does."""
+        per task (``tangram/slo/plan.py``), put ahead as the broker does. ``managers``: capacity this station shares
+        with other stations (brokers partitioned over one cluster, ``partitions.py``); None: its own over ``cluster``."""
         self.cluster = cluster
         self.costs: Costs = cluster.costs
         self.test_demand = test_demand
         self.now = 0.0
-        self.managers = build_managers(cluster, lambda: self.now, malleable, worker_overhead, wait_for_resident,
-                                       live_placement, typed_fit)
+        self.managers = list(managers) if managers is not None else build_managers(
+            cluster, lambda: self.now, malleable, worker_overhead, wait_for_resident, live_placement, typed_fit)
         self.cpu = next((m for m in self.managers if isinstance(m, CpuManager)), None)
         self.gpu = next((m for m in self.managers if isinstance(m, GpuManager)), None)
         # with ``static_dops`` a service runs only at its static deployment's DoP: loaded on demand, never resized
@@ -288,10 +289,14 @@ class BrokerStation:
             self.dirty = False
             return
         self.dirty = False
-        self.cycle.pass_once(now, [action for action, _ in self.running.values()], lambda plan: self._apply(plan, now))
+        self.cycle.pass_once(now, self.seen_running(), lambda plan: self._apply(plan, now))
         self.pass_ms.append(self.cycle.last_pass_s * 1e3)
         hint = self.cycle.next_change_in()
         self.wake_at = now + hint if hint is not None and len(self.queue) else None
+
+    def seen_running(self) -> list[Action]:
+        """The running actions its pass sees, and may resize: its own (``partitions.py`` lets a partition see more)."""
+        return [action for action, _ in self.running.values()]
 
     def _apply(self, plan: Plan, now: float) -> None:
         for decision in plan.shrinks():
