@@ -7,8 +7,9 @@ the broker can connect to it), the calls go over that socket instead of Ray.
 The wire: the client first sends the agent's token (``TOKEN_BYTES`` random bytes the agent handed the broker through
 Ray, which authenticated it), which the agent acknowledges with ``ACCEPTED`` or answers by closing; then requests,
 one at a time per connection, each answered before the next. A frame is its length (8 bytes, big-endian) and a
-pickle: a request ``(epoch, method, args)``, an answer the agent's ``Reply``. Nothing is unpickled before the token has matched, and a frame longer than its reader's bound is refused before it is
-read: the two ends are then the broker and its agent, which Ray's own calls trust with pickles alike.
+pickle: a request ``(epoch, method, args)``, an answer the agent's ``Reply``. Nothing is unpickled before the token
+has matched, and a frame longer than its reader's bound is refused before it is read: the two ends are then the broker
+and its agent, which Ray's own calls trust with pickles alike.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ Ray.
 The broker asks the agent (through Ray) where its channel is; an agent on another host (another boot id), one that
 serves none, or one older than the channel keeps every call on Ray. A call the channel could not send goes through
 Ray instead; one it lost after sending answers as Ray says the agent is (died for good, or restarting: the call may
-be tried again), never by sending it again, since the agent may have run it. Either way the channel is asked for again after ``RETRY_S``: an agent Ray restarted
-serves a new one.
+be tried again), never by sending it again, since the agent may have run it. Either way the channel is asked for
+again after ``RETRY_S``: an agent Ray restarted serves a new one.
 """
 
 from __future__ import annotations
