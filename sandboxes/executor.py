@@ -98,6 +98,9 @@ REAP_PASSES = 20
 # environment): the reap between commands spares them. A command could set it itself, and so keep only its own
 # processes, under the sandbox's pids limit.
 BACKGROUND_VARIABLE = "TANGRAM_BACKGROUND"
+# A process in the middle of an exec reads as having no environment: the reap reads such a process again this much
+# later before it decides the process carries no mark (a command that cleared its environment costs a pass this).
+EXEC_SETTLE_S = 0.05
 BACKGROUND_MARK = BACKGROUND_VARIABLE.encode() + b"=1"
 
 _HEADER = struct.Struct(">I")
@@ -392,13 +395,25 @@ def wants_reap(request):
             and request.get("reap") is True)
 
 
-def _in_background_run(pid):
-    """Whether the process belongs to a background run: its environment carries BACKGROUND_MARK."""
+def _environment(pid):
+    """The process's environment block: b"" when it has none or an exec is setting it up, None when it is gone."""
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
-            return BACKGROUND_MARK in f.read().split(b"\0")
+            return f.read()
     except OSError:
-        return False  # gone since the listing
+        return None
+
+
+def _background_runs(pids):
+    """Those of ``pids`` that belong to a background run: their environment carries BACKGROUND_MARK. An exec fills
+    in its new environment's bounds last, so a process caught mid-way (a background shell's child on its way to its
+    command) reads as having none: those that read empty are read again once, EXEC_SETTLE_S later."""
+    environments = {p: _environment(p) for p in pids}
+    unsure = [p for p, environment in environments.items() if environment == b""]
+    if unsure:
+        time.sleep(EXEC_SETTLE_S)
+        environments.update((p, _environment(p)) for p in unsure)
+    return {p for p, environment in environments.items() if environment and BACKGROUND_MARK in environment.split(b"\0")}
 
 
 def reap_leftovers():
@@ -417,8 +432,9 @@ def reap_leftovers():
         table = _proc_table()
         if _reap_keep and _other_once_executors(table):
             return len(killed)
-        alive = [p for p, (state, _ppid, _sid) in table.items()
-                 if p not in keep and state != "Z" and not _in_background_run(p)]
+        others = [p for p, (state, _ppid, _sid) in table.items() if p not in keep and state != "Z"]
+        spared = _background_runs(others)
+        alive = [p for p in others if p not in spared]
         if not alive:
             break
         for p in alive:

@@ -61,6 +61,7 @@ async def agent(tmp_path: Path) -> AsyncIterator[NodeAgent]:
                       channel_path=tmp_path / "agents" / "n1.agent.sock")
     yield agent
     await agent.close()
+    await backend.reap("-")  # the sandboxes the tests made, their executors with them
 
 
 def route_to(ray: RayStandIn, *, direct: bool = True) -> AgentRoute:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -52,6 +53,16 @@ async def run(live: Live, command: str, trajectory: str) -> dict[str, Any]:
             "spec": {"command": command}, "timeout_s": 60}
     _, record = await live.call("POST", "/v1/actions?wait=true", json=body)
     return record
+
+
+def refuses(unix_path: str) -> bool:
+    """Whether nothing listens on ``unix_path`` any more (its process ended)."""
+    with socket.socket(socket.AF_UNIX) as probe:
+        try:
+            probe.connect(unix_path)
+        except OSError:
+            return True
+    return False
 
 
 async def test_trajectories_run_on_both_nodes_through_their_agents(ray_cluster: Cluster, tmp_path) -> None:
@@ -113,7 +124,10 @@ async def test_a_dead_agent_ends_its_actions_with_a_code_and_its_environments_ar
         records = await asyncio.gather(*(run(live, "true", f"traj-{i}") for i in range(2)))
         by_node = {r["result"]["node"]: r for r in records}
         assert set(by_node) == {"n1", "n2"}
+        _, resources = await live.call("GET", "/v1/resources")
+        [channel] = [r["channel"] for r in resources["resources"] if r["resource"] == "cpu" and r["pool"] == "n2"]
         ray.kill(ray.get_actor(f"tangram-agent-{broker_id}-n2", namespace="tangram"), no_restart=True)
+        await until(lambda: refuses(channel))  # the kill lands a moment later; until then the agent still answers
         lost_env = by_node["n2"]["result"]["environment"]
         lost = await run(live, "true", by_node["n2"]["trajectory"])
         assert lost["state"] == "failed" and lost["error"]["code"] == "node_lost", lost

@@ -353,3 +353,17 @@ async def test_a_background_command_outlives_its_action_and_is_spared_by_the_rea
     assert after["result"]["stdout"] == "\n", after  # its process group killed, with what it started
     assert status == 422 and one_off["error"]["field"] == "spec.background", one_off
 
+
+async def test_a_background_runs_children_caught_mid_exec_are_spared_by_the_reap(tmp_path):
+    """A background shell's child read by the reap between its exec's switch of memory and the setup of its
+    environment shows none, so no mark: it was killed, and the shell's loop (``sleep 0`` after ``sleep 0``) ended.
+    Sixty reaps against a child exec'd every millisecond or so caught one in most runs before the fix."""
+    async with live_broker(node(docker_engines()[0]), str(tmp_path / "t.db")) as live:
+        started = await exec_in(live, "t", "a", "while sleep 0; do :; done; echo ended > /tmp/ended",
+                                background=True)
+        for _ in range(60):
+            await exec_in(live, "t", "a", "true")
+        seen = await exec_in(live, "t", "a", f"cat /tmp/ended 2>&1; kill -0 {started['result'].get('pid')} && echo on")
+    assert started["state"] == "succeeded", started
+    assert seen["result"]["stdout"].endswith("No such file or directory\non\n"), seen
+
