@@ -117,7 +117,10 @@ async def test_what_a_sandbox_writes_is_not_its_identity_after_a_restart(kept, t
             assert record["state"] == "succeeded", record
         for name in ("s1", "s2", "s3"):
             await exec_in(live, "attacker", name, "true")
-            stop = await exec_in(live, "attacker", name, shell_python(STOP_EXECUTOR), timeout_s=3)
+            for _ in range(3):  # rarely (once in CI) the stopped executor still answered: stop it again
+                stop = await exec_in(live, "attacker", name, shell_python(STOP_EXECUTOR), timeout_s=3)
+                if stop["state"] != "succeeded":
+                    break
             assert stop["state"] in ("timed_out", "failed"), (stop["state"], stop.get("result"), stop.get("error"))
         memory_before = await memory_in_use(live)
     started = time.monotonic()
