@@ -16,13 +16,18 @@ the rest an expected duration (the paper uses historical averages). Two things a
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from tangram.core.action import Action, Elasticity
 from tangram.core.malleable import Profile, WorkerCost, profile_of_curve
+from tangram.sched.durations_at import durations_at
 from tangram.sched.speedup import PRIOR, Run, Speedup, SpeedupFit, declared, size_of
+
+#: durations kept per model, by (fit, declaration, counts): a queued action's are asked again at every pass
+DURATIONS_KEPT = 65536
 
 
 @dataclass(slots=True)
@@ -41,6 +46,8 @@ class DurationModel:
         self.speedups: dict[tuple[str, str], Speedup] = {}
         self.dirty: set[tuple[str, str]] = set()
         self._dirty_runs: set[tuple[str, str]] = set()
+        #: the durations asked before (the same until the signature's fit changes), oldest first
+        self._times: dict[tuple[SpeedupFit, Elasticity, tuple[int, ...]], tuple[float, ...]] = {}
 
     def load(self, task: str, signature: str, t1: float, samples: int) -> None:
         self.profiles[(task, signature)] = DurationProfile(t1, samples)
@@ -87,11 +94,48 @@ class DurationModel:
         return fit.duration(action.elasticity, m, workers)  # type: ignore[arg-type]
 
     def durations(self, action: Action, counts: tuple[int, ...]) -> tuple[float, ...]:
-        """``duration`` at each of ``counts`` (one model lookup for all: the DP asks for every allowed count)."""
+        """``duration`` at each of ``counts`` (one model lookup for all: the DP asks for every allowed count). One
+        action's, a call per count: for a few counts that costs less than ``durations_many``'s numpy steps."""
         fit = self.fit(action)
         if fit is None:
             return (self.duration(action),) * len(counts)
-        return _durations(fit, action.elasticity, counts)  # type: ignore[arg-type]
+        elasticity: Elasticity = action.elasticity  # type: ignore[assignment]
+        key = (fit, elasticity, counts)
+        times = self._times.get(key)
+        if times is None:
+            times = self._keep(key, tuple(fit.duration(elasticity, m) for m in counts))
+        return times
+
+    def durations_many(self, actions: Sequence[Action], counts: Sequence[tuple[int, ...]]) -> list[tuple[float, ...]]:
+        """``durations`` of each action at its counts, those not asked before in one evaluation of the model for
+        all: a new queue's DP tables ask for every member's counts, and a model call per action was most of it."""
+        out: list[tuple[float, ...]] = []
+        missing: list[tuple[int, tuple[SpeedupFit, Elasticity, tuple[int, ...]]]] = []
+        for action, asked in zip(actions, counts):
+            fit = self.fit(action)
+            if fit is None:
+                out.append((self.duration(action),) * len(asked))
+                continue
+            elasticity: Elasticity = action.elasticity  # type: ignore[assignment]
+            key = (fit, elasticity, asked)
+            times = self._times.get(key)
+            if times is None:
+                missing.append((len(out), key))
+                times = ()
+            out.append(times)
+        if missing:
+            keys = [key for _, key in missing]
+            evaluated = durations_at([k[0] for k in keys], [k[1] for k in keys], [k[2] for k in keys])
+            for (index, key), times in zip(missing, evaluated):
+                out[index] = self._keep(key, times)
+        return out
+
+    def _keep(self, key: tuple[SpeedupFit, Elasticity, tuple[int, ...]], times: tuple[float, ...]) -> tuple[float, ...]:
+        """Remember ``times`` for ``key``, forgetting the oldest past ``DURATIONS_KEPT``."""
+        self._times[key] = times
+        if len(self._times) > DURATIONS_KEPT:
+            del self._times[next(iter(self._times))]
+        return times
 
     def worker_cost(self, action: Action, units: int) -> WorkerCost | None:
         """What one more worker on ``units`` (its start-up CPU shared by them) and running in parallel at all (a
@@ -167,12 +211,6 @@ class DurationModel:
                 for task, sig in self._dirty_runs]
         self._dirty_runs.clear()
         return rows
-
-
-@functools.lru_cache(maxsize=65536)
-def _durations(fit: SpeedupFit, elasticity: Elasticity, counts: tuple[int, ...]) -> tuple[float, ...]:
-    """A queued action's durations at its counts: the same at every pass until its signature's fit changes."""
-    return tuple(fit.duration(elasticity, m) for m in counts)
 
 
 @functools.lru_cache(maxsize=16384)

@@ -307,26 +307,33 @@ class Scheduler:
         durations: dict[str, list[dict[int, float]]] = {
             pool: [{} for _ in actions] for pool, actions in pool_members.items()}
 
-        def options(pool: str, shortest: int) -> list[tuple[tuple[int, ...], tuple[float, ...]]]:
-            """The members' unit counts and the duration at each, up to what the pool's table for prefixes of at
-            least ``shortest`` members can give one of them (its band: ``dp_arrange``)."""
-            actions, free, operator = pool_members[pool], free_units[pool], operators[pool]
-            band = free
-            if operator.linear:
-                band = operator.end(free) - sum(a.demands[resource].min for a in actions[:shortest])
-            chosen = []
-            for action, known in zip(actions, durations[pool]):
-                demand = action.demands[resource]
-                counts = demand.up_to(min(free, demand.min + max(0, band)))
-                if not known:  # the first table: one model lookup for all its counts
-                    times = self.durations.durations(action, counts)
-                    known.update(zip(counts, times))
-                    chosen.append((counts, times))
-                    continue
-                missing = tuple(k for k in counts if k not in known)
-                if missing:
-                    known.update(zip(missing, self.durations.durations(action, missing)))
-                chosen.append((counts, tuple(known[k] for k in counts)))
+        def options(shortest: dict[str, int]) -> dict[str, list[tuple[tuple[int, ...], tuple[float, ...]]]]:
+            """Each pool's members' unit counts and the duration at each, up to what the pool's table for prefixes
+            of at least ``shortest[pool]`` members can give one of them (its band: ``dp_arrange``). The durations
+            not asked before, of every pool's members, come from one model call."""
+            asked: list[tuple[str, int, tuple[int, ...], tuple[int, ...]]] = []  # pool, rank, counts, missing
+            for pool, least in shortest.items():
+                actions, free, operator = pool_members[pool], free_units[pool], operators[pool]
+                band = free
+                if operator.linear:
+                    band = operator.end(free) - sum(a.demands[resource].min for a in actions[:least])
+                for rank, (action, known) in enumerate(zip(actions, durations[pool])):
+                    demand = action.demands[resource]
+                    counts = demand.up_to(min(free, demand.min + max(0, band)))
+                    asked.append((pool, rank, counts, tuple(k for k in counts if k not in known) if known else counts))
+            new = [j for j, (_, _, _, missing) in enumerate(asked) if missing]
+            fresh = dict(zip(new, self.durations.durations_many(
+                [pool_members[asked[j][0]][asked[j][1]] for j in new], [asked[j][3] for j in new])))
+            chosen: dict[str, list[tuple[tuple[int, ...], tuple[float, ...]]]] = {pool: [] for pool in shortest}
+            for j, (pool, rank, counts, missing) in enumerate(asked):
+                known = durations[pool][rank]
+                times = fresh.get(j)
+                if times is not None:
+                    known.update(zip(missing, times))
+                    if missing is counts:  # none known before: the model's tuple as it came
+                        chosen[pool].append((counts, times))
+                        continue
+                chosen[pool].append((counts, tuple(known[k] for k in counts)))
             return chosen
 
         tables: dict[str, DPTable] = {}
@@ -336,13 +343,15 @@ class Scheduler:
             when greedy eviction walks past the prefixes it holds."""
             if not tables:
                 shortest = {p: max(0, len(actions) - EVICTION_DEPTH) for p, actions in pool_members.items()}
+                chosen = options(shortest)
                 tables.update(zip(pool_members, dp_arrange_many(
-                    [(options(p, shortest[p]), free_units[p], operators[p], shortest[p]) for p in pool_members])))
+                    [(chosen[p], free_units[p], operators[p], shortest[p]) for p in pool_members])))
             current = tables[pool]
             if count < current.shortest:
                 size = len(pool_members[pool])
                 deeper = max(0, min(count, size - 2 * (size - current.shortest)))
-                current = tables[pool] = dp_arrange(options(pool, deeper), free_units[pool], operators[pool], deeper)
+                current = tables[pool] = dp_arrange(options({pool: deeper})[pool], free_units[pool], operators[pool],
+                                                    deeper)
             return current
 
         base = self._base_units(resource, running, fit, now, others)
