@@ -90,12 +90,17 @@ class Leadership:
         return cls(connection, url)
 
     async def acquire(self) -> None:
-        """Wait until this broker leads (noting where the leader is meanwhile), then take the next epoch and
-        record where clients reach it."""
-        while not await self._connection.fetchval("SELECT pg_try_advisory_lock($1)", LOCK_KEY):
+        """Wait until this broker leads (noting where the leader is meanwhile)."""
+        while not await self.try_to_lead():
+            await asyncio.sleep(POLL_S)
+
+    async def try_to_lead(self) -> bool:
+        """Take the lock if no broker holds it: then take the next epoch and record where clients reach this broker
+        (True). Otherwise note where the leader is (False)."""
+        if not await self._connection.fetchval("SELECT pg_try_advisory_lock($1)", LOCK_KEY):
             self.leader_url = await self._connection.fetchval("SELECT url FROM tangram_leader WHERE lock_key = $1",
                                                               LOCK_KEY)
-            await asyncio.sleep(POLL_S)
+            return False
         self.leader_url = self.url
         self.epoch = await self._connection.fetchval(
             "INSERT INTO tangram_leader (lock_key, url, since, epoch) VALUES ($1, $2, $3, 1) "
@@ -105,6 +110,7 @@ class Leadership:
         self.fencing.epoch = self.epoch
         log.info("leading the brokers of this store as epoch %d; clients reach the leader at %s", self.epoch,
                  self.url)
+        return True
 
     async def lost(self) -> str:
         """Return (with the reason, having deposed ``fencing``) once the lock's connection fails: this broker may no

@@ -46,7 +46,10 @@ def standby_app(leadership: Leadership) -> web.Application:
 
 async def stand_by(server: ServerConfig, leadership: Leadership, stop: asyncio.Event) -> bool:
     """Serve the standby's answers on the broker's address until this broker leads (True) or ``stop`` is set
-    (False)."""
+    (False). It asks for the lock once before it serves: a broker that can lead at once never stands by, and one
+    that cannot names the leader from its first answer."""
+    if await leadership.try_to_lead():
+        return True
     runner = web.AppRunner(standby_app(leadership), access_log=None, **http_settings(server))
     await runner.setup()
     await web.TCPSite(runner, server.host, server.port).start()
