@@ -52,11 +52,11 @@ class _Batch:
 
     actions: dict[str, Action] = field(default_factory=dict)
     keys: dict[tuple[str, str], Action] = field(default_factory=dict)  # the keyed ones, by (task, key)
-    transitions: list[tuple[str, str, float]] = field(default_factory=list)
+    transitions: list[tuple[str, str, float]] = field(default_factory=list)  # (action id, state, at): a row
     profiles: dict[tuple[str, str], tuple[float, int]] = field(default_factory=dict)
     speedups: dict[tuple[str, str], str] = field(default_factory=dict)  # runs as JSON
-    # (action id, future): the future completes when that action's record is committed; id None for flush().
-    waiters: list[tuple[str | None, asyncio.Future[None]]] = field(default_factory=list)
+    # (action ids, future): the future completes when those actions' records are committed; no ids for flush().
+    waiters: list[tuple[tuple[str, ...], asyncio.Future[None]]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.actions or self.transitions or self.profiles or self.speedups or self.waiters)
@@ -89,7 +89,7 @@ class GroupCommitWriter:
         self._upsert_actions = Bulk(engine, upsert(dialect, ActionRow, ["id"]))
         self._upsert_profiles = Bulk(engine, upsert(dialect, ProfileRow, ["task", "signature"]))
         self._upsert_speedups = Bulk(engine, upsert(dialect, SpeedupRow, ["task", "signature"]))
-        self._insert_transitions = Bulk(engine, dialect.insert(TransitionRow), ["action_id", "state", "at"])
+        self._insert_transitions = Bulk(engine, dialect.insert(TransitionRow), ["action_id", "state", "at"])  # _Batch's
         #: a SQLite file's commits, one thread hop each (a fenced store's go through the engine, with the fence)
         self._sqlite = SqliteWriter(database) if fence is None and (database := sqlite_file(engine)) else None
         self._pending = _Batch()
@@ -132,20 +132,16 @@ class GroupCommitWriter:
         self._wake(urgent=False)
 
     async def durable(self, *actions: Action) -> None:
-        """Save and return once the records are committed (raises what rejected one, or the last write error).
-        One waiter each, and no task: a batch's actions wait on their futures together."""
+        """Save and return once the records are committed (raises what rejected the first rejected one, or the last
+        write error). One future for all of them, and no task."""
         for action in actions:
             self.save(action)
-        loop = asyncio.get_running_loop()
-        futures = [loop.create_future() for _ in actions]
-        self._pending.waiters.extend((action.id, future) for action, future in zip(actions, futures, strict=True))
-        self._wake(urgent=True)
-        await asyncio.gather(*futures)
+        await self._wait_for(tuple(action.id for action in actions))
 
     async def flush(self) -> None:
         """Write everything pending now; returns once committed, including a write already under way."""
         if self._pending or self._writing:
-            await self._wait_for(None)
+            await self._wait_for(())
 
     def save_profiles(self, rows: list[tuple[str, str, float, int]]) -> None:
         """Note duration profiles (``DurationModel.take_dirty()`` rows) for the next write."""
@@ -198,9 +194,9 @@ class GroupCommitWriter:
         if len(self._finished) > _FINISHED_MEMORY:
             self._finished.popitem(last=False)
 
-    async def _wait_for(self, action_id: str | None) -> None:
+    async def _wait_for(self, action_ids: tuple[str, ...]) -> None:
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._pending.waiters.append((action_id, future))
+        self._pending.waiters.append((action_ids, future))
         self._wake(urgent=True)
         await future
 
@@ -257,9 +253,9 @@ class GroupCommitWriter:
                 continue
             self._inflight = _Batch()
             self.failures = 0
-            for action_id, future in batch.waiters:
+            for action_ids, future in batch.waiters:
                 if not future.done():
-                    error = rejected.get(action_id) if action_id is not None else None
+                    error = next((rejected[i] for i in action_ids if i in rejected), None) if rejected else None
                     if error is None:
                         future.set_result(None)
                     else:
@@ -296,7 +292,7 @@ class GroupCommitWriter:
                 try:
                     async with self.engine.begin() as conn:
                         await self._fenced(conn)
-                        await self._upsert_actions.run(conn, [row])
+                        await self._upsert_actions.run(conn, self._upsert_actions.params([row]))
                 except DBAPIError as row_exc:
                     if not refused(row_exc):
                         raise
@@ -309,30 +305,26 @@ class GroupCommitWriter:
         return rejected
 
     async def _commit(self, rows: list[dict[str, Any]], batch: _Batch, rejected: dict[str, Exception]) -> None:
-        transitions = [{"action_id": action_id, "state": state, "at": at}
-                       for action_id, state, at in batch.transitions if action_id not in rejected]
+        transitions = ([row for row in batch.transitions if row[0] not in rejected] if rejected
+                       else batch.transitions)
         profiles = [{"task": task, "signature": signature, "t1": t1, "samples": samples}
                     for (task, signature), (t1, samples) in batch.profiles.items()]
         speedups = [{"task": task, "signature": signature, "runs": runs}
                     for (task, signature), runs in batch.speedups.items()]
-        if not (rows or transitions or profiles or speedups):
+        written = [(bulk, params) for bulk, params in (
+            (self._upsert_actions, self._upsert_actions.params(rows)), (self._insert_transitions, transitions),
+            (self._upsert_profiles, self._upsert_profiles.params(profiles)),
+            (self._upsert_speedups, self._upsert_speedups.params(speedups))) if params]
+        if not written:
             return
         if self._sqlite is not None:
-            await self._sqlite.commit([(bulk.sql, bulk.params(written)) for bulk, written in (
-                (self._upsert_actions, rows), (self._insert_transitions, transitions),
-                (self._upsert_profiles, profiles), (self._upsert_speedups, speedups)) if written])
+            await self._sqlite.commit([statement for bulk, params in written for statement in bulk.in_groups(params)])
             self.commits += 1
             return
         async with self.engine.begin() as conn:
             await self._fenced(conn)
-            if rows:
-                await self._upsert_actions.run(conn, rows)
-            if transitions:
-                await self._insert_transitions.run(conn, transitions)
-            if profiles:
-                await self._upsert_profiles.run(conn, profiles)
-            if speedups:
-                await self._upsert_speedups.run(conn, speedups)
+            for bulk, params in written:
+                await bulk.run(conn, params)
         self.commits += 1
 
     async def _fenced(self, conn: AsyncConnection) -> None:
