@@ -38,6 +38,11 @@ from tangram.tracing import ActionTracer, tracer_from_config
 
 log = logging.getLogger("tangram")
 
+#: allocations between collections of the youngest generation (Python's default is 700). Every action allocates a
+#: few dozen containers, so at the default the older generations, which hold every record kept in memory, are
+#: scanned over and over while a burst goes by (docs/PERFORMANCE.md); a young collection scans only what is new.
+GC_YOUNG_OBJECTS = 7_000
+
 #: the exit status of a leader that stopped because it may no longer hold its lock (a supervisor restarts it)
 LOST_LEADERSHIP_EXIT = 3
 
@@ -121,6 +126,7 @@ async def lead(config: Config, stop: asyncio.Event, leadership: Leadership | Non
         # keep it out of the full collections that the actions' records trigger as they accumulate
         gc.collect()
         gc.freeze()
+        gc.set_threshold(GC_YOUNG_OBJECTS)
         if token is not None:  # on stderr, not in the log, which may be kept
             print(f"tangram: {config.server.host!r} is not a loopback address and no API token existed, so auth is "
                   f"on now with this admin token (shown only now; the store keeps its SHA-256):\n{token}\n"
