@@ -20,6 +20,8 @@ class ActionMemory:
         self.by_id: dict[str, Action] = {}
         #: the last ends, in finishing order
         self.recent: collections.deque[Action] = collections.deque(maxlen=RECENT)
+        #: their ACTs, in the same order (the views poll the percentiles often)
+        self.recent_acts: collections.deque[float] = collections.deque(maxlen=RECENT)
         self._forget: collections.deque[tuple[float, str]] = collections.deque()
 
     def remember(self, action: Action) -> None:
@@ -28,6 +30,7 @@ class ActionMemory:
 
     def ended(self, action: Action, at: float) -> None:
         self.recent.append(action)
+        self.recent_acts.append(action.act_s or 0.0)
         self._forget.append((at, action.id))
 
     def returned(self, action_id: str, at: float) -> None:

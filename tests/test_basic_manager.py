@@ -11,6 +11,8 @@ from typing import Any
 
 import pytest
 from aiohttp import web
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from managers.basic.manager import BasicManager, BasicResourceConfig, UpstreamConfig
 from tangram.core.action import Action, Demand, Kind
@@ -385,6 +387,37 @@ async def test_lease_ttl_defaults_to_the_resource_maximum_and_early_release_clea
     assert manager.next_change_in() == pytest.approx(300.0)
     clock.now += 300
     assert manager.expired_leases() == [long.id]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["grant", "release", "regrant", "wait"]), st.integers(0, 3),
+                          st.floats(0.5, 40.0)), max_size=60))
+def test_expired_leases_are_those_due_by_now_soonest_first_however_held_and_released(
+        steps: list[tuple[str, int, float]]) -> None:
+    """The walk of the expiry heap answers what a scan of every held lease would: each lease due by now (once,
+    by its current expiry), soonest first."""
+    clock = Clock()
+    manager = BasicManager([BasicResourceConfig("lease.slot", concurrency=1000, lease_ttl_s=60)], clock=clock)
+    actions = [lease({"lease.slot": 1}) for _ in range(4)]
+    held: dict[int, Any] = {}
+    expiries: dict[str, float] = {}
+    for op, which, seconds in steps:
+        action = actions[which]
+        if op == "grant" and which not in held:
+            held[which] = allocate(manager, action)
+            manager.grant(action, held[which])
+            expiries[action.id] = clock.now + 60  # the resource's lease_ttl_s: the spec asks for none
+        elif op == "release" and which in held:
+            manager.release(held.pop(which))
+            expiries.pop(action.id)
+        elif op == "regrant" and which not in held:  # a lease a previous process granted, held again
+            action.units = {"lease.slot": 1}
+            held[which] = manager.regrant(action, seconds)
+            expiries[action.id] = clock.now + seconds
+        elif op == "wait":
+            clock.now += seconds
+        due = sorted((at, action_id) for action_id, at in expiries.items() if at <= clock.now)
+        assert manager.expired_leases() == [action_id for _, action_id in due]
 
 
 def test_next_change_in_reports_when_a_quota_refused_demand_fits_again() -> None:

@@ -66,7 +66,7 @@ class BasicResourceConfig:
 class _Resource:
     """Live state of one resource: units held now and the quota window."""
 
-    __slots__ = ("config", "held", "leases", "upstream", "window")
+    __slots__ = ("config", "held", "largest", "leases", "upstream", "window")
 
     def __init__(self, config: BasicResourceConfig, clock: Callable[[], float], metrics: UpstreamMetrics) -> None:
         self.config = config
@@ -74,6 +74,8 @@ class _Resource:
         self.upstream = None if config.upstream is None else Upstream(config.upstream, config.name, metrics)
         self.held = 0
         self.leases = 0
+        #: the most units one action could ever get: the tighter of the two limits (asked at every submit)
+        self.largest = min(n for n in (config.concurrency, config.quota) if n is not None)
 
     @property
     def concurrency_free(self) -> float:
@@ -83,10 +85,6 @@ class _Resource:
     def quota_free(self, now: float) -> float:
         return math.inf if self.window is None else self.window.available(now)
 
-    @property
-    def largest(self) -> int:
-        """The most units one action could ever get: the tighter of the two limits."""
-        return min(n for n in (self.config.concurrency, self.config.quota) if n is not None)
 
 
 class BasicFit(Fit):
@@ -309,7 +307,18 @@ class BasicManager(ResourceManager[None]):
         Reported again on every call until released, so a broker that misses one retries it next time.
         """
         now = self._clock() if now is None else now
-        return [action_id for action_id, expiry in self._leases.items() if expiry <= now]
+        heap = self._lease_heap
+        expired: dict[str, float] = {}
+        below = [0] if heap else []  # the heap's entries due by now form a subtree at its root: walk only that
+        while below:
+            at = below.pop()
+            expiry, action_id = heap[at]
+            if expiry > now:
+                continue
+            if self._leases.get(action_id) == expiry:  # else released, or held again with another expiry
+                expired[action_id] = expiry
+            below.extend(child for child in (2 * at + 1, 2 * at + 2) if child < len(heap))
+        return sorted(expired, key=expired.__getitem__)
 
     def plugins(self) -> CyclePlugins:
         return CyclePlugins(next_change_in=self.next_change_in, metrics=self._upstream_metrics.register)

@@ -18,7 +18,7 @@ def resource_rows(broker: Broker) -> list[dict[str, Any]]:
 
 def broker_stats(broker: Broker) -> dict[str, Any]:
     """Counts, and the ACT percentiles of the last actions that ended."""
-    acts = sorted(action.timings()["act_s"] or 0.0 for action in broker.recent)
+    acts = sorted(broker.memory.recent_acts)
 
     def pct(q: float) -> float | None:
         return acts[min(len(acts) - 1, int(q * len(acts)))] if acts else None
