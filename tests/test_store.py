@@ -218,6 +218,22 @@ async def test_conflict_inside_one_batch_rejects_only_the_duplicate(store: Store
         assert await store.transitions(action.id) == [("queued", action.submitted_at)]
 
 
+async def test_one_durable_call_of_many_actions_writes_all_but_the_refused_one_and_raises_its_refusal(
+        store: Store) -> None:
+    """293 actions: every size of multi-row statement the SQLite writer uses (256, 32, 4, 1 rows), one of them
+    refused for a key an earlier action of the call took."""
+    actions = [make_action(seq=i, idempotency_key=f"k{i}") for i in range(293)]
+    actions[150].idempotency_key = "k7"
+    with pytest.raises(IntegrityError):
+        await store.durable(*actions)
+    assert await store.get(actions[150].id) is None
+    kept = actions[:150] + actions[151:]
+    assert [a.seq for a in await store.load_unfinished()] == [a.seq for a in kept]
+    for action in kept[::7]:
+        assert_same(await store.get(action.id), action)
+    assert await count(store, TransitionRow) == len(kept)
+
+
 async def test_unserializable_record_rejects_only_that_action(store: Store) -> None:
     bad, good = make_action(), make_action()
     bad.result = object()
