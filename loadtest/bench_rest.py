@@ -1,8 +1,8 @@
 """REST throughput benchmark for ``lease`` actions against a real broker process (SQLite store, loopback HTTP).
 
-Starts ``tangram serve`` in a subprocess, then submits leases one per request (many concurrent connections) and
-in batches, and times each phase from the first submit until every lease is granted (the queue is empty and the
-units are in use). All phases run against the same broker, side by side. The Python client shares the machine's
+Starts ``tangram serve`` in a subprocess, then submits leases one per request (many concurrent connections), one per
+request waiting for each record's end (``?wait=true``) and in batches, and times each phase from the first submit
+until every lease is granted (the queue is empty and the units are in use). All phases run against the same broker, side by side. The Python client shares the machine's
 two cores with the broker; where Debian's ``wrk`` is installed, it drives a second one-per-request phase.
 
 Each phase also reports the broker's own CPU time per action (user + system of the broker process, from its
@@ -54,14 +54,18 @@ async def wait_granted(http: aiohttp.ClientSession, url: str, expected_in_use: i
         await asyncio.sleep(0.01)
 
 
-async def one_per_request(http: aiohttp.ClientSession, url: str, count: int, connections: int) -> None:
+async def one_per_request(http: aiohttp.ClientSession, url: str, count: int, connections: int,
+                          wait: bool = False) -> None:
+    """``count`` submits, ``connections`` at a time; with ``wait``, each asks for the ended record
+    (``?wait=true``), as a rollout that needs the result does."""
     counter = iter(range(count))
+    target, expected = (url + "/v1/actions?wait=true", 200) if wait else (url + "/v1/actions", 201)
 
     async def worker() -> None:
         for i in counter:
-            async with http.post(url + "/v1/actions", data=orjson.dumps(lease(i)),
+            async with http.post(target, data=orjson.dumps(lease(i)),
                                  headers={"Content-Type": "application/json"}) as response:
-                if response.status != 201:
+                if response.status != expected:
                     raise RuntimeError(f"submit failed: {response.status} {await response.text()}")
                 await response.read()
 
@@ -141,6 +145,11 @@ async def bench(args: argparse.Namespace, url: str, broker: psutil.Process) -> N
         single = args.actions / (time.perf_counter() - started)
         single_us = (cpu_s(broker) - cpu) / args.actions * 1e6
         granted += args.actions
+        started, cpu = time.perf_counter(), cpu_s(broker)
+        await one_per_request(http, url, args.actions, args.connections, wait=True)
+        waited = args.actions / (time.perf_counter() - started)
+        waited_us = (cpu_s(broker) - cpu) / args.actions * 1e6
+        granted += args.actions
         wrk = None
         if shutil.which("wrk"):
             cpu = cpu_s(broker)
@@ -157,6 +166,8 @@ async def bench(args: argparse.Namespace, url: str, broker: psutil.Process) -> N
           f"(broker CPU per action: user + system of its process)")
     print(f"  one per request ({args.connections} connections, Python client): {single:,.0f} actions/s, "
           f"{single_us:,.0f} us CPU each")
+    print(f"  one per request, ?wait=true ({args.connections} connections):     {waited:,.0f} actions/s, "
+          f"{waited_us:,.0f} us CPU each")
     if wrk is not None:
         print(f"  one per request ({args.connections} connections, wrk):           {wrk:,.0f} actions/s, "
               f"{wrk_us:,.0f} us CPU each")

@@ -204,7 +204,8 @@ class Broker:
             return action
         event = self._waiters.setdefault(action_id, asyncio.Event())
         try:
-            await asyncio.wait_for(event.wait(), timeout_s)
+            async with asyncio.timeout(timeout_s):  # no task per waiting request, as wait_for would make
+                await event.wait()
         except TimeoutError:
             pass
         return action
