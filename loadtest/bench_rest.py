@@ -2,8 +2,9 @@
 
 Starts ``tangram serve`` in a subprocess, then submits leases one per request (many concurrent connections), one per
 request waiting for each record's end (``?wait=true``) and in batches, and times each phase from the first submit
-until every lease is granted (the queue is empty and the units are in use). All phases run against the same broker, side by side. The Python client shares the machine's
-two cores with the broker; where Debian's ``wrk`` is installed, it drives a second one-per-request phase.
+until every lease is granted (the queue is empty and the units are in use). All phases run against the same broker,
+side by side. The Python client shares the machine's two cores with the broker; where Debian's ``wrk`` is installed,
+it drives a second one-per-request phase.
 
 Each phase also reports the broker's own CPU time per action (user + system of the broker process, from its
 ``/proc`` accounting): unlike throughput, it is not blurred by the load generator's share of the cores. It includes

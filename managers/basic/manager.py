@@ -86,7 +86,6 @@ class _Resource:
         return math.inf if self.window is None else self.window.available(now)
 
 
-
 class BasicFit(Fit):
     """Free units per resource as ``(concurrency room, quota room)``, snapshotted once per pass.
 

@@ -89,7 +89,8 @@ class GroupCommitWriter:
         self._upsert_actions = Bulk(engine, upsert(dialect, ActionRow, ["id"]))
         self._upsert_profiles = Bulk(engine, upsert(dialect, ProfileRow, ["task", "signature"]))
         self._upsert_speedups = Bulk(engine, upsert(dialect, SpeedupRow, ["task", "signature"]))
-        self._insert_transitions = Bulk(engine, dialect.insert(TransitionRow), ["action_id", "state", "at"])  # _Batch's
+        # its rows are _Batch.transitions' tuples as they are
+        self._insert_transitions = Bulk(engine, dialect.insert(TransitionRow), ["action_id", "state", "at"])
         #: a SQLite file's commits, one thread hop each (a fenced store's go through the engine, with the fence)
         self._sqlite = SqliteWriter(database) if fence is None and (database := sqlite_file(engine)) else None
         self._pending = _Batch()
