@@ -395,7 +395,7 @@ async def test_lease_ttl_defaults_to_the_resource_maximum_and_early_release_clea
 def test_expired_leases_are_those_due_by_now_soonest_first_however_held_and_released(
         steps: list[tuple[str, int, float]]) -> None:
     """The walk of the expiry heap answers what a scan of every held lease would: each lease due by now (once,
-    by its current expiry), soonest first."""
+    by its current expiry), soonest first, ties by id."""
     clock = Clock()
     manager = BasicManager([BasicResourceConfig("lease.slot", concurrency=1000, lease_ttl_s=60)], clock=clock)
     actions = [lease({"lease.slot": 1}) for _ in range(4)]

@@ -317,7 +317,7 @@ class BasicManager(ResourceManager[None]):
             if self._leases.get(action_id) == expiry:  # else released, or held again with another expiry
                 expired[action_id] = expiry
             below.extend(child for child in (2 * at + 1, 2 * at + 2) if child < len(heap))
-        return sorted(expired, key=expired.__getitem__)
+        return [action_id for _, action_id in sorted((at, action_id) for action_id, at in expired.items())]
 
     def plugins(self) -> CyclePlugins:
         return CyclePlugins(next_change_in=self.next_change_in, metrics=self._upstream_metrics.register)
