@@ -28,6 +28,7 @@ from tangram.sched.speedup import PRIOR, Run, Speedup, SpeedupFit, declared, siz
 
 #: durations kept per model, by (fit, declaration, counts): a queued action's are asked again at every pass
 DURATIONS_KEPT = 65536
+_TimesKey = tuple[SpeedupFit, Elasticity, tuple[int, ...]]
 
 
 @dataclass(slots=True)
@@ -47,7 +48,7 @@ class DurationModel:
         self.dirty: set[tuple[str, str]] = set()
         self._dirty_runs: set[tuple[str, str]] = set()
         #: the durations asked before (the same until the signature's fit changes), oldest first
-        self._times: dict[tuple[SpeedupFit, Elasticity, tuple[int, ...]], tuple[float, ...]] = {}
+        self._times: dict[_TimesKey, tuple[float, ...]] = {}
 
     def load(self, task: str, signature: str, t1: float, samples: int) -> None:
         self.profiles[(task, signature)] = DurationProfile(t1, samples)
@@ -96,32 +97,21 @@ class DurationModel:
     def durations(self, action: Action, counts: tuple[int, ...]) -> tuple[float, ...]:
         """``duration`` at each of ``counts`` (one model lookup for all: the DP asks for every allowed count). One
         action's, a call per count: for a few counts that costs less than ``durations_many``'s numpy steps."""
-        fit = self.fit(action)
-        if fit is None:
-            return (self.duration(action),) * len(counts)
-        elasticity: Elasticity = action.elasticity  # type: ignore[assignment]
-        key = (fit, elasticity, counts)
-        times = self._times.get(key)
-        if times is None:
-            times = self._keep(key, tuple(fit.duration(elasticity, m) for m in counts))
-        return times
+        times, key = self._known(action, counts)
+        if key is None:
+            return times
+        fit, elasticity, _ = key
+        return self._keep(key, tuple(fit.duration(elasticity, m) for m in counts))
 
     def durations_many(self, actions: Sequence[Action], counts: Sequence[tuple[int, ...]]) -> list[tuple[float, ...]]:
         """``durations`` of each action at its counts, those not asked before in one evaluation of the model for
         all: a new queue's DP tables ask for every member's counts, and a model call per action was most of it."""
         out: list[tuple[float, ...]] = []
-        missing: list[tuple[int, tuple[SpeedupFit, Elasticity, tuple[int, ...]]]] = []
+        missing: list[tuple[int, _TimesKey]] = []
         for action, asked in zip(actions, counts):
-            fit = self.fit(action)
-            if fit is None:
-                out.append((self.duration(action),) * len(asked))
-                continue
-            elasticity: Elasticity = action.elasticity  # type: ignore[assignment]
-            key = (fit, elasticity, asked)
-            times = self._times.get(key)
-            if times is None:
+            times, key = self._known(action, asked)
+            if key is not None:
                 missing.append((len(out), key))
-                times = ()
             out.append(times)
         if missing:
             keys = [key for _, key in missing]
@@ -130,7 +120,18 @@ class DurationModel:
                 out[index] = self._keep(key, times)
         return out
 
-    def _keep(self, key: tuple[SpeedupFit, Elasticity, tuple[int, ...]], times: tuple[float, ...]) -> tuple[float, ...]:
+    def _known(self, action: Action, counts: tuple[int, ...]) -> tuple[tuple[float, ...], _TimesKey | None]:
+        """The durations at ``counts`` when they need no evaluation of the speed-up model (no fit, or asked before),
+        and None; else () and the key to ``_keep`` them under once evaluated."""
+        fit = self.fit(action)
+        if fit is None:
+            return (self.duration(action),) * len(counts), None
+        elasticity: Elasticity = action.elasticity  # type: ignore[assignment]
+        key = (fit, elasticity, counts)
+        times = self._times.get(key)
+        return (times, None) if times is not None else ((), key)
+
+    def _keep(self, key: _TimesKey, times: tuple[float, ...]) -> tuple[float, ...]:
         """Remember ``times`` for ``key``, forgetting the oldest past ``DURATIONS_KEPT``."""
         self._times[key] = times
         if len(self._times) > DURATIONS_KEPT:
