@@ -136,15 +136,15 @@ class Metrics:
             self.registry.register(collector)
 
     def count_submit(self, action: Action) -> None:
-        self.submitted.inc((action.kind.value, action.task))
+        self.submitted.inc((action.kind, action.task))  # a StrEnum member is its string as a label
 
     def watch(self, queue_depth: Callable[[], dict[str, int]],
               units: Callable[[], Iterable[tuple[str, str, int, int]]]) -> None:
         self.registry.register(_StateCollector(queue_depth, units))
 
     def record_finish(self, action: Action) -> None:
-        labels = (action.kind.value, action.task)
-        self.finished.inc((*labels, action.state.value, (action.error or {}).get("code") or ""))
+        labels = (action.kind, action.task)
+        self.finished.inc((*labels, action.state, (action.error or {}).get("code") or ""))
         timings = action.timings()
         for histogram, name in self._timed:
             value = timings[name]

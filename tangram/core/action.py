@@ -33,7 +33,11 @@ class State(StrEnum):
 
     @property
     def terminal(self) -> bool:
-        return self not in (State.QUEUED, State.RUNNING)
+        return self not in _LIVE
+
+
+#: the states an action may leave (a frozenset of their strings: read on every transition, so no enum lookups)
+_LIVE = frozenset(("queued", "running"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +48,12 @@ class Demand:
 
     @classmethod
     def fixed(cls, units: int) -> Demand:
-        return cls((units,))
+        demand = _FIXED.get(units)
+        if demand is None:
+            demand = cls((units,))
+            if units <= _FIXED_SHARED:
+                _FIXED[units] = demand
+        return demand
 
     @classmethod
     def range(cls, low: int, high: int) -> Demand:
@@ -82,6 +91,11 @@ class Demand:
         if "choices" in value:
             return cls(tuple(value["choices"]))
         return cls.range(value["min"], value["max"])
+
+
+#: fixed demands of up to this many units are shared instances (immutable, and built for nearly every action)
+_FIXED_SHARED = 1024
+_FIXED: dict[int, Demand] = {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,21 +230,24 @@ class Action:
 
     def timings(self) -> dict[str, float | None]:
         """Queue, execution (of which restore), broker overhead and ACT in seconds (None until known)."""
-        queue = None if self.started_at is None else self.started_at - self.submitted_at
-        act = self.act_s
-        overhead = None
-        if act is not None:
-            overhead = max(0.0, act - (queue or 0.0) - (self.execution_s or 0.0))
-        return {"queue_s": queue, "execution_s": self.execution_s, "restore_s": self.restore_s, "overhead_s": overhead,
+        submitted, started, finished, execution = self.submitted_at, self.started_at, self.finished_at, self.execution_s
+        queue = None if started is None else started - submitted
+        act = overhead = None
+        if finished is not None:
+            act = finished - submitted
+            overhead = max(0.0, act - (queue or 0.0) - (execution or 0.0))
+        return {"queue_s": queue, "execution_s": execution, "restore_s": self.restore_s, "overhead_s": overhead,
                 "act_s": act}
 
     def to_json(self) -> dict[str, Any]:
+        """The client's record. ``kind`` and ``state`` are the members themselves (a ``StrEnum`` member is its
+        string to JSON encoders and in comparisons), which spares an enum lookup each on every record sent."""
         return {
             "id": self.id,
             "task": self.task,
             "trajectory": self.trajectory,
-            "kind": self.kind.value,
-            "state": self.state.value,
+            "kind": self.kind,
+            "state": self.state,
             "demand": {name: demand.to_json() for name, demand in self.demands.items()},
             "elasticity": None if self.elasticity is None else self.elasticity.to_json(),
             "spec": self.spec,
@@ -240,16 +257,13 @@ class Action:
             "submitted_at": self.submitted_at,
             "started_at": self.started_at,
             "finished_at": self.finished_at,
-            "allocation": self._allocation_json(),
+            "allocation": self._allocation_json() if self.units else None,
             "result": self.result,
             "error": self.error,
             "timings": self.timings(),
         }
 
-
-    def _allocation_json(self) -> dict[str, Any] | None:
-        if not self.units:
-            return None
+    def _allocation_json(self) -> dict[str, Any]:
         body: dict[str, Any] = {"units": self.units, "placement": self.placement}
         resized = self.resized if self.malleable is None else self.malleable.summary(self.finished_at or time.time())
         if resized is not None:
@@ -259,7 +273,8 @@ class Action:
 
 def default_signature(kind: Kind, demands: dict[str, Demand], spec: dict[str, Any]) -> str:
     """Actions with one signature share a learned duration profile: kind, resources and, for API calls, route."""
-    parts = [kind.value, ",".join(sorted(demands))]
     if kind is Kind.API:
-        parts.append(f"{spec.get('method', 'GET')} {spec.get('path', '/')}")
-    return "|".join(parts)
+        return f"{kind}|{','.join(sorted(demands))}|{spec.get('method', 'GET')} {spec.get('path', '/')}"
+    if len(demands) == 1:
+        return f"{kind}|{next(iter(demands))}"
+    return f"{kind}|{','.join(sorted(demands))}"

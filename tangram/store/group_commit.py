@@ -34,6 +34,12 @@ log = logging.getLogger("tangram.store")
 _FINISHED_MEMORY = 65_536
 
 
+#: the ``actions`` columns in the order of ``_serialize``'s tuples (the upsert checks the order it binds them in)
+_ACTION_COLUMNS = ("id", "seq", "task", "trajectory", "kind", "state", "idempotency_key", "signature", "submitted_at",
+                   "started_at", "finished_at", "record")
+_ID = _ACTION_COLUMNS.index("id")
+
+
 def _transition_time(action: Action) -> float:
     """When the action entered its current state, from its own timestamps when it has them."""
     at: float | None
@@ -86,7 +92,8 @@ class GroupCommitWriter:
         self.commits = 0
         self.failures = 0
         dialect = dialect_of(engine)
-        self._upsert_actions = Bulk(engine, upsert(dialect, ActionRow, ["id"]))
+        # its rows are ``_serialize``'s tuples as they are
+        self._upsert_actions = Bulk(engine, upsert(dialect, ActionRow, ["id"]), list(_ACTION_COLUMNS))
         self._upsert_profiles = Bulk(engine, upsert(dialect, ProfileRow, ["task", "signature"]))
         self._upsert_speedups = Bulk(engine, upsert(dialect, SpeedupRow, ["task", "signature"]))
         # its rows are _Batch.transitions' tuples as they are
@@ -180,15 +187,18 @@ class GroupCommitWriter:
 
     def _note_state(self, action: Action) -> None:
         """Queue a transition row when the action's state differs from the one last saved."""
-        state = action.state
-        if self._states.get(action.id) == state or (state.terminal and action.id in self._finished):
+        state, action_id = action.state, action.id
+        if self._states.get(action_id) is state:
             return
-        self._pending.transitions.append((action.id, state.value, _transition_time(action)))
-        if state.terminal:
-            self._states.pop(action.id, None)
-            self._remember_finished(action.id)
+        terminal = state.terminal
+        if terminal and action_id in self._finished:
+            return
+        self._pending.transitions.append((action_id, state, _transition_time(action)))
+        if terminal:
+            self._states.pop(action_id, None)
+            self._remember_finished(action_id)
         else:
-            self._states[action.id] = state
+            self._states[action_id] = state
 
     def _remember_finished(self, action_id: str) -> None:
         self._finished[action_id] = None
@@ -293,19 +303,19 @@ class GroupCommitWriter:
                 try:
                     async with self.engine.begin() as conn:
                         await self._fenced(conn)
-                        await self._upsert_actions.run(conn, self._upsert_actions.params([row]))
+                        await self._upsert_actions.run(conn, [row])
                 except DBAPIError as row_exc:
                     if not refused(row_exc):
                         raise
-                    rejected[row["id"]] = row_exc
-            rows = [row for row in rows if row["id"] not in rejected]
+                    rejected[row[_ID]] = row_exc
+            rows = [row for row in rows if row[_ID] not in rejected]
             await self._commit(rows, batch, rejected)
         for action_id, refusal in rejected.items():
             log.error("store rejected action %s: %r", action_id, refusal)
             self._states.pop(action_id, None)
         return rejected
 
-    async def _commit(self, rows: list[dict[str, Any]], batch: _Batch, rejected: dict[str, Exception]) -> None:
+    async def _commit(self, rows: list[tuple[Any, ...]], batch: _Batch, rejected: dict[str, Exception]) -> None:
         transitions = ([row for row in batch.transitions if row[0] not in rejected] if rejected
                        else batch.transitions)
         profiles = [{"task": task, "signature": signature, "t1": t1, "samples": samples}
@@ -313,7 +323,7 @@ class GroupCommitWriter:
         speedups = [{"task": task, "signature": signature, "runs": runs}
                     for (task, signature), runs in batch.speedups.items()]
         written = [(bulk, params) for bulk, params in (
-            (self._upsert_actions, self._upsert_actions.params(rows)), (self._insert_transitions, transitions),
+            (self._upsert_actions, rows), (self._insert_transitions, transitions),
             (self._upsert_profiles, self._upsert_profiles.params(profiles)),
             (self._upsert_speedups, self._upsert_speedups.params(speedups))) if params]
         if not written:
@@ -342,8 +352,10 @@ class GroupCommitWriter:
             raise
 
     @staticmethod
-    def _serialize(actions: dict[str, Action]) -> tuple[list[dict[str, Any]], dict[str, Exception]]:
-        rows: list[dict[str, Any]] = []
+    def _serialize(actions: dict[str, Action]) -> tuple[list[tuple[Any, ...]], dict[str, Exception]]:
+        """The actions' rows (``_ACTION_COLUMNS``; ``kind`` and ``state`` as ``StrEnum`` members, which both drivers
+        bind as their text) and those whose record is not JSON."""
+        rows: list[tuple[Any, ...]] = []
         rejected: dict[str, Exception] = {}
         for action in actions.values():
             try:
@@ -351,10 +363,7 @@ class GroupCommitWriter:
             except (TypeError, orjson.JSONEncodeError) as exc:  # e.g. a result that is not JSON
                 rejected[action.id] = exc
                 continue
-            rows.append({"id": action.id, "seq": action.seq, "task": action.task,
-                         "trajectory": action.trajectory, "kind": action.kind.value,
-                         "state": action.state.value, "idempotency_key": action.idempotency_key,
-                         "signature": action.signature, "submitted_at": action.submitted_at,
-                         "started_at": action.started_at, "finished_at": action.finished_at,
-                         "record": record})
+            rows.append((action.id, action.seq, action.task, action.trajectory, action.kind, action.state,
+                         action.idempotency_key, action.signature, action.submitted_at, action.started_at,
+                         action.finished_at, record))
         return rows, rejected
