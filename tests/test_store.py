@@ -22,6 +22,7 @@ from tangram.core.errors import ConfigError
 from tangram.parse import parse_action
 from tangram.records import action_from_stored, stored_record
 from tangram.store.sqlite_writer import SqliteWriter
+from tangram.store.statements import ROW_GROUPS
 from tangram.store.store import Store
 from tangram.store.tables import ActionRow, TransitionRow
 
@@ -220,9 +221,9 @@ async def test_conflict_inside_one_batch_rejects_only_the_duplicate(store: Store
 
 async def test_one_durable_call_of_many_actions_writes_all_but_the_refused_one_and_raises_its_refusal(
         store: Store) -> None:
-    """293 actions: every size of multi-row statement the SQLite writer uses (256, 32, 4, 1 rows), one of them
-    refused for a key an earlier action of the call took."""
-    actions = [make_action(seq=i, idempotency_key=f"k{i}") for i in range(293)]
+    """As many actions as the SQLite writer's statement sizes add up to (511: one statement of each size), one of
+    them refused for a key an earlier action of the call took."""
+    actions = [make_action(seq=i, idempotency_key=f"k{i}") for i in range(sum(ROW_GROUPS))]
     actions[150].idempotency_key = "k7"
     with pytest.raises(IntegrityError):
         await store.durable(*actions)
