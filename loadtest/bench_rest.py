@@ -10,7 +10,10 @@ Each phase also reports the broker's own CPU time per action (user + system of t
 ``/proc`` accounting): unlike throughput, it is not blurred by the load generator's share of the cores. It includes
 the phase's polls of ``/v1/resources`` (one each 10 ms) and whatever the broker does in the background meanwhile.
 
-    python -m loadtest.bench_rest [--actions 20000] [--connections 64] [--batch 500]
+With ``--pin`` the broker runs on the last CPU this process may use and the load generator on the first, so that
+neither takes the other's core: rounds of the same code on a small machine then swing less (they still swing).
+
+    python -m loadtest.bench_rest [--actions 20000] [--connections 64] [--batch 500] [--pin]
 """
 
 from __future__ import annotations
@@ -164,7 +167,8 @@ async def bench(args: argparse.Namespace, url: str, broker: psutil.Process) -> N
         many = args.actions / (time.perf_counter() - started)
         many_us = (cpu_s(broker) - cpu) / args.actions * 1e6
     print(f"REST throughput, lease actions, {args.actions} per phase, SQLite store, loopback HTTP "
-          f"(broker CPU per action: user + system of its process)")
+          f"(broker CPU per action: user + system of its process"
+          f"{'; broker and load generator pinned to one CPU each' if args.pin else ''})")
     print(f"  one per request ({args.connections} connections, Python client): {single:,.0f} actions/s, "
           f"{single_us:,.0f} us CPU each")
     print(f"  one per request, ?wait=true ({args.connections} connections):     {waited:,.0f} actions/s, "
@@ -184,13 +188,21 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=18300)
     parser.add_argument("--wrk-seconds", type=int, default=8)
     parser.add_argument("--db", help="store URL (default: a fresh SQLite file)")
+    parser.add_argument("--pin", action="store_true", help="the broker on one CPU, this load generator on another")
     args = parser.parse_args()
+    cpus = sorted(os.sched_getaffinity(0))
+    if args.pin and len(cpus) < 2:
+        parser.error(f"--pin needs two CPUs; this process may use {cpus}")
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "bench.toml"
         config.write_text(CONFIG.format(port=args.port, db_url=args.db or f"sqlite+aiosqlite:///{Path(tmp) / 'bench.db'}"))
+        if args.pin:  # the broker inherits this, and every thread it starts inherits it from the broker
+            os.sched_setaffinity(0, {cpus[-1]})
         server = subprocess.Popen([sys.executable, "-m", "tangram.cli", "serve", "--config", str(config)],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                   env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        if args.pin:  # this load generator, and wrk after it, on another CPU
+            os.sched_setaffinity(0, {cpus[0]})
         try:
             asyncio.run(bench(args, f"http://127.0.0.1:{args.port}", psutil.Process(server.pid)))
         finally:
