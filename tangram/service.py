@@ -25,6 +25,7 @@ from tangram.broker import Broker
 from tangram.config import Config
 from tangram.core.fencing import Fencing, leading
 from tangram.core.seam import ResourceManager
+from tangram.frozen_survivors import FrozenSurvivors
 from tangram.leadership import Leadership, fence
 from tangram.server.api import build_app
 from tangram.server.auth import AUTH
@@ -127,6 +128,8 @@ async def lead(config: Config, stop: asyncio.Event, leadership: Leadership | Non
         gc.collect()
         gc.freeze()
         gc.set_threshold(GC_YOUNG_OBJECTS)
+        survivors = FrozenSurvivors(asyncio.get_running_loop())
+        survivors.start()
         if token is not None:  # on stderr, not in the log, which may be kept
             print(f"tangram: {config.server.host!r} is not a loopback address and no API token existed, so auth is "
                   f"on now with this admin token (shown only now; the store keeps its SHA-256):\n{token}\n"
@@ -149,6 +152,7 @@ async def lead(config: Config, stop: asyncio.Event, leadership: Leadership | Non
             log.info("stopping: draining for at most %.0f s", config.server.drain_s)
             await broker.drain(config.server.drain_s)
         finally:
+            survivors.stop()
             for task in (stopping, lost, deposed):
                 if task is not None:
                     task.cancel()
