@@ -128,8 +128,6 @@ async def lead(config: Config, stop: asyncio.Event, leadership: Leadership | Non
         gc.collect()
         gc.freeze()
         gc.set_threshold(GC_YOUNG_OBJECTS)
-        survivors = FrozenSurvivors(asyncio.get_running_loop())
-        survivors.start()
         if token is not None:  # on stderr, not in the log, which may be kept
             print(f"tangram: {config.server.host!r} is not a loopback address and no API token existed, so auth is "
                   f"on now with this admin token (shown only now; the store keeps its SHA-256):\n{token}\n"
@@ -140,6 +138,8 @@ async def lead(config: Config, stop: asyncio.Event, leadership: Leadership | Non
         lost = asyncio.create_task(leadership.lost()) if leadership is not None else None
         deposed = asyncio.create_task(fencing.deposed.wait())  # by the store's fence, the lock's check or an agent
         stopping = asyncio.create_task(stop.wait())
+        survivors = FrozenSurvivors(asyncio.get_running_loop())
+        survivors.start()
         try:
             await asyncio.wait({stopping, deposed} | ({lost} if lost else set()),
                                return_when=asyncio.FIRST_COMPLETED)
