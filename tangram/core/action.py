@@ -273,8 +273,7 @@ class Action:
 
 def default_signature(kind: Kind, demands: dict[str, Demand], spec: dict[str, Any]) -> str:
     """Actions with one signature share a learned duration profile: kind, resources and, for API calls, route."""
+    resources = ",".join(sorted(demands))
     if kind is Kind.API:
-        return f"{kind}|{','.join(sorted(demands))}|{spec.get('method', 'GET')} {spec.get('path', '/')}"
-    if len(demands) == 1:
-        return f"{kind}|{next(iter(demands))}"
-    return f"{kind}|{','.join(sorted(demands))}"
+        return f"{kind}|{resources}|{spec.get('method', 'GET')} {spec.get('path', '/')}"
+    return f"{kind}|{resources}"
