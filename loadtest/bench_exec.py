@@ -9,12 +9,15 @@ through two paths side by side on one engine:
   what a broker without the fast path (or with a remote engine) pays;
 * **agent path** (``--agent``): the node's agent, a Ray actor on a second Ray node of a cluster this benchmark starts
   on this machine, which runs the fast path on its node (issue 17): what a broker pays for a node on another host.
+  ``--channels`` picks how the broker calls it (``[ray] channel``): ``auto`` (the unix socket of an agent on its
+  host), ``tls`` (TLS over TCP, as to an agent on another host), ``ray`` (through Ray), one run each, in that order.
 
 Overhead = the broker's ACT (submit to finish) minus the command's own run time measured inside the sandbox.
 
 Phase 2 runs a real pytest suite (sleep-bound tests) with ``pytest -n {parallel_num}`` on 1 and on 2 cores.
 
     python -m loadtest.bench_exec [--engine unix:///var/run/docker.sock] [--actions 300] [--agent]
+                                  [--channels auto,tls,ray]
 """
 
 from __future__ import annotations
@@ -37,15 +40,16 @@ from tangram.config import parse_config
 from tangram.service import running_broker
 
 
-def config(engine: str, fast_path: bool, db: str, ray_address: str | None = None) -> dict[str, Any]:
-    """One node on ``engine``; with ``ray_address``, behind its agent on that Ray cluster."""
+def config(engine: str, fast_path: bool, db: str, ray_address: str | None = None,
+           channel: str = "auto") -> dict[str, Any]:
+    """One node on ``engine``; with ``ray_address``, behind its agent on that Ray cluster, called by ``channel``."""
     node: dict[str, Any] = {"backend": "docker", "engine": engine, "cores": "0-1", "numa": ["0", "1"],
                             "memory_mb": 4096, "fast_path": fast_path}
     raw: dict[str, Any] = {"store": {"url": f"sqlite+aiosqlite:///{db}"},
                            "cpu": {"broker_id": f"bench-{uuid.uuid4().hex[:6]}", "nodes": {"n1": node}}}
     if ray_address is not None:
         node["agent"] = True
-        raw["ray"] = {"address": ray_address}
+        raw["ray"] = {"address": ray_address, "channel": channel}
     return raw
 
 
@@ -71,7 +75,8 @@ async def submit(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) ->
     return record
 
 
-async def overhead(engine: str, fast_path: bool, count: int, ray_address: str | None = None) -> dict[str, float]:
+async def overhead(engine: str, fast_path: bool, count: int, ray_address: str | None = None,
+                   channel: str = "auto") -> dict[str, float]:
     async def body(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
         action = {"task": "bench", "trajectory": "t", "kind": "exec", "demand": {"cpu": 1},
                   "spec": {"command": ["true"]}}
@@ -85,7 +90,7 @@ async def overhead(engine: str, fast_path: bool, count: int, ray_address: str | 
         return {"median_ms": statistics.median(overheads) * 1e3, "p99_ms": percentile(overheads, 0.99) * 1e3,
                 "client_rtt_median_ms": statistics.median(round_trips) * 1e3}
     with tempfile.TemporaryDirectory() as tmp:
-        return await with_broker(config(engine, fast_path, f"{tmp}/b.db", ray_address), body)
+        return await with_broker(config(engine, fast_path, f"{tmp}/b.db", ray_address, channel), body)
 
 
 def ray_cluster() -> Any:
@@ -127,16 +132,23 @@ async def main() -> None:
     parser.add_argument("--engine", default="unix:///var/run/docker.sock")
     parser.add_argument("--actions", type=int, default=300)
     parser.add_argument("--agent", action="store_true", help="also through the node's agent on a second Ray node")
+    parser.add_argument("--channels", default="auto",
+                        help="comma-separated: how the broker calls the agent, a run each (auto, tls, ray)")
     parser.add_argument("--tests", type=int, default=16, help="tests in the pytest suite (phase 2)")
     parser.add_argument("--sleep", type=float, default=0.25, help="seconds each test sleeps (phase 2)")
     args = parser.parse_args()
+    channels = args.channels.split(",")
+    if not set(channels) <= {"auto", "tls", "ray"}:
+        parser.error(f"--channels: {args.channels!r}; each one of auto, tls, ray")
     print(f"phase 1: {args.actions} sequential `true` actions per path, engine {args.engine}")
     fast = await overhead(args.engine, True, args.actions)
     rows = [("fast (ours)", fast)]
     if args.agent:
         cluster = ray_cluster()
         try:
-            rows.append(("agent (2nd node)", await overhead(args.engine, True, args.actions, cluster.address)))
+            for channel in channels:
+                rows.append((f"agent, {channel}", await overhead(args.engine, True, args.actions, cluster.address,
+                                                                 channel)))
         finally:
             import ray
 
@@ -148,8 +160,8 @@ async def main() -> None:
     for name, row in rows:
         print(f"{name:<18}{row['median_ms']:>12.2f}{row['p99_ms']:>10.2f}{row['client_rtt_median_ms']:>15.2f}")
     print(f"median overhead ratio docker-exec / fast: {slow['median_ms'] / fast['median_ms']:.1f}x")
-    if args.agent:
-        print(f"median overhead ratio agent / fast: {rows[1][1]['median_ms'] / fast['median_ms']:.1f}x")
+    for name, row in rows[1:-1]:
+        print(f"median overhead ratio {name} / fast: {row['median_ms'] / fast['median_ms']:.1f}x")
     print(f"phase 2: pytest -n {{parallel_num}} on {args.tests} tests of {args.sleep} s each")
     times = await pytest_speedup(args.engine, args.tests, args.sleep)
     print(f"1 core: {times[1]:.2f} s, 2 cores: {times[2]:.2f} s, speed-up {times[1] / times[2]:.2f}x")

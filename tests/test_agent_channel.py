@@ -1,7 +1,7 @@
-"""The direct channel between a broker and a node agent on its host (issue 40), without Ray: a real ``NodeAgent``
-over local processes serves its unix socket, and the broker's ``AgentRoute`` sends through it; what stands for the Ray
-transport is an in-process call that counts what it carries. The same route through a real two-node Ray cluster is
-in ``tests/test_ray_agents.py``."""
+"""The direct channel between a broker and a node agent (issue 40), without Ray: a real ``NodeAgent`` over local
+processes serves its unix socket, and TLS on 127.0.0.1 as it does on a node's address for a broker on another host;
+the broker's ``AgentRoute`` sends through them. What stands for the Ray transport is an in-process call that counts
+what it carries. The same route through a real two-node Ray cluster is in ``tests/test_ray_agents.py``."""
 
 from __future__ import annotations
 
@@ -18,9 +18,10 @@ import pytest
 
 from managers.cpu.exec_spec import ExecLimits
 from managers.remote.broker.agent_backend import AgentSandbox, answer
-from managers.remote.broker.agent_route import AgentRoute
+from managers.remote.broker.agent_route import AgentRoute, ChannelMode
 from managers.remote.broker.channel_client import ChannelClient, ChannelUnreachable
-from managers.remote.channel_frames import ACCEPTED, TOKEN_BYTES, frame
+from managers.remote.channel_frames import ACCEPTED, TOKEN_BYTES, frame, host_identity
+from managers.remote.channel_tls import client_context, server_context
 from managers.remote.node.node_agent import NodeAgent
 from managers.remote.replies import Reply, failed
 from sandboxes.backend import NODE_UNAVAILABLE, NodeHardware, SandboxBackend, SandboxSpec
@@ -58,14 +59,14 @@ async def agent(tmp_path: Path) -> AsyncIterator[NodeAgent]:
 
     agent = NodeAgent(opened, ExecLimits(max_files_bytes=1 << 20), NodeHardware(cores=(0,), memory_mb=64,
                                                                                   numa=((0,),)),
-                      channel_path=tmp_path / "agents" / "n1.agent.sock")
+                      channel_path=tmp_path / "agents" / "n1.agent.sock", channel_address="127.0.0.1")
     yield agent
     await agent.close()
     await backend.reap("-")  # the sandboxes the tests made, their executors with them
 
 
-def route_to(ray: RayStandIn, *, direct: bool = True) -> AgentRoute:
-    return AgentRoute(ray, "node n1's agent", NODE_UNAVAILABLE, REPLY_LIMIT, direct=direct)
+def route_to(ray: RayStandIn, mode: ChannelMode = "auto") -> AgentRoute:
+    return AgentRoute(ray, "node n1's agent", NODE_UNAVAILABLE, REPLY_LIMIT, mode)
 
 
 async def a_sandbox(route: AgentRoute, env_id: str = "env-1") -> AgentSandbox:
@@ -91,35 +92,55 @@ async def test_calls_go_over_the_channel_once_it_is_known(agent: NodeAgent, tmp_
     route.close()
 
 
-async def test_the_channel_keeps_the_agents_fencing(agent: NodeAgent) -> None:
-    route = route_to(RayStandIn(agent))
+async def test_calls_go_over_tls_to_an_agent_on_another_host(agent: NodeAgent,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("managers.remote.broker.agent_route.host_identity", lambda: "another-boot-id")
+    ray = RayStandIn(agent)
+    route = route_to(ray)
+    sandbox = await a_sandbox(route)
+    executed = await asyncio.gather(*(sandbox.execute(f"a{i}", ExecRequest(f"echo {i}", timeout_s=30))
+                                      for i in range(4)))  # at once: each on a connection of its own
+    assert [e.result.stdout for e in executed] == [f"{i}\n" for i in range(4)]
+    assert ray.methods == ["channel"]
+    assert route.channel is not None and route.channel.startswith("tls://127.0.0.1:")
+    route.close()
+
+
+@pytest.mark.parametrize("mode", ["auto", "tls"])
+async def test_the_channel_keeps_the_agents_fencing(agent: NodeAgent, mode: ChannelMode) -> None:
+    route = route_to(RayStandIn(agent), mode)
     assert "ok" in await route.send(7, "describe", ())
+    assert route.channel is not None and route.channel.startswith("tls://") == (mode == "tls")
     refused = await route.send(6, "describe", ())  # an older leader, over the channel too
     assert refused["error"]["code"] == DEPOSED
     route.close()
 
 
-async def test_without_direct_or_on_another_host_every_call_goes_through_ray(agent: NodeAgent,
+async def test_with_mode_ray_or_no_channel_served_every_call_goes_through_ray(agent: NodeAgent, tmp_path: Path,
                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     ray = RayStandIn(agent)
-    off = route_to(ray, direct=False)
+    off = route_to(ray, "ray")
     for _ in range(2):
         assert "ok" in await off.send(None, "describe", ())
     assert ray.methods == ["describe", "describe"] and off.channel is None
 
+    # an agent that serves no TLS, asked from another host: no channel, and the question is not asked at every call
     monkeypatch.setattr("managers.remote.broker.agent_route.host_identity", lambda: "another-boot-id")
-    ray.methods.clear()
+    local_only = NodeAgent(agent._open_backend, ExecLimits(), NodeHardware(cores=(0,), memory_mb=64, numa=((0,),)),
+                           channel_path=tmp_path / "agents" / "n2.agent.sock")
+    ray = RayStandIn(local_only)
     elsewhere = route_to(ray)
     for _ in range(2):
         assert "ok" in await elsewhere.send(None, "describe", ())
-    assert ray.methods == ["channel", "describe", "describe"] and elsewhere.channel is None  # asked once only
+    assert ray.methods == ["channel", "describe", "describe"] and elsewhere.channel is None
+    await local_only.close()
 
 
 async def test_a_channel_that_cannot_be_reached_sends_through_ray_instead(agent: NodeAgent, tmp_path: Path) -> None:
     ray = RayStandIn(agent)
     route = route_to(ray)
     sandbox = await a_sandbox(route)
-    route._client = ChannelClient(str(tmp_path / "gone.sock"), os.urandom(TOKEN_BYTES), REPLY_LIMIT)  # its socket gone
+    route._client = ChannelClient.unix(str(tmp_path / "gone.sock"), os.urandom(TOKEN_BYTES), REPLY_LIMIT)  # gone
     ray.methods.clear()
     executed = await sandbox.execute("a1", ExecRequest("echo through-ray", timeout_s=30))
     assert executed.result.stdout == "through-ray\n"
@@ -144,7 +165,7 @@ async def test_a_call_lost_in_transit_answers_as_ray_says_the_agent_is(tmp_path:
     server = await asyncio.start_unix_server(dies_mid_call, path)
     ray = RayStandIn(agent=None, dead=True)  # type: ignore[arg-type]
     route = route_to(ray)
-    route._client = ChannelClient(str(path), token, REPLY_LIMIT)  # as if it had asked
+    route._client = ChannelClient.unix(str(path), token, REPLY_LIMIT)  # as if it had asked
     reply = await route.send(None, "execute", ("env-1", "a1", ExecRequest("true")))
     assert reply["error"]["code"] == "node_lost" and reply["error"]["lost"]
     assert len(received) == 1 and ray.methods == ["channel"]  # sent once; Ray was only asked how the agent is
@@ -155,8 +176,8 @@ async def test_a_call_lost_in_transit_answers_as_ray_says_the_agent_is(tmp_path:
         ray.methods.append(method)
         return {"ok": None}  # alive over Ray (restarted): the call may be tried again
 
-    route = AgentRoute(restarting, "node n1's agent", NODE_UNAVAILABLE, REPLY_LIMIT, direct=True)
-    route._client = ChannelClient(str(path), token, REPLY_LIMIT)
+    route = AgentRoute(restarting, "node n1's agent", NODE_UNAVAILABLE, REPLY_LIMIT, "auto")
+    route._client = ChannelClient.unix(str(path), token, REPLY_LIMIT)
     reply = await route.send(None, "execute", ("env-1", "a1", ExecRequest("true")))
     assert reply["error"]["code"] == NODE_UNAVAILABLE and not reply["error"]["lost"]
     assert len(received) == 2 and ray.methods == ["channel"]
@@ -164,8 +185,8 @@ async def test_a_call_lost_in_transit_answers_as_ray_says_the_agent_is(tmp_path:
 
 
 async def test_the_agent_refuses_a_wrong_token_and_an_oversized_frame(agent: NodeAgent) -> None:
-    where = answer(await agent.call(None, "channel"))
-    wrong = ChannelClient(where["path"], bytes(TOKEN_BYTES), REPLY_LIMIT)
+    where = answer(await agent.call(None, "channel", host_identity(), False))
+    wrong = ChannelClient.unix(where["path"], bytes(TOKEN_BYTES), REPLY_LIMIT)
     with pytest.raises(ChannelUnreachable, match="token"):
         await wrong.call(None, "describe", ())
 
@@ -176,7 +197,7 @@ async def test_the_agent_refuses_a_wrong_token_and_an_oversized_frame(agent: Nod
     assert await reader.read() == b""
     writer.close()
 
-    right = ChannelClient(where["path"], where["token"], REPLY_LIMIT)
+    right = ChannelClient.unix(where["path"], where["token"], REPLY_LIMIT)
     assert "ok" in await right.call(None, "describe", ())  # the agent still serves
     big = frame((None, "describe", (b"x" * (6 << 20),)))  # past the request bound (1 MiB files + stdin + slack)
     reader, writer = await asyncio.open_unix_connection(where["path"])
@@ -185,3 +206,45 @@ async def test_the_agent_refuses_a_wrong_token_and_an_oversized_frame(agent: Nod
     assert await reader.read() == b""
     writer.close()
     right.close()
+
+
+async def test_over_tls_only_the_agents_certificate_and_token_are_accepted(agent: NodeAgent, tmp_path: Path) -> None:
+    where = answer(await agent.call(None, "channel", host_identity(), True))
+    address, port, certificate, token = where["address"], where["port"], where["certificate"], where["token"]
+    right = ChannelClient.tls(address, port, certificate, token, REPLY_LIMIT)
+    assert "ok" in await right.call(None, "describe", ())
+
+    # a broker that pins another certificate (someone else listens there) does not connect, and sends nothing
+    _, another = server_context("127.0.0.1", tmp_path)
+    with pytest.raises(ChannelUnreachable, match="certificate verify failed"):
+        await ChannelClient.tls(address, port, another, token, REPLY_LIMIT).call(None, "describe", ())
+    with pytest.raises(ChannelUnreachable, match="token"):
+        await ChannelClient.tls(address, port, certificate, bytes(TOKEN_BYTES), REPLY_LIMIT).call(None, "describe", ())
+
+    # the token in the clear (no TLS) is no handshake: the agent closes without a word
+    reader, writer = await asyncio.open_connection(address, port)
+    writer.write(token)
+    assert await reader.read() == b""
+    writer.close()
+    assert "ok" in await right.call(None, "describe", ())  # the agent still serves
+    right.close()
+
+
+async def test_connections_that_withhold_the_token_are_bounded(agent: NodeAgent,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past ``UNAUTHENTICATED_LIMIT`` connections that have not sent the token, a new one is closed at once; one
+    that sends it late is closed at its timeout, which frees its slot."""
+    monkeypatch.setattr("managers.remote.node.channel_server.UNAUTHENTICATED_LIMIT", 2)
+    monkeypatch.setattr("managers.remote.node.channel_server.TOKEN_TIMEOUT_S", 1.0)
+    where = answer(await agent.call(None, "channel", host_identity(), True))
+    address, port, certificate, token = where["address"], where["port"], where["certificate"], where["token"]
+    silent = [await asyncio.open_connection(address, port, ssl=client_context(certificate)) for _ in range(2)]
+    await asyncio.sleep(0.2)  # both are waiting for their tokens
+    with pytest.raises(ChannelUnreachable, match="token"):
+        await ChannelClient.tls(address, port, certificate, token, REPLY_LIMIT).call(None, "describe", ())
+    for reader, writer in silent:  # closed by the agent when their time was up
+        assert await asyncio.wait_for(reader.read(), 5) == b""
+        writer.close()
+    client = ChannelClient.tls(address, port, certificate, token, REPLY_LIMIT)
+    assert "ok" in await client.call(None, "describe", ())
+    client.close()

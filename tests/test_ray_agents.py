@@ -92,6 +92,22 @@ async def test_trajectories_run_on_both_nodes_through_their_agents(ray_cluster: 
         assert labelled_containers(engine, broker_id) == []
 
 
+async def test_agents_are_called_over_tls_when_asked(ray_cluster: Cluster, tmp_path) -> None:
+    """``channel = "tls"``: every agent is called over TLS on its node's address (here 127.0.0.1, as the loopback
+    cluster advertises), as a broker on another host calls it."""
+    raw = agent_nodes(ray_cluster)
+    raw["ray"]["channel"] = "tls"
+    async with live_broker(raw, str(tmp_path / "t.db")) as live:
+        records = await asyncio.gather(*(run(live, f"echo {i}", f"traj-{i}") for i in range(4)))
+        assert [r["result"]["stdout"] for r in records] == [f"{i}\n" for i in range(4)], records
+        assert {r["result"]["node"] for r in records} == {"n1", "n2"}
+        _, resources = await live.call("GET", "/v1/resources")
+        channels = {r["pool"]: r["channel"] for r in resources["resources"] if r["resource"] == "cpu"}
+        assert set(channels) == {"n1", "n2"}
+        assert all(channel.startswith("tls://127.0.0.1:") for channel in channels.values()), channels
+        assert len(set(channels.values())) == 2  # each agent its own listener
+
+
 async def test_a_command_behind_an_agent_streams_its_output_while_it_runs(ray_cluster: Cluster, tmp_path) -> None:
     """The output comes through the agent's Ray streaming call as the node's sandbox reads it: the command waits for
     a flag the test makes (``docker exec`` on the node's engine) once its first line came through."""

@@ -1,11 +1,12 @@
-"""One node agent's calls, over the direct channel where the agent shares the broker's host (issue 40), else through
-Ray.
+"""One node agent's calls, over its direct channel (issue 40), else through Ray.
 
-The broker asks the agent (through Ray) where its channel is; an agent on another host (another boot id), one that
-serves none, or one older than the channel keeps every call on Ray. A call the channel could not send goes through
-Ray instead; one it lost after sending answers as Ray says the agent is (died for good, or restarting: the call may
-be tried again), never by sending it again, since the agent may have run it. Either way the channel is asked for
-again after ``RETRY_S``: an agent Ray restarted serves a new one.
+The broker asks the agent (through Ray) where its channel is, saying which host the broker runs on: an agent on the
+same host (the same boot id) answers with its unix socket, one elsewhere (or every agent, with ``channel = "tls"``)
+with its TLS listener on its node's address. An agent that serves none, or one older than the channel, keeps every
+call on Ray. A call the channel could not send goes through Ray instead; one it lost after sending answers as Ray
+says the agent is (died for good, or restarting: the call may be tried again), never by sending it again, since the
+agent may have run it. Either way the channel is asked for again after ``RETRY_S``: an agent Ray restarted serves a
+new one.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Literal
 
 from managers.remote.broker.channel_client import ChannelBroken, ChannelClient, ChannelUnreachable
 from managers.remote.channel_frames import host_identity
@@ -27,25 +28,29 @@ RETRY_S = 30.0
 
 #: ``ray_call(epoch, method, args)``: the call through the agent's Ray actor
 RayCall = Callable[[int | None, str, tuple[Any, ...]], Awaitable[Reply]]
+#: "auto": the unix socket on the broker's host, TLS elsewhere; "tls": TLS for every agent (a broker and agents in
+#: containers of one host share its boot id but not its files); "ray": every call through Ray
+ChannelMode = Literal["auto", "tls", "ray"]
 
 
 class AgentRoute:
     """Sends one agent's calls by the cheapest way that reaches it."""
 
-    def __init__(self, ray_call: RayCall, agent: str, unavailable: str, reply_limit: int, *, direct: bool) -> None:
+    def __init__(self, ray_call: RayCall, agent: str, unavailable: str, reply_limit: int, mode: ChannelMode) -> None:
         """``agent`` names it in messages; ``unavailable`` is the code of a call lost in transit; ``reply_limit``
-        bounds an answer on the channel; ``direct`` False: Ray only."""
+        bounds an answer on the channel."""
         self._ray_call = ray_call
         self._agent = agent
         self._unavailable = unavailable
         self._reply_limit = reply_limit
+        self._tls = mode == "tls"
         self._client: ChannelClient | None = None
-        self._ask_at = 0.0 if direct else math.inf
+        self._ask_at = math.inf if mode == "ray" else 0.0
 
     @property
     def channel(self) -> str | None:
-        """The socket the calls go over now; None: through Ray."""
-        return None if self._client is None else self._client.path
+        """The channel the calls go over now (a socket's path, or ``tls://address:port``); None: through Ray."""
+        return None if self._client is None else self._client.where
 
     async def send(self, epoch: int | None, method: str, args: tuple[Any, ...]) -> Reply:
         if self._client is None and time.monotonic() >= self._ask_at:
@@ -63,23 +68,28 @@ class AgentRoute:
     async def _open(self, epoch: int | None) -> None:
         self._ask_at = time.monotonic() + RETRY_S  # the calls meanwhile go through Ray, and do not ask again
         try:
-            where = (await self._ray_call(epoch, "channel", ())).get("ok")
+            where = (await self._where(epoch)).get("ok")
         except Exception as error:  # noqa: BLE001 - an agent older than the channel has no such method (Ray wraps it)
             log.info("%s serves no direct channel (%s): its calls go through Ray", self._agent, error)
             self._ask_at = math.inf
             return
         if not where:
             return
-        if where["host"] != host_identity():
-            self._ask_at = math.inf
-            return
-        self._client = ChannelClient(where["path"], where["token"], self._reply_limit)
-        log.info("%s: called over its channel %s", self._agent, where["path"])
+        if "path" in where:
+            self._client = ChannelClient.unix(where["path"], where["token"], self._reply_limit)
+        else:
+            self._client = ChannelClient.tls(where["address"], where["port"], where["certificate"], where["token"],
+                                             self._reply_limit)
+        log.info("%s: called over its channel %s", self._agent, self._client.where)
+
+    def _where(self, epoch: int | None) -> Awaitable[Reply]:
+        """The agent's answer (through Ray) to where its channel for this broker is: also Ray's word on the agent."""
+        return self._ray_call(epoch, "channel", (host_identity(), self._tls))
 
     async def _lost_in_transit(self, epoch: int | None, why: str) -> Reply:
         """The answer to a call the channel lost: Ray's word on the agent (died for good, or restarting) where it
         has one, else that the call may be tried again."""
-        probe = await self._ray_call(epoch, "channel", ())
+        probe = await self._where(epoch)
         if "error" in probe:
             return probe
         return failed(self._unavailable, f"{self._agent} is unavailable: {why}")

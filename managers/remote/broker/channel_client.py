@@ -1,4 +1,5 @@
-"""The broker's end of the direct channel to an agent on its host (``managers/remote/channel_frames.py``).
+"""The broker's end of the direct channel to an agent (``managers/remote/channel_frames.py``): a unix socket on its
+host, or TLS over TCP pinned to the agent's certificate (``managers/remote/channel_tls.py``).
 
 A connection carries one call at a time, so concurrent calls each take a connection of their own from a pool (kept
 for the next call) and none waits behind a long command. A connection that breaks is dropped, never reused.
@@ -8,14 +9,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from managers.remote.channel_frames import ACCEPTED, FrameTooLarge, frame, read_frame
+from managers.remote.channel_tls import client_context
 from managers.remote.replies import Reply
 
 #: idle connections kept for later calls; more open while calls run at once, and close after them
 POOL_SIZE = 16
+#: seconds to connect (and, over TCP, to finish the TLS handshake) before the channel counts as unreachable
+CONNECT_TIMEOUT_S = 5.0
+
+Connect = Callable[[], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]]
 
 
 class ChannelUnreachable(Exception):
@@ -41,14 +49,26 @@ class _Connection:
 
 
 class ChannelClient:
-    """Calls to the agent serving the unix socket ``path`` under ``token``."""
+    """Calls to the agent that ``connect`` reaches (``where``, for messages), under ``token``."""
 
-    def __init__(self, path: str, token: bytes, reply_limit: int) -> None:
+    def __init__(self, where: str, connect: Connect, token: bytes, reply_limit: int) -> None:
         """``reply_limit``: the most bytes an answer may have."""
-        self.path = path
+        self.where = where
+        self._connect = connect
         self._token = token
         self._reply_limit = reply_limit
         self._idle: list[_Connection] = []
+
+    @classmethod
+    def unix(cls, path: str, token: bytes, reply_limit: int) -> ChannelClient:
+        """To the agent serving the unix socket ``path``."""
+        return cls(path, functools.partial(asyncio.open_unix_connection, path), token, reply_limit)
+
+    @classmethod
+    def tls(cls, address: str, port: int, certificate: str, token: bytes, reply_limit: int) -> ChannelClient:
+        """To the agent serving TLS on ``address``:``port`` under ``certificate`` (PEM), the only one accepted."""
+        connect = functools.partial(asyncio.open_connection, address, port, ssl=client_context(certificate))
+        return cls(f"tls://{address}:{port}", connect, token, reply_limit)
 
     async def call(self, epoch: int | None, method: str, args: tuple[Any, ...]) -> Reply:
         """The agent's answer to ``method(*args)`` under ``epoch``; ``ChannelUnreachable`` or ``ChannelBroken``
@@ -60,7 +80,7 @@ class ChannelClient:
             reply: Reply = await read_frame(connection.reader, self._reply_limit)
         except (OSError, asyncio.IncompleteReadError, FrameTooLarge) as error:
             connection.close()
-            raise ChannelBroken(f"the agent's channel {self.path} failed during {method}: "
+            raise ChannelBroken(f"the agent's channel {self.where} failed during {method}: "
                                 f"{error or type(error).__name__}") from None
         except BaseException:  # cancelled mid-call: its answer would reach the next caller
             connection.close()
@@ -78,9 +98,9 @@ class ChannelClient:
                 return connection
             connection.close()
         try:
-            reader, writer = await asyncio.open_unix_connection(self.path)
-        except OSError as error:
-            raise ChannelUnreachable(f"the agent's channel {self.path}: {error}") from None
+            reader, writer = await asyncio.wait_for(self._connect(), CONNECT_TIMEOUT_S)
+        except OSError as error:  # TimeoutError and a TLS failure (another certificate) among them
+            raise ChannelUnreachable(f"the agent's channel {self.where}: {error or type(error).__name__}") from None
         try:
             writer.write(self._token)
             accepted = await reader.readexactly(len(ACCEPTED)) == ACCEPTED
@@ -88,7 +108,7 @@ class ChannelClient:
             accepted = False
         if not accepted:
             writer.close()
-            raise ChannelUnreachable(f"the agent's channel {self.path} refused this broker's token")
+            raise ChannelUnreachable(f"the agent's channel {self.where} refused this broker's token")
         return _Connection(reader, writer)
 
     def close(self) -> None:

@@ -39,7 +39,7 @@ class RayNodeAgent(NodeAgent):
         super().__init__(lambda: open_sandbox_backend(local, config), config.limits,
                          NodeHardware(local.cores, local.memory_mb, local.numa, local.pids),
                          restarted_for=config.broker_id if restarted else None,
-                         channel_path=agent_channel_path(node, config))
+                         channel_path=agent_channel_path(node, config), channel_address=ray.util.get_node_ip_address())
         self.remember_epochs_in(agent_epoch_file(node, config))
 
 
@@ -82,7 +82,7 @@ async def open_agent_backend(node: CpuNodeConfig, config: CpuConfig) -> AgentBac
     async def through_ray(epoch: int | None, method: str, args: tuple[Any, ...]) -> Reply:
         return await call_agent(actor, "call", (epoch, method, *args), agent, NODE_UNAVAILABLE)
 
-    route = AgentRoute(through_ray, agent, NODE_UNAVAILABLE, reply_limit(config), direct=config.ray.direct_channel)
+    route = AgentRoute(through_ray, agent, NODE_UNAVAILABLE, reply_limit(config), config.ray.channel)
 
     async def call(method: str, *args: Any) -> Reply:
         return await fenced(agent, lambda epoch: route.send(epoch, method, args))

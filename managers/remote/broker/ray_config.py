@@ -21,9 +21,10 @@ class RayConfig:
     #: "token": join the cluster only with its token (Ray's token authentication, RAY_AUTH_MODE=token);
     #: "none": without, on a network you trust (whoever reaches the cluster can call the agents)
     auth: Literal["token", "none"] = "token"
-    #: calls to an agent on this broker's own host go over a unix socket on the host (the agent's direct channel)
-    #: instead of through Ray, which costs a few milliseconds more per call; false: always through Ray
-    direct_channel: bool = True
+    #: how the broker calls the agents: "auto", over each agent's direct channel (a unix socket for an agent on the
+    #: broker's host, TLS over TCP to one elsewhere) instead of through Ray, which costs a few milliseconds more per
+    #: call; "tls": TLS to every agent (a broker and agents in containers of one host); "ray": always through Ray
+    channel: Literal["auto", "tls", "ray"] = "auto"
 
 
 #: keys of ``[cpu]`` before the ``[ray]`` section, and where they went

@@ -1,10 +1,12 @@
-"""The agent's end of the direct channel (``managers/remote/channel_frames.py``): a unix socket on the agent's node
-that answers the same fenced calls as its Ray actor does.
+"""The agent's end of the direct channel (``managers/remote/channel_frames.py``): a unix socket for a broker on the
+agent's host, TLS over TCP for one elsewhere, both answering the same fenced calls as its Ray actor does.
 
-The socket lives in a directory only the agent's user can enter, with mode 0600, and a client must send the token
-before anything else: a process of the host that can reach neither the directory nor the token (a sandbox, whose own
-socket directories lie elsewhere) cannot call the agent. A request runs to its end even when its client goes away,
-as a Ray call does.
+The socket lives in a directory only the agent's user can enter, with mode 0600; the TCP listener, on the node's
+address, speaks only TLS under the agent's own certificate (``managers/remote/channel_tls.py``). Either way a client
+must send the token before anything else: a process that can reach neither the directory nor the token (a sandbox,
+whose own socket directories lie elsewhere, or another host) cannot call the agent. Connections that have not sent
+the token yet are bounded in number and in time. A request runs to its end even when its client goes away, as a Ray
+call does.
 """
 
 from __future__ import annotations
@@ -16,23 +18,36 @@ import logging
 import os
 import secrets
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from managers.remote.channel_frames import ACCEPTED, TOKEN_BYTES, FrameTooLarge, frame, read_frame
+from managers.remote.channel_tls import server_context
 from managers.remote.replies import Reply
 
 log = logging.getLogger("tangram.agent")
 
-#: seconds a new connection has to send the token
+#: seconds a new connection has to finish its TLS handshake, and then to send the token
 TOKEN_TIMEOUT_S = 5.0
+#: connections that have not sent the token yet, past which new ones are closed at once
+UNAUTHENTICATED_LIMIT = 64
 
 #: ``call(epoch, method, *args)``: the agent's fenced entry (``FencedAgent.call``)
 AgentEntry = Callable[..., Awaitable[Reply]]
 
 
+@dataclass(frozen=True)
+class TlsListener:
+    """Where the agent listens for TLS over TCP, and the certificate a client pins."""
+
+    address: str
+    port: int
+    certificate: str
+
+
 class ChannelServer:
-    """Serves ``entry`` on the unix socket ``path`` (made on ``start``) to clients that send ``token``."""
+    """Serves ``entry`` to clients that send ``token``: on the unix socket ``path`` and, once asked, over TCP."""
 
     def __init__(self, entry: AgentEntry, path: Path, request_limit: int) -> None:
         """``request_limit``: the most bytes a request frame may have."""
@@ -40,29 +55,60 @@ class ChannelServer:
         self.path = path
         self._request_limit = request_limit
         self.token = secrets.token_bytes(TOKEN_BYTES)
-        self._server: asyncio.AbstractServer | None = None
+        self._servers: list[asyncio.AbstractServer] = []
+        self._unix: asyncio.AbstractServer | None = None
+        self.tls: TlsListener | None = None
+        self._unauthenticated = 0
 
-    async def start(self) -> None:
+    async def start_unix(self) -> None:
         """Listen on ``path``, replacing a socket a previous agent of this node left there."""
-        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        os.chmod(self.path.parent, 0o700)
+        self._private_directory()
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
-        self._server = await asyncio.start_unix_server(self._serve, self.path)
+        self._unix = await asyncio.start_unix_server(self._serve, self.path)
+        self._servers.append(self._unix)
         os.chmod(self.path, 0o600)
 
+    async def start_tls(self, address: str) -> TlsListener:
+        """Listen for TLS over TCP on ``address`` (the node's address), on a port the system picks."""
+        self._private_directory()
+        context, certificate = server_context(address, self.path.parent)
+        server = await asyncio.start_server(self._serve, address, 0, ssl=context,
+                                            ssl_handshake_timeout=TOKEN_TIMEOUT_S)
+        self._servers.append(server)
+        port = server.sockets[0].getsockname()[1]
+        self.tls = TlsListener(address, port, certificate)
+        log.info("agent channel: TLS on %s port %d", address, port)
+        return self.tls
+
+    @property
+    def serves_unix(self) -> bool:
+        return self._unix is not None
+
     async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
+        for server in self._servers:
+            server.close()
+            await server.wait_closed()
+        if self._unix is not None:
             with contextlib.suppress(FileNotFoundError):
                 self.path.unlink()
 
+    def _private_directory(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(self.path.parent, 0o700)
+
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._unauthenticated >= UNAUTHENTICATED_LIMIT:
+            writer.close()
+            return
         try:
-            token = await asyncio.wait_for(reader.readexactly(TOKEN_BYTES), TOKEN_TIMEOUT_S)
+            self._unauthenticated += 1
+            try:
+                token = await asyncio.wait_for(reader.readexactly(TOKEN_BYTES), TOKEN_TIMEOUT_S)
+            finally:
+                self._unauthenticated -= 1
             if not hmac.compare_digest(token, self.token):
-                log.warning("agent channel %s: a client sent a wrong token; closed", self.path)
+                log.warning("agent channel %s: a client sent a wrong token; closed", self._where(writer))
                 return
             writer.write(ACCEPTED)
             while True:
@@ -70,12 +116,16 @@ class ChannelServer:
                 reply = await self._answer(request)
                 writer.write(frame(reply))
                 await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError, TimeoutError):
+        except (asyncio.IncompleteReadError, OSError):  # OSError: a connection or TLS failure, or the token's timeout
             pass  # the client went away (or never spoke): nothing is owed to it
         except FrameTooLarge as error:
-            log.warning("agent channel %s: %s; closed", self.path, error)
+            log.warning("agent channel %s: %s; closed", self._where(writer), error)
         finally:
             writer.close()
+
+    def _where(self, writer: asyncio.StreamWriter) -> str:
+        peer = writer.get_extra_info("peername")
+        return str(self.path) if not peer else f"TLS from {peer[0]}"
 
     async def _answer(self, request: Any) -> Reply:
         epoch, method, args = request

@@ -37,12 +37,14 @@ class NodeAgent(FencedAgent):
     """One node's sandboxes, by environment id."""
 
     def __init__(self, open_backend: Callable[[], Awaitable[SandboxBackend]], limits: ExecLimits,
-                 hardware: NodeHardware, restarted_for: str | None = None, channel_path: Path | None = None) -> None:
+                 hardware: NodeHardware, restarted_for: str | None = None, channel_path: Path | None = None,
+                 channel_address: str | None = None) -> None:
         """``open_backend()`` opens this node's backend (started) on the agent's first call; ``limits`` bound the
         file sets it writes into new sandboxes; ``hardware`` is what the node offers, reported to the broker. An
         agent restarted while broker ``restarted_for`` runs takes that broker's sandboxes back by their labels as
         it opens, so its environments go on where they were. ``channel_path``: where it serves a broker on its host
-        without Ray (``channel``); None: it does not."""
+        without Ray (``channel``); None: it serves none. ``channel_address``: the node's address, where it serves a
+        broker elsewhere over TLS; None: it does not."""
         self._open_backend = open_backend
         self._limits = limits
         self._hardware = hardware
@@ -55,6 +57,7 @@ class NodeAgent(FencedAgent):
         #: the output so far of the commands running now, by (environment, tag)
         self._outputs: dict[tuple[str, str], LiveOutput] = {}
         self._channel_path = channel_path
+        self._channel_address = channel_address
         self._channel: ChannelServer | None = None
         self._channel_opening = asyncio.Lock()
 
@@ -90,19 +93,31 @@ class NodeAgent(FencedAgent):
         return {"backend": (await self._opened()).describe(), "hardware": self._hardware}
 
     @replying
-    async def channel(self) -> dict[str, Any] | None:
-        """Where a broker on this agent's host calls it without Ray (``managers/remote/node/channel_server.py``,
-        opened on the first ask), with the token to send and the host's identity; None where it serves no channel."""
+    async def channel(self, broker_host: str, tls: bool) -> dict[str, Any] | None:
+        """Where a broker on host ``broker_host`` (its ``host_identity``) calls this agent without Ray
+        (``managers/remote/node/channel_server.py``, opened on the first ask), with the token to send: the unix socket
+        on this agent's host, else (or with ``tls``) TLS over TCP on the node's address, with the certificate to pin.
+        None where it serves no such channel."""
         if self._channel_path is None:
             return None
+        tls_address: str | None = None  # None: the unix socket
+        if tls or broker_host != host_identity():
+            if self._channel_address is None:
+                return None
+            tls_address = self._channel_address
         async with self._channel_opening:
             if self._channel is None:
                 request_limit = (self._limits.max_files_bytes + self._limits.max_stdin_bytes
                                  + self._limits.max_command_bytes + FRAME_SLACK_BYTES)
-                server = ChannelServer(self.call, self._channel_path, request_limit)
-                await server.start()
-                self._channel = server
-        return {"path": str(self._channel.path), "token": self._channel.token, "host": host_identity()}
+                self._channel = ChannelServer(self.call, self._channel_path, request_limit)
+            server = self._channel
+            if tls_address is None:
+                if not server.serves_unix:
+                    await server.start_unix()
+                return {"path": str(server.path), "token": server.token}
+            listener = server.tls or await server.start_tls(tls_address)
+        return {"address": listener.address, "port": listener.port, "certificate": listener.certificate,
+                "token": server.token}
 
     @replying
     async def create(self, spec: SandboxSpec) -> dict[str, Any]:
