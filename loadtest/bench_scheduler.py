@@ -16,6 +16,9 @@ With ``--resize`` the manager can resize running cpu allocations, so elastic act
 (``tangram.core.malleable``): each plan is applied as the simulator applies it (shrinks, starts, grows through
 ``tangram.sched.dispatch``) and a resized action's completion is re-timed from its remaining estimated work.
 
+The collector runs at the broker's threshold (``tangram.service.GC_YOUNG_OBJECTS``), so a pass pays what it pays
+in the broker.
+
     python -m loadtest.bench_scheduler [--actions 2048] [--passes 1000] [--nodes 5] [--cores-per-node 256] [--resize]
                                        [--learn]
 """
@@ -23,6 +26,7 @@ With ``--resize`` the manager can resize running cpu allocations, so elastic act
 from __future__ import annotations
 
 import argparse
+import gc
 import heapq
 import math
 import random
@@ -38,6 +42,7 @@ from tangram.sched import dispatch
 from tangram.sched.durations import DurationModel
 from tangram.sched.queue import FCFSQueue
 from tangram.sched.scheduler import Plan, Resize, Scheduler
+from tangram.service import GC_YOUNG_OBJECTS
 
 #: suites (signatures) the actions of ``--learn`` belong to
 SUITES = 64
@@ -275,6 +280,7 @@ def main() -> None:
                         help="resizable cpu: malleable actions, shrunk and grown between passes")
     parser.add_argument("--learn", action="store_true", help="observe completions: plan with learned speed-up")
     args = parser.parse_args()
+    gc.set_threshold(GC_YOUNG_OBJECTS)
     figures = run(args.actions, args.passes, args.nodes, args.cores_per_node, args.seed, args.depth, args.horizon,
                   args.resize, args.learn)
     print(f"scheduling passes: {args.actions} actions, {args.nodes} nodes x {args.cores_per_node} cores, "
