@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import stat
 import struct
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +20,7 @@ import pytest
 
 from managers.cpu.exec_spec import ExecLimits
 from managers.remote.broker.agent_backend import AgentSandbox, answer
-from managers.remote.broker.agent_route import AgentRoute, ChannelMode
+from managers.remote.broker.agent_route import RETRY_S, AgentRoute, ChannelMode
 from managers.remote.broker.channel_client import ChannelClient, ChannelUnreachable
 from managers.remote.channel_frames import ACCEPTED, TOKEN_BYTES, frame, host_identity
 from managers.remote.channel_tls import client_context, server_context
@@ -28,6 +30,7 @@ from sandboxes.backend import NODE_UNAVAILABLE, NodeHardware, SandboxBackend, Sa
 from sandboxes.exec_wire import ExecRequest
 from sandboxes.local import LocalProcessBackend
 from tangram.core.fencing import DEPOSED
+from tests.harness import until
 
 REPLY_LIMIT = 64 << 20
 
@@ -80,11 +83,12 @@ async def a_sandbox(route: AgentRoute, env_id: str = "env-1") -> AgentSandbox:
 async def test_calls_go_over_the_channel_once_it_is_known(agent: NodeAgent, tmp_path: Path) -> None:
     ray = RayStandIn(agent)
     route = route_to(ray)
-    sandbox = await a_sandbox(route)
+    sandbox = await a_sandbox(route)  # through Ray, while the channel opens beside it
+    await until(lambda: route.channel)
     executed = await asyncio.gather(*(sandbox.execute(f"a{i}", ExecRequest(f"echo {i}", timeout_s=30))
                                       for i in range(4)))  # at once: each on a connection of its own
     assert [e.result.stdout for e in executed] == [f"{i}\n" for i in range(4)]
-    assert ray.methods == ["channel"]  # Ray carried only the question where the channel is
+    assert ray.methods == ["create", "channel"]  # after the first call, Ray carried only where the channel is
     assert route.channel == str(tmp_path / "agents" / "n1.agent.sock")
     socket_mode = os.stat(route.channel).st_mode
     assert stat.S_ISSOCK(socket_mode) and stat.S_IMODE(socket_mode) == 0o600
@@ -98,21 +102,23 @@ async def test_calls_go_over_tls_to_an_agent_on_another_host(agent: NodeAgent,
     ray = RayStandIn(agent)
     route = route_to(ray)
     sandbox = await a_sandbox(route)
+    channel = await until(lambda: route.channel)
     executed = await asyncio.gather(*(sandbox.execute(f"a{i}", ExecRequest(f"echo {i}", timeout_s=30))
                                       for i in range(4)))  # at once: each on a connection of its own
     assert [e.result.stdout for e in executed] == [f"{i}\n" for i in range(4)]
-    assert ray.methods == ["channel"]
-    assert route.channel is not None and route.channel.startswith("tls://127.0.0.1:")
+    assert ray.methods == ["create", "channel"]
+    assert channel.startswith("tls://127.0.0.1:")
     route.close()
 
 
 @pytest.mark.parametrize("mode", ["auto", "tls"])
 async def test_the_channel_keeps_the_agents_fencing(agent: NodeAgent, mode: ChannelMode) -> None:
-    route = route_to(RayStandIn(agent), mode)
-    assert "ok" in await route.send(7, "describe", ())
-    assert route.channel is not None and route.channel.startswith("tls://") == (mode == "tls")
+    ray = RayStandIn(agent)
+    route = route_to(ray, mode)
+    assert "ok" in await route.send(7, "describe", ())  # through Ray, as the channel opens
+    assert (await until(lambda: route.channel)).startswith("tls://") == (mode == "tls")
     refused = await route.send(6, "describe", ())  # an older leader, over the channel too
-    assert refused["error"]["code"] == DEPOSED
+    assert refused["error"]["code"] == DEPOSED and ray.methods == ["describe", "channel"]
     route.close()
 
 
@@ -130,10 +136,44 @@ async def test_with_mode_ray_or_no_channel_served_every_call_goes_through_ray(ag
                            channel_path=tmp_path / "agents" / "n2.agent.sock")
     ray = RayStandIn(local_only)
     elsewhere = route_to(ray)
-    for _ in range(2):
+    for _ in range(3):
         assert "ok" in await elsewhere.send(None, "describe", ())
-    assert ray.methods == ["channel", "describe", "describe"] and elsewhere.channel is None
+        await asyncio.sleep(0.05)  # time for the question beside it
+    assert ray.methods == ["describe", "channel", "describe", "describe"] and elsewhere.channel is None
     await local_only.close()
+
+
+async def test_a_channel_that_cannot_be_reached_costs_the_calls_nothing(agent: NodeAgent, tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A TLS listener behind a firewall (here: a port whose TCP backlog takes the connection and nobody ever answers
+    the handshake): the calls go through Ray while the attempt waits out its timeout, and after it the route waits
+    ``RETRY_S`` before it asks again, twice that after the next failure."""
+    monkeypatch.setattr("managers.remote.broker.channel_client.CONNECT_TIMEOUT_S", 3.0)
+    silent = socket.create_server(("127.0.0.1", 0))  # listens, never accepts
+    hidden = {"address": "127.0.0.1", "port": silent.getsockname()[1], "token": os.urandom(TOKEN_BYTES),
+              "certificate": server_context("127.0.0.1", tmp_path)[1]}
+
+    class Firewalled(RayStandIn):
+        async def __call__(self, epoch: int | None, method: str, args: tuple[Any, ...]) -> Reply:
+            if method == "channel":
+                self.methods.append(method)
+                return {"ok": hidden}
+            return await super().__call__(epoch, method, args)
+
+    ray = Firewalled(agent)
+    route = route_to(ray)
+    assert "ok" in await route.send(None, "describe", ())  # the channel is looked for beside this call
+    await until(lambda: "channel" in ray.methods)  # and is being connected to now
+    for _ in range(5):  # each answered through Ray while the connection attempt waits
+        assert "ok" in await route.send(None, "describe", ())
+    assert route._opening is not None and route.channel is None
+    await until(lambda: route._opening is None)  # it gave up
+    for _ in range(3):
+        assert "ok" in await route.send(None, "describe", ())
+    assert sorted(ray.methods) == ["channel"] + ["describe"] * 9  # asked once: the next ask is RETRY_S away
+    assert route._ask_at - time.monotonic() > RETRY_S - 5 and route._retry_s == 2 * RETRY_S
+    route.close()
+    silent.close()
 
 
 async def test_a_channel_that_cannot_be_reached_sends_through_ray_instead(agent: NodeAgent, tmp_path: Path) -> None:

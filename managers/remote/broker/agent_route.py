@@ -2,15 +2,18 @@
 
 The broker asks the agent (through Ray) where its channel is, saying which host the broker runs on: an agent on the
 same host (the same boot id) answers with its unix socket, one elsewhere (or every agent, with ``channel = "tls"``)
-with its TLS listener on its node's address. An agent that serves none, or one older than the channel, keeps every
-call on Ray. A call the channel could not send goes through Ray instead; one it lost after sending answers as Ray
-says the agent is (died for good, or restarting: the call may be tried again), never by sending it again, since the
-agent may have run it. Either way the channel is asked for again after ``RETRY_S``: an agent Ray restarted serves a
-new one.
+with its TLS listener on its node's address. The channel is opened beside the calls, which go through Ray until one
+connection has been made and the agent took the token: a listener that a firewall hides costs the calls nothing
+while the attempt runs out its timeout. An agent that serves none, or one older than the channel, keeps every call
+on Ray. A call the channel could not send goes through Ray instead; one it lost after sending answers as Ray says
+the agent is (died for good, or restarting: the call may be tried again), never by sending it again, since the agent
+may have run it. Either way the channel is asked for again after ``RETRY_S``, twice as long after each channel that
+could not be reached, up to ``RETRY_MAX_S``: an agent Ray restarted serves a new one.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
@@ -25,6 +28,8 @@ log = logging.getLogger("tangram.agents")
 
 #: seconds before the channel is asked for again after it failed or could not be had
 RETRY_S = 30.0
+#: the longest wait between attempts at a channel that could not be reached again and again
+RETRY_MAX_S = 3600.0
 
 #: ``ray_call(epoch, method, args)``: the call through the agent's Ray actor
 RayCall = Callable[[int | None, str, tuple[Any, ...]], Awaitable[Reply]]
@@ -46,6 +51,8 @@ class AgentRoute:
         self._tls = mode == "tls"
         self._client: ChannelClient | None = None
         self._ask_at = math.inf if mode == "ray" else 0.0
+        self._retry_s = RETRY_S
+        self._opening: asyncio.Task[None] | None = None
 
     @property
     def channel(self) -> str | None:
@@ -53,8 +60,8 @@ class AgentRoute:
         return None if self._client is None else self._client.where
 
     async def send(self, epoch: int | None, method: str, args: tuple[Any, ...]) -> Reply:
-        if self._client is None and time.monotonic() >= self._ask_at:
-            await self._open(epoch)
+        if self._client is None and self._opening is None and time.monotonic() >= self._ask_at:
+            self._opening = asyncio.create_task(self._open(epoch))
         if self._client is not None:
             try:
                 return await self._client.call(epoch, method, args)
@@ -66,21 +73,32 @@ class AgentRoute:
         return await self._ray_call(epoch, method, args)
 
     async def _open(self, epoch: int | None) -> None:
-        self._ask_at = time.monotonic() + RETRY_S  # the calls meanwhile go through Ray, and do not ask again
+        """Ask where the channel is and connect to it once; the calls meanwhile go through Ray."""
         try:
-            where = (await self._where(epoch)).get("ok")
-        except Exception as error:  # noqa: BLE001 - an agent older than the channel has no such method (Ray wraps it)
-            log.info("%s serves no direct channel (%s): its calls go through Ray", self._agent, error)
-            self._ask_at = math.inf
-            return
-        if not where:
-            return
-        if "path" in where:
-            self._client = ChannelClient.unix(where["path"], where["token"], self._reply_limit)
-        else:
-            self._client = ChannelClient.tls(where["address"], where["port"], where["certificate"], where["token"],
-                                             self._reply_limit)
-        log.info("%s: called over its channel %s", self._agent, self._client.where)
+            self._ask_at = time.monotonic() + RETRY_S  # the next attempt, unless this one succeeds
+            try:
+                where = (await self._where(epoch)).get("ok")
+            except Exception as error:  # noqa: BLE001 - an agent older than the channel has no such method (Ray wraps it)
+                log.info("%s serves no direct channel (%s): its calls go through Ray", self._agent, error)
+                self._ask_at = math.inf
+                return
+            if not where:
+                return
+            try:
+                if "path" in where:
+                    client = ChannelClient.unix(where["path"], where["token"], self._reply_limit)
+                else:
+                    client = ChannelClient.tls(where["address"], where["port"], where["certificate"], where["token"],
+                                               self._reply_limit)
+                await client.connect()
+            except (ChannelUnreachable, OSError, ValueError) as error:  # OSError, ValueError: a certificate TLS refused
+                self._back_off(str(error) or type(error).__name__)
+                return
+            self._client = client
+            self._retry_s = RETRY_S
+            log.info("%s: called over its channel %s", self._agent, client.where)
+        finally:
+            self._opening = None
 
     def _where(self, epoch: int | None) -> Awaitable[Reply]:
         """The agent's answer (through Ray) to where its channel for this broker is: also Ray's word on the agent."""
@@ -95,13 +113,19 @@ class AgentRoute:
         return failed(self._unavailable, f"{self._agent} is unavailable: {why}")
 
     def _drop(self, why: str) -> None:
-        log.warning("%s: its channel is dropped (%s); calls go through Ray for %.0f s", self._agent, why, RETRY_S)
         if self._client is not None:
             self._client.close()
         self._client = None
-        self._ask_at = time.monotonic() + RETRY_S
+        self._back_off(why)
+
+    def _back_off(self, why: str) -> None:
+        log.warning("%s: no channel (%s); calls go through Ray for %.0f s", self._agent, why, self._retry_s)
+        self._ask_at = time.monotonic() + self._retry_s
+        self._retry_s = min(2 * self._retry_s, RETRY_MAX_S)
 
     def close(self) -> None:
+        if self._opening is not None:
+            self._opening.cancel()
         if self._client is not None:
             self._client.close()
             self._client = None

@@ -91,6 +91,10 @@ class ChannelClient:
             connection.close()
         return reply
 
+    async def connect(self) -> None:
+        """Open a connection and keep it for the next call; ``ChannelUnreachable`` when none can be made."""
+        self._idle.append(await self._connection())
+
     async def _connection(self) -> _Connection:
         while self._idle:
             connection = self._idle.pop()

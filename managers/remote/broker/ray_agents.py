@@ -99,6 +99,5 @@ async def open_agent_backend(node: CpuNodeConfig, config: CpuConfig) -> AgentBac
         raise SandboxError(NODE_UNAVAILABLE, f"node {node.name}'s agent did not start within "
                                                f"{PLACEMENT_TIMEOUT_S:.0f} s: does a Ray node carry the resource "
                                                f"{node_resource(node.name)!r}?") from None
-    log.info("node %s: through its agent on the Ray cluster%s", node.name,
-             "" if route.channel is None else f", over its channel {route.channel}")
+    log.info("node %s: through its agent on the Ray cluster", node.name)
     return backend
