@@ -12,7 +12,9 @@ through two paths side by side on one engine:
   ``--channels`` picks how the broker calls it (``[ray] channel``): ``auto`` (the unix socket of an agent on its
   host), ``tls`` (TLS over TCP, as to an agent on another host), ``ray`` (through Ray), one run each, in that order.
 
-Overhead = the broker's ACT (submit to finish) minus the command's own run time measured inside the sandbox.
+Overhead = the broker's ACT (submit to finish) minus the command's own run time measured inside the sandbox. CPU is
+this process's (the broker, its client and, on the agent path, Ray's driver threads) per action: what a path costs
+the broker's host, beside what it costs in time.
 
 Phase 2 runs a real pytest suite (sleep-bound tests) with ``pytest -n {parallel_num}`` on 1 and on 2 cores.
 
@@ -82,13 +84,15 @@ async def overhead(engine: str, fast_path: bool, count: int, ray_address: str | 
                   "spec": {"command": ["true"]}}
         await submit(http, url, action)  # creates the environment; not measured
         overheads, round_trips = [], []
+        cpu_before = time.process_time()
         for _ in range(count):
             started = time.perf_counter()
             record = await submit(http, url, action)
             round_trips.append(time.perf_counter() - started)
             overheads.append(record["timings"]["act_s"] - record["result"]["duration_s"])
         return {"median_ms": statistics.median(overheads) * 1e3, "p99_ms": percentile(overheads, 0.99) * 1e3,
-                "client_rtt_median_ms": statistics.median(round_trips) * 1e3}
+                "client_rtt_median_ms": statistics.median(round_trips) * 1e3,
+                "cpu_ms": (time.process_time() - cpu_before) / count * 1e3}
     with tempfile.TemporaryDirectory() as tmp:
         return await with_broker(config(engine, fast_path, f"{tmp}/b.db", ray_address, channel), body)
 
@@ -156,9 +160,10 @@ async def main() -> None:
             cluster.shutdown()
     slow = await overhead(args.engine, False, args.actions)
     rows.append(("docker-exec", slow))
-    print(f"{'path':<18}{'median ms':>12}{'p99 ms':>10}{'client RTT ms':>15}")
+    print(f"{'path':<18}{'median ms':>12}{'p99 ms':>10}{'client RTT ms':>15}{'CPU ms':>9}")
     for name, row in rows:
-        print(f"{name:<18}{row['median_ms']:>12.2f}{row['p99_ms']:>10.2f}{row['client_rtt_median_ms']:>15.2f}")
+        print(f"{name:<18}{row['median_ms']:>12.2f}{row['p99_ms']:>10.2f}{row['client_rtt_median_ms']:>15.2f}"
+              f"{row['cpu_ms']:>9.2f}")
     print(f"median overhead ratio docker-exec / fast: {slow['median_ms'] / fast['median_ms']:.1f}x")
     for name, row in rows[1:-1]:
         print(f"median overhead ratio {name} / fast: {row['median_ms'] / fast['median_ms']:.1f}x")
