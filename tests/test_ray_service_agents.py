@@ -97,6 +97,26 @@ async def test_reward_actions_run_in_each_nodes_agent_on_its_ray_node(ray_cluste
             await actor.__ray_call__.remote(lambda _: os.getpid())
 
 
+@pytest.mark.parametrize("channel", ["auto", "tls"])
+async def test_rewards_go_over_the_agents_channel_once_it_is_open(ray_cluster: Cluster, tmp_path, reference_scores,
+                                                                   channel: str) -> None:
+    """The service agent shares this host with the broker: "auto" calls it over its unix socket, "tls" over TLS on
+    its node's address (127.0.0.1 on this loopback cluster); either way the rewards are the same."""
+    config = agent_gpus(ray_cluster)
+    config["gpu"]["nodes"].pop("g2")
+    config["ray"]["channel"] = channel
+    async with live_broker(config, str(tmp_path / "b.db")) as live:
+        assert (await run(live, reward("judge")))["state"] == "succeeded"  # through Ray, as the channel opens
+        link = gpu_manager(live).nodes["g1"].backends["torch"]._link  # type: ignore[attr-defined]
+        where = await until(lambda: link._route.channel)
+        assert where.startswith("tls://127.0.0.1:") if channel == "tls" else where.endswith("/agent.sock"), where
+        for _ in range(3):
+            record = await run(live, reward("judge"))
+            assert record["state"] == "succeeded", record
+            assert record["result"]["scores"] == pytest.approx(reference_scores, abs=1e-5)
+        assert link._route.channel == where  # the calls kept to it
+
+
 async def test_a_restarted_agent_fails_one_action_and_the_next_is_served_afresh(ray_cluster: Cluster, tmp_path,
                                                                                  reference_scores) -> None:
     """Ray restarts an agent killed with SIGKILL; the action that meets the restart ends service_unavailable, and

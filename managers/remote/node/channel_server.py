@@ -86,9 +86,10 @@ class ChannelServer:
         return self._unix is not None
 
     async def close(self) -> None:
+        """Stop listening. Connections open now end with their clients (``close`` itself may be a call on one: waiting
+        for them, as ``wait_closed`` does from Python 3.12 on, would wait for itself)."""
         for server in self._servers:
             server.close()
-            await server.wait_closed()
         if self._unix is not None:
             with contextlib.suppress(FileNotFoundError):
                 self.path.unlink()

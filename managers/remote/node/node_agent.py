@@ -22,8 +22,8 @@ from typing import Any
 
 from managers.cpu.exec_spec import ExecLimits, check_files
 from managers.cpu.live_output import LiveOutput
-from managers.remote.channel_frames import FRAME_SLACK_BYTES, host_identity
-from managers.remote.node.channel_server import ChannelServer
+from managers.remote.channel_frames import FRAME_SLACK_BYTES
+from managers.remote.node.agent_channels import AgentChannels
 from managers.remote.replies import FencedAgent, replying
 from sandboxes.backend import Executed, Leftover, NodeHardware, Sandbox, SandboxBackend, SandboxError, SandboxSpec
 from sandboxes.exec_wire import ExecRequest, ExecResult
@@ -56,10 +56,8 @@ class NodeAgent(FencedAgent):
         self._snapshots: set[str] = set()
         #: the output so far of the commands running now, by (environment, tag)
         self._outputs: dict[tuple[str, str], LiveOutput] = {}
-        self._channel_path = channel_path
-        self._channel_address = channel_address
-        self._channel: ChannelServer | None = None
-        self._channel_opening = asyncio.Lock()
+        request_limit = limits.max_files_bytes + limits.max_stdin_bytes + limits.max_command_bytes + FRAME_SLACK_BYTES
+        self._channels = AgentChannels(self.call, channel_path, channel_address, request_limit)
 
     async def _opened(self) -> SandboxBackend:
         if self._backend is not None:
@@ -94,30 +92,8 @@ class NodeAgent(FencedAgent):
 
     @replying
     async def channel(self, broker_host: str, tls: bool) -> dict[str, Any] | None:
-        """Where a broker on host ``broker_host`` (its ``host_identity``) calls this agent without Ray
-        (``managers/remote/node/channel_server.py``, opened on the first ask), with the token to send: the unix socket
-        on this agent's host, else (or with ``tls``) TLS over TCP on the node's address, with the certificate to pin.
-        None where it serves no such channel."""
-        if self._channel_path is None:
-            return None
-        tls_address: str | None = None  # None: the unix socket
-        if tls or broker_host != host_identity():
-            if self._channel_address is None:
-                return None
-            tls_address = self._channel_address
-        async with self._channel_opening:
-            if self._channel is None:
-                request_limit = (self._limits.max_files_bytes + self._limits.max_stdin_bytes
-                                 + self._limits.max_command_bytes + FRAME_SLACK_BYTES)
-                self._channel = ChannelServer(self.call, self._channel_path, request_limit)
-            server = self._channel
-            if tls_address is None:
-                if not server.serves_unix:
-                    await server.start_unix()
-                return {"path": str(server.path), "token": server.token}
-            listener = server.tls or await server.start_tls(tls_address)
-        return {"address": listener.address, "port": listener.port, "certificate": listener.certificate,
-                "token": server.token}
+        """Where a broker on host ``broker_host`` calls this agent without Ray (``AgentChannels.where``)."""
+        return await self._channels.where(broker_host, tls)
 
     @replying
     async def create(self, spec: SandboxSpec) -> dict[str, Any]:
@@ -235,6 +211,4 @@ class NodeAgent(FencedAgent):
             await self._backend.close()
             self._backend = None
         self._sandboxes.clear()
-        if self._channel is not None:
-            await self._channel.close()
-            self._channel = None
+        await self._channels.close()

@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+from managers.remote.channel_frames import FRAME_SLACK_BYTES
+from managers.remote.node.agent_channels import AgentChannels
 from managers.remote.replies import FencedAgent, replying
 from reward_services.backend import ServiceBackend, ServiceError, ServiceInstance, ServiceSpec
 from reward_services.requests import RewardLimits, parse_reward_input
@@ -28,12 +31,17 @@ from tangram.core.errors import RequestError
 class ServiceAgent(FencedAgent):
     """One node's instances of one backend kind, by the ids their broker gave them."""
 
-    def __init__(self, make_backend: Callable[[], ServiceBackend], limits: RewardLimits) -> None:
-        """``make_backend()`` makes this node's backend on the first prepare; ``limits`` bound each request."""
+    def __init__(self, make_backend: Callable[[], ServiceBackend], limits: RewardLimits,
+                 channel_path: Path | None = None, channel_address: str | None = None) -> None:
+        """``make_backend()`` makes this node's backend on the first prepare; ``limits`` bound each request.
+        ``channel_path``, ``channel_address``: where it serves a broker without Ray (``AgentChannels``); None: not
+        there."""
         self._make_backend = make_backend
         self._limits = limits
         self._backend: ServiceBackend | None = None
         self._instances: dict[int, ServiceInstance] = {}
+        self._channels = AgentChannels(self.call, channel_path, channel_address,
+                                       limits.max_input_bytes + FRAME_SLACK_BYTES)
 
     def _instance(self, instance_id: int) -> ServiceInstance:
         instance = self._instances.get(instance_id)
@@ -46,6 +54,11 @@ class ServiceAgent(FencedAgent):
         if self._backend is None:
             self._backend = self._make_backend()
         return self._backend
+
+    @replying
+    async def channel(self, broker_host: str, tls: bool) -> dict[str, Any] | None:
+        """Where a broker on host ``broker_host`` calls this agent without Ray (``AgentChannels.where``)."""
+        return await self._channels.where(broker_host, tls)
 
     @replying
     async def prepare(self, instance_id: int, spec: ServiceSpec, devices: tuple[int, ...]) -> dict[str, Any]:
@@ -117,3 +130,4 @@ class ServiceAgent(FencedAgent):
         if self._backend is not None:
             await self._backend.close()
             self._backend = None
+        await self._channels.close()
