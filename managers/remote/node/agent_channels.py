@@ -13,7 +13,8 @@ from managers.remote.node.channel_server import AgentEntry, ChannelServer
 
 
 class AgentChannels:
-    """``entry``'s channels: the unix socket ``path`` (None: none), TLS on ``address`` (None: none)."""
+    """``entry``'s channels: the unix socket ``path``, in a directory private to the agent that also holds its TLS
+    key while it loads (None: no channel at all), and TLS on ``address`` (None: no TLS)."""
 
     def __init__(self, entry: AgentEntry, path: Path | None, address: str | None, request_limit: int) -> None:
         """``request_limit``: the most bytes a request frame may have."""
