@@ -111,6 +111,26 @@ async def test_calls_go_over_tls_to_an_agent_on_another_host(agent: NodeAgent,
     route.close()
 
 
+async def test_a_socket_out_of_reach_on_the_same_host_gives_way_to_tls(agent: NodeAgent) -> None:
+    """A broker in another container of the agent's host: the same kernel (boot id), so the agent offers its unix
+    socket, at a path the broker's filesystem does not have; the route asks again for TLS."""
+
+    class OtherContainer(RayStandIn):
+        async def __call__(self, epoch: int | None, method: str, args: tuple[Any, ...]) -> Reply:
+            reply = await super().__call__(epoch, method, args)
+            if method == "channel" and reply["ok"] and "path" in reply["ok"]:
+                return {"ok": {**reply["ok"], "path": "/nonexistent/agent.sock"}}
+            return reply
+
+    ray = OtherContainer(agent)
+    route = route_to(ray)
+    assert "ok" in await route.send(None, "describe", ())
+    assert (await until(lambda: route.channel)).startswith("tls://127.0.0.1:")
+    assert "ok" in await route.send(None, "describe", ())
+    assert ray.methods == ["describe", "channel", "channel"]  # the socket, then TLS; the second call over TLS
+    route.close()
+
+
 @pytest.mark.parametrize("mode", ["auto", "tls"])
 async def test_the_channel_keeps_the_agents_fencing(agent: NodeAgent, mode: ChannelMode) -> None:
     ray = RayStandIn(agent)

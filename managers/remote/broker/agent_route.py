@@ -1,8 +1,9 @@
-"""One node agent's calls, over its direct channel (issue 40), else through Ray.
+"""One agent's calls (a node agent's or a service agent's), over its direct channel (issue 40), else through Ray.
 
 The broker asks the agent (through Ray) where its channel is, saying which host the broker runs on: an agent on the
 same host (the same boot id) answers with its unix socket, one elsewhere (or every agent, with ``channel = "tls"``)
-with its TLS listener on its node's address. The channel is opened beside the calls, which go through Ray until one
+with its TLS listener on its node's address. A socket the broker cannot open though it shares the agent's kernel
+(containers of one host) gives way to TLS. The channel is opened beside the calls, which go through Ray until one
 connection has been made and the agent took the token: a listener that a firewall hides costs the calls nothing
 while the attempt runs out its timeout. An agent that serves none, or one older than the channel, keeps every call
 on Ray. A call the channel could not send goes through Ray instead; one it lost after sending answers as Ray says
@@ -33,8 +34,8 @@ RETRY_MAX_S = 3600.0
 
 #: ``ray_call(epoch, method, args)``: the call through the agent's Ray actor
 RayCall = Callable[[int | None, str, tuple[Any, ...]], Awaitable[Reply]]
-#: "auto": the unix socket on the broker's host, TLS elsewhere; "tls": TLS for every agent (a broker and agents in
-#: containers of one host share its boot id but not its files); "ray": every call through Ray
+#: "auto": the unix socket on the broker's host, TLS elsewhere (or where the socket is out of reach); "tls": TLS for
+#: every agent; "ray": every call through Ray
 ChannelMode = Literal["auto", "tls", "ray"]
 
 
@@ -73,36 +74,55 @@ class AgentRoute:
         return await self._ray_call(epoch, method, args)
 
     async def _open(self, epoch: int | None) -> None:
-        """Ask where the channel is and connect to it once; the calls meanwhile go through Ray."""
+        """Ask where the channel is and connect to it once; the calls meanwhile go through Ray. A unix socket the
+        broker cannot reach though the agent shares its kernel (containers of one host) gives way to TLS."""
         try:
             self._ask_at = time.monotonic() + RETRY_S  # the next attempt, unless this one succeeds
-            try:
-                where = (await self._where(epoch)).get("ok")
-            except Exception as error:  # noqa: BLE001 - an agent older than the channel has no such method (Ray wraps it)
-                log.info("%s serves no direct channel (%s): its calls go through Ray", self._agent, error)
-                self._ask_at = math.inf
+            where = await self._ask(epoch, self._tls)
+            if where is None:
                 return
-            if not where:
-                return
-            try:
-                if "path" in where:
-                    client = ChannelClient.unix(where["path"], where["token"], self._reply_limit)
-                else:
-                    client = ChannelClient.tls(where["address"], where["port"], where["certificate"], where["token"],
-                                               self._reply_limit)
-                await client.connect()
-            except (ChannelUnreachable, OSError, ValueError) as error:  # OSError, ValueError: a certificate TLS refused
-                self._back_off(str(error) or type(error).__name__)
-                return
-            self._client = client
-            self._retry_s = RETRY_S
-            log.info("%s: called over its channel %s", self._agent, client.where)
+            failure = await self._connect(where)
+            if failure is not None and "path" in where:
+                where = await self._ask(epoch, True)
+                if where is None:
+                    return
+                failure = await self._connect(where)
+            if failure is not None:
+                self._back_off(failure)
         finally:
             self._opening = None
 
-    def _where(self, epoch: int | None) -> Awaitable[Reply]:
-        """The agent's answer (through Ray) to where its channel for this broker is: also Ray's word on the agent."""
-        return self._ray_call(epoch, "channel", (host_identity(), self._tls))
+    async def _ask(self, epoch: int | None, tls: bool) -> dict[str, Any] | None:
+        """The agent's answer to where its channel is; None where it serves none (asked again later) or cannot say
+        (an agent older than the channel: never asked again)."""
+        try:
+            where: dict[str, Any] | None = (await self._where(epoch, tls)).get("ok")
+        except Exception as error:  # noqa: BLE001 - an agent older than the channel has no such method (Ray wraps it)
+            log.info("%s serves no direct channel (%s): its calls go through Ray", self._agent, error)
+            self._ask_at = math.inf
+            return None
+        return where
+
+    async def _connect(self, where: dict[str, Any]) -> str | None:
+        """Take the channel ``where`` says once a connection to it is made; else why not."""
+        try:
+            if "path" in where:
+                client = ChannelClient.unix(where["path"], where["token"], self._reply_limit)
+            else:
+                client = ChannelClient.tls(where["address"], where["port"], where["certificate"], where["token"],
+                                           self._reply_limit)
+            await client.connect()
+        except (ChannelUnreachable, OSError, ValueError) as error:  # OSError, ValueError: a certificate TLS refused
+            return str(error) or type(error).__name__
+        self._client = client
+        self._retry_s = RETRY_S
+        log.info("%s: called over its channel %s", self._agent, client.where)
+        return None
+
+    def _where(self, epoch: int | None, tls: bool | None = None) -> Awaitable[Reply]:
+        """The agent's answer (through Ray) to where its channel for this broker is (over TLS with ``tls``, as the
+        route's mode says when None): also Ray's word on the agent."""
+        return self._ray_call(epoch, "channel", (host_identity(), self._tls if tls is None else tls))
 
     async def _lost_in_transit(self, epoch: int | None, why: str) -> Reply:
         """The answer to a call the channel lost: Ray's word on the agent (died for good, or restarting) where it

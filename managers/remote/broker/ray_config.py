@@ -22,8 +22,8 @@ class RayConfig:
     #: "none": without, on a network you trust (whoever reaches the cluster can call the agents)
     auth: Literal["token", "none"] = "token"
     #: how the broker calls the agents: "auto", over each agent's direct channel (a unix socket for an agent on the
-    #: broker's host, TLS over TCP to one elsewhere) instead of through Ray, which costs a few milliseconds more per
-    #: call; "tls": TLS to every agent (a broker and agents in containers of one host); "ray": always through Ray
+    #: broker's host, TLS over TCP to one elsewhere or whose socket is out of the broker's reach) instead of through
+    #: Ray, which costs a few milliseconds more per call; "tls": TLS to every agent; "ray": always through Ray
     channel: Literal["auto", "tls", "ray"] = "auto"
 
 
