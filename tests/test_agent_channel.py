@@ -24,6 +24,7 @@ from managers.remote.broker.agent_route import RETRY_S, AgentRoute, ChannelMode
 from managers.remote.broker.channel_client import ChannelClient, ChannelUnreachable
 from managers.remote.channel_frames import ACCEPTED, TOKEN_BYTES, frame, host_identity
 from managers.remote.channel_tls import client_context, server_context
+from managers.remote.node.channel_server import ChannelServer
 from managers.remote.node.node_agent import NodeAgent
 from managers.remote.replies import Reply, failed
 from sandboxes.backend import NODE_UNAVAILABLE, NodeHardware, SandboxBackend, SandboxSpec
@@ -308,3 +309,23 @@ async def test_connections_that_withhold_the_token_are_bounded(agent: NodeAgent,
     client = ChannelClient.tls(address, port, certificate, token, REPLY_LIMIT)
     assert "ok" in await client.call(None, "describe", ())
     client.close()
+
+
+async def test_a_directory_the_channel_made_goes_with_it_and_one_it_found_stays(tmp_path: Path) -> None:
+    async def entry(epoch: int | None, method: str, *args: Any) -> Reply:
+        return {"ok": method}
+
+    made = ChannelServer(entry, tmp_path / "fresh" / "agent.sock", REPLY_LIMIT)
+    await made.start_unix()
+    await made.start_tls("127.0.0.1")
+    assert stat.S_IMODE(os.stat(tmp_path / "fresh").st_mode) == 0o700
+    assert os.listdir(tmp_path / "fresh") == ["agent.sock"]  # the TLS key was there only while it loaded
+    await made.close()
+    assert not (tmp_path / "fresh").exists()
+
+    (tmp_path / "shared").mkdir()
+    (tmp_path / "shared" / "n1.agent-epoch").write_text("3")
+    found = ChannelServer(entry, tmp_path / "shared" / "n1.agent.sock", REPLY_LIMIT)
+    await found.start_unix()
+    await found.close()
+    assert os.listdir(tmp_path / "shared") == ["n1.agent-epoch"]

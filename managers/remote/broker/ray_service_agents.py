@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import functools
 import tempfile
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -46,8 +47,8 @@ class RayServiceAgent(ServiceAgent):
     """The agent as its Ray actor builds it: the node's own backend of ``kind``, on that node."""
 
     def __init__(self, kind: str, node: GpuNodeConfig, config: GpuConfig) -> None:
-        # its socket in a directory of its own (mode 0700), on its node
-        channel = Path(tempfile.mkdtemp(prefix="tangram-service-agent-")) / "agent.sock"
+        # its socket in a directory of its own on its node, made (mode 0700) when a broker first asks for it
+        channel = Path(tempfile.gettempdir()) / f"tangram-service-agent-{uuid.uuid4().hex}" / "agent.sock"
         super().__init__(lambda: make_service_backend(kind, node, config), config.limits, channel,
                          ray.util.get_node_ip_address())
         self._node = node

@@ -59,6 +59,7 @@ class ChannelServer:
         self._unix: asyncio.AbstractServer | None = None
         self.tls: TlsListener | None = None
         self._unauthenticated = 0
+        self._made_directory = False
 
     async def start_unix(self) -> None:
         """Listen on ``path``, replacing a socket a previous agent of this node left there."""
@@ -93,9 +94,17 @@ class ChannelServer:
         if self._unix is not None:
             with contextlib.suppress(FileNotFoundError):
                 self.path.unlink()
+        if self._made_directory:
+            with contextlib.suppress(OSError):  # not empty: something else of the agent's lives there
+                self.path.parent.rmdir()
 
     def _private_directory(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        """The socket's directory, mode 0700; made here (and removed on ``close``) where it does not exist yet."""
+        try:
+            self.path.parent.mkdir(parents=True, mode=0o700)
+            self._made_directory = True
+        except FileExistsError:
+            pass
         os.chmod(self.path.parent, 0o700)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
