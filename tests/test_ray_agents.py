@@ -65,6 +65,18 @@ def refuses(unix_path: str) -> bool:
     return False
 
 
+async def open_channels(live: Live) -> dict[str, str]:
+    """Each agent node's channel, once every one is open (each opens beside its agent's first call)."""
+
+    async def channels() -> dict[str, str] | None:
+        _, resources = await live.call("GET", "/v1/resources")
+        rows = {r["pool"]: r["channel"] for r in resources["resources"] if r["resource"] == "cpu"}
+        return rows if all(rows.values()) else None
+
+    opened: dict[str, str] = await until(channels)
+    return opened
+
+
 async def test_trajectories_run_on_both_nodes_through_their_agents(ray_cluster: Cluster, tmp_path) -> None:
     raw = agent_nodes(ray_cluster)
     broker_id = raw["cpu"]["broker_id"]
@@ -87,7 +99,8 @@ async def test_trajectories_run_on_both_nodes_through_their_agents(ray_cluster: 
         assert {pool: row["backend"] for pool, row in agents.items()} == {"n1": "agent", "n2": "agent"}
         assert all(row["node_backend"]["backend"] == "docker" for row in agents.values())
         # both agents share this host with the broker: their calls go over their channels, not through Ray
-        assert all(row["channel"].endswith(f"/{broker_id}/{pool}.agent.sock") for pool, row in agents.items()), agents
+        opened = await open_channels(live)
+        assert all(opened[pool].endswith(f"/{broker_id}/{pool}.agent.sock") for pool in agents), opened
     for engine in engines.values():  # the broker's stop removed every sandbox through the agents
         assert labelled_containers(engine, broker_id) == []
 
@@ -101,11 +114,10 @@ async def test_agents_are_called_over_tls_when_asked(ray_cluster: Cluster, tmp_p
         records = await asyncio.gather(*(run(live, f"echo {i}", f"traj-{i}") for i in range(4)))
         assert [r["result"]["stdout"] for r in records] == [f"{i}\n" for i in range(4)], records
         assert {r["result"]["node"] for r in records} == {"n1", "n2"}
-        _, resources = await live.call("GET", "/v1/resources")
-        channels = {r["pool"]: r["channel"] for r in resources["resources"] if r["resource"] == "cpu"}
-        assert set(channels) == {"n1", "n2"}
-        assert all(channel.startswith("tls://127.0.0.1:") for channel in channels.values()), channels
-        assert len(set(channels.values())) == 2  # each agent its own listener
+        opened = await open_channels(live)
+        assert set(opened) == {"n1", "n2"}
+        assert all(channel.startswith("tls://127.0.0.1:") for channel in opened.values()), opened
+        assert len(set(opened.values())) == 2  # each agent its own listener
 
 
 async def test_a_command_behind_an_agent_streams_its_output_while_it_runs(ray_cluster: Cluster, tmp_path) -> None:
@@ -140,8 +152,7 @@ async def test_a_dead_agent_ends_its_actions_with_a_code_and_its_environments_ar
         records = await asyncio.gather(*(run(live, "true", f"traj-{i}") for i in range(2)))
         by_node = {r["result"]["node"]: r for r in records}
         assert set(by_node) == {"n1", "n2"}
-        _, resources = await live.call("GET", "/v1/resources")
-        [channel] = [r["channel"] for r in resources["resources"] if r["resource"] == "cpu" and r["pool"] == "n2"]
+        channel = (await open_channels(live))["n2"]
         ray.kill(ray.get_actor(f"tangram-agent-{broker_id}-n2", namespace="tangram"), no_restart=True)
         await until(lambda: refuses(channel))  # the kill lands a moment later; until then the agent still answers
         lost_env = by_node["n2"]["result"]["environment"]
