@@ -100,11 +100,9 @@ class ChannelServer:
 
     def _private_directory(self) -> None:
         """The socket's directory, mode 0700; made here (and removed on ``close``) where it does not exist yet."""
-        try:
+        with contextlib.suppress(FileExistsError):
             self.path.parent.mkdir(parents=True, mode=0o700)
             self._made_directory = True
-        except FileExistsError:
-            pass
         os.chmod(self.path.parent, 0o700)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
