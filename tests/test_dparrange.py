@@ -79,3 +79,19 @@ def test_a_banded_table_answers_its_prefixes_as_the_full_table(options, free, da
     if shortest > 1:
         with pytest.raises(ValueError):
             banded.best(shortest - 1)
+
+
+@settings(max_examples=150, deadline=None)
+@given(options=st.lists(task, min_size=1, max_size=7), free=st.integers(0, 16), data=st.data())
+def test_a_table_gives_the_durations_of_the_units_it_chose(options, free, data):
+    """A plan's completion times are read from its table: each task's duration at the units ``best`` gave it, as
+    the task's options list it, for banded linear tables and the generic path alike."""
+    shortest = data.draw(st.integers(0, len(options)))
+    for table in (dp_arrange(options, free, shortest=shortest), dp_arrange(options, free, SubtractingOperator())):
+        for t in range(shortest if table.lows is not None else 0, len(options) + 1):
+            for limit in (None, *range(free + 1)):
+                total, units = table.best(t, limit)
+                if total == math.inf:
+                    continue
+                expected = [durations[counts.index(k)] for (counts, durations), k in zip(options, units)]
+                assert table.durations(units).tolist() == expected

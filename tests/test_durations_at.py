@@ -4,6 +4,10 @@ scheduler's plans must not change with the way its durations are evaluated."""
 from __future__ import annotations
 
 import math
+import os
+import pickle
+import subprocess
+import sys
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -63,3 +67,18 @@ def test_model_batches_only_what_it_has_not_asked_and_answers_unknown_actions_wi
     got = model.durations_many([*elastic, unknown], [(1, 2, 3), (2, 5, 8), (7,), (1, 4)])
     assert got == [first, model.durations(elastic[1], (2, 5, 8)), (model.duration(elastic[2], 7),), (3.0, 3.0)]
     assert got[0] is first
+
+
+def test_a_declaration_from_another_process_keys_the_cache_as_one_built_here() -> None:
+    """``Elasticity`` keeps its hash (a queued action's declaration keys the duration cache at every pass); one
+    pickled under another hash seed, as Ray or the simulator's workers carry it, hashes as this process's own."""
+    elasticity = Elasticity("cpu", ((1, 1.0), (4, 0.8)), 12.5)
+    script = ("import pickle, sys\nfrom tangram.core.action import Elasticity\n"
+              "sys.stdout.buffer.write(pickle.dumps(Elasticity('cpu', ((1, 1.0), (4, 0.8)), 12.5)))")
+    seed = "1" if os.environ.get("PYTHONHASHSEED") != "1" else "2"
+    pickled = subprocess.run([sys.executable, "-c", script], capture_output=True, check=True,
+                             env={**os.environ, "PYTHONHASHSEED": seed}).stdout
+    carried = pickle.loads(pickled)
+    assert carried == elasticity and hash(carried) == hash(elasticity)
+    assert {elasticity: "known"}[carried] == "known"
+    assert carried.counts == (1, 4)

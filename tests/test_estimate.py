@@ -1,3 +1,4 @@
+import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -60,3 +61,14 @@ def test_an_estimate_over_the_units_it_reaches_is_the_estimate_over_the_whole_he
     cut = CompletionHeap.of_windows([first.window(skip, need)] + [SortedUnits(run).window(0, need) for run in runs[1:]])
     assert cut.units <= whole.units
     assert estimate(cut, waiting, depth) == estimate(whole, waiting, depth)
+
+
+@settings(max_examples=300, deadline=None)
+@given(entries=st.lists(st.tuples(st.integers(0, 6).map(float), st.integers(0, 4)), max_size=12),
+       skip=st.integers(0, 10), units=st.integers(0, 12))
+def test_sorted_units_of_a_plan_are_the_sorted_entries(entries, skip, units):
+    """A plan's completion times sorted by numpy, ties by units as ``sorted`` breaks them, members given no units
+    left out: every window is the one the entries sorted in Python give."""
+    times = np.array([time for time, _ in entries], dtype=float)
+    counts = [count for _, count in entries]
+    assert SortedUnits.of(times, counts).window(skip, units) == SortedUnits(entries).window(skip, units)

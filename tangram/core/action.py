@@ -113,9 +113,19 @@ class Elasticity:
     efficiency: tuple[tuple[int, float], ...] = ()
     t1: float | None = None
     counts: tuple[int, ...] = field(init=False, repr=False, compare=False)  # listed counts, for bisect
+    _hash: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "counts", tuple(m for m, _ in self.efficiency))
+        object.__setattr__(self, "_hash", hash((self.resource, self.efficiency, self.t1)))
+
+    def __hash__(self) -> int:
+        """Computed once: a queued action's declaration keys the duration cache at every pass."""
+        return self._hash
+
+    def __reduce__(self) -> tuple[type[Elasticity], tuple[str, tuple[tuple[int, float], ...], float | None]]:
+        """Rebuilt from its fields in another process: a string's hash, and so ``_hash``, differs there."""
+        return Elasticity, (self.resource, self.efficiency, self.t1)
 
     def efficiency_at(self, m: float) -> float:
         points = self.efficiency

@@ -76,6 +76,10 @@ class DPTable:
     lows: list[int] | None = None  # linear: units the first i tasks use at their minimums
     shortest: int = 0  # linear: the shortest prefix the band holds
     minimums: list[int] = field(default_factory=list)  # linear: each task's minimum
+    #: linear: (m + 1, width) the duration of task i on its minimum + x units (inf: not allowed or past the band);
+    #: generic: None, and ``options`` holds them
+    extra: np.ndarray | None = None
+    options: Sequence[tuple[Sequence[int], Sequence[float]]] = ()  # generic: the tasks' counts and durations
 
     @property
     def size(self) -> int:
@@ -99,6 +103,16 @@ class DPTable:
             units[i - 1] = k
             j = int(self.parents[i, j])  # type: ignore[index]
         return total, units
+
+    def durations(self, units: Sequence[int]) -> np.ndarray:
+        """The duration of each of the first ``len(units)`` tasks on its units, as ``best`` gives them: the
+        completion times of a plan, read from the table instead of asked of the model again."""
+        if self.extra is not None:
+            t = len(units)
+            above = np.array(units, dtype=np.intp) - np.array(self.minimums[:t], dtype=np.intp)
+            return self.extra[np.arange(1, t + 1), above]
+        return np.array([durations[list(counts).index(k)] for (counts, durations), k in zip(self.options, units)],
+                        dtype=float)
 
     def _best_linear(self, t: int, limit: int | None) -> tuple[float, list[int]]:
         if t < self.shortest:
@@ -160,7 +174,7 @@ def _generic_table(options: Sequence[tuple[Sequence[int], Sequence[float]]], end
     values[0, 0] = 0.0
     parents = np.zeros((m + 1, end + 1), dtype=np.int32)
     _fill_generic(options, values, choices, parents, operator, end)
-    return DPTable(values, choices, parents)
+    return DPTable(values, choices, parents, options=options)
 
 
 def _fill_linear(problems: Sequence[tuple[Sequence[tuple[Sequence[int], Sequence[float]]], int, int]]
@@ -218,7 +232,8 @@ def _fill_linear(problems: Sequence[tuple[Sequence[tuple[Sequence[int], Sequence
         values[i, :, pad:] = best
         choices[i] = at
     return [DPTable(values[:len(options) + 1, p, pad:pad + band + 1], choices[:len(options) + 1, p, :band + 1],
-                    None, lows, shortest, [high - low for low, high in pairwise(lows)])
+                    None, lows, shortest, [high - low for low, high in pairwise(lows)],
+                    extra[:len(options) + 1, p, :band + 1])
             for p, ((options, _, shortest), lows, band) in enumerate(zip(problems, lows_of, bands))]
 
 

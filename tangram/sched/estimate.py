@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from itertools import accumulate
 from operator import itemgetter
 
+import numpy as np
+
 INF = float("inf")
 
 
@@ -98,6 +100,20 @@ class SortedUnits:
         self._entries = sorted(entries) if min(map(itemgetter(1), entries), default=1) > 0 else sorted(
             entry for entry in entries if entry[1] > 0)
         self._ends = list(accumulate(map(itemgetter(1), self._entries)))
+
+    @classmethod
+    def of(cls, times: np.ndarray, units: Sequence[int]) -> SortedUnits:
+        """The units of a plan, ``units[i]`` free at ``times[i]``: sorted by numpy, in the order ``sorted`` gives
+        (by time, then units), as a plan holds a pool's every member."""
+        counts = np.asarray(units, dtype=np.int64)
+        if len(counts) and counts.min() <= 0:
+            times, counts = times[counts > 0], counts[counts > 0]
+        order = np.lexsort((counts, times))
+        ordered = counts[order]
+        sorted_units = cls.__new__(cls)
+        sorted_units._entries = list(zip(times[order].tolist(), ordered.tolist()))
+        sorted_units._ends = np.cumsum(ordered).tolist()
+        return sorted_units
 
     @property
     def units(self) -> int:

@@ -29,6 +29,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
+from itertools import islice
 
 from tangram.core.action import Action
 from tangram.core.dparrange import DPOperator, DPTable, dp_arrange, dp_arrange_many
@@ -303,38 +304,24 @@ class Scheduler:
             taken = others_by_pool.get(pool, [])
             free_units[pool] = fit.free_before(resource, pool) - sum(a.demands[resource].min for a in taken)
             operators[pool] = fit.dp_operator(resource, pool, taken)
-        # each member's duration at the unit counts asked so far, in the pool's member order
-        durations: dict[str, list[dict[int, float]]] = {
-            pool: [{} for _ in actions] for pool, actions in pool_members.items()}
 
         def options(shortest: dict[str, int]) -> dict[str, list[tuple[tuple[int, ...], tuple[float, ...]]]]:
             """Each pool's members' unit counts and the duration at each, up to what the pool's table for prefixes
-            of at least ``shortest[pool]`` members can give one of them (its band: ``dp_arrange``). The durations
-            not asked before, of every pool's members, come from one model call."""
-            asked: list[tuple[str, int, tuple[int, ...], tuple[int, ...]]] = []  # pool, rank, counts, missing
+            of at least ``shortest[pool]`` members can give one of them (its band: ``dp_arrange``), every pool's
+            from one model call."""
+            asked: list[Action] = []
+            counts: list[tuple[int, ...]] = []
             for pool, least in shortest.items():
                 actions, free, operator = pool_members[pool], free_units[pool], operators[pool]
                 band = free
                 if operator.linear:
                     band = operator.end(free) - sum(a.demands[resource].min for a in actions[:least])
-                for rank, (action, known) in enumerate(zip(actions, durations[pool])):
+                for action in actions:
                     demand = action.demands[resource]
-                    counts = demand.up_to(min(free, demand.min + max(0, band)))
-                    asked.append((pool, rank, counts, tuple(k for k in counts if k not in known) if known else counts))
-            new = [j for j, (_, _, _, missing) in enumerate(asked) if missing]
-            fresh = dict(zip(new, self.durations.durations_many(
-                [pool_members[asked[j][0]][asked[j][1]] for j in new], [asked[j][3] for j in new])))
-            chosen: dict[str, list[tuple[tuple[int, ...], tuple[float, ...]]]] = {pool: [] for pool in shortest}
-            for j, (pool, rank, counts, missing) in enumerate(asked):
-                known = durations[pool][rank]
-                times = fresh.get(j)
-                if times is not None:
-                    known.update(zip(missing, times))
-                    if missing is counts:  # none known before: the model's tuple as it came
-                        chosen[pool].append((counts, times))
-                        continue
-                chosen[pool].append((counts, tuple(known[k] for k in counts)))
-            return chosen
+                    counts.append(demand.up_to(min(free, demand.min + max(0, band))))
+                asked += actions
+            times = iter(zip(counts, self.durations.durations_many(asked, counts)))
+            return {pool: list(islice(times, len(pool_members[pool]))) for pool in shortest}
 
         tables: dict[str, DPTable] = {}
 
@@ -375,8 +362,12 @@ class Scheduler:
             ident = (pool, count, reserve)
             if ident not in plans:
                 limit = None if reserve == 0 else free_units[pool] - reserve
-                total, units = table(pool, count).best(count, limit) if count else (0.0, [])
-                ends = SortedUnits([(times[k], k) for times, k in zip(durations[pool], units)])
+                total, ends = 0.0, SortedUnits([])
+                units: list[int] = []
+                if count:
+                    current = table(pool, count)
+                    total, units = current.best(count, limit)
+                    ends = SortedUnits.of(current.durations(units), units)
                 plans[ident] = (total, units, sum(units), ends)
             return plans[ident]
 
@@ -420,7 +411,8 @@ class Scheduler:
         kept: dict[str, int] = defaultdict(int)
         for member in members[:best_t]:
             kept[member.pool] += 1
-        return [(m.action, plan(m.pool, kept[m.pool], best_res)[1][m.rank]) for m in members[:best_t]]
+        units_of = {pool: plan(pool, count, best_res)[1] for pool, count in kept.items()}
+        return [(m.action, units_of[m.pool][m.rank]) for m in members[:best_t]]
 
     def _base_units(self, resource: str, running: list[Action], fit: Fit, now: float,
                     others: list[tuple[float, int]]) -> SortedUnits:
