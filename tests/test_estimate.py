@@ -2,7 +2,10 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tangram.sched.estimate import CompletionHeap, SortedUnits, Waiting, estimate, reach
+from unittest import mock
+
+from tangram.sched import estimate as estimates
+from tangram.sched.estimate import CompletionHeap, SortedUnits, UnitHeap, Waiting, estimate, reach, reachable
 
 
 def test_take_returns_when_the_last_unit_frees_and_keeps_the_rest():
@@ -72,3 +75,35 @@ def test_sorted_units_of_a_plan_are_the_sorted_entries(entries, skip, units):
     times = np.array([time for time, _ in entries], dtype=float)
     counts = [count for _, count in entries]
     assert SortedUnits.of(times, counts).window(skip, units) == SortedUnits(entries).window(skip, units)
+
+
+@settings(max_examples=300, deadline=None)
+@given(runs=st.lists(free_times, min_size=1, max_size=4), skip=st.integers(0, 8),
+       waiting=st.lists(waiting_actions, max_size=10), depth=st.integers(1, 3))
+def test_an_estimate_on_one_entry_per_unit_is_the_estimate_on_the_whole_heap(runs, skip, waiting, depth):
+    """Greedy eviction's heap holds the units the estimate can reach, one float per unit where the waiting actions
+    take few units each and (time, count) entries otherwise: the estimate is the same either way, bit for bit."""
+    whole = CompletionHeap(runs[0])
+    first = SortedUnits(runs[0])
+    skip = skip if skip <= first.units else 0
+    whole.take(skip)
+    whole.extend(entry for run in runs[1:] for entry in run)
+    cut = [(first, skip)] + [(SortedUnits(run), 0) for run in runs[1:]]
+    expected = estimate(whole, waiting, depth)
+    for per_waiting, kind in ((10 ** 6, UnitHeap), (0, CompletionHeap)):
+        with mock.patch.object(estimates, "UNITS_PER_WAITING", per_waiting):
+            heap = reachable(cut, waiting, depth)
+        assert isinstance(heap, kind) or not waiting
+        assert estimate(heap, waiting, depth) == expected
+
+
+def test_a_unit_heap_takes_and_gives_back_as_the_completion_heap():
+    entries = [(3.0, 2), (1.0, 1), (5.0, 3)]
+    units = UnitHeap(sorted(time for time, n in entries for _ in range(n)))
+    heap = CompletionHeap(entries)
+    for count, back in ((2, 4.0), (3, 6.0), (7, 1.0)):
+        assert units.take(count) == heap.take(count)
+        units.put(back, count)
+        heap.put(back, count)
+        assert units.units == heap.units
+    assert units.take(units.units + 1) == heap.take(heap.units + 1) == float("inf")

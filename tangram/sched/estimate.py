@@ -9,6 +9,9 @@ try its first few allowed unit counts, as in the paper.
 An estimate takes at most ``reach`` units and gives back as many as it took, so every unit it takes from its heap is
 one of the heap's ``reach`` earliest: a heap cut to those (``SortedUnits.window``) gives the same estimate, bit for
 bit. Greedy eviction estimates at every step, over a heap holding every member it plans, most of them out of reach.
+Cut to those ``reach`` units, the heap is small enough to hold one free-time per unit (``UnitHeap``, ``reachable``)
+where the waiting actions take a unit or two each: a one-unit action is then one step on a heap of floats instead of
+one or two on (time, count) tuples, with the same completion times added in the same order.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from operator import itemgetter
 import numpy as np
 
 INF = float("inf")
+#: units an estimate may reach per waiting action for it to run on one heap entry per unit (``UnitHeap``)
+UNITS_PER_WAITING = 2
 
 
 @dataclass(slots=True, frozen=True)
@@ -90,16 +95,92 @@ class CompletionHeap:
             count -= n
         return latest
 
+    def run(self, rest: list[tuple[int, float, float]], total: float) -> float:
+        """``total`` plus the completion times of ``rest`` (minimum units, duration there, arrival) run in order on
+        these units; a one-unit action, the common case, swaps the earliest unit for its own end in one heap
+        operation."""
+        entries = self._entries
+        for m, duration, arrival in rest:
+            if m == 1 and self.units:
+                time, n = entries[0]
+                finish = max(time, arrival) + duration
+                total += finish - arrival
+                if n == 1:
+                    heapq.heapreplace(entries, (finish, 1))
+                else:
+                    heapq.heapreplace(entries, (time, n - 1))
+                    heapq.heappush(entries, (finish, 1))
+                continue
+            begin = self.take(m)
+            if begin == INF:
+                break
+            begin = max(begin, arrival)
+            finish = begin + duration
+            total += finish - arrival
+            self.put(finish, m)
+        return total
+
+
+class UnitHeap:
+    """Unit free-times one per unit: a heap of floats, whose steps cost less than ``CompletionHeap``'s on (time,
+    count) tuples where waiting actions take a unit or two each (``estimate`` uses it then)."""
+
+    __slots__ = ("_times",)
+
+    def __init__(self, times: list[float]) -> None:
+        self._times = times
+
+    @property
+    def units(self) -> int:
+        return len(self._times)
+
+    def copy(self) -> UnitHeap:
+        return UnitHeap(list(self._times))
+
+    def put(self, time: float, count: int) -> None:
+        for _ in range(count):
+            heapq.heappush(self._times, time)
+
+    def take(self, count: int) -> float:
+        """Remove the ``count`` earliest units; return when the last of them is free (inf if too few exist)."""
+        times, latest = self._times, 0.0
+        if count > len(times):
+            return INF
+        for _ in range(count):
+            latest = heapq.heappop(times)
+        return latest
+
+    def run(self, rest: list[tuple[int, float, float]], total: float) -> float:
+        """``CompletionHeap.run`` on these units: the same completion times, added in the same order."""
+        times = self._times
+        for m, duration, arrival in rest:
+            if m == 1 and times:
+                time = times[0]
+                finish = max(time, arrival) + duration
+                total += finish - arrival
+                heapq.heapreplace(times, finish)
+                continue
+            begin = self.take(m)
+            if begin == INF:
+                break
+            begin = max(begin, arrival)
+            finish = begin + duration
+            total += finish - arrival
+            self.put(finish, m)
+        return total
+
 
 class SortedUnits:
     """Unit free-times in ascending order with their running unit counts, to cut out a window of units."""
 
-    __slots__ = ("_ends", "_entries")
+    __slots__ = ("_counts", "_ends", "_entries", "_times")
 
     def __init__(self, entries: list[tuple[float, int]]) -> None:
         self._entries = sorted(entries) if min(map(itemgetter(1), entries), default=1) > 0 else sorted(
             entry for entry in entries if entry[1] > 0)
         self._ends = list(accumulate(map(itemgetter(1), self._entries)))
+        self._times = np.array([time for time, _ in self._entries], dtype=float)
+        self._counts = np.array([count for _, count in self._entries], dtype=np.int64)
 
     @classmethod
     def of(cls, times: np.ndarray, units: Sequence[int]) -> SortedUnits:
@@ -109,10 +190,10 @@ class SortedUnits:
         if len(counts) and counts.min() <= 0:
             times, counts = times[counts > 0], counts[counts > 0]
         order = np.lexsort((counts, times))
-        ordered = counts[order]
         sorted_units = cls.__new__(cls)
-        sorted_units._entries = list(zip(times[order].tolist(), ordered.tolist()))
-        sorted_units._ends = np.cumsum(ordered).tolist()
+        sorted_units._times, sorted_units._counts = times[order], counts[order]
+        sorted_units._entries = list(zip(sorted_units._times.tolist(), sorted_units._counts.tolist()))
+        sorted_units._ends = np.cumsum(sorted_units._counts).tolist()
         return sorted_units
 
     @property
@@ -135,6 +216,18 @@ class SortedUnits:
             chosen[0] = (chosen[0][0], ends[first] - skip)
         return chosen, ends[last] - skip
 
+    def unit_times(self, skip: int, units: int) -> np.ndarray:
+        """The free times of the ``units`` earliest units after the ``skip`` earliest (all after them if fewer),
+        one per unit: ``window``'s units, each on its own."""
+        ends = self._ends
+        first = bisect_right(ends, skip)
+        if units <= 0 or first == len(ends):
+            return np.empty(0)
+        last = bisect_left(ends, skip + units, lo=first)
+        before = ends[first - 1] if first else 0
+        times = np.repeat(self._times[first:last + 1], self._counts[first:last + 1])
+        return times[skip - before:skip - before + units]
+
 
 def reach(waiting: Sequence[Waiting], depth: int) -> int:
     """The most units ``estimate(heap, waiting, depth)`` takes from ``heap``."""
@@ -143,7 +236,20 @@ def reach(waiting: Sequence[Waiting], depth: int) -> int:
     return max(waiting[0].counts[: max(1, depth)]) + sum(action.counts[0] for action in waiting[1:])
 
 
-def estimate(heap: CompletionHeap, waiting: Sequence[Waiting], depth: int) -> float:
+def reachable(runs: Sequence[tuple[SortedUnits, int]], waiting: Sequence[Waiting], depth: int
+              ) -> CompletionHeap | UnitHeap:
+    """The heap an estimate of ``waiting`` runs on, from runs of sorted unit free-times each after its ``skip``
+    earliest (``(run, skip)``), cut to the units it can reach: one entry per unit where the waiting actions take
+    few units each (a heap of floats steps faster than one of (time, count) tuples), else the runs' windows."""
+    need = reach(waiting, depth)
+    if need > UNITS_PER_WAITING * len(waiting):
+        return CompletionHeap.of_windows([run.window(skip, need) for run, skip in runs])
+    times = np.concatenate([run.unit_times(skip, need) for run, skip in runs])
+    times.sort()
+    return UnitHeap(times[:need].tolist())  # ascending, so a heap
+
+
+def estimate(heap: CompletionHeap | UnitHeap, waiting: Sequence[Waiting], depth: int) -> float:
     """Approximate total completion time (from submission, or expected arrival) of ``waiting`` in FCFS order at
     minimum units.
 
@@ -162,30 +268,5 @@ def estimate(heap: CompletionHeap, waiting: Sequence[Waiting], depth: int) -> fl
         start = max(start, first.arrival_s)
         total = start + duration - first.arrival_s
         trial.put(start + duration, count)
-        best = min(best, _rest(trial, rest, total))
+        best = min(best, trial.run(rest, total))
     return best
-
-
-def _rest(trial: CompletionHeap, rest: list[tuple[int, float, float]], total: float) -> float:
-    """``total`` plus the completion times of ``rest`` (minimum units, duration there, arrival) run in order on
-    ``trial``; a one-unit action, the common case, swaps the earliest unit for its own end in one heap operation."""
-    entries = trial._entries
-    for m, duration, arrival in rest:
-        if m == 1 and trial.units:
-            time, n = entries[0]
-            finish = max(time, arrival) + duration
-            total += finish - arrival
-            if n == 1:
-                heapq.heapreplace(entries, (finish, 1))
-            else:
-                heapq.heapreplace(entries, (time, n - 1))
-                heapq.heappush(entries, (finish, 1))
-            continue
-        begin = trial.take(m)
-        if begin == INF:
-            break
-        begin = max(begin, arrival)
-        finish = begin + duration
-        total += finish - arrival
-        trial.put(finish, m)
-    return total

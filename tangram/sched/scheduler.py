@@ -37,7 +37,7 @@ from tangram.core.malleable import Malleable, Profile, Workers, deferred, share
 from tangram.core.seam import Allocation, Fit, ResourceManager
 from tangram.sched.arrivals import Expected
 from tangram.sched.durations import DurationModel
-from tangram.sched.estimate import INF, CompletionHeap, SortedUnits, Waiting, estimate, reach
+from tangram.sched.estimate import INF, SortedUnits, Waiting, estimate, reachable
 
 #: relative gain below which an eviction is not worth it (objectives that differ only by float rounding)
 IMPROVEMENT = 1e-9
@@ -388,10 +388,8 @@ class Scheduler:
             waiting = dropped[:len(members) - t][::-1] + waiting_rest
             # planned members start now, on idle units; the estimate sees only the units it can reach
             used = sum([used for _, _, used, _ in chosen])
-            need = reach(waiting, self.depth)
-            windows = [base.window(used if used <= base.units else 0, need)]
-            windows += [ends.window(0, need) for _, _, _, ends in chosen]
-            return exact + estimate(CompletionHeap.of_windows(windows), waiting, self.depth)
+            runs = [(base, used if used <= base.units else 0)] + [(ends, 0) for _, _, _, ends in chosen]
+            return exact + estimate(reachable(runs, waiting, self.depth), waiting, self.depth)
 
         def best_reserve(t: int) -> tuple[float, int]:
             return min((objective(t, reserve), reserve) for reserve in reserves)
