@@ -1,8 +1,8 @@
+from unittest import mock
+
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from unittest import mock
 
 from tangram.sched import estimate as estimates
 from tangram.sched.estimate import CompletionHeap, SortedUnits, UnitHeap, Waiting, estimate, reach, reachable

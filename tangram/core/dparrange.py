@@ -80,6 +80,9 @@ class DPTable:
     #: generic: None, and ``options`` holds them
     extra: np.ndarray | None = None
     options: Sequence[tuple[Sequence[int], Sequence[float]]] = ()  # generic: the tasks' counts and durations
+    #: linear: ``choices`` as lists, made at the first ``best``: a walk back reads one cell per task, and a list
+    #: cell costs a fraction of a numpy one
+    choice_rows: list[list[int]] | None = None
 
     @property
     def size(self) -> int:
@@ -129,10 +132,12 @@ class DPTable:
         if total == INF:
             return INF, []
         units = self.minimums[:t]  # each at its minimum, but those above it in the optimum
-        choices = self.choices
+        if self.choice_rows is None:
+            self.choice_rows = self.choices.tolist()
+        rows = self.choice_rows
         i = t
         while j > 0:  # j units above the minimums of the first i tasks
-            above = int(choices[i, j])
+            above = rows[i][j]
             units[i - 1] += above
             j -= above
             i -= 1

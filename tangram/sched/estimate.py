@@ -173,14 +173,14 @@ class UnitHeap:
 class SortedUnits:
     """Unit free-times in ascending order with their running unit counts, to cut out a window of units."""
 
-    __slots__ = ("_counts", "_ends", "_entries", "_times")
+    __slots__ = ("_counts", "_ends", "_times")
 
     def __init__(self, entries: list[tuple[float, int]]) -> None:
-        self._entries = sorted(entries) if min(map(itemgetter(1), entries), default=1) > 0 else sorted(
+        ordered = sorted(entries) if min(map(itemgetter(1), entries), default=1) > 0 else sorted(
             entry for entry in entries if entry[1] > 0)
-        self._ends = list(accumulate(map(itemgetter(1), self._entries)))
-        self._times = np.array([time for time, _ in self._entries], dtype=float)
-        self._counts = np.array([count for _, count in self._entries], dtype=np.int64)
+        self._times = np.array([time for time, _ in ordered], dtype=float)
+        self._counts = np.array([count for _, count in ordered], dtype=np.int64)
+        self._ends = list(accumulate(map(itemgetter(1), ordered)))
 
     @classmethod
     def of(cls, times: np.ndarray, units: Sequence[int]) -> SortedUnits:
@@ -192,7 +192,6 @@ class SortedUnits:
         order = np.lexsort((counts, times))
         sorted_units = cls.__new__(cls)
         sorted_units._times, sorted_units._counts = times[order], counts[order]
-        sorted_units._entries = list(zip(sorted_units._times.tolist(), sorted_units._counts.tolist()))
         sorted_units._ends = np.cumsum(sorted_units._counts).tolist()
         return sorted_units
 
@@ -211,7 +210,7 @@ class SortedUnits:
         last = bisect_left(ends, skip + units, lo=first)
         if last == len(ends):
             last -= 1
-        chosen = self._entries[first:last + 1]
+        chosen = list(zip(self._times[first:last + 1].tolist(), self._counts[first:last + 1].tolist()))
         if (ends[first - 1] if first else 0) < skip:  # the first entry is partly skipped
             chosen[0] = (chosen[0][0], ends[first] - skip)
         return chosen, ends[last] - skip
