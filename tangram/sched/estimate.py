@@ -20,7 +20,7 @@ import heapq
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from itertools import accumulate
+from itertools import accumulate, chain, repeat
 from operator import itemgetter
 
 import numpy as np
@@ -178,9 +178,9 @@ class SortedUnits:
     def __init__(self, entries: list[tuple[float, int]]) -> None:
         ordered = sorted(entries) if min(map(itemgetter(1), entries), default=1) > 0 else sorted(
             entry for entry in entries if entry[1] > 0)
-        self._times = np.array([time for time, _ in ordered], dtype=float)
-        self._counts = np.array([count for _, count in ordered], dtype=np.int64)
-        self._ends = list(accumulate(map(itemgetter(1), ordered)))
+        self._times = [time for time, _ in ordered]
+        self._counts = [count for _, count in ordered]
+        self._ends = list(accumulate(self._counts))
 
     @classmethod
     def of(cls, times: np.ndarray, units: Sequence[int]) -> SortedUnits:
@@ -190,9 +190,11 @@ class SortedUnits:
         if len(counts) and counts.min() <= 0:
             times, counts = times[counts > 0], counts[counts > 0]
         order = np.lexsort((counts, times))
+        ordered = counts[order]
         sorted_units = cls.__new__(cls)
-        sorted_units._times, sorted_units._counts = times[order], counts[order]
-        sorted_units._ends = np.cumsum(sorted_units._counts).tolist()
+        sorted_units._times = times[order].tolist()
+        sorted_units._counts = ordered.tolist()
+        sorted_units._ends = np.cumsum(ordered).tolist()
         return sorted_units
 
     @property
@@ -210,21 +212,26 @@ class SortedUnits:
         last = bisect_left(ends, skip + units, lo=first)
         if last == len(ends):
             last -= 1
-        chosen = list(zip(self._times[first:last + 1].tolist(), self._counts[first:last + 1].tolist()))
+        chosen = list(zip(self._times[first:last + 1], self._counts[first:last + 1]))
         if (ends[first - 1] if first else 0) < skip:  # the first entry is partly skipped
             chosen[0] = (chosen[0][0], ends[first] - skip)
         return chosen, ends[last] - skip
 
-    def unit_times(self, skip: int, units: int) -> np.ndarray:
+    def time_of(self, unit: int) -> float:
+        """When the ``unit``-th earliest unit (from 1) is free; inf if it holds fewer."""
+        at = bisect_left(self._ends, unit)
+        return self._times[at] if at < len(self._times) else INF
+
+    def unit_times(self, skip: int, units: int, latest: float = INF) -> list[float]:
         """The free times of the ``units`` earliest units after the ``skip`` earliest (all after them if fewer),
-        one per unit: ``window``'s units, each on its own."""
+        one per unit, those free after ``latest`` left out: ``window``'s units, each on its own."""
         ends = self._ends
         first = bisect_right(ends, skip)
         if units <= 0 or first == len(ends):
-            return np.empty(0)
-        last = bisect_left(ends, skip + units, lo=first)
+            return []
+        end = min(bisect_left(ends, skip + units, lo=first) + 1, bisect_right(self._times, latest, lo=first))
         before = ends[first - 1] if first else 0
-        times = np.repeat(self._times[first:last + 1], self._counts[first:last + 1])
+        times = list(chain.from_iterable(map(repeat, self._times[first:end], self._counts[first:end])))
         return times[skip - before:skip - before + units]
 
 
@@ -243,9 +250,11 @@ def reachable(runs: Sequence[tuple[SortedUnits, int]], waiting: Sequence[Waiting
     need = reach(waiting, depth)
     if need > UNITS_PER_WAITING * len(waiting):
         return CompletionHeap.of_windows([run.window(skip, need) for run, skip in runs])
-    times = np.concatenate([run.unit_times(skip, need) for run, skip in runs])
-    times.sort()
-    return UnitHeap(times[:need].tolist())  # ascending, so a heap
+    # the need earliest of all are free by the time any one run's need earliest are: none later is cut out
+    latest = min(run.time_of(skip + need) for run, skip in runs)
+    times = sorted(chain.from_iterable(run.unit_times(skip, need, latest) for run, skip in runs))
+    del times[need:]
+    return UnitHeap(times)  # ascending, so a heap
 
 
 def estimate(heap: CompletionHeap | UnitHeap, waiting: Sequence[Waiting], depth: int) -> float:

@@ -44,6 +44,8 @@ IMPROVEMENT = 1e-9
 #: members of one pool greedy eviction may drop before that pool's DP table is filled again, twice as deep: the
 #: table's band (``dp_arrange``'s ``shortest``) widens with it, and a pass rarely drops more
 EVICTION_DEPTH = 16
+#: the completion times of a plan of no members
+NONE_PLANNED = SortedUnits([])
 
 
 @dataclass(slots=True)
@@ -362,7 +364,7 @@ class Scheduler:
             ident = (pool, count, reserve)
             if ident not in plans:
                 limit = None if reserve == 0 else free_units[pool] - reserve
-                total, ends = 0.0, SortedUnits([])
+                total, ends = 0.0, NONE_PLANNED
                 units: list[int] = []
                 if count:
                     current = table(pool, count)
