@@ -123,7 +123,7 @@ class CompletionHeap:
 
 class UnitHeap:
     """Unit free-times one per unit: a heap of floats, whose steps cost less than ``CompletionHeap``'s on (time,
-    count) tuples where waiting actions take a unit or two each (``estimate`` uses it then)."""
+    count) tuples where waiting actions take a unit or two each (``reachable`` builds it then)."""
 
     __slots__ = ("_times",)
 
