@@ -111,13 +111,10 @@ class CompletionHeap:
                     heapq.heapreplace(entries, (time, n - 1))
                     heapq.heappush(entries, (finish, 1))
                 continue
-            begin = self.take(m)
-            if begin == INF:
+            spent = _started(self, m, duration, arrival)
+            if spent is None:
                 break
-            begin = max(begin, arrival)
-            finish = begin + duration
-            total += finish - arrival
-            self.put(finish, m)
+            total += spent
         return total
 
 
@@ -160,13 +157,10 @@ class UnitHeap:
                 total += finish - arrival
                 heapq.heapreplace(times, finish)
                 continue
-            begin = self.take(m)
-            if begin == INF:
+            spent = _started(self, m, duration, arrival)
+            if spent is None:
                 break
-            begin = max(begin, arrival)
-            finish = begin + duration
-            total += finish - arrival
-            self.put(finish, m)
+            total += spent
         return total
 
 
@@ -270,11 +264,18 @@ def estimate(heap: CompletionHeap | UnitHeap, waiting: Sequence[Waiting], depth:
     best = INF
     for count, duration in list(zip(first.counts, first.durations))[: max(1, depth)]:
         trial = heap.copy()
-        start = trial.take(count)
-        if start == INF:
-            continue
-        start = max(start, first.arrival_s)
-        total = start + duration - first.arrival_s
-        trial.put(start + duration, count)
-        best = min(best, trial.run(rest, total))
+        total = _started(trial, count, duration, first.arrival_s)
+        if total is not None:
+            best = min(best, trial.run(rest, total))
     return best
+
+
+def _started(heap: CompletionHeap | UnitHeap, units: int, duration: float, arrival: float) -> float | None:
+    """Run an action on the ``units`` earliest units of ``heap`` (not before it ``arrival``es) and give them back at
+    its end: its completion time from its arrival, or None, taking nothing, if the heap holds fewer units."""
+    begin = heap.take(units)
+    if begin == INF:
+        return None
+    finish = max(begin, arrival) + duration
+    heap.put(finish, units)
+    return finish - arrival
