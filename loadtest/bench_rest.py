@@ -1,4 +1,5 @@
-"""REST throughput benchmark for ``lease`` actions against a real broker process (SQLite store, loopback HTTP).
+"""REST throughput benchmark for ``lease`` actions against a real broker process (SQLite store unless ``--db``,
+loopback HTTP).
 
 Starts ``tangram serve`` in a subprocess, then submits leases one per request (many concurrent connections), one per
 request waiting for each record's end (``?wait=true``) and in batches, and times each phase from the first submit
@@ -11,9 +12,11 @@ Each phase also reports the broker's own CPU time per action (user + system of t
 the phase's polls of ``/v1/resources`` (one each 10 ms) and whatever the broker does in the background meanwhile.
 
 With ``--pin`` the broker runs on the last CPU this process may use and the load generator on the first, so that
-neither takes the other's core: rounds of the same code on a small machine then swing less (they still swing).
+neither takes the other's core: rounds of the same code on a small machine then swing less (they still swing). A
+PostgreSQL server on the same machine is not pinned by this: pin it to the load generator's CPU beforehand
+(``taskset -a -p 0x1 PID`` for each of its processes), or it takes the broker's core as well.
 
-    python -m loadtest.bench_rest [--actions 20000] [--connections 64] [--batch 500] [--pin]
+    python -m loadtest.bench_rest [--actions 20000] [--connections 64] [--batch 500] [--pin] [--db URL]
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from pathlib import Path
 import aiohttp
 import orjson
 import psutil
+from sqlalchemy.engine import make_url
 
 CONFIG = """
 [server]
@@ -166,7 +170,7 @@ async def bench(args: argparse.Namespace, url: str, broker: psutil.Process) -> N
         await wait_granted(http, url, granted + args.actions)
         many = args.actions / (time.perf_counter() - started)
         many_us = (cpu_s(broker) - cpu) / args.actions * 1e6
-    print(f"REST throughput, lease actions, {args.actions} per phase, SQLite store, loopback HTTP "
+    print(f"REST throughput, lease actions, {args.actions} per phase, {store_name(args.db)} store, loopback HTTP "
           f"(broker CPU per action: user + system of its process"
           f"{'; broker and load generator pinned to one CPU each' if args.pin else ''})")
     print(f"  one per request ({args.connections} connections, Python client): {single:,.0f} actions/s, "
@@ -178,6 +182,12 @@ async def bench(args: argparse.Namespace, url: str, broker: psutil.Process) -> N
               f"{wrk_us:,.0f} us CPU each")
     print(f"  batched ({args.batch} per request, Python client):             {many:,.0f} actions/s, "
           f"{many_us:,.0f} us CPU each")
+
+
+def store_name(url: str | None) -> str:
+    """The database a ``--db`` URL names, as the report says it (none: the default SQLite file)."""
+    backend = "sqlite" if url is None else make_url(url).get_backend_name()
+    return {"sqlite": "SQLite", "postgresql": "PostgreSQL"}.get(backend, backend)
 
 
 def main() -> None:

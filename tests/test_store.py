@@ -7,7 +7,7 @@ import contextlib
 import dataclasses
 import sqlite3
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ from tangram.records import action_from_stored, stored_record
 from tangram.store.sqlite_writer import SqliteWriter
 from tangram.store.statements import ROW_GROUPS
 from tangram.store.store import Store
-from tangram.store.tables import ActionRow, TransitionRow
+from tangram.store.tables import LEASES, UNFINISHED, ActionRow, TransitionRow
 
 FIELDS = [f.name for f in dataclasses.fields(Action)]
 
@@ -436,27 +436,106 @@ async def test_a_database_from_an_older_version_gets_its_new_columns_at_open(sto
         await store.close()
 
 
-async def test_a_database_from_an_older_version_gets_new_indexes_at_open(tmp_path):
-    """``create_all`` leaves existing tables alone, indexes included: an upgraded broker must add its new indexes
-    itself, or the restart's search for held leases scans every action ever stored."""
-    db = tmp_path / "old.db"
-    await (await Store.open(f"sqlite+aiosqlite:///{db}")).close()
-    with contextlib.closing(sqlite3.connect(db)) as conn:
-        conn.execute("DROP INDEX ix_actions_kind_state_finished_at")  # as an older version left the database
-        conn.commit()
-    store = await Store.open(f"sqlite+aiosqlite:///{db}")
+#: the ``actions`` table and its indexes as a version before the partial indexes made them (DOUBLE: SQLite's name)
+OLDER_ACTIONS = (
+    "CREATE TABLE actions (id VARCHAR NOT NULL, seq BIGINT NOT NULL, task VARCHAR NOT NULL, trajectory VARCHAR, "
+    "kind VARCHAR NOT NULL, state VARCHAR NOT NULL, idempotency_key VARCHAR, signature VARCHAR NOT NULL, "
+    "submitted_at DOUBLE NOT NULL, started_at DOUBLE, finished_at DOUBLE, record TEXT NOT NULL, PRIMARY KEY (id), "
+    "CONSTRAINT uq_actions_task_idempotency_key UNIQUE (task, idempotency_key))",
+    "CREATE INDEX ix_actions_state ON actions (state)",
+    "CREATE INDEX ix_actions_kind_state_finished_at ON actions (kind, state, finished_at)",
+)
+
+
+async def _index_definitions(store: Store) -> dict[str, str]:
+    """The ``actions`` table's indexes by name, as the database states them (those it made for a constraint aside)."""
+    async with store.engine.connect() as conn:
+        if conn.dialect.name == "sqlite":
+            rows = await conn.exec_driver_sql("SELECT name, sql FROM sqlite_master WHERE type = 'index' AND "
+                                              "tbl_name = 'actions' AND sql IS NOT NULL")
+        else:
+            rows = await conn.exec_driver_sql(
+                "SELECT indexname, indexdef FROM pg_indexes WHERE tablename = 'actions' AND indexname NOT IN "
+                "(SELECT conname FROM pg_constraint WHERE conrelid = 'actions'::regclass)")
+        return dict(rows.all())
+
+
+async def test_a_database_from_an_older_version_gets_the_partial_indexes_at_open(store_url: str) -> None:
+    """``create_all`` leaves existing tables alone, indexes included: an upgraded broker replaces the indexes it
+    superseded itself, or the restart's searches scan every action ever stored (and every write keeps paying for
+    the old ones). The older unique constraint stays (SQLite cannot drop one) and still refuses a reused key."""
+    url = make_url(store_url)
+    if url.get_backend_name() == "sqlite":
+        assert url.database is not None
+        Path(url.database).parent.mkdir(parents=True, exist_ok=True)
+    older = create_async_engine(store_url)
+    async with older.begin() as conn:
+        for statement in OLDER_ACTIONS:
+            await conn.exec_driver_sql(statement if conn.dialect.name == "sqlite"
+                                       else statement.replace("DOUBLE", "DOUBLE PRECISION"))
+    await older.dispose()
+    store = await Store.open(store_url)
     try:
-        lease = make_action(kind="lease", demand={"lease.a": 1})
+        lease = make_action(seq=1, kind="lease", demand={"lease.a": 1})
         lease.state, lease.finished_at, lease.result = State.SUCCEEDED, time.time(), {"expires_in_s": 60}
-        store.save(lease)
+        queued = make_action(seq=2, idempotency_key="k1")
+        await store.durable(lease, queued)
         assert [a.id for a in await store.load_granted_leases(since=time.time() - 60)] == [lease.id]
-        assert await store.load_granted_leases(since=time.time() + 1) == []
+        assert [a.id for a in await store.load_unfinished()] == [queued.id]
+        with pytest.raises(IntegrityError):
+            await store.durable(make_action(seq=3, idempotency_key="k1"))
+        assert set(await _index_definitions(store)) == {"ix_actions_unfinished", "ix_actions_leases"}
+        unfinished, leases = await _plans(store, store.load_unfinished, lambda: store.load_granted_leases(0))
+        assert "ix_actions_unfinished" in unfinished and "ix_actions_leases" in leases
     finally:
         await store.close()
-    with contextlib.closing(sqlite3.connect(db)) as conn:
-        plan = conn.execute("EXPLAIN QUERY PLAN SELECT record FROM actions WHERE kind = 'lease' "
-                            "AND state = 'succeeded' AND finished_at >= 0").fetchall()
-    assert "ix_actions_kind_state_finished_at" in str(plan)
+
+
+async def _plans(store: Store, *reads: Callable[[], Awaitable[object]]) -> list[str]:
+    """The database's plan of the one query each of ``reads`` runs, with its parameters."""
+    executed: list[tuple[str, Any]] = []
+
+    def note(conn: Any, cursor: Any, statement: str, parameters: Any, context: Any, many: bool) -> None:
+        executed.append((statement, parameters))
+
+    event.listen(store.engine.sync_engine, "before_cursor_execute", note)
+    try:
+        for read in reads:
+            await read()
+    finally:
+        event.remove(store.engine.sync_engine, "before_cursor_execute", note)
+    plans = []
+    async with store.engine.connect() as conn:
+        if conn.dialect.name == "postgresql":
+            await conn.exec_driver_sql("SET enable_seqscan = off")  # a table this small is read whole otherwise
+        for statement, parameters in executed:
+            explain = "EXPLAIN QUERY PLAN " if conn.dialect.name == "sqlite" else "EXPLAIN "
+            plans.append(str((await conn.exec_driver_sql(explain + statement, parameters)).all()))
+    return plans
+
+
+async def test_each_index_on_actions_holds_only_the_rows_its_query_reads(store: Store) -> None:
+    """Most actions end as soon as they start (a lease, a short exec): an index only of unfinished actions, one only
+    of leases and one only of keyed actions leave such rows out of two or three indexes each, and every restart
+    search and key lookup still finds its rows through its index."""
+    running = make_action(seq=1)
+    running.state = State.RUNNING
+    ended = make_action(seq=2, idempotency_key="k1")
+    ended.state, ended.finished_at = State.SUCCEEDED, time.time()
+    lease = make_action(seq=3, kind="lease", demand={"lease.a": 1})
+    lease.state, lease.finished_at = State.SUCCEEDED, time.time()
+    queued = make_action(seq=4)
+    await store.durable(running, ended, lease, queued)
+    assert [a.id for a in await store.load_unfinished()] == [running.id, queued.id]
+    assert [a.id for a in await store.load_granted_leases(since=0)] == [lease.id]
+    definitions = await _index_definitions(store)
+    assert set(definitions) == {"ix_actions_unfinished", "ix_actions_leases", "uq_actions_task_idempotency_key"}
+    assert all(" WHERE " in definition for definition in definitions.values())
+    unfinished, leases, keyed = await _plans(store, store.load_unfinished, lambda: store.load_granted_leases(0),
+                                             lambda: store.find_many_by_idempotency([("math", "k1")]))
+    assert "ix_actions_unfinished" in unfinished
+    assert "ix_actions_leases" in leases
+    assert "uq_actions_task_idempotency_key" in keyed
 
 
 def test_a_record_is_rebuilt_whatever_the_request_limits_are_now() -> None:

@@ -1,7 +1,9 @@
 """Bringing a database made by an older version up to this one's tables at open. ``create_all`` makes only missing
 tables: it never adds a column or an index to a table that exists, so without this an upgraded broker on its old
-store fails at its first query. The upgrade is additive only: a new column must be nullable or carry a
-``server_default`` (declare it so); one that is neither is refused naming it, with nothing changed."""
+store fails at its first query. The upgrade adds, and drops only the indexes a new one replaces
+(``SUPERSEDED_INDEXES``): a new column must be nullable or carry a ``server_default`` (declare it so); one that is
+neither is refused naming it, with nothing changed. An older unique constraint stands where an index of its name
+replaces it (SQLite cannot drop one without rebuilding the table): it constrains the same rows and more."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from sqlalchemy import Column, inspect
 from sqlalchemy.schema import CreateIndex
 
 from tangram.core.errors import ConfigError
-from tangram.store.tables import Base
+from tangram.store.tables import SUPERSEDED_INDEXES, Base
 
 
 def upgrade_schema(conn: Any) -> list[str]:
@@ -30,6 +32,11 @@ def upgrade_schema(conn: Any) -> list[str]:
     ran = [_add_column(conn, column) for column in missing_columns]
     for table in Base.metadata.sorted_tables:
         have_indexes = {index["name"] for index in inspector.get_indexes(table.name)}
+        for name in SUPERSEDED_INDEXES.get(table.name, ()):
+            if name in have_indexes:
+                conn.exec_driver_sql(f"DROP INDEX {conn.dialect.identifier_preparer.quote(name)}")
+                ran.append(f"DROP INDEX {name}")
+        have_indexes |= {constraint["name"] for constraint in inspector.get_unique_constraints(table.name)}
         for index in table.indexes:
             if index.name not in have_indexes:
                 conn.execute(CreateIndex(index))

@@ -15,10 +15,9 @@ from tangram.store.engine import open_engine
 from tangram.store.fence import Fence
 from tangram.store.group_commit import GroupCommitWriter
 from tangram.store.key_lookups import KeyLookups
-from tangram.store.tables import ActionRow, ProfileRow, SpeedupRow, TransitionRow
+from tangram.store.tables import LEASES, UNFINISHED, ActionRow, ProfileRow, SpeedupRow, TransitionRow
 from tangram.store.tokens import StoredToken
 
-_UNFINISHED = (State.QUEUED.value, State.RUNNING.value)
 # Built once: constructing a statement costs more than running it on the submit path.
 _GET = select(ActionRow.record).where(ActionRow.id == bindparam("id"))
 
@@ -91,13 +90,12 @@ class Store(GroupCommitWriter):
 
     async def load_unfinished(self) -> list[Action]:
         """Queued and running actions in submission order, to resume after a restart."""
-        return await self._load(select(ActionRow.record).where(ActionRow.state.in_(_UNFINISHED))
-                                .order_by(ActionRow.seq))
+        return await self._load(select(ActionRow.record).where(UNFINISHED).order_by(ActionRow.seq))
 
     async def load_granted_leases(self, since: float) -> list[Action]:
         """Lease actions granted (succeeded) at ``since`` or later, returned or not: the caller reads their result."""
         return await self._load(select(ActionRow.record).where(
-            ActionRow.kind == "lease", ActionRow.state == State.SUCCEEDED.value, ActionRow.finished_at >= since)
+            LEASES, ActionRow.state == State.SUCCEEDED.value, ActionRow.finished_at >= since)
             .order_by(ActionRow.seq))
 
     async def max_seq(self) -> int:

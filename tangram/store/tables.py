@@ -3,11 +3,33 @@ speed-up models, API tokens and SLO plans. Other persistent state can declare it
 
 from __future__ import annotations
 
-from sqlalchemy import BigInteger, Double, Index, Integer, String, Text, UniqueConstraint
+from sqlalchemy import BigInteger, Double, Index, Integer, String, Text, TextClause, text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from tangram.core.action import Kind, State
 
 # 64-bit ids and counters (a busy broker passes 2**31 transitions in days); SQLite autoincrements INTEGER only.
 _BIG = BigInteger().with_variant(Integer, "sqlite")
+
+
+# Each index on ``actions`` holds only the rows its one query reads: most actions end as soon as they start, and an
+# index a row never enters costs its write nothing. Its condition is SQL text, and the query's WHERE repeats it word
+# for word where the query does not imply it: SQLite uses a partial index only for a query that states its terms,
+# literals and all (a bound parameter does not count).
+#: the actions a restart resumes (``Store.load_unfinished``)
+UNFINISHED = text(f"state IN ('{State.QUEUED}', '{State.RUNNING}')")
+#: the leases a restart looks for (``Store.load_granted_leases``)
+LEASES = text(f"kind = '{Kind.LEASE}'")
+#: the actions submitted under an idempotency key: NULL keys never collide, so the others need no entry (a lookup by
+#: key, ``key_lookups.py``, implies it on both databases)
+KEYED = text("idempotency_key IS NOT NULL")
+#: indexes of older versions that those above replace: dropped from an older database at open
+SUPERSEDED_INDEXES = {"actions": ("ix_actions_state", "ix_actions_kind_state_finished_at")}
+
+
+def _partial(where: TextClause) -> dict[str, TextClause]:
+    """An index's condition for both databases."""
+    return {"sqlite_where": where, "postgresql_where": where}
 
 
 class Base(DeclarativeBase):
@@ -22,7 +44,7 @@ class ActionRow(Base):
     task: Mapped[str] = mapped_column(String)
     trajectory: Mapped[str | None] = mapped_column(String)
     kind: Mapped[str] = mapped_column(String)
-    state: Mapped[str] = mapped_column(String, index=True)
+    state: Mapped[str] = mapped_column(String)
     idempotency_key: Mapped[str | None] = mapped_column(String)
     signature: Mapped[str] = mapped_column(String)
     submitted_at: Mapped[float] = mapped_column(Double)
@@ -30,10 +52,10 @@ class ActionRow(Base):
     finished_at: Mapped[float | None] = mapped_column(Double)
     record: Mapped[str] = mapped_column(Text)
 
-    # NULL keys never collide (NULLs are distinct on both databases), so only keyed actions are constrained.
-    __table_args__ = (UniqueConstraint("task", "idempotency_key", name="uq_actions_task_idempotency_key"),
-                      # a restart's search for leases still held (``load_granted_leases``)
-                      Index("ix_actions_kind_state_finished_at", "kind", "state", "finished_at"))
+    __table_args__ = (Index("uq_actions_task_idempotency_key", "task", "idempotency_key", unique=True,
+                            **_partial(KEYED)),
+                      Index("ix_actions_unfinished", "seq", **_partial(UNFINISHED)),
+                      Index("ix_actions_leases", "state", "finished_at", **_partial(LEASES)))
 
 
 class TransitionRow(Base):
