@@ -107,8 +107,15 @@ def ended(durations: DurationModel, action: Action, now: float, learn: bool) -> 
         dispatch.ended(durations, None, action, now, succeeded=True)
 
 
+#: the cold pass, and one steady-state pass to report
+MIN_PASSES = 2
+
+
 def run(actions_n: int, passes: int, nodes: int, cores: int, seed: int, depth: int,
         horizon: int, resize: bool = False, learn: bool = False) -> dict[str, float]:
+    if passes < MIN_PASSES:
+        raise ValueError(f"passes: at least {MIN_PASSES} (the first is the cold one; the steady-state figures need "
+                         f"another), got {passes}")
     if resize:
         return run_resizing(actions_n, passes, nodes, cores, seed, depth, horizon, learn)
     rng = random.Random(seed)
@@ -280,6 +287,8 @@ def main() -> None:
                         help="resizable cpu: malleable actions, shrunk and grown between passes")
     parser.add_argument("--learn", action="store_true", help="observe completions: plan with learned speed-up")
     args = parser.parse_args()
+    if args.passes < MIN_PASSES:
+        parser.error(f"--passes must be at least {MIN_PASSES}: the first pass is the cold one")
     gc.set_threshold(GC_YOUNG_OBJECTS)
     figures = run(args.actions, args.passes, args.nodes, args.cores_per_node, args.seed, args.depth, args.horizon,
                   args.resize, args.learn)

@@ -408,3 +408,15 @@ def test_the_learning_bench_plans_each_pass_twice_on_the_same_state(resize: bool
     assert first > 0 and second > 0 and figures["declared_median_ms"] > 0
     assert figures["learning/declared"] == pytest.approx((first * second) ** 0.5)
     assert "learning/declared" not in run(256, 11, 1, 64, 1, 2, 16, resize=resize, learn=False)
+
+
+@pytest.mark.parametrize("resize", [False, True])
+def test_the_scheduling_bench_refuses_fewer_passes_than_its_figures_need(resize: bool) -> None:
+    """One pass is only the cold one: the steady-state median would be of nothing, so it is refused up front (it
+    raised from ``statistics.median`` after the run), and two passes give each figure."""
+    from loadtest.bench_scheduler import run
+
+    with pytest.raises(ValueError, match="passes: at least 2"):
+        run(64, 1, 1, 16, 1, 2, 16, resize=resize)
+    figures = run(64, 2, 1, 16, 1, 2, 16, resize=resize)
+    assert figures["passes"] == 2 and figures["median_ms"] > 0
