@@ -21,10 +21,11 @@ from tangram.core.action import Action, Demand, State
 from tangram.core.errors import ConfigError
 from tangram.parse import parse_action
 from tangram.records import action_from_stored, stored_record
+from tangram.store.postgres_writer import PostgresWriter
 from tangram.store.sqlite_writer import SqliteWriter
 from tangram.store.statements import ROW_GROUPS
 from tangram.store.store import Store
-from tangram.store.tables import LEASES, UNFINISHED, ActionRow, TransitionRow
+from tangram.store.tables import ActionRow, TransitionRow
 
 FIELDS = [f.name for f in dataclasses.fields(Action)]
 
@@ -374,7 +375,7 @@ async def test_restart_resumes_transition_tracking(store_url: str, store: Store)
 
 async def test_failed_writes_are_kept_and_retried(store_url: str) -> None:
     store = await Store.open(store_url, max_attempts=2, backoff_s=0.02)
-    healthy, healthy_writer = store.engine, store._sqlite
+    healthy = store.engine, store._sqlite, store._postgres
     url = make_url(store_url)
     if url.get_backend_name() == "sqlite":
         broken_url = url.set(database="/nonexistent-dir/tangram.db")
@@ -382,6 +383,9 @@ async def test_failed_writes_are_kept_and_retried(store_url: str) -> None:
     else:
         broken_url = url.set(port=1)
     store.engine = create_async_engine(broken_url)  # every connection attempt fails, as during an outage
+    if store._postgres is not None:
+        await store._postgres.close()
+        store._postgres = PostgresWriter(store.engine)  # the writer's own connection fails alike
     try:
         action = make_action()
         with pytest.raises(Exception) as failure:
@@ -391,13 +395,35 @@ async def test_failed_writes_are_kept_and_retried(store_url: str) -> None:
         await store.engine.dispose()
         if store._sqlite is not None:
             await store._sqlite.close()
-        store.engine, store._sqlite = healthy, healthy_writer  # the database is back: the retry loop writes the record
+        store.engine, store._sqlite, store._postgres = healthy  # the database is back: the retry loop writes it
         await store.flush()
         assert store.failures == 0
         assert_same(await store.get(action.id), action)
         assert await store.transitions(action.id) == [("queued", action.submitted_at)]
     finally:
-        store.engine, store._sqlite = healthy, healthy_writer
+        store.engine, store._sqlite, store._postgres = healthy
+        await store.close()
+
+
+@pytest.mark.postgres
+async def test_a_commit_whose_connection_died_is_retried_on_a_new_one(postgres_url: str,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """The PostgreSQL writer holds one connection for its commits: when the server drops it (a restart, an idle
+    timeout, an operator's ``pg_terminate_backend``), that commit fails, the connection is let go and the retry
+    takes a new one; the caller sees only the commit, a moment later."""
+    store = await Store.open(postgres_url, backoff_s=0.02)
+    try:
+        first, second = make_action(seq=1), make_action(seq=2)
+        await store.durable(first)
+        async with store.engine.connect() as conn:
+            ended = await conn.scalar(text("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                                           "WHERE datname = current_database() AND pid <> pg_backend_pid()"))
+        assert ended >= 1  # the writer's connection among them
+        await store.durable(second)
+        assert "store write of 1 actions failed (attempt 1)" in caplog.text
+        assert store.commits == 2 and store.failures == 0
+        assert [a.id for a in await store.load_unfinished()] == [first.id, second.id]
+    finally:
         await store.close()
 
 
@@ -438,10 +464,10 @@ async def test_a_database_from_an_older_version_gets_its_new_columns_at_open(sto
 
 #: the ``actions`` table and its indexes as a version before the partial indexes made them (DOUBLE: SQLite's name)
 OLDER_ACTIONS = (
-    "CREATE TABLE actions (id VARCHAR NOT NULL, seq BIGINT NOT NULL, task VARCHAR NOT NULL, trajectory VARCHAR, "
-    "kind VARCHAR NOT NULL, state VARCHAR NOT NULL, idempotency_key VARCHAR, signature VARCHAR NOT NULL, "
-    "submitted_at DOUBLE NOT NULL, started_at DOUBLE, finished_at DOUBLE, record TEXT NOT NULL, PRIMARY KEY (id), "
-    "CONSTRAINT uq_actions_task_idempotency_key UNIQUE (task, idempotency_key))",
+    ("CREATE TABLE actions (id VARCHAR NOT NULL, seq BIGINT NOT NULL, task VARCHAR NOT NULL, trajectory VARCHAR, "
+     "kind VARCHAR NOT NULL, state VARCHAR NOT NULL, idempotency_key VARCHAR, signature VARCHAR NOT NULL, "
+     "submitted_at DOUBLE NOT NULL, started_at DOUBLE, finished_at DOUBLE, record TEXT NOT NULL, PRIMARY KEY (id), "
+     "CONSTRAINT uq_actions_task_idempotency_key UNIQUE (task, idempotency_key))"),
     "CREATE INDEX ix_actions_state ON actions (state)",
     "CREATE INDEX ix_actions_kind_state_finished_at ON actions (kind, state, finished_at)",
 )
@@ -451,13 +477,14 @@ async def _index_definitions(store: Store) -> dict[str, str]:
     """The ``actions`` table's indexes by name, as the database states them (those it made for a constraint aside)."""
     async with store.engine.connect() as conn:
         if conn.dialect.name == "sqlite":
-            rows = await conn.exec_driver_sql("SELECT name, sql FROM sqlite_master WHERE type = 'index' AND "
-                                              "tbl_name = 'actions' AND sql IS NOT NULL")
+            rows = await conn.exec_driver_sql("SELECT name, sql AS definition FROM sqlite_master WHERE type = "
+                                              "'index' AND tbl_name = 'actions' AND sql IS NOT NULL")
         else:
             rows = await conn.exec_driver_sql(
-                "SELECT indexname, indexdef FROM pg_indexes WHERE tablename = 'actions' AND indexname NOT IN "
+                "SELECT indexname AS name, indexdef AS definition FROM pg_indexes WHERE tablename = 'actions' AND "
+                "indexname NOT IN "
                 "(SELECT conname FROM pg_constraint WHERE conrelid = 'actions'::regclass)")
-        return dict(rows.all())
+        return {row["name"]: row["definition"] for row in rows.mappings()}
 
 
 async def test_a_database_from_an_older_version_gets_the_partial_indexes_at_open(store_url: str) -> None:

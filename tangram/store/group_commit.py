@@ -21,6 +21,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from tangram.core.action import Action, State
 from tangram.records import stored_record
 from tangram.store.fence import Deposed, Fence
+from tangram.store.postgres_writer import PostgresWriter
 from tangram.store.refusals import refused
 from tangram.store.sqlite import sqlite_file
 from tangram.store.sqlite_writer import SqliteWriter
@@ -98,8 +99,10 @@ class GroupCommitWriter:
         self._upsert_speedups = Bulk(engine, upsert(dialect, SpeedupRow, ["task", "signature"]))
         # its rows are _Batch.transitions' tuples as they are
         self._insert_transitions = Bulk(engine, dialect.insert(TransitionRow), ["action_id", "state", "at"])
-        #: a SQLite file's commits, one thread hop each (a fenced store's go through the engine, with the fence)
+        # commits without the engine's layers: a SQLite file's one thread hop each, PostgreSQL's on asyncpg itself
+        # (a fenced store's go through the engine, with the fence)
         self._sqlite = SqliteWriter(database) if fence is None and (database := sqlite_file(engine)) else None
+        self._postgres = PostgresWriter(engine) if fence is None and engine.dialect.name == "postgresql" else None
         self._pending = _Batch()
         self._inflight = _Batch()  # the batch being written: no longer pending, not yet readable from the database
         self._states: dict[str, State] = {}  # last saved state of each live action
@@ -128,6 +131,8 @@ class GroupCommitWriter:
                     await self._flusher
             if self._sqlite is not None:
                 await self._sqlite.close()
+            if self._postgres is not None:
+                await self._postgres.close()
 
     def save(self, action: Action) -> None:
         """Note the action for the next write; its record is serialized then, so the latest snapshot wins."""
@@ -330,6 +335,10 @@ class GroupCommitWriter:
             return
         if self._sqlite is not None:
             await self._sqlite.commit([statement for bulk, params in written for statement in bulk.in_groups(params)])
+            self.commits += 1
+            return
+        if self._postgres is not None:
+            await self._postgres.commit([(bulk.sql, params) for bulk, params in written])
             self.commits += 1
             return
         async with self.engine.begin() as conn:

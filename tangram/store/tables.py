@@ -3,6 +3,8 @@ speed-up models, API tokens and SLO plans. Other persistent state can declare it
 
 from __future__ import annotations
 
+from typing import Any
+
 from sqlalchemy import BigInteger, Double, Index, Integer, String, Text, TextClause, text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -27,7 +29,7 @@ KEYED = text("idempotency_key IS NOT NULL")
 SUPERSEDED_INDEXES = {"actions": ("ix_actions_state", "ix_actions_kind_state_finished_at")}
 
 
-def _partial(where: TextClause) -> dict[str, TextClause]:
+def _partial(where: TextClause) -> dict[str, Any]:
     """An index's condition for both databases."""
     return {"sqlite_where": where, "postgresql_where": where}
 
