@@ -10,6 +10,8 @@ it drives a second one-per-request phase.
 Each phase also reports the broker's own CPU time per action (user + system of the broker process, from its
 ``/proc`` accounting): unlike throughput, it is not blurred by the load generator's share of the cores. It includes
 the phase's polls of ``/v1/resources`` (one each 10 ms) and whatever the broker does in the background meanwhile.
+Beside it, the bytes and calls the broker passed to ``write`` per action (its store's pages and its answers): an
+exact count, where CPU time swings with whatever else the machine runs.
 
 With ``--pin`` the broker runs on the last CPU this process may use and the load generator on the first, so that
 neither takes the other's core: rounds of the same code on a small machine then swing less (they still swing). A
@@ -30,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
@@ -123,10 +126,26 @@ def run_wrk(url: str, connections: int, seconds: int) -> tuple[float, int]:
     return rate, requests
 
 
-def cpu_s(broker: psutil.Process) -> float:
-    """The broker's CPU time so far (user + system), in seconds."""
-    times = broker.cpu_times()
-    return float(times.user + times.system)
+@dataclass(frozen=True)
+class Usage:
+    """The broker process's CPU time so far (user + system), and the bytes and calls it passed to ``write``: its
+    store's pages and its answers alike. The writes are counted exactly however busy the machine is, where the CPU
+    time of the same run swings by a fifth."""
+
+    cpu_s: float
+    written: int
+    writes: int
+
+    @classmethod
+    def of(cls, broker: psutil.Process) -> Usage:
+        times, io = broker.cpu_times(), broker.io_counters()
+        return cls(float(times.user + times.system), io.write_chars, io.write_count)
+
+    def per_action(self, since: Usage, actions: int) -> str:
+        """What each of ``actions`` cost from ``since`` to this, as the report says it."""
+        return (f"{(self.cpu_s - since.cpu_s) / actions * 1e6:,.0f} us CPU, "
+                f"{(self.written - since.written) / actions:,.0f} bytes in "
+                f"{(self.writes - since.writes) / actions:.2f} writes each")
 
 
 async def until_healthy(http: aiohttp.ClientSession, url: str) -> None:
@@ -147,41 +166,41 @@ async def bench(args: argparse.Namespace, url: str, broker: psutil.Process) -> N
         await one_per_request(http, url, 500, args.connections)  # warm-up
         await wait_granted(http, url, 500)
         granted = 500
-        started, cpu = time.perf_counter(), cpu_s(broker)
+        started, before = time.perf_counter(), Usage.of(broker)
         await one_per_request(http, url, args.actions, args.connections)
         await wait_granted(http, url, granted + args.actions)
         single = args.actions / (time.perf_counter() - started)
-        single_us = (cpu_s(broker) - cpu) / args.actions * 1e6
+        single_cost = Usage.of(broker).per_action(before, args.actions)
         granted += args.actions
-        started, cpu = time.perf_counter(), cpu_s(broker)
+        started, before = time.perf_counter(), Usage.of(broker)
         await one_per_request(http, url, args.actions, args.connections, wait=True)
         waited = args.actions / (time.perf_counter() - started)
-        waited_us = (cpu_s(broker) - cpu) / args.actions * 1e6
+        waited_cost = Usage.of(broker).per_action(before, args.actions)
         granted += args.actions
         wrk = None
         if shutil.which("wrk"):
-            cpu = cpu_s(broker)
+            before = Usage.of(broker)
             wrk, submitted = run_wrk(url, args.connections, args.wrk_seconds)
             granted += submitted
             await wait_granted(http, url, granted)
-            wrk_us = (cpu_s(broker) - cpu) / submitted * 1e6
-        started, cpu = time.perf_counter(), cpu_s(broker)
+            wrk_cost = Usage.of(broker).per_action(before, submitted)
+        started, before = time.perf_counter(), Usage.of(broker)
         await batched(http, url, args.actions, args.batch, max(1, min(4, args.connections)))
         await wait_granted(http, url, granted + args.actions)
         many = args.actions / (time.perf_counter() - started)
-        many_us = (cpu_s(broker) - cpu) / args.actions * 1e6
+        many_cost = Usage.of(broker).per_action(before, args.actions)
     print(f"REST throughput, lease actions, {args.actions} per phase, {store_name(args.db)} store, loopback HTTP "
-          f"(broker CPU per action: user + system of its process"
+          f"(the broker process's CPU, user + system, and its writes per action"
           f"{'; broker and load generator pinned to one CPU each' if args.pin else ''})")
     print(f"  one per request ({args.connections} connections, Python client): {single:,.0f} actions/s, "
-          f"{single_us:,.0f} us CPU each")
+          f"{single_cost}")
     print(f"  one per request, ?wait=true ({args.connections} connections):     {waited:,.0f} actions/s, "
-          f"{waited_us:,.0f} us CPU each")
+          f"{waited_cost}")
     if wrk is not None:
         print(f"  one per request ({args.connections} connections, wrk):           {wrk:,.0f} actions/s, "
-              f"{wrk_us:,.0f} us CPU each")
+              f"{wrk_cost}")
     print(f"  batched ({args.batch} per request, Python client):             {many:,.0f} actions/s, "
-          f"{many_us:,.0f} us CPU each")
+          f"{many_cost}")
 
 
 def store_name(url: str | None) -> str:
