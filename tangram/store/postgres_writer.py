@@ -17,7 +17,7 @@ import asyncpg
 from sqlalchemy.exc import DataError, DBAPIError, IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from tangram.store.sqlite_writer import Statement
+from tangram.store.statements import Statement
 
 #: SQLSTATE classes of the data's own faults, which no retry mends and which leave the connection sound
 _REFUSALS: dict[str, type[DBAPIError]] = {"22": DataError, "23": IntegrityError}

@@ -13,15 +13,13 @@ import asyncio
 import sqlite3
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 from sqlalchemy.exc import DBAPIError
 
+from tangram.store.statements import Statement
+
 #: seconds a write waits for another connection's write lock (the engine's, writing tokens or plans)
 BUSY_TIMEOUT_S = 5.0
-
-#: (SQL, its parameter rows): one ``executemany`` of a transaction
-Statement = tuple[str, list[tuple[Any, ...]]]
 
 
 class SqliteWriter:

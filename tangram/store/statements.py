@@ -26,6 +26,8 @@ def dialect_of(engine: AsyncEngine) -> Any:
 ROW_GROUPS = (256, 128, 64, 32, 16, 8, 4, 2, 1)
 #: the one row of values a compiled INSERT binds
 _ROW = re.compile(r" VALUES (\((?:\?, )*\?\))")
+#: (SQL, its parameter rows): one ``executemany`` of a transaction, as the store's writers run them
+Statement = tuple[str, list[tuple[Any, ...]]]
 
 
 class Bulk:
@@ -48,7 +50,7 @@ class Bulk:
         """``rows`` as the driver's parameter tuples."""
         return [self.values(row) for row in rows]
 
-    def in_groups(self, params: list[tuple[Any, ...]]) -> list[tuple[str, list[tuple[Any, ...]]]]:
+    def in_groups(self, params: list[tuple[Any, ...]]) -> list[Statement]:
         """Parameter tuples as multi-row INSERTs (``ROW_GROUPS`` rows each), each with its one flat tuple.
 
         SQLite's executemany steps each row apart and Python's driver lets go of the GIL at every step: while the
